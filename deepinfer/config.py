@@ -1,0 +1,76 @@
+"""Engine configuration: small validated dataclasses. Pure Python (no torch).
+
+Every bad value raises ValueError naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(text: str | int, field: str = "size") -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, 1024 -> 1024."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{field}: cannot parse size {text!r} (use e.g. 512MiB, 2GiB, 1000000)")
+    unit = (m.group(2) or "").upper().removesuffix("B")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _positive(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_model_len: int = 2048  # prompt + output tokens of one request
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _positive(name, getattr(self, name))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per paged block
+    num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "fp8" (MXFP8 rows)
+
+    def __post_init__(self):
+        _positive("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+        _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a model directory or .gguf file; None: the embedded default model
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    device: str | None = None  # None/auto: cuda if available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: min(the model's context, 4096)
+    scheduler: SchedulerConfig | None = None
+    cache: CacheConfig | None = None
+
+    def __post_init__(self):
+        self.scheduler = self.scheduler or SchedulerConfig()
+        self.cache = self.cache or CacheConfig()
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)

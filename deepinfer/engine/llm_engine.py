@@ -1,0 +1,127 @@
+"""LLMEngine: the step loop. plan = schedule(); out = runner.execute(plan); update(plan, out).
+
+This module never touches tensors; the runner (worker/) is built lazily so that importing the
+engine package does not import torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source, runner):
+        self.config, self.source, self.runner = config, source, runner
+        self.tokenizer = source.tokenizer
+        self.max_model_len = config.scheduler.max_model_len
+        self.kv_manager = KVCacheManager((PagedGroupSpec("full", config.cache.block_size),),
+                                         num_blocks=runner.num_blocks, num_state_slots=0)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.eos_token_ids = eos_token_ids(source)
+        self._ids = itertools.count()
+        self._aborted: list[Request] = []
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from deepinfer.model_executor.loader import load_model_source
+        from deepinfer.worker.model_runner import ModelRunner
+
+        source = load_model_source(config.model)
+        context = getattr(source.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+        if config.max_model_len is None:
+            config.max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
+        config.scheduler.max_model_len = config.max_model_len
+        runner = ModelRunner(source, config.cache, config.max_model_len, config.dtype, config.device,
+                             config.seed)
+        return cls(config, source, runner)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; raises ValueError (naming the field and value) if it is invalid."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self.scheduler.get_request(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._validate_prompt(ids)
+        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
+                      max_model_len=self.max_model_len)
+        self.outputs.add(req, text)
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort at any point; the next step() reports the request as finished ("abort")."""
+        req = self.scheduler.get_request(request_id)
+        if req is None or not self.scheduler.abort_request(request_id):
+            return False
+        self._aborted.append(req)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns an output (with deltas) for every request that changed."""
+        plan = self.scheduler.schedule()
+        output = self.runner.execute(plan)
+        updated = self.scheduler.update(plan, output)
+        results = []
+        for req in updated:
+            out, stop = self.outputs.process(req, output.samples.get(req.request_id))
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                out = self.outputs.finish(req)
+            results.append(out)
+        aborted, self._aborted = self._aborted, []
+        results += [out for out in map(self.outputs.abort, aborted) if out is not None]
+        return results
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty (0 tokens); give at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                             f"(the prompt plus at least one output token must fit)")
+        vocab = self.source.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
+        if len(ids) + 1 > capacity:
+            raise ValueError(f"prompt has {len(ids)} tokens, but the KV cache holds only {capacity} tokens")
+
+
+def eos_token_ids(source) -> frozenset[int]:
+    ids = set()
+    for value in (getattr(source.hf_config, "eos_token_id", None), source.tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

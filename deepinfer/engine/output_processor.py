@@ -1,0 +1,73 @@
+"""Turns sampled tokens into RequestOutputs: detokenization, stop strings, logprobs. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from deepinfer.engine.request import Request
+from deepinfer.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _State:
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    completion: CompletionOutput
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _State] = {}
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        p = req.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+        completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
+        self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion)
+
+    def process(self, req: Request, sample) -> tuple[RequestOutput, str | None]:
+        """Fold this step's token (if any) in; returns the output and a matched stop string."""
+        state = self._states[req.request_id]
+        c = state.completion
+        c.delta_token_ids, c.delta_text = [], ""
+        if sample is not None:
+            self._add_token(state, req, sample)
+        text, matched = state.stop.process(state.detokenizer.add_tokens(c.delta_token_ids),
+                                           finished=req.is_finished)
+        c.text += text
+        c.delta_text = text
+        return self._output(req, finished=req.is_finished), matched
+
+    def finish(self, req: Request) -> RequestOutput:
+        """The request was just finished by a stop string: report it as finished."""
+        return self._output(req, finished=True)
+
+    def abort(self, req: Request) -> RequestOutput | None:
+        if req.request_id not in self._states:
+            return None
+        c = self._states[req.request_id].completion
+        c.delta_token_ids, c.delta_text = [], ""
+        return self._output(req, finished=True)
+
+    def _add_token(self, state: _State, req: Request, sample) -> None:
+        c = state.completion
+        c.token_ids.append(sample.token_id)
+        c.delta_token_ids.append(sample.token_id)
+        c.cumulative_logprob += sample.logprob
+        if c.logprobs is not None:
+            entry = dict(sample.top_logprobs or [])
+            entry[sample.token_id] = sample.logprob
+            c.logprobs.append(entry)
+
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
+        state = self._states[req.request_id]
+        c = state.completion
+        c.finish_reason = req.status.finish_reason if finished else None
+        c.stop_reason = req.stop_reason
+        if finished:
+            del self._states[req.request_id]
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [c], finished=finished,
+                             num_preemptions=req.num_preemptions)

@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Pure Python.
+
+One counter per request, `num_computed_tokens`, drives everything: a step computes
+`token_ids[num_computed_tokens : num_computed_tokens + n]`, and the request samples its next
+token when the step reaches `num_tokens`. Prefill, a prefill chunk, a decode token and the
+recompute of a preempted request (prompt + outputs from position 0) are all this one move.
+
+    token_ids:  p p p p p p p o o          (p: prompt, o: outputs so far)
+                ^ computed ^|<-- n -->|    the step's chunk; samples if it ends at num_tokens
+
+Each step, under a budget of `max_num_batched_tokens` tokens:
+1. running requests, oldest first, take `min(num_tokens - num_computed_tokens, budget left)`;
+   a request whose blocks do not fit preempts the newest running request (maybe itself);
+2. if nothing was preempted, waiting requests, first come first served, are admitted while
+   seats (`max_num_seqs`), budget and blocks for their first chunk last; admission stops at the
+   first request that does not fit.
+
+Order invariant: `running` is sorted by arrival and every running request arrived before every
+waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
+newest running request and FCFS order holds across preemptions.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.plan import ModelOutput, ScheduledRequest, StepPlan
+from deepinfer.engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager):
+        self.config = scheduler_config
+        self.kv_manager = kv_manager
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, FCFS
+        self.running: list[Request] = []  # RUNNING, oldest first
+        self.num_preemptions_total = 0
+        self._finished_request_ids: list[str] = []  # since the last schedule()
+
+    # ---- requests -----------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def max_model_len(self, req: Request) -> int:
+        limit = self.config.max_model_len
+        return limit if req.max_model_len is None else min(limit, req.max_model_len)
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request; ValueError if it could never run to its end."""
+        self._validate(req)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _validate(self, req: Request) -> None:
+        rid, num_prompt, max_len = req.request_id, req.num_prompt_tokens, self.max_model_len(req)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
+        if req.is_finished or req.num_computed_tokens or req.output_token_ids:
+            raise ValueError(f"request {rid!r} is not new: status {req.status.value}, "
+                             f"{req.num_computed_tokens} computed, {req.num_output_tokens} outputs")
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty")
+        if num_prompt >= max_len:
+            raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for "
+                             f"an output token under max_model_len {max_len}")
+        num_needed = min(num_prompt + req.sampling_params.max_tokens, max_len)
+        if num_needed > self.kv_manager.max_num_tokens:
+            raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens "
+                             f"{req.sampling_params.max_tokens} (capped by max_model_len {max_len}) "
+                             f"needs {num_needed} tokens of KV cache, but the whole cache holds "
+                             f"{self.kv_manager.max_num_tokens} tokens")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a waiting, running or preempted request; False if unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus,
+                       stop_reason: int | str | None = None) -> bool:
+        """End an unfinished request (e.g. a stop string matched) and free its cache."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a finished status, got {status!r}")
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status, stop_reason)
+        return True
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
+        """Mark finished, free its cache, forget it; the caller takes it out of its queue."""
+        req.status, req.stop_reason = status, stop_reason
+        self.kv_manager.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_request_ids.append(req.request_id)
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Decide this step's work (see the module docstring)."""
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(scheduled, budget)
+        finished, self._finished_request_ids = self._finished_request_ids, []
+        return StepPlan(scheduled, finished, [r.request_id for r in preempted])
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> int:
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new, preempted):
+                break  # req preempted itself: it was the newest, nothing runs after it
+            scheduled.append(self._scheduled_request(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
+        """Get blocks for req's next `num_new` tokens, preempting newest first; False if req went."""
+        while not self.kv_manager.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free req's cache and queue it first in line; it will recompute prompt + outputs."""
+        self.kv_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv_manager.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._scheduled_request(req, num_new))
+            budget -= num_new
+
+    def _scheduled_request(self, req: Request, num_new: int) -> ScheduledRequest:
+        start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=req.token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv_manager.block_ids(req.request_id),
+            state_ids=self.kv_manager.state_ids(req.request_id),
+            sampling_params=req.sampling_params if end == req.num_tokens else None,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+        )
+
+    # ---- update -------------------------------------------------------------------------
+    def update(self, plan: StepPlan, output: ModelOutput) -> list[Request]:
+        """Apply a step's results: advance, append sampled tokens, stop, free.
+
+        Returns the requests that got a new token this step (finished ones included), in plan
+        order. Requests aborted since `schedule()` are skipped.
+        """
+        updated = []
+        for sched in plan.scheduled:
+            req = self.requests.get(sched.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += sched.num_tokens
+            if not sched.do_sample:
+                continue
+            sample = output.samples.get(sched.request_id)
+            if sample is None:
+                raise RuntimeError(f"request {sched.request_id!r} was planned to sample a token "
+                                   "but the model output has none for it")
+            req.append_output(sample.token_id)
+            self._check_stop(req)
+            updated.append(req)
+        if any(req.is_finished for req in updated):
+            self.running = [req for req in self.running if not req.is_finished]
+        return updated
+
+    def _check_stop(self, req: Request) -> None:
+        """Stop on a stop token id, EOS (unless ignore_eos), max_tokens or max_model_len."""
+        token_id, params = req.output_token_ids[-1], req.sampling_params
+        if token_id in params.stop_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, token_id)
+        elif not params.ignore_eos and token_id in req.eos_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len(req):
+            self._finish(req, RequestStatus.FINISHED_LENGTH, None)

@@ -1,0 +1,125 @@
+"""The `deepinfer` command: generate, chat, bench, info (each with --help)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepinfer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 2GiB")
+    g.add_argument("--num-blocks", type=int, default=None, help="paged blocks (overrides --kv-cache-memory)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="cache row format")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def make_llm(args):
+    from deepinfer.llm import LLM
+
+    return LLM(args.model, **engine_kwargs(args))
+
+
+def cmd_generate(args) -> int:
+    llm = make_llm(args)
+    params = sampling_params(args)
+    prompt = args.prompt
+    if not args.raw:
+        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) \
+            if llm.get_tokenizer().chat_template else args.prompt
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from deepinfer.entrypoints.chat import run_chat
+
+    return run_chat(make_llm(args), sampling_params(args), system=args.system)
+
+
+def cmd_info(args) -> int:
+    from deepinfer.entrypoints.info import print_info
+
+    print_info(make_llm(args))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from deepinfer.entrypoints.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion for PROMPT to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--raw", action="store_true", help="send PROMPT as is (no chat template)")
+    chat = sub.add_parser("chat", help="interactive chat with history (the model's chat template)")
+    chat.add_argument("--system", default=None, help="system message")
+    info = sub.add_parser("info", help="architecture, layers, KV bytes per token, cache capacity")
+    bench = sub.add_parser("bench", help="throughput benchmark (cpu32 and batch-1 decode workloads)")
+    from deepinfer.entrypoints.bench import add_bench_args
+
+    add_bench_args(bench)
+    for p, fn in ((gen, cmd_generate), (chat, cmd_chat), (info, cmd_info), (bench, cmd_bench)):
+        add_engine_args(p)
+        if p is not info:
+            add_sampling_args(p)
+        p.set_defaults(func=fn)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"deepinfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The DEEPINFER_* knobs (book §3.4.3), typed and read once. Pure Python (no torch).
+
+    env = read_environ({"DEEPINFER_USE_NEXTN_DECODE": "3"})   # an explicit mapping (tests)
+    env = get_environ()                                        # os.environ, read on first use
+
+Every knob is a field of the frozen `Environ`; its metadata names the variable and carries a
+one-line description, so `describe_environ()` and the parser below share one table.
+
+Accepted values: counts are decimal integers >= 0; switches are 1/0, true/false, yes/no or
+on/off (any case). An empty value counts as unset. Anything else raises ValueError naming the
+variable and the value.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+_COUNT_RE = re.compile(r"^[+-]?[0-9]+$")
+
+
+def _knob(variable: str, default: int | bool, doc: str):
+    """A dataclass field bound to one environment variable."""
+    return field(default=default, metadata={"variable": variable, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Environ:
+    """The engine's environment knobs. Build it with `read_environ`; fields are validated."""
+
+    use_nextn_decode: int = _knob(
+        "DEEPINFER_USE_NEXTN_DECODE", 5, "Most draft tokens one verification step may carry.")
+    max_backtracking_tokens: int = _knob(
+        "DEEPINFER_MAX_BACKTRACKING_TOKENS", 0,
+        "Explicit ring allowance beyond the window; the ring keeps max(this, nextn + 1).")
+    prefill_store_extra_state: bool = _knob(
+        "DEEPINFER_PREFILL_STORE_EXTRA_STATE", False,
+        "Give the kv-store ring extra rows for prefill state (see prefill_store_extra_size).")
+    prefill_store_extra_size: int = _knob(
+        "DEEPINFER_PREFILL_STORE_EXTRA_SIZE", 128, "Extra kv-store rows when the extra state is on.")
+    yoco_prefill_truncation: bool = _knob(
+        "DEEPINFER_YOCO_PREFILL_TRUNCATION", False,
+        "Truncate YOCO prefill; only counted when the prefill extra state is on.")
+    yoco_prefill_keep_tokens: int = _knob(
+        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 0, "Tokens YOCO truncation keeps (added to the kv-store ring).")
+    batch_invariant: bool = _knob(
+        "DEEPINFER_BATCH_INVARIANT", False, "Ask kernels for results independent of batch composition.")
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{f.metadata['variable']}={value!r}: expected a boolean")
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{f.metadata['variable']}={value!r}: expected an integer >= 0")
+
+
+def _parse_bool(variable: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError(f"{variable}={text!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _parse_count(variable: str, text: str) -> int:
+    if not _COUNT_RE.match(text.strip()):
+        raise ValueError(f"{variable}={text!r}: expected an integer >= 0")
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{variable}={text!r}: must be >= 0 (it counts tokens)")
+    return value
+
+
+def read_environ(env: Mapping[str, str] = os.environ) -> Environ:
+    """Parse the DEEPINFER_* variables of `env` into an `Environ`; unset ones keep their default."""
+    values = {}
+    for f in fields(Environ):
+        variable = f.metadata["variable"]
+        text = env.get(variable)
+        if text is None or not text.strip():
+            continue
+        parse = _parse_bool if isinstance(f.default, bool) else _parse_count
+        values[f.name] = parse(variable, text)
+    return Environ(**values)
+
+
+@functools.cache
+def get_environ() -> Environ:
+    """The process environment, read once. `get_environ.cache_clear()` forces a re-read."""
+    return read_environ(os.environ)
+
+
+def describe_environ(env: Environ | None = None) -> list[str]:
+    """One line per knob: `VARIABLE=value (default D): description`."""
+    env = get_environ() if env is None else env
+    lines = []
+    for f in fields(Environ):
+        value = getattr(env, f.name)
+        lines.append(f"{f.metadata['variable']}={value} (default {f.default}): {f.metadata['doc']}")
+    return lines

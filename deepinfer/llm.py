@@ -1,0 +1,109 @@
+"""The offline API: LLM(model=None).generate(prompts, params), .chat(messages), .stream(prompt)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig
+from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline use. `model=None` runs the embedded default model (SmolLM2-135M)."""
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
+                 max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
+                 num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0):
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                            kv_cache_dtype=kv_cache_dtype)
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
+                              max_model_len=max_model_len, scheduler=scheduler, cache=cache)
+        self.engine = LLMEngine.from_config(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt the engine refuses (empty, too long, bad token ids) gets an output whose `error`
+        holds the ValueError; the rest of the batch still runs.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        results: dict[str, RequestOutput] = {}
+        order = [self._add(prompt, p, results) for prompt, p in zip(prompts, params, strict=True)]
+        with tqdm(total=len(order), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if not tok.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a prompt")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text)."""
+        request_id = self.engine.add_request(prompt, sampling_params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(request_id)
+
+    def _add(self, prompt, params, results) -> str:
+        try:
+            return self.engine.add_request(prompt, params)
+        except ValueError as exc:
+            rid = f"refused-{len(results)}-{id(exc)}"
+            done = CompletionOutput(index=0, finish_reason="error")
+            results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
+                                         [] if isinstance(prompt, str) else list(prompt), [done],
+                                         finished=True, error=exc)
+            return rid
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params

@@ -1,0 +1,25 @@
+"""Attention layer: binds one layer's cache view to the step's backend and metadata."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model_executor.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """q [T, H, D], k/v [T, H_kv, D] -> [T, H*D]. The cache view is bound by the cache engine."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.kv_cache: torch.Tensor | None = None  # [slots, 2, H_kv, D], set by bind_kv_cache
+        self.backend = None  # set by the model runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        md = get_forward_context().attn_metadata
+        out = self.backend.forward(self.kv_cache, q, k, v, md, self.scale)  # [T, H, D]
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)  # [T, H*D]

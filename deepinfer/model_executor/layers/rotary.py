@@ -1,0 +1,49 @@
+"""Rotary position embedding (rotate-half layout, as in HF checkpoints).
+
+Inverse frequencies for scaled variants (llama3, yarn, linear, ...) come from transformers'
+ROPE_INIT_FUNCTIONS, so a config means the same thing here as in transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention_scaling) for a config's rope parameters."""
+    params = rope_parameters or getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if rope_type == "default":
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return (1.0 / theta**exponent).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, H_kv, D] at `positions` [T]."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)  # [P, D]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    rotated = torch.cat((-x2, x1), dim=-1)  # [T, H, D]
+    return x * cos + rotated * sin  # [T, H, D]

@@ -1,0 +1,81 @@
+"""HF checkpoint directories: config.json + *.safetensors (single file or shards) + tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
+from deepinfer.model_executor.loader.source import EXPECTED_LAYOUT, ModelSource, compute_identity
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_hf_source(path: str) -> ModelSource:
+    """A `ModelSource` for an HF directory; ValueError when `path` holds no such checkpoint.
+
+    `tokenizer` is None when the directory ships no tokenizer files (tiny test checkpoints).
+    """
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"directory {path!r} has no config.json, so it is not a model; expected {EXPECTED_LAYOUT}")
+    shard_files = safetensors_files(path)
+    config = AutoConfig.from_pretrained(path)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{path!r}: quantized HF checkpoints (quantization_config: {method}) are not supported")
+    files = [os.path.join(path, name) for name in os.listdir(path)]
+    return ModelSource(
+        path=path,
+        format="hf",
+        hf_config=config,
+        tokenizer=_load_tokenizer(path),
+        identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
+        _weights=lambda dtype: iter_safetensors(shard_files, dtype),
+    )
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's weight files: those named by the shard index, else every *.safetensors."""
+    index_path = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        names = sorted(set(weight_map.values()))
+        missing = [name for name in names if not os.path.isfile(os.path.join(path, name))]
+        if missing:
+            raise ValueError(f"{index_path!r} names shard files that are missing: {missing}")
+    else:
+        names = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not names:
+        raise ValueError(
+            f"directory {path!r} has config.json but no *.safetensors weights; expected {EXPECTED_LAYOUT}"
+        )
+    return [os.path.join(path, name) for name in names]
+
+
+def iter_safetensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream `(name, tensor)` file by file, tensor by tensor; floating tensors are cast to `dtype`."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def _load_tokenizer(path: str):
+    """The directory's tokenizer (with its chat template), or None when it ships none."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

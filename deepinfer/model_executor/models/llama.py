@@ -1,0 +1,116 @@
+"""Llama-family decoder: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+Parameter names follow HF checkpoints, with q|k|v and gate|up merged (models/utils.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model_executor.layers.activation import silu_and_mul
+from deepinfer.model_executor.layers.attention.layer import Attention
+from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
+from deepinfer.model_executor.models.utils import MergedLinear, load_weights
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)  # [T, H*D], [T, Hkv*D] x2
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, H_kv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        inter, bias = cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
+        rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
+
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)  # [N, V]
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights) -> None:
+        skip = ("lm_head.",) if self.tie_word_embeddings else ()
+        loaded = load_weights(self, weights, skip_prefixes=skip)
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")

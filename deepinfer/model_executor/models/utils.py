@@ -1,0 +1,67 @@
+"""Weight loading into merged projections (q|k|v, gate|up)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# HF name fragment -> (our merged parameter fragment, shard index)
+STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 skip_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Copy HF-named tensors into `model`; returns the names of parameters that were loaded.
+
+    A merged parameter must expose `shard_sizes` (rows per shard) on its module.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
+            continue
+        target, shard = _target(name)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        param = params[target]
+        if shard is None:
+            _copy(param.data, tensor, name)
+        else:
+            sizes = _owner(model, target).shard_sizes
+            start = sum(sizes[:shard])
+            _copy(param.data[start:start + sizes[shard]], tensor, name)
+        loaded.add(target)
+    return loaded
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    for hf, ours, shard in STACKED_PARAMS:
+        if hf in name:
+            return name.replace(hf, ours), shard
+    return name, None
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class MergedLinear(nn.Linear):
+    """One Linear holding several HF projections stacked on the output axis."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)

@@ -1,0 +1,82 @@
+"""Tiny random HF checkpoints for parity tests, and the teacher-forcing reference."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+VOCAB = 49152  # the default model's tokenizer
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(arch: str, **overrides):
+    import transformers as tf
+
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**_COMMON, rope_theta=10000.0)
+    elif arch == "llama3":
+        cfg = tf.LlamaConfig(**{**_COMMON, "max_position_embeddings": 4096}, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0})
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**_COMMON, use_sliding_window=False)
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(**_COMMON, head_dim=32, use_sliding_window=False)
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(**_COMMON, sliding_window=None)
+    else:
+        raise ValueError(arch)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def make_tiny_checkpoint(arch: str, path: str, tokenizer_dir: str, seed: int = 0, **overrides) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            shutil.copy(f"{tokenizer_dir}/{name}", f"{path}/{name}")
+        except FileNotFoundError:
+            pass
+
+
+def hf_reference(model_dir: str, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def teacher_forcing_logprobs(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """log_softmax rows of a full causal forward (no cache) that predict each output token.
+
+    Returns [len(output_ids), V]: row i is the distribution the model gives output_ids[i].
+    """
+    ids = torch.tensor([prompt_ids + output_ids[:-1]])  # [1, L]
+    logits = hf_model(input_ids=ids, use_cache=False).logits[0].float()  # [L, V]
+    return torch.log_softmax(logits[len(prompt_ids) - 1:], dim=-1)  # [n_out, V]
+
+
+def assert_teacher_forcing(hf_model, prompt_ids, output_ids, sampled_logprobs=None, atol=1e-3):
+    """Each output token is the argmax of the reference at its position; logprobs match."""
+    ref = teacher_forcing_logprobs(hf_model, prompt_ids, output_ids)  # [n, V]
+    for i, token in enumerate(output_ids):
+        best = ref[i].max()
+        # a tie within float noise may pick either token
+        assert ref[i, token] >= best - 1e-4, (i, token, int(ref[i].argmax()), float(best - ref[i, token]))
+        if sampled_logprobs is not None:
+            assert abs(sampled_logprobs[i] - float(ref[i, token])) < atol, (i, sampled_logprobs[i],
+                                                                            float(ref[i, token]))
