@@ -63,7 +63,8 @@ class KVCacheFormat:
             raise ValueError(f"quantized_dtype must be one of {sorted(_QUANTIZED_BITS)}, "
                              f"got {self.quantized_dtype!r}")
         if self.sf_format not in _SCALE_FACTOR_BYTES:
-            raise ValueError(f"sf_format must be one of {sorted(_SCALE_FACTOR_BYTES)}, got {self.sf_format!r}")
+            raise ValueError(f"sf_format must be one of {sorted(_SCALE_FACTOR_BYTES)}, "
+                             f"got {self.sf_format!r}")
         if self.elements_per_sf < 1 or self.quantized_elements % self.elements_per_sf:
             raise ValueError(f"quantized_elements={self.quantized_elements} must be a multiple of "
                              f"elements_per_sf={self.elements_per_sf}")
