@@ -134,6 +134,9 @@ class StateSlotPool:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    def free_state_ids(self) -> list[int]:
+        return list(self._free)
+
     def allocate(self) -> int:
         if not self._free:
             raise ValueError(f"no free state slot (all {self.num_slots} in use)")
@@ -278,16 +281,17 @@ class KVCacheManager:
             for table in cache.block_tables:
                 for block in table:
                     holders[block.block_id] += 1
+        free_block_ids = set(self.block_pool.free_block_ids())
         for block in self.block_pool.blocks:
-            on_free_list = block.block_id in self.block_pool._free
+            on_free_list = block.block_id in free_block_ids
             if block.ref_cnt != holders[block.block_id] or on_free_list != (block.ref_cnt == 0):
                 raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
                                      f"{holders[block.block_id]} holders, free={on_free_list}")
         for i, pool in enumerate(self.slot_pools):
-            held = [cache.state_ids[i] for cache in self._requests.values()]
-            if sorted(held + list(pool._free)) != list(range(pool.num_slots)):
+            held, free = [cache.state_ids[i] for cache in self._requests.values()], pool.free_state_ids()
+            if sorted(held + free) != list(range(pool.num_slots)):
                 raise AssertionError(f"ring group {self.ring_specs[i].name}: state slots "
-                                     f"held {sorted(held)}, free {sorted(pool._free)}")
+                                     f"held {sorted(held)}, free {sorted(free)}")
 
     def check_no_leaks(self) -> None:
         """Raise AssertionError unless every block and state slot is back in its pool."""
