@@ -59,8 +59,8 @@ class LLMEngine:
         self._validate_prompt(ids)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len)
+        self.scheduler.add_request(req)  # refuses what the cache can never hold
         self.outputs.add(req, text)
-        self.scheduler.add_request(req)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -112,9 +112,6 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        capacity = self.kv_manager.num_total_blocks * self.config.cache.block_size
-        if len(ids) + 1 > capacity:
-            raise ValueError(f"prompt has {len(ids)} tokens, but the KV cache holds only {capacity} tokens")
 
 
 def eos_token_ids(source) -> frozenset[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from deepinfer.engine.request import Request
@@ -35,11 +35,20 @@ class OutputProcessor:
         c.delta_token_ids, c.delta_text = [], ""
         if sample is not None:
             self._add_token(state, req, sample)
-        text, matched = state.stop.process(state.detokenizer.add_tokens(c.delta_token_ids),
-                                           finished=req.is_finished)
+        text, matched = self._text_delta(state, req.is_finished)
         c.text += text
         c.delta_text = text
         return self._output(req, finished=req.is_finished), matched
+
+    @staticmethod
+    def _text_delta(state: _State, finished: bool) -> tuple[str, str | None]:
+        delta = state.detokenizer.add_tokens(state.completion.delta_token_ids)
+        if finished:
+            delta += state.detokenizer.flush()
+        text, matched = state.stop.step(delta)
+        if matched is None and finished:
+            text += state.stop.flush()
+        return text, matched
 
     def finish(self, req: Request) -> RequestOutput:
         """The request was just finished by a stop string: report it as finished."""
@@ -69,5 +78,7 @@ class OutputProcessor:
         c.stop_reason = req.stop_reason
         if finished:
             del self._states[req.request_id]
-        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [c], finished=finished,
-                             num_preemptions=req.num_preemptions)
+        snapshot = replace(c, token_ids=list(c.token_ids),  # outputs must not change after return
+                           logprobs=None if c.logprobs is None else list(c.logprobs))
+        return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [snapshot],
+                             finished=finished, num_preemptions=req.num_preemptions)

@@ -3,18 +3,18 @@
 Each stage runs batched over the rows that need it; Python loops run over rows, never over
 the vocabulary:
 
-    raw logits [N, V] --fp32--+--> logsumexp               (reported logprobs: the model's own
-                              |                              distribution, before any processing)
+    raw logits [N, V] --fp32--+--> logsumexp              (reported logprobs: the model's own
+                              |                             distribution, before any processing)
                               +--> penalties (repetition over prompt + output,
                                    presence / frequency over output)
                                      +--> greedy rows: argmax
-                                     +--> random rows: / T -> top-k -> top-p -> min-p
-                                          -> softmax p -> argmax(p / q), q ~ Exp(1) per token
+                                     +--> random rows: / T -> top-k -> top-p -> min-p -> softmax
+                                          -> inverse CDF at u ~ U[0, 1), one u per token
 
-`argmax(p / q)` with exponential noise is an exact draw from p (the exponential race). Every
-sampled token of a random row consumes exactly one [V] noise vector from its request's own
-generator (seeded requests) or from the engine generator (unseeded requests), so a seeded
-request's tokens do not depend on what else is in the batch. Greedy rows draw nothing.
+Every sampled token of a random row consumes exactly one uniform from its request's own
+generator (seeded requests) or from the engine generator (unseeded requests), in row order, so a
+seeded request's tokens do not depend on what else is in the batch. Greedy rows draw nothing.
+Generators live on the CPU whatever the logits' device: one [n] tensor of uniforms is copied over.
 
 `SampleResult.logprob` is always filled (one batched logsumexp, cheap next to the argmax), also
 when `SamplingParams.logprobs` is None. `top_logprobs` is None when logprobs is None, [] when it
@@ -30,8 +30,9 @@ import torch
 from deepinfer.engine.plan import SampleResult, ScheduledRequest
 from deepinfer.sampling_params import SamplingParams
 
-_MIN_NOISE = 1e-20  # floor for the exponential noise: p / 0 must never become nan or inf
-_TOP_P_CANDIDATES = 256  # first window of best tokens searched for the top-p nucleus
+_NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
+_CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
+_MIN_TEMPERATURE = 1e-5  # smaller temperatures are clamped: logits / T must stay finite
 
 
 class Sampler:
@@ -44,24 +45,28 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.seed = seed
-        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        self._engine_generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> list[SampleResult]:
-        """logits [N, V] (any float dtype; computed in fp32), one row per entry of `rows`."""
+        """logits [N, V] (any float dtype; computed in fp32), one row per entry of `rows`.
+
+        The caller's tensor is never written.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [N, V] with N = {len(rows)} rows, got {tuple(logits.shape)}")
         if not rows:
             return []
         params = [_params_of(row) for row in rows]
-        logits = logits.float()  # [N, V]; the caller's tensor when already fp32: never written
+        logits = logits.float()  # [N, V]; the caller's tensor when already fp32
         lse = torch.logsumexp(logits, dim=-1)  # [N]
         processed = _apply_penalties(logits, rows, params)  # [N, V]
         token_ids = self._choose(processed, rows, params)  # [N]
         token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
         top = _top_logprobs(logits, lse, params)
+        pairs = zip(token_ids.tolist(), token_logprobs.tolist(), strict=True)
         return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i))
-                for i, (t, lp) in enumerate(zip(token_ids.tolist(), token_logprobs.tolist(), strict=True))]
+                for i, (t, lp) in enumerate(pairs)]
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drops the per-request state (generators) of finished or aborted requests."""
@@ -75,57 +80,49 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
                 params: list[SamplingParams]) -> torch.Tensor:
         """Greedy rows: argmax; random rows: a draw from the processed distribution. -> [N]."""
-        random_idx = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_idx:
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
             return logits.argmax(dim=-1)  # [N]: the hot path, one batched op
-        if len(random_idx) == len(rows):
-            return self._sample(logits, rows, params)
-        token_ids = logits.argmax(dim=-1)  # [N]; random rows overwritten below
-        index = torch.tensor(random_idx, device=logits.device)  # [n]
-        sampled = self._sample(logits.index_select(0, index), [rows[i] for i in random_idx],
-                               [params[i] for i in random_idx])  # [n]
-        return token_ids.index_copy_(0, index, sampled)
+        if len(random_rows) == len(rows):
+            return self._sample(logits, rows, params)  # [N]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [N]
+        greedy_index = _index(greedy_rows, logits)  # [g]
+        token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)  # [g]
+        random_index = _index(random_rows, logits)  # [r]
+        token_ids[random_index] = self._sample(logits.index_select(0, random_index),
+                                               [rows[i] for i in random_rows],
+                                               [params[i] for i in random_rows])  # [r]
+        return token_ids
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
                 params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one exponential race per row. -> [n]."""
-        temperature = _column(logits, [p.temperature for p in params])  # [n, 1]
-        logits = logits / temperature  # [n, V]
-        logits = _apply_top_k(logits, [p.top_k for p in params])  # [n, V]
-        logits = _apply_top_p(logits, [p.top_p for p in params])  # [n, V]
-        logits = _apply_min_p(logits, [p.min_p for p in params])  # [n, V]
-        probs = logits.softmax(dim=-1)  # [n, V]
-        noise = self._exponential_noise(rows, params, logits.shape, logits.device)  # [n, V]
-        return probs.div_(noise).argmax(dim=-1)  # [n]
+        """Temperature, top-k / top-p, min-p, then the inverse CDF at one uniform per row. -> [n]."""
+        temperature = _column([max(p.temperature, _MIN_TEMPERATURE) for p in params], logits)  # [n, 1]
+        scaled = logits / temperature  # [n, V], ours to write
+        _top_k_top_p_(scaled, [p.top_k for p in params], [p.top_p for p in params])
+        _min_p_(scaled, [p.min_p for p in params])
+        probs = scaled.softmax(dim=-1)  # [n, V]; filtered tokens have p = 0 exactly
+        uniforms = self._uniforms(rows, params).to(probs.device)  # [n] float64
+        return _inverse_cdf(probs, uniforms)  # [n]
 
-    def _exponential_noise(self, rows: Sequence[ScheduledRequest], params: list[SamplingParams],
-                           shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """Exp(1) noise [n, V] as -log(U): one [V] draw per row from the generator that owns the
-        row (uniform_ is several times faster than exponential_ on CPU)."""
-        noise = torch.empty(shape, device=device)  # [n, V]
+    def _uniforms(self, rows: Sequence[ScheduledRequest], params: list[SamplingParams]) -> torch.Tensor:
+        """One U[0, 1) float64 per row, from the row's own generator or the engine's. -> [n] (CPU)."""
+        uniforms = torch.empty(len(rows), dtype=torch.float64)  # [n]
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
-        engine_generator = self._engine_generator(device) if unseeded else None
-        if len(unseeded) == len(rows):
-            noise.uniform_(generator=engine_generator)
-        elif unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), shape[1], device=device).uniform_(
-                generator=engine_generator)  # [u, V]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64,
+                                            generator=self._engine_generator)  # [u]
         for i, (row, p) in enumerate(zip(rows, params, strict=True)):
             if p.seed is not None:
-                noise[i].uniform_(generator=self._request_generator(row.request_id, p.seed, device))
-        return noise.log_().neg_().clamp_min_(_MIN_NOISE)  # [n, V]
+                generator = self._request_generator(row.request_id, p.seed)
+                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
+        return uniforms
 
-    def _engine_generator(self, device: torch.device) -> torch.Generator:
-        generator = self._engine_generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device).manual_seed(self.seed)
-            self._engine_generators[device] = generator
-        return generator
-
-    def _request_generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
+    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._request_generators.get(request_id)
         if generator is None:
-            generator = torch.Generator(device=device).manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed)
             self._request_generators[request_id] = generator
         return generator
 
@@ -136,7 +133,11 @@ def _params_of(row: ScheduledRequest) -> SamplingParams:
     return row.sampling_params
 
 
-def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=like.device)  # [n]
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]  # [n, 1]
 
 
@@ -146,128 +147,180 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[ScheduledRequest],
 
     Repetition (HF / vLLM): over prompt + output tokens, positive logits are divided by the
     penalty and negative ones multiplied. Presence / frequency (OpenAI): over output tokens,
-    subtract presence * [count > 0] + frequency * count.
+    subtract presence * [count > 0] + frequency * count. Only the history's entries are touched
+    (gather / scatter over [n, L] ids), never the whole vocabulary.
     """
     penalized = [i for i, p in enumerate(params) if p.needs_penalties]
     if not penalized:
         return logits
-    index = torch.tensor(penalized, device=logits.device)  # [n]
-    sub = logits.index_select(0, index)  # [n, V]
-    sub_rows = [rows[i] for i in penalized]
+    sub, index = _subset(logits, penalized)
+    sub = sub.clone() if index is None else sub  # [n, V], ours to write
     sub_params = [params[i] for i in penalized]
     if any(p.repetition_penalty != 1.0 for p in sub_params):
-        seen = _token_counts([r.prompt_token_ids + r.output_token_ids for r in sub_rows], sub) > 0
-        penalty = _column(sub, [p.repetition_penalty for p in sub_params])  # [n, 1]
-        repeated = torch.where(sub > 0, sub / penalty, sub * penalty)  # [n, V]
-        sub = torch.where(seen, repeated, sub)  # [n, V]
+        ids, valid = _history_ids([rows[i].prompt_token_ids + rows[i].output_token_ids
+                                   for i in penalized], sub)  # [n, L], [n, L]
+        penalty = _column([p.repetition_penalty for p in sub_params], sub)  # [n, 1]
+        penalty = torch.where(valid[:, :1] > 0, penalty, 1.0)  # [n, 1]; 1 for an empty history
+        seen = sub.gather(1, ids)  # [n, L]
+        sub.scatter_(1, ids, torch.where(seen > 0, seen / penalty, seen * penalty))  # [n, V]
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in sub_params):
-        counts = _token_counts([r.output_token_ids for r in sub_rows], sub)  # [n, V]
-        presence = _column(sub, [p.presence_penalty for p in sub_params])  # [n, 1]
-        frequency = _column(sub, [p.frequency_penalty for p in sub_params])  # [n, 1]
-        sub = sub - frequency * counts - presence * (counts > 0).float()  # [n, V]
-    return logits.index_copy(0, index, sub)  # [N, V]
+        ids, valid = _history_ids([rows[i].output_token_ids for i in penalized], sub)  # [n, L]
+        frequency = _column([p.frequency_penalty for p in sub_params], sub)  # [n, 1]
+        sub.scatter_add_(1, ids, -frequency * valid)  # once per occurrence (padding adds 0)
+        presence = _column([p.presence_penalty for p in sub_params], sub)  # [n, 1]
+        sub.scatter_(1, ids, sub.gather(1, ids) - presence * valid[:, :1])  # once per distinct id
+    return sub if index is None else logits.index_copy(0, index, sub)  # [N, V]
 
 
-def _token_counts(token_lists: list[list[int]], like: torch.Tensor) -> torch.Tensor:
-    """How often each vocabulary id occurs in each row's list. -> [n, V] fp32.
+def _history_ids(token_lists: list[list[int]], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids padded to one length -> (ids [n, L] long, valid [n, L] fp32 0 / 1).
 
-    Ids outside [0, V) (a tokenizer larger than the logits) are ignored.
+    Padding repeats the row's last id, so every entry of a non-empty row names a token of its
+    history and a scatter of per-token values writes equal values for duplicates. An empty row
+    has one entry, id 0 with valid 0, and the callers leave it unchanged (factor 1 or 0 added).
+    Ids outside [0, V) (a tokenizer larger than the logits) are dropped.
     """
-    num_rows, vocab_size = like.shape
+    vocab_size = like.shape[1]
     width = max(1, max(len(ids) for ids in token_lists))
-    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_lists]
+    padded = [ids + [ids[-1] if ids else 0] * (width - len(ids)) for ids in token_lists]
     ids = torch.tensor(padded, dtype=torch.long, device=like.device)  # [n, L]
-    ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)  # [n, L]; V = discard column
-    counts = torch.zeros(num_rows, vocab_size + 1, device=like.device)  # [n, V + 1]
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab_size]  # [n, V]
+    if bool(((ids < 0) | (ids >= vocab_size)).any()):
+        return _history_ids([[t for t in row if 0 <= t < vocab_size] for row in token_lists], like)
+    lengths = torch.tensor([len(row) for row in token_lists], device=like.device)  # [n]
+    valid = torch.arange(width, device=like.device) < lengths[:, None]  # [n, L]
+    return ids, valid.float()
 
 
-def _rows_where(values: list, active) -> list[int]:
-    return [i for i, v in enumerate(values) if active(v)]
+def _subset(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows a filter applies to: the tensor itself when all rows, else a copy + its index."""
+    if len(rows) == logits.shape[0]:
+        return logits, None
+    index = _index(rows, logits)  # [n]
+    return logits.index_select(0, index), index  # [n, V]
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keeps each row's k largest logits (ties at the k-th value survive); k = 0 or >= V: off."""
+def _write_back(logits: torch.Tensor, sub: torch.Tensor, index: torch.Tensor | None) -> None:
+    if index is not None:
+        logits.index_copy_(0, index, sub)
+
+
+def _top_k_top_p_(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+    """In place: keeps each row's k best tokens (k = 0 or >= V: off), then the smallest best-first
+    set of those whose renormalized mass reaches p (p = 1: off). At least the best token stays;
+    tokens tied with the last kept one stay too."""
     vocab_size = logits.shape[1]
-    active = _rows_where(top_k, lambda k: 0 < k < vocab_size)
-    if not active:
-        return logits
-    index = torch.tensor(active, device=logits.device)  # [n]
-    sub = logits.index_select(0, index)  # [n, V]
-    ks = torch.tensor([top_k[i] for i in active], device=logits.device)  # [n]
-    values = sub.topk(int(ks.max()), dim=-1).values  # [n, k_max], descending
-    threshold = values.gather(1, (ks - 1)[:, None])  # [n, 1]
-    sub = sub.masked_fill(sub < threshold, float("-inf"))  # [n, V]
-    return logits.index_copy(0, index, sub)  # [N, V]
+    rows = [i for i in range(logits.shape[0]) if 0 < top_k[i] < vocab_size or top_p[i] < 1.0]
+    if not rows:
+        return
+    sub, index = _subset(logits, rows)  # [n, V]
+    ks = torch.tensor([top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows],
+                      device=logits.device)[:, None]  # [n, 1]
+    threshold = _nucleus_threshold(sub, ks, _column([top_p[i] for i in rows], sub))  # [n, 1]
+    sub.masked_fill_(sub < threshold, float("-inf"))
+    _write_back(logits, sub, index)
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Keeps the smallest best-first set of tokens whose mass reaches p (always at least the best
-    token; tokens tied with the last kept one also stay)."""
-    active = _rows_where(top_p, lambda p: p < 1.0)
-    if not active:
-        return logits
-    index = torch.tensor(active, device=logits.device)  # [n]
-    sub = logits.index_select(0, index)  # [n, V]
-    probs = sub.softmax(dim=-1)  # [n, V]
-    threshold = _top_p_threshold(probs, _column(sub, [top_p[i] for i in active]))  # [n, 1]
-    sub = sub.masked_fill(probs < threshold, float("-inf"))  # [n, V]
-    return logits.index_copy(0, index, sub)  # [N, V]
+def _nucleus_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, V], top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: each row's last kept logit.
 
-
-def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs [n, V], top_p [n, 1] -> [n, 1]: the probability of each row's last kept token.
-
-    A full sort of the vocabulary is slow, and the nucleus is usually small: look at the best
-    `_TOP_P_CANDIDATES` tokens and widen (x8) only for rows whose candidates hold less than p.
-    Which width resolves a row depends on that row alone, so results do not depend on the batch.
+    Sorting the vocabulary is slow and the kept set is usually small: search the best
+    `_NUCLEUS_WIDTH` tokens first and widen (x8) only for rows not decided inside the window.
+    Masses are prefix sums relative to the best logit, so a row's answer depends on that row
+    alone, never on the window width or on the rest of the batch.
     """
-    num_rows, vocab_size = probs.shape
-    threshold = torch.empty(num_rows, 1, device=probs.device)  # [n, 1]
-    pending = torch.arange(num_rows, device=probs.device)  # [m]
-    width = min(_TOP_P_CANDIDATES, vocab_size)
+    num_rows, vocab_size = logits.shape
+    row_mass = _row_mass(logits, top_k[:, 0] >= vocab_size)  # [n, 1]
+    threshold = torch.empty(num_rows, 1, device=logits.device)  # [n, 1]
+    pending = torch.arange(num_rows, device=logits.device)  # [m]
+    width = min(_NUCLEUS_WIDTH, vocab_size)
     while pending.numel():
-        values = probs.index_select(0, pending).topk(width, dim=-1).values  # [m, w], best first
-        cumulative = values.cumsum(dim=-1)  # [m, w]
-        row_top_p = top_p.index_select(0, pending)  # [m, 1]
-        num_keep = ((cumulative - values) < row_top_p).sum(dim=-1, keepdim=True)  # [m, 1], >= 1
-        if width == vocab_size:
-            done = torch.ones(pending.numel(), dtype=torch.bool, device=probs.device)  # [m]
-        else:
-            done = cumulative[:, -1] >= row_top_p[:, 0]  # [m]: the nucleus ends inside the window
+        k, p = top_k.index_select(0, pending), top_p.index_select(0, pending)  # [m, 1], [m, 1]
+        values = logits.index_select(0, pending).topk(width, dim=-1).values  # [m, w], best first
+        in_top_k = torch.arange(width, device=logits.device) < k  # [m, w]
+        mass = (values - values[:, :1]).exp().masked_fill_(~in_top_k, 0.0)  # [m, w]
+        cumulative = mass.cumsum(dim=-1)  # [m, w]
+        k_inside = k <= width  # [m, 1]: the top-k cut lies in the window
+        total = torch.where(k_inside, cumulative.gather(1, (k - 1).clamp_max(width - 1)),
+                            row_mass.index_select(0, pending))  # [m, 1]
+        keep = in_top_k & ((cumulative - mass < p * total) | (p >= 1.0))  # [m, w]
+        done = k_inside | ((k >= vocab_size) & (cumulative[:, -1:] >= p * total))  # [m, 1]
+        done = done[:, 0] | (width == vocab_size)  # [m]
+        num_keep = keep.sum(dim=-1, keepdim=True).clamp_min_(1)  # [m, 1]
         threshold[pending[done]] = values.gather(1, num_keep - 1)[done]  # [d, 1]
         pending = pending[~done]  # [m']
         width = min(width * 8, vocab_size)
     return threshold
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Drops tokens with p < min_p * p_max (in log space: logit < max_logit + log(min_p))."""
-    active = _rows_where(min_p, lambda p: p > 0.0)
-    if not active:
-        return logits
-    index = torch.tensor(active, device=logits.device)  # [n]
-    sub = logits.index_select(0, index)  # [n, V]
-    log_min_p = _column(sub, [min_p[i] for i in active]).log()  # [n, 1]
+def _row_mass(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """sum(exp(logit - max logit)) over the vocabulary for the rows flagged in `rows` [n] (the
+    rows without top-k, whose nucleus mass is relative to the whole row), else 0. -> [n, 1]."""
+    mass = torch.zeros(logits.shape[0], 1, device=logits.device)  # [n, 1]
+    index = torch.nonzero(rows).flatten()  # [r]
+    if index.numel():
+        sub = logits if index.numel() == logits.shape[0] else logits.index_select(0, index)  # [r, V]
+        best = sub.max(dim=-1, keepdim=True).values  # [r, 1]
+        mass[index] = (sub - best).exp_().sum(dim=-1, keepdim=True)  # [r, 1]
+    return mass
+
+
+def _min_p_(logits: torch.Tensor, min_p: list[float]) -> None:
+    """In place: drops tokens with p < min_p * p_max (logit < max logit + log min_p)."""
+    rows = [i for i, p in enumerate(min_p) if p > 0.0]
+    if not rows:
+        return
+    sub, index = _subset(logits, rows)  # [n, V]
+    log_min_p = _column([min_p[i] for i in rows], sub).log()  # [n, 1]
     threshold = sub.max(dim=-1, keepdim=True).values + log_min_p  # [n, 1]
-    sub = sub.masked_fill(sub < threshold, float("-inf"))  # [n, V]
-    return logits.index_copy(0, index, sub)  # [N, V]
+    sub.masked_fill_(sub < threshold, float("-inf"))
+    _write_back(logits, sub, index)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [n, V] (p = 0 for filtered tokens), uniforms [n] float64 in [0, 1) -> token ids [n].
+
+    Two short scans instead of one long one: pick a block of `_CDF_BLOCK` tokens by its mass, then
+    the token inside it (float64 prefix sums). `searchsorted(right=True)` returns the first entry
+    whose prefix sum exceeds the target, so a zero-mass block or token is never picked.
+    """
+    num_rows, vocab_size = probs.shape
+    padding = (-vocab_size) % _CDF_BLOCK
+    padded = torch.nn.functional.pad(probs, (0, padding)) if padding else probs  # [n, V']
+    blocks = padded.view(num_rows, -1, _CDF_BLOCK)  # [n, B, C]
+    block_mass = blocks.sum(dim=-1).double()  # [n, B]
+    block_cdf = block_mass.cumsum(dim=-1)  # [n, B]
+    target = uniforms[:, None] * block_cdf[:, -1:]  # [n, 1]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_max_(blocks.shape[1] - 1)  # [n, 1]
+    start = block_cdf.gather(1, block) - block_mass.gather(1, block)  # [n, 1]
+    fraction = ((target - start) / block_mass.gather(1, block)).clamp_(0.0, 1.0)  # [n, 1]
+    rows = torch.arange(num_rows, device=probs.device)  # [n]
+    inner_cdf = blocks[rows, block[:, 0]].double().cumsum(dim=-1)  # [n, C]
+    inner = torch.searchsorted(inner_cdf, fraction * inner_cdf[:, -1:], right=True)  # [n, 1]
+    token_ids = (block * _CDF_BLOCK + inner.clamp_max_(_CDF_BLOCK - 1))[:, 0]  # [n]
+    return _never_filtered(probs, token_ids)
+
+
+def _never_filtered(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rounding at a block edge (odds ~1e-16) could land on a p = 0 token: take the best instead."""
+    zero = probs.gather(1, token_ids[:, None])[:, 0] == 0  # [n]
+    if bool(zero.any()):
+        token_ids = torch.where(zero, probs.argmax(dim=-1), token_ids)  # [n]
+    return token_ids
 
 
 def _top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
                   params: list[SamplingParams]) -> dict[int, list[tuple[int, float]]]:
-    """Row index -> the row's top-n (token id, raw logprob), best first, for rows with logprobs set
+    """Row -> its top-n (token id, raw logprob), best first, for rows with logprobs set
     (an empty list for logprobs = 0)."""
-    active = [i for i, p in enumerate(params) if p.logprobs is not None]
-    num_top = max((params[i].logprobs for i in active), default=0)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    num_top = max((params[i].logprobs for i in rows), default=0)
     if num_top == 0:
-        return {i: [] for i in active}
-    index = torch.tensor(active, device=logits.device)  # [n]
+        return {i: [] for i in rows}
+    index = _index(rows, logits)  # [n]
     values, ids = logits.index_select(0, index).topk(num_top, dim=-1)  # [n, k], [n, k]
     values = values - lse.index_select(0, index)[:, None]  # [n, k]
     top: dict[int, list[tuple[int, float]]] = {}
-    for row, row_ids, row_values in zip(active, ids.tolist(), values.tolist(), strict=True):
+    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
         n = params[row].logprobs
         top[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
     return top

@@ -1,10 +1,12 @@
-"""GGUF files: one `gguf.GGUFReader` pass for metadata and tensors, dequantized once per tensor.
+"""GGUF files: one header pass (`gguf_file`) for metadata and tensors, each dequantized once
+with `gguf.quants.dequantize`, straight into the compute dtype.
 
 Layout facts this module undoes (llama.cpp's converter applies them when it writes the file):
 
     shapes        listed innermost-first: GGUF [576, 49152] is torch [49152, 576]
-    llama q/k     rows permuted per head for interleaved RoPE; HF rotates halves, so undo it:
-                  [n_head * d, in] -> [n_head, 2, d/2, in] -> swap -> [n_head, d/2, 2, in] -> [n_head * d, in]
+    llama q/k     rows permuted per head for interleaved RoPE (HF rotates halves). Within a head
+                  the file holds rows (0, d/2, 1, d/2+1, ...); undo it per head:
+                  [H * d, in] -> [H, d/2, 2, in] -> swap 1,2 -> [H, 2, d/2, in] -> [H * d, in]
                   (only the llama architecture; qwen2, qwen3 and gemma3 keep HF's row order)
     gemma3 norms  stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w): subtract 1 in float32
     llama 3 rope  a `rope_freqs` tensor instead of config keys: turned into `rope_parameters`
@@ -14,14 +16,16 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
+from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
 from deepinfer.model_executor.loader.source import ModelSource, compute_identity
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor"]
@@ -57,67 +61,61 @@ _ARCH_BLOCK_NAMES = {
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed into the config, not a parameter
-_LARGE_ARRAY = 4096  # metadata arrays longer than this (the vocabulary) are not read for the config
+_MAX_WORKERS = 4  # decoding threads
 
 
 def load_gguf_source(path: str) -> ModelSource:
-    """A `ModelSource` for a .gguf file; ValueError for an unsupported architecture or bad metadata."""
-    from gguf import GGUFReader
+    """A `ModelSource` for a .gguf file; ValueError for an unsupported architecture or bad metadata.
+
+    `tokenizer` is None when the file carries no tokenizer metadata.
+    """
     from transformers import AutoConfig
 
-    reader = GGUFReader(path)
-    metadata = read_metadata(reader)
-    arch = metadata.get("general.architecture")
+    file = read_gguf_file(path)
+    arch = file.metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF file {path!r} has architecture {arch!r}, which is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    shapes = {name: _torch_shape(tensor) for name, tensor in tensors.items()}
+    tensors = {tensor.name: tensor for tensor in file.tensors}
     rope_freqs = None
     if _ROPE_FREQS in tensors:
         rope_freqs = dequantize_tensor(tensors[_ROPE_FREQS], torch.float32).numpy()
-    config_dict = gguf_config_dict(arch, metadata, shapes, rope_freqs)
-    config = AutoConfig.for_model(**config_dict)
+    shapes = {name: tensor.shape for name, tensor in tensors.items()}
+    config = AutoConfig.for_model(**gguf_config_dict(arch, file.metadata, shapes, rope_freqs))
     return ModelSource(
         path=path,
         format="gguf",
         hf_config=config,
-        tokenizer=load_gguf_tokenizer(path, config),
+        tokenizer=load_gguf_tokenizer(path, config) if "tokenizer.ggml.model" in file.metadata else None,
         identity=compute_identity(path, [path]),
-        _weights=lambda dtype: iter_gguf_weights(reader, arch, config, dtype),
+        _weights=lambda dtype: iter_gguf_weights(file.tensors, arch, config, dtype),
     )
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """Scalar and short-array metadata as Python values (the vocabulary arrays are skipped)."""
-    from gguf import GGUFValueType
-
-    metadata = {}
-    for key, field in reader.fields.items():
-        if not field.types:
-            continue
-        if field.types[0] == GGUFValueType.ARRAY and len(field.data) > _LARGE_ARRAY:
-            continue
-        metadata[key] = field.contents()
-    return metadata
 
 
 def load_gguf_tokenizer(path: str, config: Any) -> Any:
     """The tokenizer and chat template stored in the file, built by transformers' GGUF support.
 
-    `AutoTokenizer.from_pretrained(..., gguf_file=...)` would re-derive the config by parsing the
-    whole vocabulary again; the tokenizer class it would pick is chosen here from our config.
+    `AutoTokenizer.from_pretrained(..., gguf_file=...)` would first rebuild the config by parsing
+    the whole metadata again (seconds); the class it would pick is chosen here from our config.
     """
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    directory, name = os.path.split(path)
+    return _tokenizer_class(config).from_pretrained(directory, gguf_file=name)
 
+
+def _tokenizer_class(config: Any) -> Any:
     try:
-        tokenizer_class = TOKENIZER_MAPPING.get(type(config), None) or TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: let AutoTokenizer choose, at its cost
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
+    try:
+        return TOKENIZER_MAPPING.get(type(config), None) or TokenizersBackend
     except KeyError:
-        tokenizer_class = TokenizersBackend
-    return tokenizer_class.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        return TokenizersBackend
 
 
 def gguf_to_hf_name(arch: str, name: str) -> str:
@@ -133,52 +131,62 @@ def gguf_to_hf_name(arch: str, name: str) -> str:
     return f"model.layers.{layer}.{block_names[part]}.{suffix}"
 
 
-def iter_gguf_weights(reader: Any, arch: str, config: Any, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every parameter tensor in file order, in HF layout and `dtype`."""
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue
-        hf_name = gguf_to_hf_name(arch, tensor.name)
-        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
-            yield hf_name, (dequantize_tensor(tensor, torch.float32) - 1.0).to(dtype)
-            continue
-        weight = dequantize_tensor(tensor, dtype)
-        if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            is_q = tensor.name.split(".")[-2] == "attn_q"
-            weight = unpermute_qk(weight, config.num_attention_heads if is_q else config.num_key_value_heads)
-        yield hf_name, weight
+def iter_gguf_weights(
+    tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every parameter tensor in file order, in HF layout and `dtype`.
+
+    Names are checked before any tensor is decoded; decoding runs on a few threads (numpy and
+    torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
+    """
+    jobs = [(gguf_to_hf_name(arch, tensor.name), tensor) for tensor in tensors if tensor.name != _ROPE_FREQS]
+    num_workers = min(_MAX_WORKERS, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=num_workers) as pool:
+        pending: deque = deque()
+        for hf_name, tensor in jobs:
+            pending.append((hf_name, pool.submit(to_hf_tensor, tensor, arch, config, dtype)))
+            if len(pending) > 2 * num_workers:
+                name, future = pending.popleft()
+                yield name, future.result()
+        while pending:
+            name, future = pending.popleft()
+            yield name, future.result()
+
+
+def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor decoded into HF layout: Gemma norms lose their +1 (in float32), llama q/k rows
+    get their HF order back."""
+    part = tensor.name.split(".")[-2]
+    if arch == "gemma3" and part.endswith("norm"):
+        return (dequantize_tensor(tensor, torch.float32) - 1.0).to(dtype)
+    weight = dequantize_tensor(tensor, dtype)
+    if arch == "llama" and part in ("attn_q", "attn_k"):
+        num_heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+        weight = unpermute_qk(weight, num_heads)
+    return weight
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head row interleave of a q/k weight [num_heads * d, in] or bias [num_heads * d]."""
+    """Undo llama.cpp's per-head row interleave of a q/k weight [H * d, in] or bias [H * d]."""
     rows, rest = weight.shape[0], weight.shape[1:]
     head_dim = rows // num_heads
     if head_dim * num_heads != rows or head_dim % 2:
         raise ValueError(f"q/k tensor with {rows} rows cannot be split into {num_heads} heads of even size")
-    w = weight.reshape(num_heads, 2, head_dim // 2, *rest)  # [H, 2, d/2, in]: file order
+    w = weight.reshape(num_heads, head_dim // 2, 2, *rest)  # [H, d/2, 2, in]: file order
     return w.transpose(1, 2).reshape(rows, *rest).contiguous()  # [H * d, in]: HF order
 
 
-def dequantize_tensor(tensor: Any, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
     """One GGUF tensor as a new torch tensor of `dtype` in torch shape (float types are not widened)."""
     from gguf import GGMLQuantizationType, quants
 
     kind = tensor.tensor_type
     data = tensor.data
-    with warnings.catch_warnings():  # the memory map is read-only; every path below copies
-        warnings.simplefilter("ignore", UserWarning)
-        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            values = torch.from_numpy(data)
-        elif kind == GGMLQuantizationType.BF16:
-            values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
-        else:
-            values = torch.from_numpy(quants.dequantize(data, kind))  # float32, fresh
-    return values.to(dtype, copy=values.data_ptr() == _data_ptr(data)).reshape(_torch_shape(tensor))
-
-
-def _data_ptr(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]
-
-
-def _torch_shape(tensor: Any) -> tuple[int, ...]:
-    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+    if kind not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+        values = torch.from_numpy(quants.dequantize(data, kind))  # float32, a fresh array
+        return values.to(dtype).reshape(tensor.shape)
+    if kind == GGMLQuantizationType.BF16:
+        values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)  # [..., cols] bytes -> values
+    else:
+        values = torch.from_numpy(data)  # a view of the file mapping: copied right below
+    return values.to(dtype, copy=True).reshape(tensor.shape)

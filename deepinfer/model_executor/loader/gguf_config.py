@@ -51,12 +51,16 @@ LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
 
 
 def gguf_config_dict(
-    arch: str, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None
+    arch: str,
+    metadata: dict[str, Any],
+    tensor_shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None,
 ) -> dict[str, Any]:
     """The HF config fields for a file of architecture `arch` (shapes in torch order)."""
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+            f"GGUF architecture {arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     config = {field: _required(metadata, f"{arch}.{key}") for key, field in _SHAPE_KEYS.items()}
     config["num_key_value_heads"] = _uniform(config["num_key_value_heads"], f"{arch}.attention.head_count_kv")
@@ -74,13 +78,17 @@ def gguf_config_dict(
         config.update(_gemma3_fields(metadata, config))
     else:
         rope_theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
-        config["rope_parameters"] = _rope_parameters(arch, metadata, rope_theta, config["head_dim"], rope_freqs)
+        config["rope_parameters"] = _rope_parameters(
+            arch, metadata, rope_theta, config["head_dim"], rope_freqs
+        )
     return config
 
 
 def _required(metadata: dict[str, Any], key: str) -> Any:
     if key not in metadata:
-        raise ValueError(f"GGUF metadata key {key!r} is missing; the model's config cannot be built without it")
+        raise ValueError(
+            f"GGUF metadata key {key!r} is missing; the model's config cannot be built without it"
+        )
     return metadata[key]
 
 
@@ -88,7 +96,9 @@ def _uniform(value: Any, key: str) -> int:
     """A per-layer list that is the same everywhere collapses to one int; a varying one is refused."""
     if isinstance(value, list):
         if len(set(value)) != 1:
-            raise ValueError(f"GGUF metadata {key!r} varies per layer ({value}); only uniform values are supported")
+            raise ValueError(
+                f"GGUF metadata {key!r} varies per layer ({value}); only uniform values are supported"
+            )
         return int(value[0])
     return int(value)
 
@@ -119,7 +129,9 @@ def _rope_parameters(
     if scaling == "none":
         return {"rope_type": "default", "rope_theta": rope_theta}
     if scaling not in ("linear", "yarn"):
-        raise ValueError(f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported (linear, yarn)")
+        raise ValueError(
+            f"GGUF metadata {arch}.rope.scaling.type={scaling!r} is not supported (linear, yarn)"
+        )
     params = {"rope_type": scaling, "rope_theta": rope_theta}
     params["factor"] = float(_required(metadata, f"{arch}.rope.scaling.factor"))
     original = metadata.get(f"{arch}.rope.scaling.original_context_length")
@@ -132,7 +144,11 @@ def _llama3_factors(rope_theta: float, head_dim: int, params: dict[str, float]) 
     """llama.cpp's per-frequency divisors for Llama 3 rope scaling with these parameters."""
     freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim/2]
     wavelen = 2 * math.pi / freqs
-    old, low, high = params["original_max_position_embeddings"], params["low_freq_factor"], params["high_freq_factor"]
+    old, low, high = (
+        params["original_max_position_embeddings"],
+        params["low_freq_factor"],
+        params["high_freq_factor"],
+    )
     smooth = (old / wavelen - low) / (high - low)
     factors = 1.0 / ((1 - smooth) / params["factor"] + smooth)
     factors = np.where(wavelen < old / high, 1.0, factors)
@@ -167,7 +183,11 @@ def llama3_rope_parameters(
 
 
 def _fit_llama3_band(
-    divisors: np.ndarray, rope_theta: float, head_dim: int, params: dict[str, Any], original_context: int | None
+    divisors: np.ndarray,
+    rope_theta: float,
+    head_dim: int,
+    params: dict[str, Any],
+    original_context: int | None,
 ) -> dict[str, Any]:
     """Fit low/high/original from the blended band; {} (keep the defaults) when it has < 2 points."""
     factor = params["factor"]
@@ -176,7 +196,9 @@ def _fit_llama3_band(
     if band.sum() < 2 or factor <= 1:
         return {}
     smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
-    slope, intercept = np.polyfit(inv_wavelen[band], smooth, 1)  # slope = old/(high-low), -intercept = low/(high-low)
+    slope, intercept = np.polyfit(
+        inv_wavelen[band], smooth, 1
+    )  # slope = old/(high-low), -intercept = low/(high-low)
     ratio = slope / -intercept  # old / low
     if original_context:
         old = float(original_context)
@@ -204,7 +226,9 @@ def _gemma3_fields(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": int(_required(metadata, "gemma3.attention.sliding_window")),
-        "layer_types": _gemma3_layer_types(metadata.get("gemma3.attention.sliding_window_pattern"), num_layers),
+        "layer_types": _gemma3_layer_types(
+            metadata.get("gemma3.attention.sliding_window_pattern"), num_layers
+        ),
         "rope_parameters": {
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
             "full_attention": global_rope,
@@ -214,10 +238,12 @@ def _gemma3_fields(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str
 
 
 def _gemma3_layer_types(pattern: Any, num_layers: int) -> list[str]:
-    """`pattern` is a period n (layer i is global when (i + 1) % n == 0) or one flag per layer (True = local)."""
+    """`pattern`: a period n (layer i is global when (i + 1) % n == 0) or per-layer flags (True = local)."""
     if isinstance(pattern, list):
         if len(pattern) != num_layers:
-            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries, not {num_layers}")
+            raise ValueError(
+                f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries, not {num_layers}"
+            )
         return ["sliding_attention" if local else "full_attention" for local in pattern]
     period = int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN)
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers)]

@@ -22,13 +22,19 @@ def load_hf_source(path: str) -> ModelSource:
     from transformers import AutoConfig
 
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"directory {path!r} has no config.json, so it is not a model; expected {EXPECTED_LAYOUT}")
+        gguf_files = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        hint = f" (it holds {', '.join(gguf_files)}: pass that file's path)" if gguf_files else ""
+        raise ValueError(
+            f"directory {path!r} has no config.json, so it is not a model{hint}; expected {EXPECTED_LAYOUT}"
+        )
     shard_files = safetensors_files(path)
     config = AutoConfig.from_pretrained(path)
     quantization = getattr(config, "quantization_config", None)
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{path!r}: quantized HF checkpoints (quantization_config: {method}) are not supported")
+        raise ValueError(
+            f"{path!r}: quantized HF checkpoints (quantization_config: {method}) are not supported"
+        )
     files = [os.path.join(path, name) for name in os.listdir(path)]
     return ModelSource(
         path=path,

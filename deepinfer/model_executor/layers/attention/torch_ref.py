@@ -10,7 +10,7 @@ from deepinfer.model_executor.layers.attention.backend import AttentionBackend, 
 
 def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """kv_cache[slot] = (k, v) for every new row. kv_cache [slots, 2, H_kv, D]."""
-    kv_cache[slot_mapping] = torch.stack((k, v), dim=1).to(kv_cache.dtype)  # [T, 2, H_kv, D]
+    kv_cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype))  # [T, 2, H_kv, D]
 
 
 def load_kv(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

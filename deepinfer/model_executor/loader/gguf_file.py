@@ -1,0 +1,150 @@
+"""A lean GGUF header reader: scalar metadata, the tensor table, and memory-mapped tensor bytes.
+
+`gguf.GGUFReader` turns every vocabulary string into numpy views (about 2.5 s for a 49k
+vocabulary, more for 262k); a loader needs none of them (the tokenizer is built by transformers),
+so this reader walks past long string arrays and reads the rest with `struct`. Types, block sizes
+and dequantization still come from the `gguf` package.
+
+    file = magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+           | n_kv x (string key, u32 type, value)
+           | n_tensors x (string name, u32 n_dims, u64 dims[n_dims] innermost-first, u32 type, u64 offset)
+           | padding to general.alignment (32) | tensor data, each at data_start + offset
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAX_ARRAY_LENGTH = 4096  # longer metadata arrays (vocabulary, merges, scores) are skipped, not read
+DEFAULT_ALIGNMENT = 32
+_SUPPORTED_VERSIONS = (2, 3)
+# value type id -> struct format, for the fixed-size types
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor: GGUF name, ggml type, torch-order shape and its raw bytes (a read-only view)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order (outermost first)
+    data: np.ndarray  # a copy-on-write view, as gguf.quants.dequantize expects: values or uint8 blocks
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A GGUF file's metadata (long arrays left out) and tensors, in file order."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+def read_gguf_file(path: str) -> GGUFFile:
+    """Parse the header of `path`; ValueError naming the path when it is not a readable GGUF."""
+    # copy-on-write: views are writable for torch.from_numpy, and the file can never be modified;
+    # a plain ndarray view slices faster than the memmap subclass
+    blob = np.memmap(path, mode="c", dtype=np.uint8).view(np.ndarray)
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError(f"{path!r} does not start with the GGUF magic bytes")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
+    if version not in _SUPPORTED_VERSIONS:
+        raise ValueError(f"{path!r} is GGUF version {version}; supported versions: {_SUPPORTED_VERSIONS}")
+    try:
+        metadata, pos = _read_metadata(blob, 24, n_kv)
+        entries, pos = _read_tensor_table(blob, pos, n_tensors)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path!r} has a truncated or corrupt GGUF header: {exc}") from exc
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_start = -(-pos // alignment) * alignment
+    tensors = [_tensor_view(blob, data_start, entry, path) for entry in entries]
+    return GGUFFile(path=path, metadata=metadata, tensors=tensors)
+
+
+def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    start = pos + 8
+    return bytes(blob[start : start + length]).decode("utf-8"), start + length
+
+
+def _read_metadata(blob: np.ndarray, pos: int, n_kv: int) -> tuple[dict[str, Any], int]:
+    metadata = {}
+    for _ in range(n_kv):
+        key, pos = _read_string(blob, pos)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        value, pos = _read_value(blob, pos + 4, value_type, key)
+        if value is not _SKIPPED:
+            metadata[key] = value
+    return metadata, pos
+
+
+_SKIPPED = object()
+
+
+def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[Any, int]:
+    """One value and the position after it; long arrays come back as `_SKIPPED`."""
+    if value_type in _SCALAR_FORMATS:
+        fmt = "<" + _SCALAR_FORMATS[value_type]
+        return struct.unpack_from(fmt, blob, pos)[0], pos + struct.calcsize(fmt)
+    if value_type == _STRING:
+        return _read_string(blob, pos)
+    if value_type != _ARRAY:
+        raise ValueError(f"GGUF metadata {key!r} has unknown value type {value_type}")
+    item_type, count = struct.unpack_from("<IQ", blob, pos)
+    pos += 12
+    if item_type in _SCALAR_FORMATS:
+        fmt = "<" + _SCALAR_FORMATS[item_type]
+        end = pos + count * struct.calcsize(fmt)
+        if count > MAX_ARRAY_LENGTH:
+            return _SKIPPED, end
+        return list(struct.unpack_from(f"<{count}{fmt[1]}", blob, pos)), end
+    values = []
+    for _ in range(count):  # strings (or nested arrays): walk them, keep them only when short
+        value, pos = _read_value(blob, pos, item_type, key)
+        if count <= MAX_ARRAY_LENGTH:
+            values.append(value)
+    return (values if count <= MAX_ARRAY_LENGTH else _SKIPPED), pos
+
+
+def _read_tensor_table(blob: np.ndarray, pos: int, n_tensors: int) -> tuple[list[tuple], int]:
+    entries = []
+    for _ in range(n_tensors):
+        name, pos = _read_string(blob, pos)
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        pos += 4 + 8 * n_dims
+        tensor_type, offset = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        entries.append((name, tuple(reversed(dims)), tensor_type, offset))
+    return entries, pos
+
+
+def _tensor_view(blob: np.ndarray, data_start: int, entry: tuple, path: str) -> GGUFTensor:
+    """The tensor's bytes as the array `gguf.quants.dequantize` takes ([..., bytes per row] for blocks)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    name, shape, type_id, offset = entry
+    try:
+        tensor_type = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise ValueError(f"{path!r}: tensor {name!r} has unknown ggml type {type_id}") from None
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    if shape[-1] % block_size:
+        raise ValueError(f"{path!r}: tensor {name!r} row of {shape[-1]} is not a multiple of {block_size}")
+    row_bytes = shape[-1] // block_size * type_size
+    num_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+    start = data_start + offset
+    if start + num_bytes > blob.size:
+        raise ValueError(f"{path!r}: tensor {name!r} ends at byte {start + num_bytes}, past the file's end")
+    raw = blob[start : start + num_bytes]
+    if tensor_type == GGMLQuantizationType.F32:
+        return GGUFTensor(name, tensor_type, shape, raw.view(np.float32).reshape(shape))
+    if tensor_type == GGMLQuantizationType.F16:
+        return GGUFTensor(name, tensor_type, shape, raw.view(np.float16).reshape(shape))
+    return GGUFTensor(name, tensor_type, shape, raw.reshape(*shape[:-1], row_bytes))

@@ -1,0 +1,48 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against HF transformers' forward
+on the same GGUF, dequantized by transformers' own loader."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tiny_models import assert_teacher_forcing
+
+from deepinfer import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+]
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(max_model_len=512, kv_cache_memory="256MiB")
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers(default_llm, default_gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = default_llm.generate(PROMPTS, params, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf_path), dtype=torch.float32,
+                                              gguf_file=os.path.basename(default_gguf_path)).eval()
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.token_ids) == 32
+        sampled = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert_teacher_forcing(hf, out.prompt_token_ids, c.token_ids, sampled, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_default_model_chat_is_coherent(default_llm):
+    out = default_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
+    kv = default_llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -1,0 +1,130 @@
+"""The offline API on a tiny checkpoint: batching, streaming, seeds, stops, bad input, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(tiny_checkpoint("llama"), num_blocks=64, block_size=8, max_model_len=128,
+               max_num_batched_tokens=64)
+
+
+def _no_leaks(llm):
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_keeps_prompt_order_and_lengths(llm):
+    prompts = [[5, 6, 7], [8] * 20, [9, 10]]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                  for n in (3, 7, 5)], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7, 5]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    _no_leaks(llm)
+
+
+def test_stream_deltas_sum_to_the_text(llm):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    deltas = list(llm.stream([11, 12, 13], params))
+    assert deltas[-1].finished
+    assert "".join(d.outputs[0].delta_text for d in deltas) == deltas[-1].outputs[0].text
+    whole = llm.generate([[11, 12, 13]], params, use_tqdm=False)[0]
+    assert whole.outputs[0].token_ids == deltas[-1].outputs[0].token_ids
+    _no_leaks(llm)
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([[20, 21, 22]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=9, temperature=0.8, ignore_eos=True) for _ in range(3)]
+    mixed = llm.generate([[1, 2], [20, 21, 22], [3] * 30, [4, 5]], [others[0], seeded, others[1], others[2]],
+                         use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    _no_leaks(llm)
+
+
+def test_stop_token_and_stop_string(llm):
+    base = llm.generate([[30, 31]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[4]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate([[30, 31]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if stop.strip():
+        out = llm.generate([[30, 31]], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True,
+                                                      stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == text[:text.index(stop)]
+    _no_leaks(llm)
+
+
+@pytest.mark.parametrize("prompt, field", [([], "empty"), ([1] * 200, "max_model_len"),
+                                           ([10**9], "vocabulary")])
+def test_bad_prompt_fails_alone(llm, prompt, field):
+    good = [7, 8, 9]
+    outs = llm.generate([good, prompt, good], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                        use_tqdm=False)
+    assert isinstance(outs[1].error, ValueError) and field in str(outs[1].error)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [4, 4]
+    _no_leaks(llm)
+
+
+@pytest.mark.parametrize("kwargs, needle", [(dict(max_tokens=0), "max_tokens"),
+                                            (dict(temperature=-0.5), "temperature"),
+                                            (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                                            (dict(bogus_field=3), "bogus_field")])
+def test_bad_sampling_field_names_field_and_value(kwargs, needle):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert needle in str(err.value) and repr(next(iter(kwargs.values()))) in str(err.value)
+
+
+def test_engine_refuses_bad_request_and_keeps_running(llm):
+    engine = llm.engine
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    with pytest.raises(ValueError, match="prompt has 300 tokens"):
+        engine.add_request([1] * 300, SamplingParams(max_tokens=5))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(done[good].outputs[0].token_ids) == 5
+    _no_leaks(llm)
+
+
+def test_abort_while_streaming_frees_blocks(llm):
+    gen = llm.stream([40, 41, 42], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    next(gen), next(gen)
+    gen.close()  # the stream's owner walked away: the request is aborted
+    _no_leaks(llm)
+
+
+def test_missing_and_non_model_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match=str(tmp_path)):
+        LLM(str(tmp_path))
+
+
+def test_unknown_architecture_lists_supported(tiny_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "weird"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="supported.*llama"):
+        LLM(str(path))
