@@ -9,13 +9,19 @@ from deepinfer.model_executor.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
-    """q [T, H, D], k/v [T, H_kv, D] -> [T, H*D]. The cache view is bound by the cache engine."""
+    """q [T, H, D], k/v [T, H_kv, D] -> [T, H*D]. The cache view is bound by the cache engine.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int):
+    `sliding_window` = W: a query at p sees positions p-W+1 .. p (W rows, itself included); such a
+    layer keeps its rows in a ring of S >= W + k + 1 rows per request. None: full attention.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+                 sliding_window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # [slots, 2, H_kv, D], set by bind_kv_cache
         self.backend = None  # set by the model runner
 
