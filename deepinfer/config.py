@@ -46,6 +46,7 @@ class CacheConfig:
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "fp8" (MXFP8 rows)
+    num_speculative_tokens: int = 0  # k draft tokens a step may verify; rings need S >= W + k + 1
 
     def __post_init__(self):
         _positive("block_size", self.block_size)
@@ -53,6 +54,9 @@ class CacheConfig:
             _positive("num_blocks", self.num_blocks)
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         _positive("kv_cache_memory", self.kv_cache_memory)
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
 

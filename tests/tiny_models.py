@@ -28,6 +28,20 @@ def tiny_config(arch: str, **overrides):
         cfg = tf.Qwen3Config(**_COMMON, head_dim=32, use_sliding_window=False)
     elif arch == "mistral":
         cfg = tf.MistralConfig(**_COMMON, sliding_window=None)
+    elif arch == "mistral_swa":  # every layer slides
+        cfg = tf.MistralConfig(**_COMMON, sliding_window=16)
+    elif arch == "qwen2_swa":  # layers >= max_window_layers slide: layer 0 global, layer 1 local
+        cfg = tf.Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    elif arch == "gemma3":  # local, local, global, local, local; linear-scaled global RoPE as in 4B+
+        cfg = tf.Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 5, "rms_norm_eps": 1e-6,
+                                     "tie_word_embeddings": True}, head_dim=32, sliding_window=16,
+                                  query_pre_attn_scalar=24, final_logit_softcapping=10.0,
+                                  layer_types=["sliding_attention"] * 2 + ["full_attention"]
+                                  + ["sliding_attention"] * 2,
+                                  rope_parameters={
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                         "rope_theta": 1000000.0}})
     else:
         raise ValueError(arch)
     for key, value in overrides.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec
+from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
@@ -24,8 +24,8 @@ class LLMEngine:
         self.config, self.source, self.runner = config, source, runner
         self.tokenizer = source.tokenizer
         self.max_model_len = config.scheduler.max_model_len
-        self.kv_manager = KVCacheManager((PagedGroupSpec("full", config.cache.block_size),),
-                                         num_blocks=runner.num_blocks, num_state_slots=0)
+        self.kv_manager = KVCacheManager(kv_group_specs(runner.groups), num_blocks=runner.num_blocks,
+                                         num_state_slots=runner.num_state_slots)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(source)
@@ -42,8 +42,8 @@ class LLMEngine:
         if config.max_model_len is None:
             config.max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
         config.scheduler.max_model_len = config.max_model_len
-        runner = ModelRunner(source, config.cache, config.max_model_len, config.dtype, config.device,
-                             config.seed)
+        runner = ModelRunner(source, config.cache, config.max_model_len, config.scheduler.max_num_seqs,
+                             config.dtype, config.device, config.seed)
         return cls(config, source, runner)
 
     # -- requests -------------------------------------------------------------------------------
@@ -122,3 +122,9 @@ def eos_token_ids(source) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def kv_group_specs(groups) -> tuple:
+    """The runner's cache groups as the block manager sees them (sizes only, no tensors)."""
+    return tuple(PagedGroupSpec(g.name, g.rows_per_unit) if g.kind == "paged" else RingGroupSpec(g.name, g.rows_per_unit)
+                 for g in groups)

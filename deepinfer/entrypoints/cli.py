@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens a step may verify (sliding-window rings need S >= W + k + 1)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +44,8 @@ def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                num_speculative_tokens=args.num_speculative_tokens)
 
 
 def sampling_params(args) -> SamplingParams:

@@ -1,26 +1,48 @@
-"""`deepinfer info`: what the engine built and how much the KV cache holds."""
+"""`deepinfer info`: what the engine built and how much its KV cache holds, per cache group."""
 
 from __future__ import annotations
+
+from deepinfer.model_executor.layers.ops.cache_common import visible_rows
+
+
+def group_lines(llm) -> list[str]:
+    engine, runner = llm.engine, llm.engine.runner
+    fmt, max_len = runner.codec.format, engine.max_model_len
+    lines = []
+    for gi, g in enumerate(runner.groups):
+        units = runner.cache.num_units[gi]
+        per_token = len(g.layer_ids) * fmt.bytes_per_row
+        head = (f"cache group {g.name!r} ({g.kind}, {len(g.layer_ids)} layers): row {fmt.note}, "
+                f"{fmt.num_elements} elements = {fmt.bytes_per_row:,} B per row "
+                f"({fmt.data_bytes:,} data + {fmt.scale_bytes:,} scale)")
+        if g.kind == "ring":
+            body = (f"  window W={g.window}: {visible_rows(max_len, g.window)} visible rows, {g.rows_per_unit} "
+                    f"allocated rows (S) per request per layer = {g.rows_per_unit * per_token:,} B per request; "
+                    f"{units} state slots = {units} requests, any length "
+                    f"({runner.cache.group_bytes(gi) / 2**20:,.1f} MiB)")
+        else:
+            tokens = units * g.rows_per_unit
+            body = (f"  {per_token:,} B per token; {units:,} blocks x {g.rows_per_unit} = {tokens:,} tokens "
+                    f"= {tokens // max_len:,} requests at max_model_len {max_len} "
+                    f"({runner.cache.group_bytes(gi) / 2**20:,.1f} MiB)")
+        lines += [head, body]
+    return lines
 
 
 def info_lines(llm) -> list[str]:
     engine = llm.engine
     cfg, runner = engine.source.hf_config, engine.runner
-    shape, block_size = runner.cache_shape, engine.config.cache.block_size
-    per_token = shape.bytes_per_token(runner.dtype)
-    capacity = runner.num_blocks * block_size
+    layers = runner.model.attention_layers()
     return [
         f"model: {engine.source.path}",
         f"architecture: {cfg.model_type} ({', '.join(getattr(cfg, 'architectures', None) or [])})",
-        f"layers: {cfg.num_hidden_layers}, hidden: {cfg.hidden_size}, heads: {cfg.num_attention_heads}, "
-        f"kv heads: {shape.num_kv_heads}, head dim: {shape.head_dim}, vocab: {cfg.vocab_size}",
-        f"dtype: {runner.dtype}, device: {runner.device}, max_model_len: {engine.max_model_len}",
-        f"cache group 'full' (paged): row = K+V of {shape.num_kv_heads} kv heads x {shape.head_dim} "
-        f"= {shape.row_elements} elements = {shape.row_elements * runner.dtype.itemsize} B per layer per token",
-        f"KV bytes per token (all {shape.num_layers} layers): {per_token:,} B",
-        f"cache: {runner.num_blocks:,} blocks x {block_size} tokens = {capacity:,} tokens "
-        f"({runner.cache.num_bytes / 2**20:,.1f} MiB), "
-        f"{capacity // engine.max_model_len:,} requests at max_model_len",
+        f"layers: {len(layers)}, hidden: {cfg.hidden_size}, heads: {layers[0].num_heads}, "
+        f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
+        f"dtype: {runner.dtype}, kv cache dtype: {engine.config.cache.kv_cache_dtype}, device: {runner.device}, "
+        f"max_model_len: {engine.max_model_len}, max_num_seqs: {engine.config.scheduler.max_num_seqs}",
+        *group_lines(llm),
+        f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
+        f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)",
     ]
 
 

@@ -1,11 +1,16 @@
-"""One allocation per cache group; each layer sees a view of it (no second copy of the cache).
+"""One allocation per cache group; each layer sees an as_strided view of it (book listing 3.8).
 
-Full-attention (paged) group, compute-dtype rows:
+A group's allocation holds, per unit (a paged block, or a ring's state slot), the rows of all
+its layers one after another:
 
-    kv_cache [num_layers, num_blocks * block_size, 2, H_kv, D]
-    layer l's view: kv_cache[l]   ->  [slots, 2, H_kv, D]     slot = block_id * block_size + offset
+    blocks [num_units, num_layers * rows_per_unit * row_bytes]   uint8
+             unit u:  | layer 0: rows 0..R-1 | layer 1: rows 0..R-1 | ...
+    layer l's view:   (num_units, rows_per_unit, 1, row_bytes)
+                      strides (blocks.stride(0), row_bytes, row_bytes, 1)
 
-A row (one token, one layer) holds K and V of all KV heads: 2 * H_kv * D elements.
+R is the block size of a paged group, or the ring size S of a ring group. A flat slot
+u * R + r (the book's b * S + p mod S) addresses view[u, r]. No second copy of the cache exists:
+every view aliases the group's one allocation.
 """
 
 from __future__ import annotations
@@ -14,36 +19,101 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.model_executor.layers.ops.cache_common import KVCacheFormat, mxfp8_format, unquantized_format
+from deepinfer.model_executor.layers.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
-@dataclass(frozen=True)
-class PagedCacheShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class RowCodec:
+    """K and V of all KV heads of one layer for one token <-> one row of bytes."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str):
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.num_elements = 2 * num_kv_heads * head_dim
+        self.fp8 = kv_cache_dtype == "fp8"
+        self.format: KVCacheFormat = (mxfp8_format(self.num_elements, "MXFP8 K|V row") if self.fp8 else
+                                      unquantized_format(self.num_elements, _DTYPE_NAMES[dtype], "K|V row"))
 
     @property
-    def row_elements(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim
+    def row_bytes(self) -> int:
+        return self.format.bytes_per_row
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """All layers' rows for one token."""
-        return self.num_layers * self.row_elements * dtype.itemsize
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v [T, H_kv, D] -> rows [T, row_bytes] uint8."""
+        flat = torch.cat((k.flatten(1), v.flatten(1)), dim=1)  # [T, 2*H_kv*D]
+        if self.fp8:
+            return quantize_mxfp8(flat)  # [T, row_bytes]
+        return flat.to(self.dtype).contiguous().view(torch.uint8)  # [T, row_bytes]
 
-    def num_blocks_for(self, memory_bytes: int, dtype: torch.dtype) -> int:
-        return memory_bytes // (self.block_size * self.bytes_per_token(dtype))
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [..., row_bytes] uint8 -> [..., 2, H_kv, D] in the compute dtype."""
+        if self.fp8:
+            flat = dequantize_mxfp8(rows, self.num_elements, self.dtype)  # [..., E]
+        else:
+            flat = rows.contiguous().view(self.dtype)  # [..., E]
+        return flat.unflatten(-1, (2, self.num_kv_heads, self.head_dim))  # [..., 2, H_kv, D]
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    """Which layers share one kind of cache. kind "paged": rows_per_unit = block size;
+    kind "ring": rows_per_unit = S (ring rows per state slot), window = W."""
+
+    name: str
+    kind: str
+    layer_ids: tuple[int, ...]
+    rows_per_unit: int
+    window: int | None = None
+
+
+class LayerCache:
+    """One layer's view of its group: load rows at flat slots, store rows at flat slots."""
+
+    def __init__(self, view: torch.Tensor, codec: RowCodec):
+        self.view = view  # (units, rows_per_unit, 1, row_bytes) uint8
+        self.codec = codec
+        self.rows_per_unit = view.shape[1]
+
+    def load(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [...] (-1 reads unit 0 row 0: the caller masks it) -> [..., 2, H_kv, D]."""
+        s = slots.clamp(min=0)
+        rows = self.view[s // self.rows_per_unit, s % self.rows_per_unit, 0]  # [..., row_bytes]
+        return self.codec.decode(rows)
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows for k, v [T, H_kv, D] at distinct flat slots [T]."""
+        self.view[slots // self.rows_per_unit, slots % self.rows_per_unit, 0] = self.codec.encode(k, v)
 
 
 class CacheEngine:
-    def __init__(self, shape: PagedCacheShape, num_blocks: int, dtype: torch.dtype, device: torch.device):
-        self.shape, self.num_blocks, self.dtype = shape, num_blocks, dtype
-        num_slots = num_blocks * shape.block_size
-        self.kv_cache = torch.zeros(shape.num_layers, num_slots, 2, shape.num_kv_heads, shape.head_dim,
-                                    dtype=dtype, device=device)  # [layers, slots, 2, H_kv, D]
+    def __init__(self, groups: list[CacheGroupSpec], num_units: list[int], codec: RowCodec,
+                 device: torch.device):
+        self.groups, self.num_units, self.codec = groups, num_units, codec
+        self.allocations = [self._allocate(g, n, device) for g, n in zip(groups, num_units, strict=True)]
 
-    def layer_views(self) -> list[torch.Tensor]:
-        return [self.kv_cache[i] for i in range(self.shape.num_layers)]  # each [slots, 2, H_kv, D]
+    def _allocate(self, group: CacheGroupSpec, num_units: int, device) -> torch.Tensor:
+        unit_bytes = len(group.layer_ids) * group.rows_per_unit * self.codec.row_bytes
+        return torch.zeros(num_units, unit_bytes, dtype=torch.uint8, device=device)  # [units, unit_bytes]
+
+    def layer_caches(self) -> dict[int, tuple[int, LayerCache]]:
+        """layer id -> (group index, its LayerCache)."""
+        out = {}
+        for gi, (group, blocks) in enumerate(zip(self.groups, self.allocations, strict=True)):
+            for li, layer in enumerate(group.layer_ids):
+                out[layer] = (gi, LayerCache(self.layer_view(blocks, group, li), self.codec))
+        return out
+
+    def layer_view(self, blocks: torch.Tensor, group: CacheGroupSpec, index_in_group: int) -> torch.Tensor:
+        """The book's (units, rows_per_unit, 1, bytes per row) view of one layer's region."""
+        row, rows = self.codec.row_bytes, group.rows_per_unit
+        start = index_in_group * rows * row
+        return blocks[:, start:start + rows * row].as_strided(
+            (blocks.shape[0], rows, 1, row), (blocks.stride(0), row, row, 1))
 
     @property
     def num_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(a.numel() for a in self.allocations)
+
+    def group_bytes(self, gi: int) -> int:
+        return self.allocations[gi].numel()

@@ -1,4 +1,9 @@
-"""StepPlan -> packed input tensors and attention metadata (decode rows first, then segments)."""
+"""StepPlan -> packed input tensors and per-cache-group attention metadata.
+
+Rows on the packed token axis: decode queries first, then one segment per prefill chunk.
+Addresses are flat slots: a paged group's slot is block_table[p // bs] * bs + p % bs; a ring
+group's is state_id * S + p % S (book listing 3.9).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.model_executor.layers.attention.backend import AttentionMetadata, PrefillSegment
+from deepinfer.model_executor.layers.attention.backend import AttentionMetadata, GroupMetadata, PrefillSegment
+from deepinfer.model_executor.layers.ops.decode_metadata import get_kv_index, prepare_decode_metadata
+from deepinfer.worker.cache_engine import CacheGroupSpec
+
+_LONG = dict(dtype=torch.long)
 
 
 @dataclass
@@ -18,74 +27,112 @@ class StepInputs:
     sample_index: torch.Tensor  # [N] row of each one's last token on the packed axis
 
 
-def _is_decode(s) -> bool:
-    return s.num_tokens == 1 and s.start_pos > 0
+def is_decode(s) -> bool:
+    """Store-then-read steps: one new token, or a verification step's k+1 tokens."""
+    return s.start_pos > 0 and (s.num_tokens == 1 or getattr(s, "verify", False))
 
 
-def slots_of(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of each position: block_table[p // bs] * bs + p % bs."""
-    return block_table[positions // block_size] * block_size + positions % block_size
+def _positions(s) -> torch.Tensor:
+    return torch.arange(s.start_pos, s.start_pos + s.num_tokens, **_LONG)  # [n]
 
 
-def _block_table_matrix(tables: list[list[int]]) -> torch.Tensor:
+class _GroupAddressing:
+    """Flat slots of one group for one request (table = block ids, or the state id)."""
+
+    def __init__(self, group: CacheGroupSpec, unit_index: int):
+        self.group, self.unit_index = group, unit_index
+        self.ring = group.kind == "ring"
+        self.R = group.rows_per_unit
+
+    def unit(self, s):
+        return s.state_ids[self.unit_index] if self.ring else s.block_ids[self.unit_index]
+
+    def slots(self, s, positions: torch.Tensor) -> torch.Tensor:
+        if self.ring:
+            return self.unit(s) * self.R + positions % self.R
+        table = torch.tensor(self.unit(s), **_LONG)
+        return table[positions // self.R] * self.R + positions % self.R
+
+    def load_positions(self, s) -> torch.Tensor:
+        first = max(0, s.start_pos - self.group.window + 1) if self.ring else 0
+        return torch.arange(first, s.start_pos, **_LONG)  # [n_old]
+
+    def stored_from(self, s) -> int:
+        """A chunk longer than the ring stores only its last S rows (each slot written once)."""
+        end = s.start_pos + s.num_tokens
+        return max(s.start_pos, end - self.R) if self.ring else s.start_pos
+
+
+def _decode_index(addr: _GroupAddressing, decodes, q_pos: torch.Tensor, q_req: torch.Tensor):
+    """Read index rows [N, L] of every decode query, -1 past its visible rows."""
+    g = addr.group
+    if addr.ring:
+        sids = torch.tensor([addr.unit(s) for s in decodes], **_LONG)[q_req]  # [N]
+        meta = prepare_decode_metadata(q_pos, sids, g.window, g.rows_per_unit)
+        return get_kv_index(meta.offset, meta.swa_len, g.window, g.rows_per_unit)  # [N, W]
+    tables = [addr.unit(s) for s in decodes]
     width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, max_blocks]
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], **_LONG)[q_req]  # [N, blocks]
+    cols = torch.arange(int(q_pos.max()) + 1, **_LONG)  # [L]
+    index = tables.gather(1, (cols // addr.R).expand(len(q_pos), -1)) * addr.R + cols % addr.R  # [N, L]
+    return index.masked_fill(cols[None, :] > q_pos[:, None], -1)  # [N, L]
 
 
-def _decode_metadata(decodes, block_size: int):
-    """slot_mapping [B] and read index rows [B, L_max] (-1 past each query's length)."""
-    tables = _block_table_matrix([s.block_ids[0] for s in decodes])  # [B, W]
-    pos = torch.tensor([s.start_pos for s in decodes], dtype=torch.long)  # [B]
-    cols = torch.arange(int(pos.max()) + 1, dtype=torch.long)  # [L]
-    index = tables.gather(1, (cols // block_size).expand(len(decodes), -1)) * block_size + cols % block_size
-    index = index.masked_fill(cols[None, :] > pos[:, None], -1)  # [B, L]
-    slots = index.gather(1, pos[:, None]).squeeze(1)  # [B]
-    return pos, slots, index
-
-
-def _segment(s, token_start: int, block_size: int):
-    table = torch.tensor(s.block_ids[0], dtype=torch.long)
-    positions = torch.arange(s.start_pos, s.start_pos + s.num_tokens, dtype=torch.long)  # [n]
-    old_positions = torch.arange(s.start_pos, dtype=torch.long)  # [start]
-    seg = PrefillSegment(token_start, token_start + s.num_tokens, s.start_pos,
-                         load_index=slots_of(table, old_positions, block_size),
-                         load_positions=old_positions)
-    return seg, positions, slots_of(table, positions, block_size)
-
-
-def build_step_inputs(plan, block_size: int, device: torch.device) -> StepInputs:
-    decodes = [s for s in plan.scheduled if _is_decode(s)]
-    others = [s for s in plan.scheduled if not _is_decode(s)]
-    ids, pos_parts, slot_parts, segments, ends = [], [], [], [], []
-    decode_index = None
+def _group_metadata(addr: _GroupAddressing, decodes, segments, q_pos, q_req, offsets) -> GroupMetadata:
+    store_rows, store_slots, prefills = [], [], []
     if decodes:
-        pos, slots, decode_index = _decode_metadata(decodes, block_size)
-        ids += [s.token_ids[0] for s in decodes]
-        pos_parts.append(pos)
-        slot_parts.append(slots)
-        ends += list(range(1, len(decodes) + 1))
-    offset = len(decodes)
-    for s in others:
-        seg, positions, slots = _segment(s, offset, block_size)
-        ids += s.token_ids
-        pos_parts.append(positions)
-        slot_parts.append(slots)
-        segments.append(seg)
-        offset += s.num_tokens
-        ends.append(offset)
-    return _finish(decodes + others, ids, pos_parts, slot_parts, segments, decode_index, ends, device)
+        store_rows.append(torch.arange(len(q_pos), **_LONG))
+        store_slots.append(torch.cat([addr.slots(s, _positions(s)) for s in decodes]))
+    for s, start in zip(segments, offsets, strict=True):
+        first = addr.stored_from(s)
+        stored = torch.arange(first, s.start_pos + s.num_tokens, **_LONG)  # [m]
+        store_rows.append(start + stored - s.start_pos)
+        store_slots.append(addr.slots(s, stored))
+        old = addr.load_positions(s)
+        prefills.append(PrefillSegment(start, start + s.num_tokens, addr.slots(s, old), old))
+    rows = torch.cat(store_rows)
+    all_rows = rows.numel() == int(q_pos.numel()) + sum(s.num_tokens for s in segments)
+    return GroupMetadata(window=addr.group.window if addr.ring else None, store_slots=torch.cat(store_slots),
+                         store_rows=None if all_rows else rows,
+                         decode_index=_decode_index(addr, decodes, q_pos, q_req) if decodes else None,
+                         prefills=prefills)
 
 
-def _finish(ordered, ids, pos_parts, slot_parts, segments, decode_index, ends, device) -> StepInputs:
-    to = lambda t: t.to(device, non_blocking=True)
-    for seg in segments:
-        seg.load_index, seg.load_positions = to(seg.load_index), to(seg.load_positions)
-    positions = to(torch.cat(pos_parts))
-    md = AttentionMetadata(slot_mapping=to(torch.cat(slot_parts)), positions=positions,
-                           num_decode_tokens=sum(1 for s in ordered if _is_decode(s)),
-                           decode_kv_index=None if decode_index is None else to(decode_index),
-                           prefills=segments)
+def group_addressing(groups: list[CacheGroupSpec]) -> list[_GroupAddressing]:
+    """Paged groups take block_ids[0], [1], ... in order; ring groups take state_ids likewise."""
+    counters = {"paged": 0, "ring": 0}
+    out = []
+    for g in groups:
+        out.append(_GroupAddressing(g, counters[g.kind]))
+        counters[g.kind] += 1
+    return out
+
+
+def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device) -> StepInputs:
+    decodes = [s for s in plan.scheduled if is_decode(s)]
+    segments = [s for s in plan.scheduled if not is_decode(s)]
+    ordered = decodes + segments
+    q_pos = torch.cat([_positions(s) for s in decodes]) if decodes else torch.empty(0, **_LONG)
+    q_req = torch.cat([torch.full((s.num_tokens,), i, **_LONG) for i, s in enumerate(decodes)]) \
+        if decodes else torch.empty(0, **_LONG)
+    ends = torch.tensor([s.num_tokens for s in ordered], **_LONG).cumsum(0).tolist()
+    offsets = ends[len(decodes) - 1:-1] if decodes else [0] + ends[:-1]
+    groups = [_group_metadata(a, decodes, segments, q_pos, q_req, offsets) for a in addressing]
+    positions = torch.cat([_positions(s) for s in ordered])
+    ids = [t for s in ordered for t in s.token_ids]
     rows = [(s, end - 1) for s, end in zip(ordered, ends, strict=True) if s.do_sample]
-    return StepInputs(input_ids=to(torch.tensor(ids, dtype=torch.long)), positions=positions,
-                      attn_metadata=md, sample_rows=[s for s, _ in rows],
-                      sample_index=to(torch.tensor([i for _, i in rows], dtype=torch.long)))
+    md = AttentionMetadata(positions=positions, num_decode_tokens=int(q_pos.numel()), groups=groups)
+    inputs = StepInputs(torch.tensor(ids, **_LONG), positions, md, [s for s, _ in rows],
+                        torch.tensor([i for _, i in rows], **_LONG))
+    return inputs if device.type == "cpu" else _to_device(inputs, device)
+
+
+def _to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
+    to = lambda t: None if t is None else t.to(device, non_blocking=True)
+    md = inputs.attn_metadata
+    for g in md.groups:
+        g.store_slots, g.store_rows, g.decode_index = to(g.store_slots), to(g.store_rows), to(g.decode_index)
+        for seg in g.prefills:
+            seg.load_slots, seg.load_positions = to(seg.load_slots), to(seg.load_positions)
+    md.positions = to(md.positions)
+    return StepInputs(to(inputs.input_ids), md.positions, md, inputs.sample_rows, to(inputs.sample_index))

@@ -1,17 +1,19 @@
-"""ModelRunner: builds the model and its cache, and turns a StepPlan into sampled tokens."""
+"""ModelRunner: builds the model and its cache groups, and turns a StepPlan into sampled tokens."""
 
 from __future__ import annotations
 
 import torch
 
 from deepinfer.engine.plan import ModelOutput
+from deepinfer.environ import get_environ
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend
+from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size, get_kvstore_swa_block_size
+from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
-from deepinfer.model_executor.models.llama import head_dim_of
 from deepinfer.model_executor.models.registry import get_model_class
-from deepinfer.worker.cache_engine import CacheEngine, PagedCacheShape
-from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec
+from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -41,36 +43,74 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     return model.to(dtype=dtype).eval()
 
 
-def paged_cache_shape(cfg, block_size: int) -> PagedCacheShape:
-    return PagedCacheShape(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg), block_size)
+def ring_size(window: int) -> int:
+    """S for a window W: the kv-store size when the prefill extra state is on (book §3.4.3)."""
+    env = get_environ()
+    return get_kvstore_swa_block_size(window, env) if env.prefill_store_extra_state else \
+        get_inference_swa_block_size(window, env)
+
+
+def cache_groups(attention_layers, block_size: int) -> list[CacheGroupSpec]:
+    """Full-attention layers -> one paged group; sliding layers -> one ring group per window."""
+    full = tuple(i for i, a in enumerate(attention_layers) if a.sliding_window is None)
+    windows = sorted({a.sliding_window for a in attention_layers if a.sliding_window is not None})
+    groups = [CacheGroupSpec("full", "paged", full, block_size)] if full else []
+    for w in windows:
+        layers = tuple(i for i, a in enumerate(attention_layers) if a.sliding_window == w)
+        name = "swa" if len(windows) == 1 else f"swa{w}"
+        groups.append(CacheGroupSpec(name, "ring", layers, ring_size(w), window=w))
+    return groups
 
 
 class ModelRunner:
-    def __init__(self, source, cache_config, max_model_len: int, dtype: str = "auto",
+    def __init__(self, source, cache_config, max_model_len: int, max_num_seqs: int, dtype: str = "auto",
                  device: str | None = None, seed: int = 0):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = build_model(source, self.dtype, self.device, max_model_len)
-        self.cache_shape = paged_cache_shape(source.hf_config, cache_config.block_size)
-        self.num_blocks = cache_config.num_blocks or self.cache_shape.num_blocks_for(
-            cache_config.kv_cache_memory, self.dtype)
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} is too small for one block "
-                             f"of {cache_config.block_size} tokens")
-        self.cache = CacheEngine(self.cache_shape, self.num_blocks, self.dtype, self.device)
+        layers = self.model.attention_layers()
+        self.codec = RowCodec(layers[0].num_kv_heads, layers[0].head_dim, self.dtype, cache_config.kv_cache_dtype)
+        self.groups = cache_groups(layers, cache_config.block_size)
+        for g in self.groups:
+            if g.kind == "ring":
+                check_ring_fits_drafts(g.window, g.rows_per_unit, cache_config.num_speculative_tokens)
+        self.num_state_slots = max_num_seqs if any(g.kind == "ring" for g in self.groups) else 0
+        self.num_blocks = self._num_blocks(cache_config)
+        units = [self.num_blocks if g.kind == "paged" else self.num_state_slots for g in self.groups]
+        self.cache = CacheEngine(self.groups, units, self.codec, self.device)
+        self.addressing = group_addressing(self.groups)
         self._bind_cache(TorchAttentionBackend())
         self.sampler = Sampler(seed)
 
+    def unit_bytes(self, group: CacheGroupSpec) -> int:
+        """Bytes of one block (paged) or one state slot (ring) of a group."""
+        return len(group.layer_ids) * group.rows_per_unit * self.codec.row_bytes
+
+    def _num_blocks(self, cache_config) -> int:
+        ring_bytes = sum(self.unit_bytes(g) * self.num_state_slots for g in self.groups if g.kind == "ring")
+        paged = [g for g in self.groups if g.kind == "paged"]
+        if not paged:
+            return 0
+        if cache_config.num_blocks:
+            return cache_config.num_blocks
+        num = (cache_config.kv_cache_memory - ring_bytes) // self.unit_bytes(paged[0])
+        if num < 1:
+            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B holds no paged block after "
+                             f"{ring_bytes} B of sliding-window rings; raise it or lower max_num_seqs")
+        return num
+
     def _bind_cache(self, backend) -> None:
-        for attn, view in zip(self.model.attention_layers(), self.cache.layer_views(), strict=True):
-            attn.kv_cache, attn.backend = view, backend
+        layers = self.model.attention_layers()
+        for layer_id, (group_index, cache) in self.cache.layer_caches().items():
+            layers[layer_id].kv_cache, layers[layer_id].group_index = cache, group_index
+            layers[layer_id].backend = backend
 
     @torch.inference_mode()
     def execute(self, plan) -> ModelOutput:
         self.sampler.release(plan.finished_request_ids)
         if plan.is_empty:
             return ModelOutput()
-        inputs = build_step_inputs(plan, self.cache_shape.block_size, self.device)
+        inputs = build_step_inputs(plan, self.addressing, self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         if not inputs.sample_rows:

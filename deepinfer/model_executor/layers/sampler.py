@@ -8,7 +8,7 @@ the vocabulary:
                               +--> penalties (repetition over prompt + output,
                                    presence / frequency over output)
                                      +--> greedy rows: argmax
-                                     +--> random rows: / T -> top-k -> top-p -> min-p -> softmax
+                                     +--> random rows: / T -> top-k -> top-p -> min-p -> exp
                                           -> inverse CDF at u ~ U[0, 1), one u per token
 
 Every sampled token of a random row consumes exactly one uniform from its request's own
@@ -82,13 +82,13 @@ class Sampler:
         """Greedy rows: argmax; random rows: a draw from the processed distribution. -> [N]."""
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
-            return logits.argmax(dim=-1)  # [N]: the hot path, one batched op
+            return logits.max(dim=-1).indices  # [N]: the hot path, one batched op (first max on ties)
         if len(random_rows) == len(rows):
             return self._sample(logits, rows, params)  # [N]
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [N]
         greedy_index = _index(greedy_rows, logits)  # [g]
-        token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)  # [g]
+        token_ids[greedy_index] = logits.index_select(0, greedy_index).max(dim=-1).indices  # [g]
         random_index = _index(random_rows, logits)  # [r]
         token_ids[random_index] = self._sample(logits.index_select(0, random_index),
                                                [rows[i] for i in random_rows],
@@ -102,9 +102,9 @@ class Sampler:
         scaled = logits / temperature  # [n, V], ours to write
         _top_k_top_p_(scaled, [p.top_k for p in params], [p.top_p for p in params])
         _min_p_(scaled, [p.min_p for p in params])
-        probs = scaled.softmax(dim=-1)  # [n, V]; filtered tokens have p = 0 exactly
-        uniforms = self._uniforms(rows, params).to(probs.device)  # [n] float64
-        return _inverse_cdf(probs, uniforms)  # [n]
+        weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [n, V]; 0 where filtered
+        uniforms = self._uniforms(rows, params).to(weights.device)  # [n] float64
+        return _inverse_cdf(weights, uniforms)  # [n]
 
     def _uniforms(self, rows: Sequence[ScheduledRequest], params: list[SamplingParams]) -> torch.Tensor:
         """One U[0, 1) float64 per row, from the row's own generator or the engine's. -> [n] (CPU)."""
@@ -113,10 +113,12 @@ class Sampler:
         if unseeded:
             uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64,
                                             generator=self._engine_generator)  # [u]
-        for i, (row, p) in enumerate(zip(rows, params, strict=True)):
-            if p.seed is not None:
-                generator = self._request_generator(row.request_id, p.seed)
-                uniforms[i] = torch.rand(1, dtype=torch.float64, generator=generator)[0]
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded:
+            draw = torch.empty(1, dtype=torch.float64)  # [1]
+            uniforms[seeded] = torch.tensor([
+                draw.uniform_(generator=self._request_generator(rows[i].request_id, params[i].seed)).item()
+                for i in seeded], dtype=torch.float64)  # [s]
         return uniforms
 
     def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
@@ -224,7 +226,8 @@ def _nucleus_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     """logits [n, V], top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: each row's last kept logit.
 
     Sorting the vocabulary is slow and the kept set is usually small: search the best
-    `_NUCLEUS_WIDTH` tokens first and widen (x8) only for rows not decided inside the window.
+    `_NUCLEUS_WIDTH` tokens (or the largest k, when smaller) first and widen (x8) only for rows
+    not decided inside the window.
     Masses are prefix sums relative to the best logit, so a row's answer depends on that row
     alone, never on the window width or on the rest of the batch.
     """
@@ -232,10 +235,11 @@ def _nucleus_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     row_mass = _row_mass(logits, top_k[:, 0] >= vocab_size)  # [n, 1]
     threshold = torch.empty(num_rows, 1, device=logits.device)  # [n, 1]
     pending = torch.arange(num_rows, device=logits.device)  # [m]
-    width = min(_NUCLEUS_WIDTH, vocab_size)
+    width = min(int(top_k.max()), _NUCLEUS_WIDTH, vocab_size)  # all rows top-k <= 256: max k
     while pending.numel():
         k, p = top_k.index_select(0, pending), top_p.index_select(0, pending)  # [m, 1], [m, 1]
-        values = logits.index_select(0, pending).topk(width, dim=-1).values  # [m, w], best first
+        rows = logits if pending.numel() == num_rows else logits.index_select(0, pending)  # [m, V]
+        values = rows.topk(width, dim=-1).values  # [m, w], best first
         in_top_k = torch.arange(width, device=logits.device) < k  # [m, w]
         mass = (values - values[:, :1]).exp().masked_fill_(~in_top_k, 0.0)  # [m, w]
         cumulative = mass.cumsum(dim=-1)  # [m, w]
@@ -277,7 +281,8 @@ def _min_p_(logits: torch.Tensor, min_p: list[float]) -> None:
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """probs [n, V] (p = 0 for filtered tokens), uniforms [n] float64 in [0, 1) -> token ids [n].
+    """probs [n, V] (unnormalized weights >= 0; 0 for filtered tokens), uniforms [n] float64 in
+    [0, 1) -> token ids [n].
 
     Two short scans instead of one long one: pick a block of `_CDF_BLOCK` tokens by its mass, then
     the token inside it (float64 prefix sums). `searchsorted(right=True)` returns the first entry

@@ -19,6 +19,19 @@ def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+def sliding_window_of(cfg, layer_idx: int) -> int | None:
+    """The layer's window W (HF's: keys p-W+1 .. p), or None for full attention.
+
+    `config.layer_types` says which layers slide (Qwen2/3 from `max_window_layers`, Gemma 3);
+    without it (Mistral) every layer slides when `config.sliding_window` is set.
+    """
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None)
+    if window is None or layer_types is None:
+        return window
+    return window if layer_types[layer_idx] == "sliding_attention" else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -33,7 +46,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx,
+                              sliding_window=sliding_window_of(cfg, layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from deepinfer.model_executor.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.model_executor.models.llama import LlamaForCausalLM
 
 _MODELS = {
+    "gemma3_text": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,

@@ -1,17 +1,18 @@
 """The attention backend contract: what a step's metadata holds and what a backend must do.
 
-Packed token axis T: decode rows first (one query each), then prefill segments (a chunk of one
-request each; a multi-query verification step is a segment too).
+Packed token axis T: decode queries first (one row each; a verification step of k+1 tokens is
+k+1 decode queries), then prefill segments (a chunk of one request each).
 
 Order inside one layer, for every backend (DESIGN.md invariants 1, 2, 4):
 
     1. load   the cached rows each prefill segment attends to   (before anything is written)
-    2. store  every new row at slot_mapping
-    3. decode queries read through decode_kv_index (their own new row included)
+    2. store  the new rows at their slots
+    3. decode queries read through their index rows (their own new rows included)
     4. prefill queries attend over [loaded rows | the chunk's rows]
 
 No backend applies a causal mask of its own to a cache read: an index row lists exactly the
-slots a query may see, and -1 marks padding.
+slots a query may see, and -1 marks padding. Metadata comes per cache group, since a paged
+group and a ring group address the same token differently.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import torch
 class PrefillSegment:
     token_start: int  # first row of this segment on the packed token axis
     token_end: int  # one past its last row
-    start_pos: int  # position of its first token = rows already in the cache
-    load_index: torch.Tensor  # [start_pos] cache slots of positions 0..start_pos-1 (or the window's)
-    load_positions: torch.Tensor  # [start_pos] their positions (for masking windows later)
+    load_slots: torch.Tensor  # [n_old] flat slots of the cached rows the chunk attends to
+    load_positions: torch.Tensor  # [n_old] their positions
 
     @property
     def num_tokens(self) -> int:
@@ -35,16 +35,25 @@ class PrefillSegment:
 
 
 @dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot each new row is written to
-    positions: torch.Tensor  # [T] position of each new row
-    num_decode_tokens: int  # rows [0, num_decode_tokens) are single-query decodes
-    decode_kv_index: torch.Tensor | None  # [B_decode, L_max] slots each decode query reads, -1 pad
+class GroupMetadata:
+    """One cache group's addresses for this step."""
+
+    window: int | None  # W for a ring group; None: full attention
+    store_slots: torch.Tensor  # [M] flat slot of each stored row
+    store_rows: torch.Tensor | None  # [M] which packed rows are stored (None: all T, in order)
+    decode_index: torch.Tensor | None  # [N_decode, L] slots each decode query reads, -1 pad
     prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] position of each new row
+    num_decode_tokens: int  # rows [0, num_decode_tokens) are decode queries
+    groups: list[GroupMetadata]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.slot_mapping.shape[0])
+        return int(self.positions.shape[0])
 
 
 class AttentionBackend:
@@ -52,7 +61,7 @@ class AttentionBackend:
 
     name = "abstract"
 
-    def forward(self, kv_cache: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """kv_cache [slots, 2, H_kv, D]; q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
+    def forward(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                metadata: AttentionMetadata, group: GroupMetadata, scale: float) -> torch.Tensor:
+        """cache: the layer's LayerCache; q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
         raise NotImplementedError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from deepinfer.model_executor.forward_context import get_forward_context
@@ -22,10 +21,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
         self.sliding_window = sliding_window
-        self.kv_cache: torch.Tensor | None = None  # [slots, 2, H_kv, D], set by bind_kv_cache
+        self.kv_cache = None  # this layer's LayerCache, bound by the model runner
+        self.group_index = 0  # which cache group's metadata this layer reads
         self.backend = None  # set by the model runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
-        out = self.backend.forward(self.kv_cache, q, k, v, md, self.scale)  # [T, H, D]
+        group = md.groups[self.group_index]
+        out = self.backend.forward(self.kv_cache, q, k, v, md, group, self.scale)  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)  # [T, H*D]

@@ -1,45 +1,41 @@
-"""PyTorch reference attention over the paged cache, read through explicit index rows."""
+"""PyTorch reference attention: reads the cache through explicit index rows."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model_executor.layers.attention.backend import AttentionBackend, AttentionMetadata
+from deepinfer.model_executor.layers.attention.backend import AttentionBackend, AttentionMetadata, GroupMetadata
 
 
-def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """kv_cache[slot] = (k, v) for every new row. kv_cache [slots, 2, H_kv, D]."""
-    kv_cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1).to(kv_cache.dtype))  # [T, 2, H_kv, D]
-
-
-def load_kv(kv_cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows at `index` ([...]); -1 entries read slot 0 and must be masked by the caller."""
-    return kv_cache[index.clamp(min=0)]  # [..., 2, H_kv, D]
-
-
-def decode_attention(kv_cache, q, kv_index, scale):
-    """q [B, H, D], kv_index [B, L] -> [B, H, D]; index -1 contributes nothing."""
-    kv = load_kv(kv_cache, kv_index).to(q.dtype)  # [B, L, 2, H_kv, D]
-    k = kv[:, :, 0].transpose(1, 2)  # [B, H_kv, L, D]
-    v = kv[:, :, 1].transpose(1, 2)  # [B, H_kv, L, D]
-    mask = (kv_index >= 0)[:, None, None, :]  # [B, 1, 1, L]
+def decode_attention(cache, q: torch.Tensor, kv_index: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, H, D], kv_index [N, L] -> [N, H, D]; index -1 contributes nothing."""
+    kv = cache.load(kv_index).to(q.dtype)  # [N, L, 2, H_kv, D]
+    k = kv[:, :, 0].transpose(1, 2)  # [N, H_kv, L, D]
+    v = kv[:, :, 1].transpose(1, 2)  # [N, H_kv, L, D]
+    mask = (kv_index >= 0)[:, None, None, :]  # [N, 1, 1, L]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)  # [B, H, 1, D]
-    return out.squeeze(2)  # [B, H, D]
+                                         enable_gqa=True)  # [N, H, 1, D]
+    return out.squeeze(2)  # [N, H, D]
 
 
-def prefill_attention(q, k, v, loaded, q_positions, loaded_positions, scale):
-    """One segment: q [n, H, D] over [loaded rows | chunk rows]; a key is visible iff its
-    position <= the query's (the segment's rows are positions start..start+n-1)."""
+def visibility(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n, L] True where key position k is visible to query position p: p-W < k <= p."""
+    mask = key_pos[None, :] <= q_pos[:, None]  # [n, L]
+    if window is not None:
+        mask &= key_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def prefill_attention(q, k, v, loaded, q_pos, loaded_pos, scale, window):
+    """One segment: q [n, H, D] over [loaded rows | chunk rows] -> [n, H, D]."""
     k_all = torch.cat((loaded[:, 0].to(q.dtype), k), dim=0).transpose(0, 1)  # [H_kv, L, D]
     v_all = torch.cat((loaded[:, 1].to(q.dtype), v), dim=0).transpose(0, 1)  # [H_kv, L, D]
     qh = q.transpose(0, 1)  # [H, n, D]
-    if loaded.shape[0] == 0:
+    if loaded.shape[0] == 0 and (window is None or window >= q.shape[0]):
         out = F.scaled_dot_product_attention(qh, k_all, v_all, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        key_pos = torch.cat((loaded_positions, q_positions))  # [L]
-        mask = key_pos[None, :] <= q_positions[:, None]  # [n, L]
+        mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window)  # [n, L]
         out = F.scaled_dot_product_attention(qh, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [n, H, D]
 
@@ -47,16 +43,18 @@ def prefill_attention(q, k, v, loaded, q_positions, loaded_positions, scale):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, kv_cache, q, k, v, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        md = metadata
-        loaded = [load_kv(kv_cache, seg.load_index) for seg in md.prefills]  # 1. load before store
-        store_kv(kv_cache, md.slot_mapping, k, v)  # 2. store
+    def forward(self, cache, q, k, v, metadata: AttentionMetadata, group: GroupMetadata,
+                scale: float) -> torch.Tensor:
+        md, g = metadata, group
+        loaded = [cache.load(seg.load_slots) for seg in g.prefills]  # 1. load before store
+        rows = g.store_rows
+        cache.store(g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
         out = torch.empty_like(q)  # [T, H, D]
         nd = md.num_decode_tokens
         if nd:
-            out[:nd] = decode_attention(kv_cache, q[:nd], md.decode_kv_index, scale)  # 3. decode reads
-        for seg, old in zip(md.prefills, loaded, strict=True):  # 4. prefill over [old | chunk]
+            out[:nd] = decode_attention(cache, q[:nd], g.decode_index, scale)  # 3. decode reads
+        for seg, old in zip(g.prefills, loaded, strict=True):  # 4. prefill over [old | chunk]
             s, e = seg.token_start, seg.token_end
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], old, md.positions[s:e],
-                                         seg.load_positions, scale)
+                                         seg.load_positions, scale, g.window)
         return out

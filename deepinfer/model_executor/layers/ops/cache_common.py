@@ -19,6 +19,9 @@ from deepinfer.environ import Environ, get_environ
 # Bits per stored element of each quantized dtype, and bytes per stored scale factor.
 _QUANTIZED_BITS = {"e4m3": 8, "e5m2": 8, "e2m1": 4}
 _SCALE_FACTOR_BYTES = {"ue8m0": 1}
+# Bytes per unquantized element. The book's formats keep them as bf16; a CPU engine computing in
+# fp32 keeps fp32 rows, counted through the same field.
+_UNQUANTIZED_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MXFP8_ELEMENTS_PER_SF = 32  # one UE8M0 scale byte per 32 e4m3 values
 BF16_BYTES = 2
 
@@ -48,11 +51,15 @@ class KVCacheFormat:
     sf_format: str | None = None  # scale-factor encoding, "ue8m0" (one byte, power of two)
     note: str = ""
     token_interleaved: bool = False  # a token's values and scales lie together in its row
+    unquantized_dtype: str = "bf16"  # storage of the bf16_elements: "bf16" (the book), "fp16", "fp32"
 
     def __post_init__(self):
         check_int("quantized_elements", self.quantized_elements)
         check_int("bf16_elements", self.bf16_elements)
         check_int("elements_per_sf", self.elements_per_sf)
+        if self.unquantized_dtype not in _UNQUANTIZED_BYTES:
+            raise ValueError(f"unquantized_dtype must be one of {sorted(_UNQUANTIZED_BYTES)}, "
+                             f"got {self.unquantized_dtype!r}")
         if self.num_elements == 0:
             raise ValueError("a KVCacheFormat must hold at least one element, got 0")
         if self.quantized_elements:
@@ -85,7 +92,7 @@ class KVCacheFormat:
     def data_bytes(self) -> int:
         """Bytes of the values themselves (quantized + bf16), scales excluded."""
         quantized_bits = self.quantized_elements * _QUANTIZED_BITS.get(self.quantized_dtype, 0)
-        return quantized_bits // 8 + BF16_BYTES * self.bf16_elements
+        return quantized_bits // 8 + _UNQUANTIZED_BYTES[self.unquantized_dtype] * self.bf16_elements
 
     @property
     def scale_bytes(self) -> int:
@@ -129,6 +136,12 @@ def mxfp8_format(row_elements: int, note: str = "MXFP8 row") -> KVCacheFormat:
 def bf16_format(row_elements: int, note: str = "bf16 row") -> KVCacheFormat:
     """A row of `row_elements` bf16 values (2 bytes each), no scales."""
     return KVCacheFormat(bf16_elements=check_int("row_elements", row_elements, 1), note=note)
+
+
+def unquantized_format(row_elements: int, dtype: str, note: str = "") -> KVCacheFormat:
+    """A row of `row_elements` values stored as `dtype` ("bf16", "fp16" or "fp32"), no scales."""
+    return KVCacheFormat(bf16_elements=check_int("row_elements", row_elements, 1), note=note or f"{dtype} row",
+                         unquantized_dtype=dtype)
 
 
 def visible_rows(num_tokens: int, window_size: int | None = None) -> int:

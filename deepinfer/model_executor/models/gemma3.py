@@ -1,0 +1,136 @@
+"""Gemma 3 (text): local (sliding-window) and global layers, each kind with its own RoPE.
+
+Differences from the Llama family (llama.py), whose attention, MLP, head and loading it reuses:
+
+    norms       RMSNorm multiplies by (1 + w); four per layer (around attention and around the MLP)
+    q/k norm    per head, before RoPE
+    RoPE        `config.rope_parameters[layer_type]`: a local base for sliding layers, a global one
+    scale       attention scores times query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5)
+    MLP         GeGLU: gelu_tanh(gate) * up
+    embedding   multiplied by sqrt(hidden), rounded to the compute dtype first
+    logits      optional tanh soft-capping: cap * tanh(logits / cap)
+
+Parameter names are HF's `Gemma3ForCausalLM` names, with q|k|v and gate|up merged (models/utils.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model_executor.layers.activation import gelu_tanh_and_mul
+from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
+from deepinfer.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+
+GEMMA_NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + w)
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def gemma3_rotary(cfg, layer_type: str, max_positions: int) -> RotaryEmbedding:
+    """The RoPE of one layer kind ("sliding_attention" or "full_attention")."""
+    params = cfg.rope_parameters[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg), params)
+    else:  # scaled variants read the per-kind parameters through transformers' own functions
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ValueError(f"rope_parameters[{layer_type!r}].rope_type={rope_type!r} is not supported")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, layer_type=layer_type)
+    return RotaryEmbedding(inv_freq.float(), max_positions, float(scaling))
+
+
+def check_gemma3_config(cfg) -> None:
+    """Refuse the options this model does not implement, naming the field and value."""
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported (Gemma 2 only)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention=True is not supported: decoding is causal")
+    if cfg.hidden_activation not in _GELU_TANH:
+        raise ValueError(f"hidden_activation={cfg.hidden_activation!r} is not supported; expected gelu_pytorch_tanh")
+    kinds = set(cfg.layer_types) - {"sliding_attention", "full_attention"}
+    if kinds or len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise ValueError(f"layer_types must name sliding_attention/full_attention for each of "
+                         f"{cfg.num_hidden_layers} layers; got {cfg.layer_types}")
+
+
+class Gemma3Attention(LlamaAttention):
+    """Llama attention (merged qkv, window from `layer_types`) with Gemma's q/k norm and scale."""
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__(cfg, layer_idx, rotary)
+        self.qk_norm = True
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
+        self.attn.scale = cfg.query_pre_attn_scalar**-0.5
+
+
+class Gemma3MLP(LlamaMLP):
+    """GeGLU: down(gelu_tanh(gate) * up)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """h += post_attn_norm(attn(input_norm(h))); h += post_ffw_norm(mlp(pre_ffw_norm(h)))."""
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Gemma3Attention(cfg, layer_idx, rotary)
+        self.mlp = Gemma3MLP(cfg)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]
+        h = h + self.post_attention_layernorm(attn)  # [T, hidden]
+        mlp = self.mlp(self.pre_feedforward_layernorm(h))  # [T, hidden]
+        return h + self.post_feedforward_layernorm(mlp)  # [T, hidden]
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg, max_positions: int):
+        super().__init__()
+        rotary = {kind: gemma3_rotary(cfg, kind, max_positions) for kind in sorted(set(cfg.layer_types))}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # sqrt(hidden) as float32, cast with the model: rounded to the compute dtype as in HF
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, rotary[kind])
+                                    for i, kind in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        h = h * self.embed_scale.to(h.dtype)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)  # [T, hidden]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """HF `gemma3_text`. forward() returns hidden states; compute_logits() soft-caps if configured.
+
+    The LM head (tied unless the checkpoint has `lm_head.weight`), `attention_layers()` and
+    `load_weights()` are the Llama family's; only the body and the logit cap differ.
+    """
+
+    def __init__(self, cfg, max_positions: int):
+        nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a Llama body
+        check_gemma3_config(cfg)
+        self.config = cfg
+        self.model = Gemma3Model(cfg, max_positions)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)  # [N, V]
+        cap = self.final_logit_softcapping
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap  # [N, V]
