@@ -27,6 +27,8 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
     output_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
+    # A verification step: its k+1 tokens are stored, then read, in decode order (book §3.5.1).
+    verify: bool = False
 
     @property
     def num_tokens(self) -> int:

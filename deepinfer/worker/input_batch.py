@@ -29,7 +29,7 @@ class StepInputs:
 
 def is_decode(s) -> bool:
     """Store-then-read steps: one new token, or a verification step's k+1 tokens."""
-    return s.start_pos > 0 and (s.num_tokens == 1 or getattr(s, "verify", False))
+    return s.start_pos > 0 and (s.num_tokens == 1 or s.verify)
 
 
 def _positions(s) -> torch.Tensor:
