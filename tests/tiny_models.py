@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import torch
@@ -60,11 +61,8 @@ def make_tiny_checkpoint(arch: str, path: str, tokenizer_dir: str, seed: int = 0
             if p.dim() > 1:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            shutil.copy(f"{tokenizer_dir}/{name}", f"{path}/{name}")
-        except FileNotFoundError:
-            pass
+    for name in os.listdir(tokenizer_dir):  # tokenizer files and the chat template
+        shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(path, name))
 
 
 def hf_reference(model_dir: str, dtype=torch.float32):

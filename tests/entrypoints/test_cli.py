@@ -1,0 +1,71 @@
+"""The `deepinfer` CLI: help everywhere, generate, info, chat (REPL with history), bench."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from deepinfer.entrypoints import cli
+
+
+def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("sub", [[], ["generate"], ["chat"], ["info"], ["bench"]])
+def test_help_everywhere(sub, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*sub, "--help"])
+    assert exit_.value.code == 0
+    assert "usage: deepinfer" in capsys.readouterr().out
+
+
+def test_generate_streams_text(tiny_checkpoint):
+    res = run_cli("generate", "hello", "--model", tiny_checkpoint("llama"), "--max-tokens", "5",
+                  "--ignore-eos", "--raw", "--num-blocks", "16")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    res = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert res.returncode == 2 and "missing" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_info_reports_groups_and_capacity(tiny_checkpoint, capsys):
+    assert cli.main(["info", "--model", tiny_checkpoint("llama"), "--kv-cache-memory", "1MiB",
+                     "--block-size", "16"]) == 0
+    out = capsys.readouterr().out
+    # tiny llama: 2 layers, 2 kv heads x 16 dims -> rows of 64 fp32 = 256 B, 512 B per token
+    assert "row K|V row, 64 elements = 256 B per row" in out
+    assert "512 B per token; 128 blocks x 16 = 2,048 tokens" in out  # 1 MiB / (16 x 512 B)
+
+
+def test_chat_repl_keeps_history(tiny_checkpoint):
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.entrypoints.chat import run_chat
+
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=32)
+    seen = []
+    original = llm.apply_chat_template
+    llm.apply_chat_template = lambda msgs, *a: seen.append([m["content"] for m in msgs]) or original(msgs, *a)
+    out = io.StringIO()
+    assert run_chat(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                    stdin=io.StringIO("first\nsecond\n/exit\n"), stdout=out) == 0
+    assert seen[0] == ["first"] and seen[1][0] == "first" and seen[1][-1] == "second" and len(seen[1]) == 3
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_bench_runs_a_small_workload(tiny_checkpoint, tmp_path):
+    import json
+
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--model", tiny_checkpoint("llama"), "--workload", "cpu32", "--num-requests", "3",
+                     "--json", str(out), "--num-blocks", "256"]) == 0
+    (result,) = json.loads(out.read_text())
+    assert result["engine"] == "deepinfer" and result["output_tokens"] > 0
