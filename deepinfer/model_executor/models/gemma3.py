@@ -45,11 +45,12 @@ def gemma3_rotary(cfg, layer_type: str, max_positions: int) -> RotaryEmbedding:
 def check_gemma3_config(cfg) -> None:
     """Refuse the options this model does not implement, naming the field and value."""
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported (Gemma 2 only)")
+        raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} is not supported")
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True is not supported: decoding is causal")
     if cfg.hidden_activation not in _GELU_TANH:
-        raise ValueError(f"hidden_activation={cfg.hidden_activation!r} is not supported; expected gelu_pytorch_tanh")
+        raise ValueError(f"hidden_activation={cfg.hidden_activation!r} is not supported; "
+                         "expected gelu_pytorch_tanh")
     kinds = set(cfg.layer_types) - {"sliding_attention", "full_attention"}
     if kinds or len(cfg.layer_types) != cfg.num_hidden_layers:
         raise ValueError(f"layer_types must name sliding_attention/full_attention for each of "

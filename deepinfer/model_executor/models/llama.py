@@ -46,8 +46,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx,
-                              sliding_window=sliding_window_of(cfg, layer_idx))
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                              layer_idx, sliding_window=sliding_window_of(cfg, layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
