@@ -74,7 +74,7 @@ class ModelRunner:
         for g in self.groups:
             if g.kind == "ring":
                 check_ring_fits_drafts(g.window, g.rows_per_unit, cache_config.num_speculative_tokens)
-        self.num_state_slots = max_num_seqs if any(g.kind == "ring" for g in self.groups) else 0
+        self.num_state_slots = self._num_state_slots(cache_config, max_num_seqs)
         self.num_blocks = self._num_blocks(cache_config)
         units = [self.num_blocks if g.kind == "paged" else self.num_state_slots for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codec, self.device)
@@ -85,6 +85,20 @@ class ModelRunner:
     def unit_bytes(self, group: CacheGroupSpec) -> int:
         """Bytes of one block (paged) or one state slot (ring) of a group."""
         return len(group.layer_ids) * group.rows_per_unit * self.codec.row_bytes
+
+    def _num_state_slots(self, cache_config, max_num_seqs: int) -> int:
+        """One ring state slot per running request: max_num_seqs of them, unless they would take
+        more than half the cache memory (then as many as fit there; requests beyond wait)."""
+        per_request = sum(self.unit_bytes(g) for g in self.groups if g.kind == "ring")
+        if not per_request:
+            return 0
+        share = cache_config.kv_cache_memory if not any(g.kind == "paged" for g in self.groups) \
+            else cache_config.kv_cache_memory // 2
+        fit = share // per_request
+        if fit < 1:
+            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B cannot hold one request's "
+                             f"sliding-window rings ({per_request} B)")
+        return min(max_num_seqs, fit)
 
     def _num_blocks(self, cache_config) -> int:
         ring_bytes = sum(self.unit_bytes(g) * self.num_state_slots for g in self.groups if g.kind == "ring")
