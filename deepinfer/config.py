@@ -68,6 +68,7 @@ class EngineConfig:
     device: str | None = None  # None/auto: cuda if available, else cpu
     seed: int = 0
     max_model_len: int | None = None  # None: min(the model's context, 4096)
+    hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
 

@@ -53,9 +53,11 @@ _CHI2_CRIT = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_is_argmax(dtype):
     logits = _logits(16, 1000).to(dtype)
+    logits[0, [9, 3, 700]] = 100.0  # a tie: the first index wins, as in argmax
     rows = [_row(f"r{i}", SamplingParams(temperature=0.0)) for i in range(16)]
     out = Sampler()(logits, rows)
     assert [r.token_id for r in out] == logits.float().argmax(dim=-1).tolist()
+    assert out[0].token_id == 3
 
 
 def test_greedy_rows_in_a_mixed_batch_are_argmax_and_logits_untouched():
@@ -112,13 +114,18 @@ def test_min_p_filters_and_renormalizes():
     assert _chi_square(counts, kept / kept.sum()) < _CHI2_CRIT[2]
 
 
+def _kept(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The tokens top-k / top-p keep. -> [N, V] bool."""
+    weights = sampler_module._exp_relative(logits, logits.amax(dim=-1, keepdim=True))  # [N, V]
+    return logits >= sampler_module._top_k_top_p_threshold(logits, weights, top_k, top_p)
+
+
 @pytest.mark.parametrize("top_k", [0, 1, 40, 300, 3000])
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999, 1.0])
 @pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
 def test_top_k_top_p_match_a_full_sort_reference(top_k, top_p, scale):
     logits = _logits(6, 5000, seed=7, scale=scale)  # scale 0.5: nuclei of thousands of tokens
-    filtered = logits.clone()
-    sampler_module._top_k_top_p_(filtered, [top_k] * 6, [top_p] * 6)
+    kept_mask = _kept(logits, [top_k] * 6, [top_p] * 6)  # [N, V]
     k = top_k or 5000
     values, order = logits.sort(dim=-1, descending=True)  # [N, V]
     probs = torch.softmax(values[:, :k].double(), dim=-1)  # [N, k]: renormalized over the top k
@@ -126,7 +133,7 @@ def test_top_k_top_p_match_a_full_sort_reference(top_k, top_p, scale):
     num_keep = (mass_before < top_p).sum(dim=-1)  # [N]
     for i in range(6):
         expected = set(order[i, : int(num_keep[i])].tolist())
-        kept = set(torch.nonzero(filtered[i].isfinite()).flatten().tolist())
+        kept = set(torch.nonzero(kept_mask[i]).flatten().tolist())
         rank = {int(t): r for r, t in enumerate(order[i, :k])}
         for token in kept ^ expected:  # only fp32-vs-fp64 rounding right at the cut may differ
             assert token in rank and abs(float(mass_before[i, rank[token]]) - top_p) < 1e-5
@@ -135,14 +142,21 @@ def test_top_k_top_p_match_a_full_sort_reference(top_k, top_p, scale):
 
 def test_top_k_top_p_rows_are_filtered_independently():
     logits = _logits(4, 2000, seed=8)
-    filtered = logits.clone()
-    sampler_module._top_k_top_p_(filtered, [0, 5, 0, 700], [1.0, 1.0, 0.5, 0.95])
-    assert torch.equal(filtered[0], logits[0])
-    assert int(filtered[1].isfinite().sum()) == 5
+    top_k, top_p = [0, 5, 0, 700], [1.0, 1.0, 0.5, 0.95]
+    kept = _kept(logits, top_k, top_p)
+    assert bool(kept[0].all()) and int(kept[1].sum()) == 5
     for i in (2, 3):
-        one = logits[i:i + 1].clone()
-        sampler_module._top_k_top_p_(one, [[0, 5, 0, 700][i]], [[1.0, 1.0, 0.5, 0.95][i]])
-        assert torch.equal(one[0], filtered[i])
+        assert torch.equal(_kept(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])[0], kept[i])
+
+
+def test_wide_logit_ranges_sample_correctly():
+    logits = torch.tensor([0.0, -1.0, -300.0, float("-inf"), -2.0, -90.0])  # exp underflow ranges
+    counts = _draw_counts(logits, SamplingParams(temperature=1.0), 10_000)
+    probs = torch.softmax(logits, dim=-1)
+    assert counts[2] == counts[3] == counts[5] == 0
+    assert _chi_square(counts[[0, 1, 4]], probs[[0, 1, 4]] / probs[[0, 1, 4]].sum()) < _CHI2_CRIT[2]
+    lse = sampler_module._logsumexp(logits[None])
+    torch.testing.assert_close(lse, torch.logsumexp(logits[None], dim=-1))
 
 
 def test_inverse_cdf_never_picks_filtered_tokens_and_covers_the_edges():

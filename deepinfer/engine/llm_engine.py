@@ -38,6 +38,8 @@ class LLMEngine:
         from deepinfer.worker.model_runner import ModelRunner
 
         source = load_model_source(config.model)
+        for key, value in (config.hf_overrides or {}).items():
+            setattr(source.hf_config, key, value)
         context = getattr(source.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
         if config.max_model_len is None:
             config.max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)

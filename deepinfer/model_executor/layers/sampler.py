@@ -8,8 +8,8 @@ the vocabulary:
                               +--> penalties (repetition over prompt + output,
                                    presence / frequency over output)
                                      +--> greedy rows: argmax
-                                     +--> random rows: / T -> top-k -> top-p -> min-p -> exp
-                                          -> inverse CDF at u ~ U[0, 1), one u per token
+                                     +--> random rows: / T -> exp -> top-k, top-p, min-p zero
+                                          weights -> inverse CDF at u ~ U[0, 1), one per token
 
 Every sampled token of a random row consumes exactly one uniform from its request's own
 generator (seeded requests) or from the engine generator (unseeded requests), in row order, so a
@@ -33,6 +33,7 @@ from deepinfer.sampling_params import SamplingParams
 _NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
 _MIN_TEMPERATURE = 1e-5  # smaller temperatures are clamped: logits / T must stay finite
+_MIN_LOG_WEIGHT = -80.0  # exponent floor: e^-80 is still a normal fp32 (no slow denormals)
 
 
 class Sampler:
@@ -59,7 +60,7 @@ class Sampler:
             return []
         params = [_params_of(row) for row in rows]
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
-        lse = torch.logsumexp(logits, dim=-1)  # [N]
+        lse = _logsumexp(logits)  # [N]
         processed = _apply_penalties(logits, rows, params)  # [N, V]
         token_ids = self._choose(processed, rows, params)  # [N]
         token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
@@ -97,12 +98,20 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
                 params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, top-k / top-p, min-p, then the inverse CDF at one uniform per row. -> [n]."""
+        """Temperature, top-k / top-p, min-p, then the inverse CDF at one uniform per row. -> [n].
+
+        Filters do not write -inf into the logits: each gives a per-row logit threshold (drop
+        below it) and the weights of dropped tokens are zeroed once (exp of -inf is slow on CPU).
+        """
         temperature = _column([max(p.temperature, _MIN_TEMPERATURE) for p in params], logits)  # [n, 1]
-        scaled = logits / temperature  # [n, V], ours to write
-        _top_k_top_p_(scaled, [p.top_k for p in params], [p.top_p for p in params])
-        _min_p_(scaled, [p.min_p for p in params])
-        weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # [n, V]; 0 where filtered
+        scaled = logits / temperature  # [n, V]
+        best = scaled.amax(dim=-1, keepdim=True)  # [n, 1]
+        weights = _exp_relative(scaled, best)  # [n, V]: softmax up to a per-row factor
+        threshold = torch.maximum(
+            _top_k_top_p_threshold(scaled, weights, [p.top_k for p in params], [p.top_p for p in params]),
+            best + _column([p.min_p for p in params], scaled).log())  # [n, 1]; min-p 0: -inf
+        if any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            weights.masked_fill_(scaled < threshold, 0.0)  # [n, V]
         uniforms = self._uniforms(rows, params).to(weights.device)  # [n] float64
         return _inverse_cdf(weights, uniforms)  # [n]
 
@@ -194,54 +203,70 @@ def _history_ids(token_lists: list[list[int]], like: torch.Tensor) -> tuple[torc
 
 
 def _subset(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The rows a filter applies to: the tensor itself when all rows, else a copy + its index."""
+    """The rows a step applies to: the tensor itself when all rows, else a copy + its index."""
     if len(rows) == logits.shape[0]:
         return logits, None
     index = _index(rows, logits)  # [n]
     return logits.index_select(0, index), index  # [n, V]
 
 
-def _write_back(logits: torch.Tensor, sub: torch.Tensor, index: torch.Tensor | None) -> None:
-    if index is not None:
-        logits.index_copy_(0, index, sub)
+def _exp_relative(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """exp(logits - best) [n, V], with exponents floored at `_MIN_LOG_WEIGHT`.
+
+    exp of very negative or -inf inputs (denormal or zero results) runs 10-100x slower on CPU; a
+    floored token keeps a weight of e^-80 instead of less, which no fp32 sum can notice.
+    """
+    return (logits - best).clamp_min_(_MIN_LOG_WEIGHT).exp_()  # [n, V]
 
 
-def _top_k_top_p_(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
-    """In place: keeps each row's k best tokens (k = 0 or >= V: off), then the smallest best-first
-    set of those whose renormalized mass reaches p (p = 1: off). At least the best token stays;
-    tokens tied with the last kept one stay too."""
-    vocab_size = logits.shape[1]
-    rows = [i for i in range(logits.shape[0]) if 0 < top_k[i] < vocab_size or top_p[i] < 1.0]
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(logits))) per row [N], through `_exp_relative` (fast for any logit range)."""
+    best = logits.amax(dim=-1, keepdim=True)  # [N, 1]
+    return _exp_relative(logits, best).sum(dim=-1).log_() + best[:, 0]  # [N]
+
+
+def _top_k_top_p_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: list[int],
+                           top_p: list[float]) -> torch.Tensor:
+    """Per row, the logit below which top-k (k = 0 or >= V: off) and then top-p (p = 1: off)
+    drop tokens; -inf for rows without either. -> [n, 1].
+
+    Top-k keeps the k best tokens, top-p the smallest best-first set of those whose renormalized
+    mass reaches p. At least the best token stays; tokens tied with the last kept one stay too.
+    """
+    num_rows, vocab_size = logits.shape
+    threshold = torch.full((num_rows, 1), float("-inf"), device=logits.device)  # [n, 1]
+    rows = [i for i in range(num_rows) if 0 < top_k[i] < vocab_size or top_p[i] < 1.0]
     if not rows:
-        return
-    sub, index = _subset(logits, rows)  # [n, V]
+        return threshold
+    sub_logits, index = _subset(logits, rows)  # [r, V]
+    sub_weights, _ = _subset(weights, rows)  # [r, V]
     ks = torch.tensor([top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows],
-                      device=logits.device)[:, None]  # [n, 1]
-    threshold = _nucleus_threshold(sub, ks, _column([top_p[i] for i in rows], sub))  # [n, 1]
-    sub.masked_fill_(sub < threshold, float("-inf"))
-    _write_back(logits, sub, index)
+                      device=logits.device)[:, None]  # [r, 1]
+    found = _nucleus_threshold(sub_logits, sub_weights, ks, _column([top_p[i] for i in rows], logits))
+    return found if index is None else threshold.index_copy_(0, index, found)  # [n, 1]
 
 
-def _nucleus_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [n, V], top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: each row's last kept logit.
+def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """logits, weights [n, V]; top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: last kept logit.
 
     Sorting the vocabulary is slow and the kept set is usually small: search the best
     `_NUCLEUS_WIDTH` tokens (or the largest k, when smaller) first and widen (x8) only for rows
-    not decided inside the window.
-    Masses are prefix sums relative to the best logit, so a row's answer depends on that row
-    alone, never on the window width or on the rest of the batch.
+    not decided inside the window. Masses are prefix sums of the row's own weights, so a row's
+    answer depends on that row alone, never on the window width or on the rest of the batch.
     """
     num_rows, vocab_size = logits.shape
-    row_mass = _row_mass(logits, top_k[:, 0] >= vocab_size)  # [n, 1]
+    row_mass = weights.sum(dim=-1, keepdim=True)  # [n, 1]: for rows without top-k
     threshold = torch.empty(num_rows, 1, device=logits.device)  # [n, 1]
     pending = torch.arange(num_rows, device=logits.device)  # [m]
     width = min(int(top_k.max()), _NUCLEUS_WIDTH, vocab_size)  # all rows top-k <= 256: max k
     while pending.numel():
         k, p = top_k.index_select(0, pending), top_p.index_select(0, pending)  # [m, 1], [m, 1]
-        rows = logits if pending.numel() == num_rows else logits.index_select(0, pending)  # [m, V]
-        values = rows.topk(width, dim=-1).values  # [m, w], best first
+        everyone = pending.numel() == num_rows
+        values, ids = (logits if everyone else logits.index_select(0, pending)).topk(width, dim=-1)
+        row_weights = weights if everyone else weights.index_select(0, pending)  # [m, V]
         in_top_k = torch.arange(width, device=logits.device) < k  # [m, w]
-        mass = (values - values[:, :1]).exp().masked_fill_(~in_top_k, 0.0)  # [m, w]
+        mass = row_weights.gather(1, ids).masked_fill_(~in_top_k, 0.0)  # [m, w], best first
         cumulative = mass.cumsum(dim=-1)  # [m, w]
         k_inside = k <= width  # [m, 1]: the top-k cut lies in the window
         total = torch.where(k_inside, cumulative.gather(1, (k - 1).clamp_max(width - 1)),
@@ -254,30 +279,6 @@ def _nucleus_threshold(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         pending = pending[~done]  # [m']
         width = min(width * 8, vocab_size)
     return threshold
-
-
-def _row_mass(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """sum(exp(logit - max logit)) over the vocabulary for the rows flagged in `rows` [n] (the
-    rows without top-k, whose nucleus mass is relative to the whole row), else 0. -> [n, 1]."""
-    mass = torch.zeros(logits.shape[0], 1, device=logits.device)  # [n, 1]
-    index = torch.nonzero(rows).flatten()  # [r]
-    if index.numel():
-        sub = logits if index.numel() == logits.shape[0] else logits.index_select(0, index)  # [r, V]
-        best = sub.max(dim=-1, keepdim=True).values  # [r, 1]
-        mass[index] = (sub - best).exp_().sum(dim=-1, keepdim=True)  # [r, 1]
-    return mass
-
-
-def _min_p_(logits: torch.Tensor, min_p: list[float]) -> None:
-    """In place: drops tokens with p < min_p * p_max (logit < max logit + log min_p)."""
-    rows = [i for i, p in enumerate(min_p) if p > 0.0]
-    if not rows:
-        return
-    sub, index = _subset(logits, rows)  # [n, V]
-    log_min_p = _column([min_p[i] for i in rows], sub).log()  # [n, 1]
-    threshold = sub.max(dim=-1, keepdim=True).values + log_min_p  # [n, 1]
-    sub.masked_fill_(sub < threshold, float("-inf"))
-    _write_back(logits, sub, index)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
