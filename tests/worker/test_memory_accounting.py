@@ -1,0 +1,44 @@
+"""KV memory of a sliding-window cache against the full cache: the ratio is S / L."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM
+from deepinfer.entrypoints.bench_long import allocated_bytes_per_request
+from deepinfer.entrypoints.info import info_lines
+from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size
+
+
+def test_window_memory_ratio_equals_s_over_l(tiny_checkpoint):
+    path, window, length = tiny_checkpoint("llama"), 16, 2304
+    swa = LLM(path, hf_overrides={"sliding_window": window}, num_blocks=8, max_model_len=4096)
+    full = LLM(path, num_blocks=8, max_model_len=4096)
+    ring = get_inference_swa_block_size(window)
+    assert [g.kind for g in swa.engine.runner.groups] == ["ring"] and ring == window + 6
+    ratio = allocated_bytes_per_request(swa.engine.runner, length) / \
+        allocated_bytes_per_request(full.engine.runner, length)
+    assert ratio == pytest.approx(ring / length, rel=0.01)
+    lines = "\n".join(info_lines(swa))
+    assert f"window W={window}: {window} visible rows, {ring} allocated rows (S)" in lines
+
+
+def test_fp8_rows_shrink_the_cache(tiny_checkpoint):
+    path = tiny_checkpoint("llama")  # rows of 2 kv heads x 16 dims x 2 = 64 elements
+    auto = LLM(path, kv_cache_memory="1MiB")
+    fp8 = LLM(path, kv_cache_memory="1MiB", kv_cache_dtype="fp8")
+    assert auto.engine.runner.codec.row_bytes == 256 and fp8.engine.runner.codec.row_bytes == 66
+    assert fp8.engine.runner.num_blocks == (1 << 20) // (16 * 2 * 66)
+
+
+def test_ring_too_small_for_drafts_is_refused_at_start_up(tiny_checkpoint, monkeypatch):
+    from deepinfer.environ import get_environ
+
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "1")  # S = W + 2
+    get_environ.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"W=16.*k=3|S=18.*W=16.*k=3"):
+            LLM(tiny_checkpoint("llama"), hf_overrides={"sliding_window": 16}, num_speculative_tokens=3)
+    finally:
+        monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
+        get_environ.cache_clear()
