@@ -1,8 +1,9 @@
-"""The `deepinfer` command: generate, chat, bench, info (each with --help)."""
+"""The `deepinfer` command: generate, chat, bench, info, serve (each with --help)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from deepinfer.sampling_params import SamplingParams
@@ -21,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help='JSON object of model config fields to override, e.g. \'{"sliding_window": 128}\'')
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="draft tokens a step may verify (sliding-window rings need S >= W + k + 1)")
 
@@ -45,7 +48,7 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                num_speculative_tokens=args.num_speculative_tokens)
+                num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -94,6 +97,12 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_serve(args) -> int:
+    from deepinfer.entrypoints.openai.launcher import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,9 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.entrypoints.bench import add_bench_args
 
     add_bench_args(bench)
-    for p, fn in ((gen, cmd_generate), (chat, cmd_chat), (info, cmd_info), (bench, cmd_bench)):
+    from deepinfer.entrypoints.bench_serve import add_bench_serve_parser
+
+    add_bench_serve_parser(bench)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
+    from deepinfer.entrypoints.openai.args import add_serve_args
+
+    add_serve_args(serve)
+    for p, fn in ((gen, cmd_generate), (chat, cmd_chat), (info, cmd_info), (bench, cmd_bench),
+                  (serve, cmd_serve)):
         add_engine_args(p)
-        if p is not info:
+        if p is not info and p is not serve:
             add_sampling_args(p)
         p.set_defaults(func=fn)
     return parser

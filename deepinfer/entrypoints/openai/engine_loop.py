@@ -1,0 +1,333 @@
+"""One engine thread serving every HTTP connection, and its bridge to asyncio.
+
+The LLMEngine is not thread-safe, so only the engine thread touches it:
+
+    event loop thread                                   engine thread
+    -----------------                                   -------------
+    add() / abort() --> commands (deque + Condition) --> drain commands: add_request / abort_request
+                                                         step()      (every running request, one batch)
+    RequestHandle's asyncio.Queue <---------------------- call_soon_threadsafe(deliver, step's outputs)
+    add()'s future <------------------------------------- call_soon_threadsafe(set_result / set_exception)
+
+The thread sleeps on the Condition while there is neither a command nor an unfinished request.
+Requests from many connections join the running batch at the next step (continuous batching).
+An abort is applied before the next step, so an aborted request never computes another token
+and its blocks return to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine takes no new requests: the server is shutting down or the engine failed."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue
+    future: asyncio.Future
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None: every request
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one open request (for delivery and metrics)."""
+
+    queue: asyncio.Queue
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_output_tokens: int = 0
+
+
+class RequestHandle:
+    """The asyncio side of one request: `async for out in handle` yields its RequestOutputs.
+
+    The last output has `finished` set; an engine failure is raised from the iteration.
+    """
+
+    def __init__(self, request_id: str, num_prompt_tokens: int, queue: asyncio.Queue,
+                 engine_loop: EngineLoop):
+        self.request_id, self.num_prompt_tokens = request_id, num_prompt_tokens
+        self._queue, self._engine_loop = queue, engine_loop
+        self.finished = False
+
+    def __aiter__(self) -> RequestHandle:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        """Abort unless finished; safe to call more than once."""
+        if not self.finished:
+            self.finished = True
+            self._engine_loop.abort(self.request_id)
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a dedicated thread while there is work; see the module picture."""
+
+    def __init__(self, engine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._commands: deque[_Add | _Abort] = deque()
+        self._num_pending_adds = 0
+        self._num_open = 0  # added and not finished, counted under the lock
+        self._accepting = True
+        self._stopping = False
+        self._closed = False
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- control (event loop thread) -------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; open requests fail with EngineClosedError."""
+        with self._cond:
+            self._accepting, self._stopping = False, True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stop_accepting(self) -> None:
+        """New requests are refused from now on; those in flight go on."""
+        self._accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the engine plus those not yet handed to it."""
+        return self.stats.num_waiting + self._num_pending_adds
+
+    @property
+    def num_active(self) -> int:
+        """Requests handed in and not yet finished (also those not yet in the engine)."""
+        return self._num_open
+
+    # -- requests (event loop thread) ------------------------------------------------------------
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  arrival_time: float | None = None) -> RequestHandle:
+        """Hand a request to the engine; raises the engine's ValueError if it refuses it."""
+        if not self._accepting:
+            raise EngineClosedError("the server is shutting down")
+        queue: asyncio.Queue = asyncio.Queue()
+        future = self._loop.create_future()
+        self._submit(_Add(request_id, prompt_ids, params, queue, future,
+                          arrival_time if arrival_time is not None else time.monotonic()))
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestHandle(request_id, len(prompt_ids), queue, self)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); applied before the next engine step."""
+        self._submit(_Abort(request_id), quiet=True)
+
+    def abort_all(self) -> None:
+        self._submit(_Abort(None), quiet=True)
+
+    async def wait_idle(self, timeout: float, poll_s: float = 0.02) -> bool:
+        """Wait until no request is open; False when `timeout` seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self.num_active > 0:
+            if time.monotonic() >= deadline or not self.alive:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    def _submit(self, command: _Add | _Abort, quiet: bool = False) -> None:
+        with self._cond:
+            if self._closed:
+                if quiet:
+                    return
+                raise EngineClosedError("the engine is not running")
+            self._commands.append(command)
+            self._num_pending_adds += isinstance(command, _Add)
+            self._num_open += isinstance(command, _Add)
+            self._cond.notify()
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while (commands := self._next_commands()) is not None:
+                aborted = self._apply(commands)
+                if aborted or self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._publish(outputs, time.monotonic())
+                self._publish_stats()
+        except Exception as exc:  # the engine is in an unknown state: fail everything
+            logger.exception("engine step failed; the server stops taking requests")
+            self.error = exc
+        finally:
+            self._close()
+
+    def _next_commands(self) -> list[_Add | _Abort] | None:
+        """Wait for work; None when stopping."""
+        with self._cond:
+            while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            self._num_pending_adds -= sum(isinstance(c, _Add) for c in commands)
+            return commands
+
+    def _apply(self, commands: list[_Add | _Abort]) -> bool:
+        """Apply adds and aborts in order; True if something was aborted."""
+        aborted = False
+        for command in commands:
+            if isinstance(command, _Add):
+                self._add(command)
+                continue
+            ids = list(self._tracked) if command.request_id is None else [command.request_id]
+            for request_id in ids:
+                aborted |= self.engine.abort_request(request_id)
+        return aborted
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+        except Exception as exc:  # a refusal (ValueError) goes back to the caller
+            self._count_closed(1)
+            self._post(_resolve, command.future, exc)
+            return
+        self._tracked[command.request_id] = _Tracked(command.queue, command.arrival_time)
+        if self.metrics is not None:
+            self.metrics.record_admitted(len(command.prompt_ids))
+        self._post(_resolve, command.future, None)
+
+    def _publish(self, outputs: list[RequestOutput], now: float) -> None:
+        batch, num_finished = [], 0
+        for out in outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            self._account(tracked, out, now)
+            batch.append((tracked.queue, out))
+            if out.finished:
+                del self._tracked[out.request_id]
+                num_finished += 1
+        self._count_closed(num_finished)
+        if batch:
+            self._post(_deliver, batch)
+
+    def _account(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
+        """Per-request timing: TTFT at the first token, mean TPOT and latency at the end."""
+        num_new = len(out.outputs[0].delta_token_ids)
+        ttft = None
+        if num_new:
+            if tracked.first_token_time is None:
+                tracked.first_token_time, ttft = now, now - tracked.arrival_time
+            tracked.last_token_time = now
+            tracked.num_output_tokens += num_new
+        if self.metrics is None:
+            return
+        if num_new:
+            self.metrics.record_tokens(num_new, ttft)
+        if out.finished:
+            tpot = None
+            if tracked.num_output_tokens > 1:
+                tpot = ((tracked.last_token_time - tracked.first_token_time)
+                        / (tracked.num_output_tokens - 1))
+            self.metrics.record_finished(out.outputs[0].finish_reason, now - tracked.arrival_time, tpot)
+
+    def _publish_stats(self) -> None:
+        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
+        self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, len(self._tracked),
+                                 kv.usage, kv.num_free_blocks, kv.num_total_blocks,
+                                 scheduler.num_preemptions_total)
+        if self.metrics is not None:
+            self.metrics.record_engine(self.stats)
+
+    def _close(self) -> None:
+        """Refuse further commands; fail pending adds and open requests."""
+        with self._cond:
+            self._closed, self._accepting = True, False
+            pending = [c for c in self._commands if isinstance(c, _Add)]
+            self._commands.clear()
+            self._num_pending_adds = self._num_open = 0
+        error = EngineClosedError("the engine stopped" if self.error is None
+                                  else f"the engine failed: {self.error!r}")
+        for command in pending:
+            self._post(_resolve, command.future, error)
+        batch = [(tracked.queue, error) for tracked in self._tracked.values()]
+        self._tracked.clear()
+        self._post(_deliver, batch)
+        self.stats = EngineStats()
+
+    def _count_closed(self, num: int) -> None:
+        if num:
+            with self._cond:
+                self._num_open -= num
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():  # the caller gave up (its abort follows in the command queue)
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

@@ -1,0 +1,122 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+
+Every failure a client can cause maps to a 4xx here; FastAPI's default 422 body never leaves
+the server, and malformed JSON is a 400, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("deepinfer.server")
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class APIError(Exception):
+    """An error answered to the client as OpenAI's error JSON."""
+
+    def __init__(self, status_code: int, message: str, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.type = status_code, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def context_length_exceeded(num_prompt_tokens: int, max_model_len: int, param: str,
+                            max_tokens: int | None = None) -> APIError:
+    """The prompt (plus max_tokens, when given) does not fit into the model's context."""
+    if max_tokens is None:
+        detail = (f"your prompt has {num_prompt_tokens} tokens, which leaves no room for an "
+                  f"output token")
+    else:
+        detail = (f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                  f"the prompt, {max_tokens} in the completion)")
+    return bad_request(f"This model's maximum context length is {max_model_len} tokens. However, "
+                       f"{detail}. Please reduce the length of the prompt or the completion.",
+                       param=param, code="context_length_exceeded")
+
+
+def from_value_error(exc: ValueError, fields: frozenset[str] = frozenset()) -> APIError:
+    """An engine or SamplingParams ValueError; its message starts with the field, when one of `fields`."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    return bad_request(message, param=first if first in fields else None)
+
+
+def from_validation_errors(errors: list[dict]) -> APIError:
+    """pydantic's error list -> one 400 naming the first bad field and its value."""
+    if not errors:
+        return bad_request("invalid request body")
+    err = errors[0]
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None  # the request field; the message gives the full location
+    message = err.get("msg", "invalid value")
+    if "input" in err and err.get("type") != "missing":
+        message += f" (got {_short_repr(err['input'])})"
+    if loc:
+        message = f"{'.'.join(loc)}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return bad_request(message, param=param)
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """Answer every error as OpenAI's JSON; `on_error(request, status)` sees each one (metrics)."""
+
+    def respond(request: Request, error: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(request, error.status_code)
+        return error.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return respond(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request: Request, exc: RequestValidationError):
+        return respond(request, from_validation_errors(list(exc.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def _validation(request: Request, exc: ValidationError):
+        return respond(request, from_validation_errors(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        fallback = INVALID_REQUEST if exc.status_code < 500 else "server_error"
+        kind = _STATUS_TYPES.get(exc.status_code, fallback)
+        return respond(request, APIError(exc.status_code, str(exc.detail), kind,
+                                         headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error while serving %s", request.url.path)
+        return respond(request, APIError(500, f"internal server error: {type(exc).__name__}",
+                                         "server_error"))

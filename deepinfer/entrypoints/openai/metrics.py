@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server, in a registry of its own (never the global one).
+
+The engine thread records per-request events and engine gauges; the HTTP side records errors
+and renders `/metrics`. prometheus-client is thread-safe, so both may write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine, published by the engine thread after each iteration."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_active: int = 0  # requests the server holds open (added, not yet finished)
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    num_preemptions_total: int = 0
+
+
+class ServerMetrics:
+    """The server's counters, histograms and gauges; `render()` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("deepinfer_requests", "Requests by status (finished, aborted, error) "
+                                "and finish reason", ["status", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of admitted requests",
+                                     registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Time from arrival to the "
+                              "first output token", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("deepinfer_time_per_output_token_seconds", "Mean time per output "
+                              "token after the first, per request", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("deepinfer_e2e_request_latency_seconds", "Time from arrival to the "
+                             "end of a request", buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("deepinfer_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("deepinfer_num_requests_waiting", "Requests waiting (incl. preempted)",
+                             registry=r)
+        self.kv_usage = Gauge("deepinfer_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)",
+                              registry=r)
+        self.kv_free_blocks = Gauge("deepinfer_kv_free_blocks", "Free KV cache blocks", registry=r)
+        self.kv_total_blocks = Gauge("deepinfer_kv_total_blocks", "KV cache blocks in all", registry=r)
+        self.preemptions = Counter("deepinfer_num_preemptions", "Preemptions since start", registry=r)
+        self._num_preemptions_seen = 0
+
+    # -- per request ------------------------------------------------------------------------------
+
+    def record_admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, num_tokens: int, ttft: float | None) -> None:
+        """New output tokens; `ttft` is given with a request's first token."""
+        self.generation_tokens.inc(num_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+
+    def record_finished(self, finish_reason: str | None, latency: float, tpot: float | None) -> None:
+        status = "aborted" if finish_reason == "abort" else "finished"
+        self.requests.labels(status, finish_reason or "none").inc()
+        self.e2e.observe(latency)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def record_error(self) -> None:
+        """A generation request answered with an error (refused or failed)."""
+        self.requests.labels("error", "error").inc()
+
+    # -- engine -----------------------------------------------------------------------------------
+
+    def record_engine(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_free_blocks.set(stats.num_free_blocks)
+        self.kv_total_blocks.set(stats.num_total_blocks)
+        new = stats.num_preemptions_total - self._num_preemptions_seen
+        if new > 0:
+            self.preemptions.inc(new)
+            self._num_preemptions_seen = stats.num_preemptions_total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

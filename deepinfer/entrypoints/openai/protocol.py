@@ -1,0 +1,173 @@
+"""Request bodies of the OpenAI API as pydantic models, and their mapping to SamplingParams.
+
+Unknown fields are ignored. Fields that would change the meaning of a request but that the
+server does not implement (n > 1, tools, echo, ...) are parsed loosely and refused by
+`check_supported()` with a 400 that names them, so a client never gets a silently different
+answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.entrypoints.openai.errors import APIError, bad_request
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool | None = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
+    logit_bias: dict[str, Any] | None = None  # refused when non-empty
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; n >= 0: the sampled token's logprob plus the top n."""
+        return None
+
+    def check_supported(self) -> None:
+        """Raise a 400 for a field whose meaning the server does not implement."""
+        _refuse_if(self.n is not None and self.n > 1, "n", f"n={self.n} is not supported; only n=1")
+        _refuse_if(bool(self.logit_bias), "logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def sampling_kwargs(self, max_tokens: int) -> dict:
+        """Keyword arguments for SamplingParams (its own validation still applies)."""
+        values = dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                      top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty,
+                      repetition_penalty=self.repetition_penalty, seed=self.seed,
+                      ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                      stop=[self.stop] if isinstance(self.stop, str) else self.stop)
+        return {k: v for k, v in values.items() if v is not None}  # None: SamplingParams' default
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    best_of: int | None = Field(None, ge=1)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        _refuse_if(self.best_of is not None and self.best_of > 1, "best_of",
+                   f"best_of={self.best_of} is not supported; only best_of=1")
+        _refuse_if(bool(self.echo), "echo", "echo is not supported")
+        _refuse_if(bool(self.suffix), "suffix", "suffix is not supported")
+
+    def prompt_input(self) -> str | list[int]:
+        """The one prompt as text or token ids; batches of prompts are refused."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if len(prompt) > 1:
+            raise bad_request(f"a list of {len(prompt)} prompts is not supported; send one prompt "
+                              f"per request", "prompt")
+        return prompt[0]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def template_dict(self) -> dict:
+        """The message as the chat template wants it: content as one string."""
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            for part in self.content:
+                _refuse_if(part.type != "text" or part.text is None, "messages",
+                           f"content part of type {part.type!r} is not supported; only text",
+                           code="unsupported_content")
+            message["content"] = "".join(part.text for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        _refuse_if(bool(self.tools), "tools", "tools are not supported")
+        _refuse_if(self.tool_choice not in (None, "none"), "tool_choice", "tool_choice is not supported")
+        _refuse_if(bool(self.functions), "functions", "functions are not supported")
+        _refuse_if(self.function_call not in (None, "none"), "function_call",
+                   "function_call is not supported")
+        kind = (self.response_format or {}).get("type", "text")
+        _refuse_if(kind != "text", "response_format",
+                   f"response_format of type {kind!r} is not supported; only 'text'")
+        _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
+                   "top_logprobs requires logprobs to be true", code=None)
+
+    def template_messages(self) -> list[dict]:
+        return [m.template_dict() for m in self.messages]
+
+
+def _refuse_if(condition: bool, param: str, message: str, code: str | None = "unsupported_parameter"
+               ) -> None:
+    if condition:
+        raise APIError(400, message, param=param, code=code)

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP server: app factory and routes.
+
+    GET  /health                 200 while the engine runs and the server takes requests
+    GET  /metrics                Prometheus text
+    GET  /v1/models              the one served model
+    POST /v1/completions         text completion, whole or streamed (SSE)
+    POST /v1/chat/completions    chat completion through the model's chat template
+
+Every /v1 route checks `Authorization: Bearer KEY` when an API key is set. Generation requests
+are tokenized here (on the event loop) and handed to the engine thread as token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deepinfer.entrypoints.openai.body import BodySizeLimit, read_json
+from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
+from deepinfer.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    context_length_exceeded,
+    from_value_error,
+    install_error_handlers,
+)
+from deepinfer.entrypoints.openai.metrics import ServerMetrics
+from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.entrypoints.openai.serving import ChatFormatter, CompletionFormatter, collect, stream_events
+from deepinfer.sampling_params import SamplingParams
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt"}
+
+
+@dataclass
+class ServerSettings:
+    """What `deepinfer serve` adds to the engine's own configuration."""
+
+    model_name: str
+    api_key: str | None = None
+    max_waiting: int = 256  # waiting requests above this get a 429
+    max_body_bytes: int = 8 << 20
+    retry_after_s: int = 1
+
+
+class ServerState:
+    """Everything a route needs: the engine loop, a tokenizer of its own, settings, metrics."""
+
+    def __init__(self, engine, settings: ServerSettings, metrics: ServerMetrics):
+        self.settings, self.metrics = settings, metrics
+        self.engine_loop = EngineLoop(engine, metrics)
+        self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread keeps the original
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.source.hf_config.vocab_size
+        self.model_path = engine.source.path
+        self.created = int(time.time())
+
+    def check_capacity(self) -> None:
+        """503 while shutting down, 429 while the waiting queue is full."""
+        if not self.engine_loop.accepting:
+            raise APIError(503, "the server is shutting down or its engine stopped; retry later",
+                           "service_unavailable", code="server_unavailable",
+                           headers={"Retry-After": "5"})
+        waiting, limit = self.engine_loop.num_waiting, self.settings.max_waiting
+        if waiting >= limit:
+            raise APIError(429, f"the server is busy: {waiting} requests are waiting (limit "
+                           f"{limit}); retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.settings.model_name}`", param="model", code="model_not_found")
+
+
+def build_app(engine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine thread runs while the app's lifespan does."""
+    state = ServerState(engine, settings, ServerMetrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.engine_loop.stop)
+
+    app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
+    app.include_router(_public_routes(state))
+    app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    return app
+
+
+def _count_error(state: ServerState, request: Request) -> None:
+    if request.url.path in GENERATION_PATHS:
+        state.metrics.record_error()
+
+
+def _auth_dependency(api_key: str | None):
+    async def verify(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if not header:
+            raise APIError(401, "You didn't provide an API key; send it as `Authorization: Bearer "
+                           "KEY`", code="invalid_api_key")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    return verify
+
+
+def _public_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        if not state.engine_loop.accepting:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    return router
+
+
+def _v1_routes(state: ServerState) -> APIRouter:
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/models")
+    async def models() -> dict:
+        card = {"id": state.settings.model_name, "object": "model", "created": state.created,
+                "owned_by": "deepinfer", "root": state.model_path,
+                "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+        return {"object": "list", "data": [card]}
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        state.check_capacity()
+        body = CompletionRequest.model_validate(await read_json(request))
+        prompt_ids = _completion_prompt_ids(state, body)
+        return await _generate(state, request, body, prompt_ids, "prompt",
+                               CompletionFormatter, f"cmpl-{uuid.uuid4().hex}")
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        state.check_capacity()
+        body = ChatCompletionRequest.model_validate(await read_json(request))
+        prompt_ids = _chat_prompt_ids(state, body)
+        return await _generate(state, request, body, prompt_ids, "messages",
+                               ChatFormatter, f"chatcmpl-{uuid.uuid4().hex}")
+
+    return router
+
+
+def _completion_prompt_ids(state: ServerState, body: CompletionRequest) -> list[int]:
+    body.check_supported()
+    state.check_model(body.model)
+    prompt = body.prompt_input()
+    if isinstance(prompt, list):
+        return prompt
+    return list(state.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    body.check_supported()
+    state.check_model(body.model)
+    if not state.tokenizer.chat_template:
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        ids = state.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
+                                                  tokenize=True)
+    except Exception as exc:  # the template refused the conversation (roles, order, ...)
+        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: str) -> SamplingParams:
+    """SamplingParams with max_tokens checked against the context (400 when it cannot fit)."""
+    limit, requested = state.max_model_len, body.requested_max_tokens()
+    if num_prompt_tokens >= limit:
+        raise context_length_exceeded(num_prompt_tokens, limit, param)
+    if requested is not None and num_prompt_tokens + requested > limit:
+        raise context_length_exceeded(num_prompt_tokens, limit, param, requested)
+    if requested is None:
+        requested = 16 if isinstance(body, CompletionRequest) else limit - num_prompt_tokens
+    try:
+        return SamplingParams(**body.sampling_kwargs(requested))
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAM_FIELDS) from exc
+
+
+async def _generate(state: ServerState, request: Request, body, prompt_ids: list[int], param: str,
+                    formatter_cls, response_id: str) -> Response:
+    """Hand the request to the engine thread; answer whole or as an SSE stream."""
+    arrival = time.monotonic()
+    params = _sampling_params(state, body, len(prompt_ids), param)
+    try:
+        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival)
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAM_FIELDS) from exc
+    except EngineClosedError as exc:
+        raise APIError(503, str(exc), "service_unavailable", code="server_unavailable",
+                       headers={"Retry-After": "5"}) from exc
+    formatter = formatter_cls(response_id, state.settings.model_name, state.tokenizer,
+                              len(prompt_ids), params.logprobs)
+    if body.stream:
+        return StreamingResponse(stream_events(handle, formatter, body.include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+    try:
+        return JSONResponse(await collect(handle, formatter))
+    except EngineClosedError as exc:
+        raise APIError(503, str(exc), "service_unavailable", code="server_unavailable") from exc
+    finally:
+        watcher.cancel()
+        handle.abort()  # a no-op when finished
+
+
+async def _abort_on_disconnect(request: Request, handle, poll_s: float = 0.25) -> None:
+    """Abort a non-streaming request whose client went away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
+    handle.abort()

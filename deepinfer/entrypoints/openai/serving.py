@@ -1,0 +1,190 @@
+"""Turning a request's RequestOutputs into OpenAI responses: whole JSON bodies or SSE chunks.
+
+A formatter knows one endpoint's shapes (text completion or chat completion); `collect()` and
+`stream_events()` drive it over a RequestHandle. Neither touches the engine: an abort goes
+through the handle, and so through the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, RequestHandle
+from deepinfer.outputs import RequestOutput
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+class _Formatter:
+    """Shared state of one response: id, model, token strings, usage."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, tokenizer, num_prompt_tokens: int,
+                 num_logprobs: int | None):
+        self.response_id, self.model, self.tokenizer = response_id, model, tokenizer
+        self.created = int(time.time())
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_logprobs = num_logprobs
+        self.num_completion_tokens = 0
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def envelope(self, choices: list[dict], chunk: bool) -> dict:
+        return {"id": self.response_id, "object": self.chunk_object_name if chunk else self.object_name,
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_chunk(self) -> dict:
+        body = self.envelope([], chunk=True)
+        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return body
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        raise NotImplementedError
+
+    def final(self, out: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def _entries(self, out: RequestOutput, num_last: int | None) -> list[tuple[int, dict[int, float]]]:
+        """(token id, {id: logprob}) for the last `num_last` tokens (None: all)."""
+        c = out.outputs[0]
+        if self.num_logprobs is None or c.logprobs is None:
+            return []
+        ids, entries = c.token_ids, c.logprobs
+        if num_last is not None:
+            ids, entries = ids[len(ids) - num_last:], entries[len(entries) - num_last:]
+        return list(zip(ids, entries, strict=True))
+
+
+class CompletionFormatter(_Formatter):
+    """POST /v1/completions: `text` choices and the legacy logprobs shape."""
+
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._text_offset = 0
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        c = out.outputs[0]
+        self.num_completion_tokens = len(c.token_ids)
+        if not c.delta_token_ids and not c.delta_text and not out.finished:
+            return None
+        choice = {"index": 0, "text": c.delta_text,
+                  "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return self.envelope([choice], chunk=True)
+
+    def final(self, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        self.num_completion_tokens = len(c.token_ids)
+        choice = {"index": 0, "text": c.text, "logprobs": self._logprobs(out, None),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        body = self.envelope([choice], chunk=False)
+        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return body
+
+    def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, entry in self._entries(out, num_last):
+            text = self.token_text(token_id)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(max(entry[token_id], MIN_LOGPROB))
+            result["top_logprobs"].append({self.token_text(t): max(lp, MIN_LOGPROB)
+                                           for t, lp in entry.items()})
+            result["text_offset"].append(self._text_offset)
+            self._text_offset += len(text)
+        return result
+
+
+class ChatFormatter(_Formatter):
+    """POST /v1/chat/completions: `message` / `delta` choices and the chat logprobs shape."""
+
+    object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
+
+    def start_chunks(self) -> list[dict]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
+        return [self.envelope([choice], chunk=True)]
+
+    def chunk(self, out: RequestOutput) -> dict | None:
+        c = out.outputs[0]
+        self.num_completion_tokens = len(c.token_ids)
+        if not c.delta_token_ids and not c.delta_text and not out.finished:
+            return None
+        delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+                  "finish_reason": c.finish_reason}
+        return self.envelope([choice], chunk=True)
+
+    def final(self, out: RequestOutput) -> dict:
+        c = out.outputs[0]
+        self.num_completion_tokens = len(c.token_ids)
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
+                  "logprobs": self._logprobs(out, None), "finish_reason": c.finish_reason}
+        body = self.envelope([choice], chunk=False)
+        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return body
+
+    def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
+        if self.num_logprobs is None:
+            return None
+        content = []
+        for token_id, entry in self._entries(out, num_last):
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:self.num_logprobs]
+            item = self._token_logprob(token_id, entry[token_id])
+            item["top_logprobs"] = [self._token_logprob(t, lp) for t, lp in best]
+            content.append(item)
+        return {"content": content, "refusal": None}
+
+    def _token_logprob(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
+
+
+async def collect(handle: RequestHandle, formatter: _Formatter) -> dict:
+    """Run the request to its end; the whole response body."""
+    last = None
+    async for out in handle:
+        last = out
+    return formatter.final(last)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def stream_events(handle: RequestHandle, formatter: _Formatter,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of one request; a client that goes away (cancellation) aborts the request."""
+    try:
+        for chunk in formatter.start_chunks():
+            yield sse(chunk)
+        async for out in handle:
+            chunk = formatter.chunk(out)
+            if chunk is not None:
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
+        if include_usage:
+            yield sse(formatter.usage_chunk())
+    except EngineClosedError as exc:
+        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None,
+                             "code": "engine_closed"}})
+    finally:
+        handle.abort()  # a no-op when the request finished
+    yield sse("[DONE]")
