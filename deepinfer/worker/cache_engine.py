@@ -68,22 +68,40 @@ class CacheGroupSpec:
 
 
 class LayerCache:
-    """One layer's view of its group: load rows at flat slots, store rows at flat slots."""
+    """One layer's view of its group: load rows at flat slots, store rows at flat slots.
 
-    def __init__(self, view: torch.Tensor, codec: RowCodec):
+    `view` is the book's (units, rows_per_unit, 1, row_bytes) view. Reads and writes go through
+    the same memory seen as one row per line, `rows2d` [units * layers * R, row], where the
+    row of flat slot u * R + r of layer l is line u * layers * R + l * R + r: one index_select
+    (a memcpy per row) instead of a two-index gather.
+    """
+
+    def __init__(self, view: torch.Tensor, rows2d: torch.Tensor, index_in_group: int, codec: RowCodec):
         self.view = view  # (units, rows_per_unit, 1, row_bytes) uint8
+        self.rows2d = rows2d  # [units * layers * R, row] uint8, or the compute dtype for plain rows
         self.codec = codec
         self.rows_per_unit = view.shape[1]
+        self.lines_per_unit = rows2d.shape[0] // view.shape[0]
+        self.layer_offset = index_in_group * self.rows_per_unit
+
+    def _lines(self, slots: torch.Tensor) -> torch.Tensor:
+        R = self.rows_per_unit
+        return slots // R * self.lines_per_unit + slots % R + self.layer_offset
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots [...] (-1 reads unit 0 row 0: the caller masks it) -> [..., 2, H_kv, D]."""
-        s = slots.clamp(min=0)
-        rows = self.view[s // self.rows_per_unit, s % self.rows_per_unit, 0]  # [..., row_bytes]
-        return self.codec.decode(rows)
+        """slots [...] (-1 reads some row: the caller masks it) -> [..., 2, H_kv, D]."""
+        lines = self._lines(slots.clamp(min=0))
+        rows = self.rows2d.index_select(0, lines.flatten()).view(*slots.shape, self.rows2d.shape[1])  # [..., row]
+        if self.codec.fp8:
+            return self.codec.decode(rows)
+        return rows.unflatten(-1, (2, self.codec.num_kv_heads, self.codec.head_dim))  # [..., 2, H_kv, D]
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows for k, v [T, H_kv, D] at distinct flat slots [T]."""
-        self.view[slots // self.rows_per_unit, slots % self.rows_per_unit, 0] = self.codec.encode(k, v)
+        rows = self.codec.encode(k, v)  # [T, row_bytes] uint8
+        if not self.codec.fp8:
+            rows = rows.view(self.rows2d.dtype)  # [T, row]
+        self.rows2d.index_copy_(0, self._lines(slots), rows)
 
 
 class CacheEngine:
@@ -101,7 +119,8 @@ class CacheEngine:
         out = {}
         for gi, (group, blocks) in enumerate(zip(self.groups, self.allocations, strict=True)):
             for li, layer in enumerate(group.layer_ids):
-                out[layer] = (gi, LayerCache(self.layer_view(blocks, group, li), self.codec))
+                out[layer] = (gi, LayerCache(self.layer_view(blocks, group, li), self.rows2d(blocks),
+                                             li, self.codec))
         return out
 
     def layer_view(self, blocks: torch.Tensor, group: CacheGroupSpec, index_in_group: int) -> torch.Tensor:
@@ -110,6 +129,11 @@ class CacheEngine:
         start = index_in_group * rows * row
         return blocks[:, start:start + rows * row].as_strided(
             (blocks.shape[0], rows, 1, row), (blocks.stride(0), row, row, 1))
+
+    def rows2d(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The group's allocation as one row per line, typed as the rows' element type."""
+        lines = blocks.view(-1, self.codec.row_bytes)  # [units * layers * R, row_bytes]
+        return lines if self.codec.fp8 else lines.view(self.codec.dtype)
 
     @property
     def num_bytes(self) -> int:
