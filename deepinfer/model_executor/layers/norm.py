@@ -1,6 +1,7 @@
 """RMSNorm, computed in fp32 and cast back."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,8 +15,5 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float() + self.offset if self.offset else self.weight.float()
-        return (x32 * w).to(dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)

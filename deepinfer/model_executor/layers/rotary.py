@@ -36,10 +36,19 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)  # [P, D]
+        self._last: tuple | None = None  # (positions, cos, sin) of the step in flight
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [T, 1, D] at `positions`; every layer of a step shares one lookup."""
+        last = self._last
+        if last is None or last[0] is not positions or last[1].dtype != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+            sin = self.sin[positions].unsqueeze(1).to(dtype)  # [T, 1, D]
+            self._last = last = (positions, cos, sin)
+        return last[1], last[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        cos, sin = self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
