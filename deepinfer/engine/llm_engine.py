@@ -128,5 +128,5 @@ def eos_token_ids(source) -> frozenset[int]:
 
 def kv_group_specs(groups) -> tuple:
     """The runner's cache groups as the block manager sees them (sizes only, no tensors)."""
-    return tuple(PagedGroupSpec(g.name, g.rows_per_unit) if g.kind == "paged" else RingGroupSpec(g.name, g.rows_per_unit)
-                 for g in groups)
+    return tuple(PagedGroupSpec(g.name, g.rows_per_unit) if g.kind == "paged"
+                 else RingGroupSpec(g.name, g.rows_per_unit) for g in groups)

@@ -8,7 +8,10 @@ from deepinfer.engine.plan import ModelOutput
 from deepinfer.environ import get_environ
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend
-from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size, get_kvstore_swa_block_size
+from deepinfer.model_executor.layers.ops.cache_common import (
+    get_inference_swa_block_size,
+    get_kvstore_swa_block_size,
+)
 from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.models.registry import get_model_class

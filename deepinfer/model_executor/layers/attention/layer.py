@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from deepinfer.model_executor.forward_context import get_forward_context

@@ -5,7 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model_executor.layers.attention.backend import AttentionBackend, AttentionMetadata, GroupMetadata
+from deepinfer.model_executor.layers.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    GroupMetadata,
+)
 
 
 def decode_attention(cache, q: torch.Tensor, kv_index: torch.Tensor, scale: float) -> torch.Tensor:
