@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from labio import emit
+
 INPUTS = [(1, 0), (0, 1), (1, 1), (2, 0), (0, 2)]
 TOLERANCE = 1e-12
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results" / "07_attention.txt"
@@ -113,14 +115,6 @@ def table(xs):
     return lines
 
 
-def shown(path):
-    """`path` relative to the working directory when it lies below it."""
-    try:
-        return path.resolve().relative_to(Path.cwd())
-    except ValueError:
-        return path
-
-
 def positive_int(text):
     value = int(text)
     if value < 1:
@@ -137,11 +131,7 @@ def main(argv=None):
         blocks = [(table(INPUTS), [])] + [experiment(INPUTS, w) for w in (None, 3)]
     else:
         blocks = [experiment(INPUTS, args.window)]
-    text = "\n\n".join("\n".join(lines) for lines, _ in blocks) + "\n"
-    print(text, end="")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"Saved output · {shown(args.out)}")
+    emit([lines for lines, _ in blocks], args.out)
     bad = [b for _, errors in blocks for b in errors]
     for line in bad:
         print(f"MISMATCH {line}", file=sys.stderr)

@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from labio import emit
+
 from deepinfer.environ import get_environ
 from deepinfer.model_executor.layers.ops.cache_common import (
     V41_FORMAT,
@@ -128,13 +130,6 @@ def parse_args(argv):
     return p, a
 
 
-def shown(path):
-    try:
-        return path.resolve().relative_to(Path.cwd())
-    except ValueError:
-        return path
-
-
 def main(argv=None):
     parser, a = parse_args(argv)
     try:
@@ -142,11 +137,7 @@ def main(argv=None):
         problems = address_problems(a)
     except ValueError as e:
         parser.error(str(e))
-    text = "\n\n".join("\n".join(lines) for lines in blocks) + "\n"
-    print(text, end="")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(text)
-    print(f"Saved output · {shown(a.out)}")
+    emit(blocks, a.out)
     for line in problems:
         print(f"ADDRESS CHECK FAILED: {line}", file=sys.stderr)
     return 1 if problems else 0

@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from labio import emit
+
 from deepinfer.model_executor.layers.ops.cache_common import kv_payload_bytes
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "results" / "17_kv_bytes.txt"
@@ -31,13 +33,6 @@ def report(a):
     ]
 
 
-def shown(path):
-    try:
-        return path.resolve().relative_to(Path.cwd())
-    except ValueError:
-        return path
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
@@ -51,11 +46,7 @@ def main(argv=None):
         lines = report(a)
     except ValueError as e:
         p.error(str(e))
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(text)
-    print(f"Saved output · {shown(a.out)}")
+    emit([lines], a.out)
     return 0
 
 

@@ -39,6 +39,8 @@ def blocks(result, out):
 
 
 def load_lab(name):
+    if str(ROOT / "labs") not in sys.path:
+        sys.path.insert(0, str(ROOT / "labs"))  # as when the lab runs as a script: its helpers beside it
     spec = importlib.util.spec_from_file_location(f"lab_{name}", ROOT / "labs" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
