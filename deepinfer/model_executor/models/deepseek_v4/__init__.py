@@ -1,0 +1,1 @@
+"""DeepSeek-V4: hyper-connections, MoE, compressed attention pieces and quantized-weight loading."""

@@ -1,0 +1,206 @@
+"""DeepSeek-V4 MoE block: a router, stacked routed experts and a shared expert.
+
+Routers (parameter names as in HF checkpoints, under `gate.`):
+- `HashRouter` (the first `num_hash_layers` layers): experts come from a frozen table
+  `tid2eid [vocab, k]` indexed by token id; the learned `weight [E, H]` only weights them.
+- `TopKRouter` (the other layers): experts are the top-k of `score + e_score_correction_bias`;
+  the bias steers the choice only, the weights come from the unbiased scores.
+Both score with `scoring_func` (V4: sqrt(softplus(logits))), renormalise the k weights to sum to 1
+when `norm_topk_prob`, then multiply by `routed_scaling_factor`. Logits are computed in fp32.
+
+Experts (`experts.gate_up_proj [E, 2I, H]` with gate rows first, `experts.down_proj [E, H, I]`)
+run a SwiGLU whose gate is clamped to `<= swiglu_limit` and whose up projection to
+`[-swiglu_limit, swiglu_limit]`; the shared expert (`shared_experts.{gate,up,down}_proj`) does the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.model_executor.models.utils import MergedLinear
+
+SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I]: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up  # [..., I]
+
+
+def _finish_weights(scores: torch.Tensor, topk_ids: torch.Tensor, renormalize: bool,
+                    scaling: float) -> torch.Tensor:
+    weights = scores.gather(1, topk_ids)  # [T, k]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [T, k]
+    return weights * scaling  # [T, k]
+
+
+class _Router(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.scoring_func not in SCORE_FUNCS:
+            raise ValueError(f"scoring_func must be one of {sorted(SCORE_FUNCS)}, got {cfg.scoring_func!r}")
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.score_fn = SCORE_FUNCS[cfg.scoring_func]
+        self.renormalize = getattr(cfg, "norm_topk_prob", True)
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score_fn(F.linear(x.float(), self.weight.float()))  # [T, E]
+
+
+class TopKRouter(_Router):
+    """Score-routed top-k. Parameters: `weight [E, H]`, `e_score_correction_bias [E]` (fp32)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        scores = self.scores(x)  # [T, E]
+        biased = scores + self.e_score_correction_bias.float()  # [T, E]
+        topk_ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices  # [T, k]
+        return topk_ids, _finish_weights(scores, topk_ids, self.renormalize, self.routed_scaling_factor)
+
+
+class HashRouter(_Router):
+    """Token-id-routed. Parameters: `weight [E, H]`, `tid2eid [vocab, k]` (int64 expert ids)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.vocab_size = cfg.vocab_size
+        tid2eid = torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long)
+        self.tid2eid = nn.Parameter(tid2eid, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], input_ids [T] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        if input_ids.shape != x.shape[:1]:
+            raise ValueError(f"input_ids must have shape {tuple(x.shape[:1])}, got {tuple(input_ids.shape)}")
+        topk_ids = self.tid2eid[input_ids].long()  # [T, k]
+        return topk_ids, _finish_weights(self.scores(x), topk_ids, self.renormalize, self.routed_scaling_factor)
+
+
+class FusedExperts(nn.Module):
+    """E routed SwiGLU experts with stacked weights, called like a grouped GEMM.
+
+    Parameters: `gate_up_proj [E, 2I, H]` (gate rows, then up rows), `down_proj [E, H, I]`.
+    `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`; a GPU kernel with the
+    same signature may replace it. The CPU path sorts the (token, slot) pairs by expert, runs each
+    active expert once over its contiguous rows, and scatter-adds the weighted outputs in fp32.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
+        super().__init__()
+        self.num_experts, self.swiglu_limit = num_experts, swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+
+    def load_expert_weight(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """Copy one expert's [out, in] matrix into the stacks.
+
+        `proj`: `gate_proj` / `w1`, `up_proj` / `w3`, `down_proj` / `w2` (HF / DeepSeek names).
+        """
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert must lie in [0, {self.num_experts}), got {expert}")
+        inter = self.down_proj.shape[-1]
+        targets = {"gate_proj": self.gate_up_proj.data[expert, :inter], "w1": self.gate_up_proj.data[expert, :inter],
+                   "up_proj": self.gate_up_proj.data[expert, inter:], "w3": self.gate_up_proj.data[expert, inter:],
+                   "down_proj": self.down_proj.data[expert], "w2": self.down_proj.data[expert]}
+        if proj not in targets:
+            raise ValueError(f"proj must be one of {sorted(targets)}, got {proj!r}")
+        if targets[proj].shape != tensor.shape:
+            raise ValueError(f"expert {expert} {proj} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(targets[proj].shape)}")
+        targets[proj].copy_(tensor)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)  # [T*k]
+        if flat_ids.numel() and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < self.num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
+        order = flat_ids.argsort(stable=True)  # [T*k] pairs grouped by expert
+        token_idx = order // k  # [T*k]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # E
+        hidden = self._grouped_mlp(x[token_idx], counts)  # [T*k, H]
+        weights = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
+        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, H]
+        out.index_add_(0, token_idx, hidden.float() * weights)
+        return out.to(x.dtype)  # [T, H]
+
+    def _grouped_mlp(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows of `x_sorted [R, H]` grouped by expert (`counts[e]` rows each) -> [R, H]."""
+        out = torch.empty_like(x_sorted)  # [R, H]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = x_sorted[start:start + count]  # [n, H]
+            act = clamped_swiglu(F.linear(rows, self.gate_up_proj[expert]), self.swiglu_limit)  # [n, I]
+            out[start:start + count] = F.linear(act, self.down_proj[expert])  # [n, H]
+            start += count
+        return out
+
+
+class SharedExpert(nn.Module):
+    """Dense clamped-SwiGLU MLP; HF `gate_proj`/`up_proj` load into the merged `gate_up_proj`."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
+        super().__init__()
+        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.swiglu_limit))  # [T, H]
+
+
+def is_hash_layer(cfg, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` routes by token id (`mlp_layer_types`, else `num_hash_layers`)."""
+    layer_types = getattr(cfg, "mlp_layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer_idx] == "hash_moe"
+    return layer_idx < getattr(cfg, "num_hash_layers", 0)
+
+
+class DeepseekV4MoE(nn.Module):
+    """The MoE block of layer `layer_idx` (HF: `DeepseekV4SparseMoeBlock`).
+
+    Submodules: `gate` (`HashRouter` or `TopKRouter`), `experts` (`FusedExperts`), `shared_experts`.
+    `forward(x [T, H], input_ids [T] | None) -> [T, H]`; hash layers require `input_ids`.
+    """
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for DeepSeek-V4 experts, got {cfg.hidden_act!r}")
+        self.is_hash = is_hash_layer(cfg, layer_idx)
+        self.gate = HashRouter(cfg) if self.is_hash else TopKRouter(cfg)
+        limit = getattr(cfg, "swiglu_limit", None)
+        inter = cfg.moe_intermediate_size
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit)
+        shared_inter = inter * getattr(cfg, "n_shared_experts", 1)
+        self.shared_experts = SharedExpert(cfg.hidden_size, shared_inter, limit)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids [T, k], topk_weights [T, k]) for the tokens `x [T, H]`."""
+        if not self.is_hash:
+            return self.gate(x)
+        if input_ids is None:
+            raise ValueError("input_ids is required by a hash-routed MoE layer, got None")
+        return self.gate(x, input_ids)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(x, input_ids)  # [T, k], [T, k]
+        return self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)  # [T, H]

@@ -1,0 +1,135 @@
+"""Dequantization of DeepSeek-V4 checkpoint tensors for the CPU path.
+
+V4 checkpoints store most linear weights quantized, each with a sibling scale tensor:
+- FP8: `weight` as float8_e4m3fn `[..., R, C]`, one scale per 128 x 128 block
+  `[..., ceil(R/128), ceil(C/128)]` (edge blocks may be partial);
+- FP4 (routed experts): `weight` as int8 / uint8 / float4_e2m1fn_x2 `[..., R, C/2]`, two e2m1
+  values per byte, element 2j in the low nibble and 2j+1 in the high nibble; one scale per 32
+  consecutive input values, `[..., R, C/32]`.
+Scales are UE8M0 (float8_e8m0fnu, or raw uint8 bytes: 2 ** (byte - 127)) or plain floats
+(V3-style fp32). Value = element * scale.
+
+Scale names: DeepSeek's own `X.scale` beside `X.weight`; HF's `X.weight_scale_inv` beside
+`X.weight`; HF stacked experts `P_scale_inv` beside `P`. A `.scale` tensor without a quantized
+`.weight` sibling (e.g. an mHC `attn_hc.scale`) is an ordinary parameter and passes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+FP8_BLOCK = (128, 128)
+FP4_GROUP = 32
+# e2m1 code -> value; bit 3 is the sign, bits 2..1 the exponent, bit 0 the mantissa
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is an FP8 e4m3 or packed-FP4 weight (and so needs a scale).
+
+    int8 / uint8 count as packed FP4 only for weight names (`*.weight`, stacked `*_proj`), so that
+    integer tables such as `tid2eid` pass through.
+    """
+    if tensor.dtype == torch.float8_e4m3fn or tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        return True
+    return tensor.dtype in (torch.int8, torch.uint8) and name.endswith((".weight", "_proj"))
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 (float8_e8m0fnu or raw uint8 exponent bytes) or float scales -> fp32."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127.0)
+    return scale.float()
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 bytes [..., C/2] -> fp32 values [..., C] (low nibble first)."""
+    codes = packed.contiguous().view(torch.uint8)  # [..., C/2]
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)  # [16]
+    pairs = torch.stack([lut[(codes & 0xF).long()], lut[(codes >> 4).long()]], dim=-1)  # [..., C/2, 2]
+    return pairs.flatten(-2)  # [..., C]
+
+
+def _apply_block_scale(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                       name: str) -> torch.Tensor:
+    rows, cols = values.shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != values.shape[:-2]:
+        raise ValueError(f"scale of {name!r} has shape {tuple(scale.shape)}, expected "
+                         f"{tuple(values.shape[:-2]) + grid} for a weight of shape {tuple(values.shape)}")
+    s = scale_to_float(scale)  # [..., gr, gc]
+    s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :]  # [..., R, gc]
+    s = s.repeat_interleave(block[1], dim=-1)[..., :cols]  # [..., R, C]
+    return values * s  # [..., R, C]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
+                   name: str = "weight") -> torch.Tensor:
+    """e4m3 [..., R, C] with block scales [..., ceil(R/b0), ceil(C/b1)] -> fp32 [..., R, C]."""
+    return _apply_block_scale(weight.float(), scale, block, name)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP,
+                   name: str = "weight") -> torch.Tensor:
+    """Packed e2m1 [..., R, C/2] with scales [..., R, C/group] -> fp32 [..., R, C]."""
+    return _apply_block_scale(unpack_fp4(packed), scale, (1, group), name)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Dispatch on the weight's storage dtype: FP8 e4m3 or packed FP4 -> fp32."""
+    if weight.dtype == torch.float8_e4m3fn:
+        return dequantize_fp8(weight, scale, name=name)
+    if weight.dtype in _FP4_DTYPES:
+        return dequantize_fp4(weight, scale, name=name)
+    raise ValueError(f"tensor {name!r} has dtype {weight.dtype}, expected float8_e4m3fn or packed FP4")
+
+
+def weight_name_for_scale(name: str) -> str | None:
+    """The weight a scale tensor belongs to, or None when `name` is not a scale name."""
+    if name.endswith(".weight_scale_inv"):
+        return name[: -len("_scale_inv")]
+    if name.endswith("_scale_inv"):
+        return name[: -len("_scale_inv")]
+    if name.endswith(".scale"):
+        return name[: -len("scale")] + "weight"
+    return None
+
+
+def dequantize_v4_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                          dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn (quantized weight, scale) pairs into plain `dtype` tensors under the weight's name.
+
+    Other tensors pass through unchanged. Each half of a pair waits (buffered) until the other
+    half arrives, so any order works; safetensors' sorted order keeps the buffer to one pair.
+    Raises ValueError for a quantized weight without a scale or a `*_scale_inv` without a weight.
+    """
+    weights: dict[str, torch.Tensor] = {}  # quantized weights waiting for a scale
+    scales: dict[str, tuple[str, torch.Tensor]] = {}  # weight name -> (scale name, scale)
+    for name, tensor in named_tensors:
+        target = weight_name_for_scale(name)
+        if target is not None:
+            if target in weights:
+                yield target, dequantize(weights.pop(target), tensor, target).to(dtype)
+            else:
+                scales[target] = (name, tensor)
+        elif is_quantized(name, tensor):
+            if name in scales:
+                yield name, dequantize(tensor, scales.pop(name)[1], name).to(dtype)
+            else:
+                weights[name] = tensor
+        else:
+            yield name, tensor
+    yield from _leftovers(weights, scales)
+
+
+def _leftovers(weights: dict[str, torch.Tensor],
+               scales: dict[str, tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    if weights:
+        raise ValueError(f"quantized tensor {next(iter(weights))!r} has no scale tensor")
+    for scale_name, scale in scales.values():
+        if scale_name.endswith("_scale_inv"):
+            raise ValueError(f"scale tensor {scale_name!r} has no quantized weight")
+        yield scale_name, scale
