@@ -26,33 +26,45 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 
 class RowCodec:
-    """K and V of all KV heads of one layer for one token <-> one row of bytes."""
+    """One layer's cached state of one token <-> one row of bytes.
 
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str):
+    Separate K and V (Llama family): the row is K|V of all KV heads, 2 * H_kv * D elements.
+    Shared K = V (a latent row, as DeepSeek-V4 stores one 512-element row per token): the row is
+    H_kv * D elements and serves as both K and V; a 512-element MXFP8 row is 528 bytes.
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str,
+                 shared_kv: bool = False):
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.num_elements = 2 * num_kv_heads * head_dim
+        self.shared_kv = shared_kv
+        self.num_parts = 1 if shared_kv else 2
+        self.num_elements = self.num_parts * num_kv_heads * head_dim
         self.fp8 = kv_cache_dtype == "fp8"
-        self.format: KVCacheFormat = (mxfp8_format(self.num_elements, "MXFP8 K|V row") if self.fp8 else
-                                      unquantized_format(self.num_elements, _DTYPE_NAMES[dtype], "K|V row"))
+        what = "K=V latent row" if shared_kv else "K|V row"
+        self.format: KVCacheFormat = (mxfp8_format(self.num_elements, f"MXFP8 {what}") if self.fp8 else
+                                      unquantized_format(self.num_elements, _DTYPE_NAMES[dtype], what))
 
     @property
     def row_bytes(self) -> int:
         return self.format.bytes_per_row
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """k, v [T, H_kv, D] -> rows [T, row_bytes] uint8."""
-        flat = torch.cat((k.flatten(1), v.flatten(1)), dim=1)  # [T, 2*H_kv*D]
+    def encode(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+        """k, v [T, H_kv, D] -> rows [T, row_bytes] uint8 (v is not stored when K = V)."""
+        flat = k.flatten(1) if self.shared_kv else torch.cat((k.flatten(1), v.flatten(1)), dim=1)  # [T, E]
         if self.fp8:
             return quantize_mxfp8(flat)  # [T, row_bytes]
         return flat.to(self.dtype).contiguous().view(torch.uint8)  # [T, row_bytes]
 
+    def as_kv(self, flat: torch.Tensor) -> torch.Tensor:
+        """[..., E] -> [..., 2, H_kv, D]; a shared row is the same memory seen as K and as V."""
+        kv = flat.unflatten(-1, (self.num_parts, self.num_kv_heads, self.head_dim))  # [..., 1|2, H_kv, D]
+        return kv.expand(*kv.shape[:-3], 2, -1, -1) if self.shared_kv else kv
+
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [..., row_bytes] uint8 -> [..., 2, H_kv, D] in the compute dtype."""
         if self.fp8:
-            flat = dequantize_mxfp8(rows, self.num_elements, self.dtype)  # [..., E]
-        else:
-            flat = rows.contiguous().view(self.dtype)  # [..., E]
-        return flat.unflatten(-1, (2, self.num_kv_heads, self.head_dim))  # [..., 2, H_kv, D]
+            return self.as_kv(dequantize_mxfp8(rows, self.num_elements, self.dtype))  # [..., 2, H_kv, D]
+        return self.as_kv(rows.contiguous().view(self.dtype))  # [..., 2, H_kv, D]
 
 
 @dataclass(frozen=True)
@@ -92,9 +104,7 @@ class LayerCache:
         """slots [...] (-1 reads some row: the caller masks it) -> [..., 2, H_kv, D]."""
         lines = self._lines(slots.clamp(min=0))
         rows = self.rows2d.index_select(0, lines.flatten()).view(*slots.shape, self.rows2d.shape[1])  # [..., row]
-        if self.codec.fp8:
-            return self.codec.decode(rows)
-        return rows.unflatten(-1, (2, self.codec.num_kv_heads, self.codec.head_dim))  # [..., 2, H_kv, D]
+        return self.codec.decode(rows) if self.codec.fp8 else self.codec.as_kv(rows)  # [..., 2, H_kv, D]
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows for k, v [T, H_kv, D] at distinct flat slots [T]."""
