@@ -16,7 +16,7 @@ def run_cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("sub", [[], ["generate"], ["chat"], ["info"], ["bench"]])
+@pytest.mark.parametrize("sub", [[], ["generate"], ["chat"], ["info"], ["bench"], ["serve"], ["bench", "serve"]])
 def test_help_everywhere(sub, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([*sub, "--help"])
