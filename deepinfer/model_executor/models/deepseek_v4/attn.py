@@ -1,0 +1,170 @@
+"""DeepSeek-V4 attention math, independent of any cache layout.
+
+One V4 attention layer (HF parameter names)::
+
+    q_residual = q_a_norm(q_a_proj(x))                       [T, q_lora_rank]   (also feeds the indexer)
+    q          = rope(rms(q_b_proj(q_residual) per head))    [T, H, D]          unweighted per-head RMSNorm
+    kv_row     = rope(kv_norm(kv_proj(x)))                   [T, D]             ONE latent row, K = V
+    o          = sparse_attention_with_sink(q, rows, valid)  [T, H, D]          rows = window (+ compressed)
+    o          = rope^-1(o)                                  [T, H, D]          de-rotation at the query position
+    out        = o_b_proj(o_a_proj(o grouped in o_groups))   [T, hidden]
+
+RoPE is interleaved (channel pairs (2i, 2i+1)) on the trailing ``qk_rope_head_dim`` channels of
+each head. Sliding-only layers use the ``main`` RoPE (base ``rope_theta``); CSA/HCA layers use the
+``compress`` RoPE (base ``compress_rope_theta``, possibly YaRN), the same as their compressor.
+Because K = V, every value carries RoPE of its own position; rotating the output's rope channels
+by minus the query position (HF: ``cos, -sin``) leaves each row's contribution a function of the
+relative distance only.
+
+The sink: a learned logit per head joins the softmax over a query's rows and contributes no
+value, so the weights of the real rows sum to less than one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.models.deepseek_v4.compressor import apply_interleaved_rope, compress_rope_inv_freq
+
+SLIDING = "sliding_attention"
+
+
+def rope_label(layer_type: str) -> str:
+    """HF's RoPE label for a layer type: ``main`` for sliding-only layers, ``compress`` otherwise."""
+    return "main" if layer_type == SLIDING else "compress"
+
+
+def attention_rope_inv_freq(config, layer_type: str) -> tuple[torch.Tensor, float]:
+    """(inv_freq [qk_rope_head_dim/2], attention_scaling) of the RoPE a layer's attention uses."""
+    rope_dim = config.qk_rope_head_dim
+    if rope_label(layer_type) == "compress":
+        return compress_rope_inv_freq(config, rope_dim)
+    params = (getattr(config, "rope_parameters", None) or {}).get("main") or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", config.rope_theta)
+        exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim  # [rope_dim/2]
+        return (1.0 / theta**exponent).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type="main")
+    return inv_freq.float(), float(scaling)
+
+
+def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMSNorm over the last axis (HF ``q_b_norm``), computed in fp32."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)  # [..., D]
+
+
+def sparse_attention_with_sink(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor,
+                               sink_logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each query attends over its own rows; a per-head sink logit joins the softmax.
+
+    q [T, H, D], kv_rows [T, L, D] (shared K = V), valid [T, L] bool, sink_logits [H] -> [T, H, D].
+    No causal mask is applied: the rows given are the mask (invalid entries contribute nothing).
+    A query with no valid row and a sink of -inf gets a zero output.
+    """
+    logits = torch.einsum("thd,tld->thl", q.float(), kv_rows.float()) * scale  # [T, H, L]
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))  # [T, H, L]
+    sink = sink_logits.float()[None, :, None].expand(q.shape[0], -1, 1)  # [T, H, 1]
+    combined = torch.cat([logits, sink], dim=-1)  # [T, H, L + 1]
+    probs = torch.softmax(combined, dim=-1)[..., :-1].nan_to_num(0.0)  # [T, H, L]  sink dropped
+    return torch.einsum("thl,tld->thd", probs, kv_rows.float()).to(q.dtype)  # [T, H, D]
+
+
+def window_index(num_tokens: int, window: int, device=None) -> torch.Tensor:
+    """Token indices [T, W] of each query's window, oldest first; -1 before the sequence start.
+
+    Query i reads tokens ``max(0, i - W + 1) .. i``.
+    """
+    i = torch.arange(num_tokens, device=device)[:, None]  # [T, 1]
+    k = torch.arange(window, device=device)[None, :]  # [1, W]
+    idx = i - (window - 1) + k  # [T, W]
+    return idx.masked_fill(idx < 0, -1)  # [T, W]
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection (HF ``DeepseekV4GroupedLinear``): each of ``n_groups`` inputs of
+    ``in_per_group`` features goes to its own ``out_features / n_groups`` outputs.
+
+    weight [out_features, in_per_group], group g owning rows ``[g·out/G, (g+1)·out/G)``.
+    """
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int):
+        super().__init__()
+        self.n_groups = n_groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, in_per_group] -> [T, G, out/G]."""
+        w = self.weight.view(self.n_groups, -1, self.weight.shape[-1])  # [G, out/G, in]
+        return torch.einsum("tgi,goi->tgo", x, w)  # [T, G, out/G]
+
+
+class DeepseekV4Attention(nn.Module):
+    """V4 attention weights and math for one layer; the caller owns the cache and the row lists.
+
+    Parameters mirror HF ``DeepseekV4Attention`` (q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm,
+    o_a_proj, o_b_proj, sinks); a CSA/HCA layer's ``compressor`` lives elsewhere.
+    """
+
+    def __init__(self, config, layer_type: str = SLIDING):
+        super().__init__()
+        h, d = config.num_attention_heads, config.head_dim
+        self.num_heads, self.head_dim, self.o_groups = h, d, config.o_groups
+        self.eps, self.scale = config.rms_norm_eps, d**-0.5
+        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
+        self.kv_proj = nn.Linear(config.hidden_size, d, bias=False)
+        self.kv_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups)
+        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        inv_freq, self.rope_scaling = attention_rope_inv_freq(config, layer_type)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rope_dim/2]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_interleaved_rope(x, positions, self.inv_freq, self.rope_scaling).to(x.dtype)
+
+    def queries(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> (q [T, H, D] with RoPE, q_residual [T, q_lora_rank] for the indexer)."""
+        q_residual = self.q_a_norm(self.q_a_proj(hidden))  # [T, q_lora_rank]
+        q = self.q_b_proj(q_residual).view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        q = head_rms_norm(q, self.eps)  # [T, H, D]
+        return self._rope(q, positions), q_residual  # [T, H, D], [T, q_lora_rank]
+
+    def kv_rows(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> the latent row [T, D] the window cache stores (K = V), with RoPE."""
+        kv = self.kv_norm(self.kv_proj(hidden))  # [T, D]
+        return self._rope(kv, positions)  # [T, D]
+
+    def attend(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] over each query's rows [T, L, D] (valid [T, L]) with this layer's sinks."""
+        return sparse_attention_with_sink(q, kv_rows, valid, self.sinks, self.scale)  # [T, H, D]
+
+    def output(self, attn_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """De-rotate at the query position, grouped low-rank projection, mix: [T, H, D] -> [T, hidden]."""
+        o = apply_interleaved_rope(attn_out, -positions, self.inv_freq, self.rope_scaling)  # [T, H, D]
+        o = o.to(attn_out.dtype).reshape(o.shape[0], self.o_groups, -1)  # [T, G, H·D/G]
+        o = self.o_a_proj(o).flatten(1)  # [T, G·o_lora_rank]
+        return self.o_b_proj(o)  # [T, hidden]
+
+    def forward_full(self, hidden: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+        """Reference for ONE sequence, sliding-window attention only (no compressed rows).
+
+        hidden [T, hidden], positions [T] consecutive; query p reads the fresh rows of positions
+        ``max(p0, p - W + 1) .. p`` (p0 = positions[0]; earlier rows are not available here).
+        """
+        num_tokens = hidden.shape[0]
+        if num_tokens and not torch.equal(positions, positions[0] + torch.arange(num_tokens, device=positions.device)):
+            raise ValueError("forward_full needs consecutive positions for one sequence")
+        q, _ = self.queries(hidden, positions)  # [T, H, D]
+        rows = self.kv_rows(hidden, positions)  # [T, D]
+        idx = window_index(num_tokens, window, hidden.device)  # [T, W]
+        gathered = rows[idx.clamp(min=0)]  # [T, W, D]
+        out = self.attend(q, gathered, idx >= 0)  # [T, H, D]
+        return self.output(out, positions)  # [T, hidden]

@@ -1,0 +1,141 @@
+"""DeepSeek-V4 attention math against transformers' ``DeepseekV4Attention`` (fp32).
+
+HF's sliding-layer attention gets random weights; its state dict loads into ours strictly by
+name; ``forward_full`` must match HF's forward on a whole sequence longer than the window.
+The sink and the row-list contract of ``sparse_attention_with_sink`` are tested on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model_executor.models.deepseek_v4.attn import (
+    DeepseekV4Attention,
+    sparse_attention_with_sink,
+    window_index,
+)
+
+transformers = pytest.importorskip("transformers")
+from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4  # noqa: E402
+
+HIDDEN, WINDOW = 64, 8
+
+
+def tiny_config(num_layers: int = 1):
+    cfg = transformers.DeepseekV4Config(
+        hidden_size=HIDDEN, head_dim=64, qk_rope_head_dim=16, q_lora_rank=32, num_attention_heads=4,
+        o_groups=2, o_lora_rank=16, sliding_window=WINDOW, num_hidden_layers=num_layers,
+        layer_types=["sliding_attention"] * num_layers,
+    )
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def hf_attention(cfg, seed: int = 0):
+    module = hf_v4.DeepseekV4Attention(cfg, layer_idx=0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return module.float().eval()
+
+
+@torch.no_grad()
+def hf_forward(cfg, module, hidden: torch.Tensor) -> torch.Tensor:
+    """HF attention standalone on one sequence: hidden [T, hidden] -> [T, hidden]."""
+    x = hidden[None]  # [1, T, hidden]
+    position_ids = torch.arange(hidden.shape[0])[None]  # [1, T]
+    rotary = hf_v4.DeepseekV4RotaryEmbedding(cfg)
+    embeddings = {label: rotary(x, position_ids, layer_type=label) for label in ("main", "compress")}
+    mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None,
+                                             position_ids=position_ids)
+    out, _ = module(x, position_embeddings=embeddings, position_ids=position_ids, attention_mask=mask)
+    return out[0]  # [T, hidden]
+
+
+def ours_from(cfg, module) -> DeepseekV4Attention:
+    ours = DeepseekV4Attention(cfg, "sliding_attention")
+    ours.load_state_dict(module.state_dict(), strict=True)
+    return ours.float().eval()
+
+
+@pytest.mark.parametrize("num_tokens", [5, 20])
+def test_forward_full_matches_hf(num_tokens):
+    cfg = tiny_config()
+    module = hf_attention(cfg)
+    ours = ours_from(cfg, module)
+    hidden = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1))  # [T, hidden]
+    expected = hf_forward(cfg, module, hidden)  # [T, hidden]
+    with torch.no_grad():
+        got = ours.forward_full(hidden, torch.arange(num_tokens), WINDOW)  # [T, hidden]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_window_matters():
+    """A wider window changes the result past W tokens only: the window is the model's, not a no-op."""
+    cfg = tiny_config()
+    ours = ours_from(cfg, hf_attention(cfg))
+    hidden = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(2))  # [T, hidden]
+    with torch.no_grad():
+        a = ours.forward_full(hidden, torch.arange(20), WINDOW)  # [T, hidden]
+        b = ours.forward_full(hidden, torch.arange(20), 2 * WINDOW)  # [T, hidden]
+    torch.testing.assert_close(a[:WINDOW], b[:WINDOW], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(a[WINDOW:], b[WINDOW:], atol=1e-4)
+
+
+def test_rows_are_the_mask():
+    """Permuting rows or padding with invalid garbage rows leaves the output unchanged."""
+    gen = torch.Generator().manual_seed(3)
+    q, rows = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 5, 8, generator=gen)  # [T, H, D], [T, L, D]
+    sinks = torch.randn(2, generator=gen)  # [H]
+    valid = torch.ones(3, 5, dtype=torch.bool)  # [T, L]
+    base = sparse_attention_with_sink(q, rows, valid, sinks, 0.3)  # [T, H, D]
+    perm = torch.randperm(5, generator=gen)
+    torch.testing.assert_close(sparse_attention_with_sink(q, rows[:, perm], valid, sinks, 0.3), base)
+    padded = torch.cat([rows, 1e3 * torch.randn(3, 4, 8, generator=gen)], dim=1)  # [T, L + 4, D]
+    pad_valid = torch.cat([valid, torch.zeros(3, 4, dtype=torch.bool)], dim=1)  # [T, L + 4]
+    torch.testing.assert_close(sparse_attention_with_sink(q, padded, pad_valid, sinks, 0.3), base)
+
+
+def test_sink_limits():
+    """Sink -inf: plain softmax attention. Huge sink: output -> 0. No valid row: zero, not NaN."""
+    gen = torch.Generator().manual_seed(4)
+    q, rows = torch.randn(4, 3, 8, generator=gen), torch.randn(4, 6, 8, generator=gen)  # [T, H, D], [T, L, D]
+    valid = torch.rand(4, 6, generator=gen) > 0.3  # [T, L]
+    valid[:, 0] = True
+    k = rows[:, None].expand(-1, 3, -1, -1)  # [T, H, L, D]
+    ref = F.scaled_dot_product_attention(q[:, :, None], k, k, attn_mask=valid[:, None, None], scale=0.5)  # [T, H, 1, D]
+    out = sparse_attention_with_sink(q, rows, valid, torch.full((3,), float("-inf")), 0.5)  # [T, H, D]
+    torch.testing.assert_close(out, ref[:, :, 0], rtol=1e-5, atol=1e-6)
+    huge = sparse_attention_with_sink(q, rows, valid, torch.full((3,), 1e4), 0.5)  # [T, H, D]
+    assert huge.abs().max() < 1e-6
+    empty = sparse_attention_with_sink(q, rows, torch.zeros_like(valid), torch.full((3,), float("-inf")), 0.5)
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_window_index():
+    idx = window_index(5, 3)  # [T, W]
+    assert idx.tolist() == [[-1, -1, 0], [-1, 0, 1], [0, 1, 2], [1, 2, 3], [2, 3, 4]]
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "compressed_sparse_attention"])
+@pytest.mark.parametrize("yarn", [False, True])
+def test_rope_matches_hf(layer_type, yarn):
+    """Sliding layers rotate with the ``main`` RoPE, CSA/HCA layers with the ``compress`` one (YaRN too)."""
+    cfg = tiny_config()
+    if yarn:
+        cfg = transformers.DeepseekV4Config(
+            **{k: getattr(cfg, k) for k in ("hidden_size", "head_dim", "num_attention_heads", "q_lora_rank")},
+            qk_rope_head_dim=16, num_hidden_layers=1, layer_types=["sliding_attention"], max_position_embeddings=1024,
+            rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64},
+        )
+    label = "main" if layer_type == "sliding_attention" else "compress"
+    ours = DeepseekV4Attention(cfg, layer_type)
+    positions = torch.arange(0, 300, 7)  # [T]
+    cos, sin = hf_v4.DeepseekV4RotaryEmbedding(cfg)(torch.zeros(1), positions[None], layer_type=label)
+    x = torch.randn(1, 1, positions.shape[0], cfg.head_dim)  # [1, 1, T, D]
+    expected = hf_v4.apply_rotary_pos_emb(x, cos, sin)[0, 0]  # [T, D]
+    torch.testing.assert_close(ours._rope(x[0, 0], positions), expected, rtol=1e-5, atol=1e-5)
