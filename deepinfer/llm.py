@@ -43,10 +43,11 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         results: dict[str, RequestOutput] = {}
         order = [self._add(prompt, p, results) for prompt, p in zip(prompts, params, strict=True)]
+        mine = set(order)
         with tqdm(total=len(order), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in order]

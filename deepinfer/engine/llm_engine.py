@@ -30,7 +30,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(source)
         self._ids = itertools.count()
-        self._aborted: list[Request] = []
+        self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -61,16 +61,23 @@ class LLMEngine:
         self._validate_prompt(ids)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
                       max_model_len=self.max_model_len)
-        self.scheduler.add_request(req)  # refuses what the cache can never hold
         self.outputs.add(req, text)
+        try:
+            self.scheduler.add_request(req)  # refuses what the cache can never hold
+        except BaseException:
+            self.outputs.drop(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort at any point; the next step() reports the request as finished ("abort")."""
+        """Abort at any point; the request's final output ("abort") comes with the next step()."""
         req = self.scheduler.get_request(request_id)
         if req is None or not self.scheduler.abort_request(request_id):
             return False
-        self._aborted.append(req)
+        out = self.outputs.abort(req)
+        if out is not None:
+            self._aborted.append(out)
+        self.runner.release([request_id])
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -83,16 +90,19 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         output = self.runner.execute(plan)
         updated = self.scheduler.update(plan, output)
-        results = []
-        for req in updated:
-            out, stop = self.outputs.process(req, output.samples.get(req.request_id))
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
-                out = self.outputs.finish(req)
-            results.append(out)
+        results = [self._process(req, output.samples.get(req.request_id)) for req in updated]
+        self.runner.release([req.request_id for req in updated if req.is_finished])
         aborted, self._aborted = self._aborted, []
-        results += [out for out in map(self.outputs.abort, aborted) if out is not None]
-        return results
+        return aborted + results
+
+    def _process(self, req: Request, sample) -> RequestOutput:
+        stop = self.outputs.update(req, sample)
+        if stop is not None:  # a stop string ends the request, even in the step that hit max_tokens
+            if req.is_finished:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            else:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop)
+        return self.outputs.output(req)
 
     # -- helpers --------------------------------------------------------------------------------
 

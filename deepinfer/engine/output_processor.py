@@ -28,8 +28,8 @@ class OutputProcessor:
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
         self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion)
 
-    def process(self, req: Request, sample) -> tuple[RequestOutput, str | None]:
-        """Fold this step's token (if any) in; returns the output and a matched stop string."""
+    def update(self, req: Request, sample) -> str | None:
+        """Fold this step's token (if any) and its text in; returns a stop string it completed."""
         state = self._states[req.request_id]
         c = state.completion
         c.delta_token_ids, c.delta_text = [], ""
@@ -38,7 +38,7 @@ class OutputProcessor:
         text, matched = self._text_delta(state, req.is_finished)
         c.text += text
         c.delta_text = text
-        return self._output(req, finished=req.is_finished), matched
+        return matched
 
     @staticmethod
     def _text_delta(state: _State, finished: bool) -> tuple[str, str | None]:
@@ -50,16 +50,20 @@ class OutputProcessor:
             text += state.stop.flush()
         return text, matched
 
-    def finish(self, req: Request) -> RequestOutput:
-        """The request was just finished by a stop string: report it as finished."""
-        return self._output(req, finished=True)
+    def output(self, req: Request) -> RequestOutput:
+        """The request's output after this step; a finished request's state is dropped."""
+        return self._output(req, finished=req.is_finished)
 
     def abort(self, req: Request) -> RequestOutput | None:
+        """The final output of an aborted request (None if it was already reported)."""
         if req.request_id not in self._states:
             return None
         c = self._states[req.request_id].completion
         c.delta_token_ids, c.delta_text = [], ""
         return self._output(req, finished=True)
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
 
     def _add_token(self, state: _State, req: Request, sample) -> None:
         c = state.completion

@@ -122,6 +122,10 @@ class ModelRunner:
             layers[layer_id].kv_cache, layers[layer_id].group_index = cache, group_index
             layers[layer_id].backend = backend
 
+    def release(self, request_ids) -> None:
+        """Drop per-request state (sampler generators) of finished or aborted requests."""
+        self.sampler.release(request_ids)
+
     @torch.inference_mode()
     def execute(self, plan) -> ModelOutput:
         self.sampler.release(plan.finished_request_ids)
