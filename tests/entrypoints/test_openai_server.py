@@ -340,3 +340,38 @@ def test_serve_help(sub, capsys):
         cli.main([*sub, "--help"])
     assert exit_.value.code == 0
     assert "usage: deepinfer" in capsys.readouterr().out
+
+
+def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_checkpoint):
+    """One seat: a long stream holds it; a second stream waits, its client leaves before any
+    chunk, and the request is aborted while still queued (the first one keeps running)."""
+    aborted = 'deepinfer_requests_total{finish_reason="abort",status="aborted"}'
+    with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "1", "--max-model-len", "8192") as server:
+        long_body = {"prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                holder = asyncio.create_task(_drain(client, long_body))
+                await asyncio.sleep(0.5)
+                with pytest.raises(httpx.ReadTimeout):  # queued: no chunk comes, and the client leaves
+                    async with client.stream("POST", "/v1/completions", json={**long_body, "max_tokens": 5},
+                                             timeout=httpx.Timeout(60, read=1.0)) as resp:
+                        async for _ in resp.aiter_lines():
+                            pass
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    m = server.metrics()
+                    if m.get(aborted, 0) == 1:
+                        break
+                    await asyncio.sleep(0.1)
+                assert m.get(aborted, 0) == 1 and m["deepinfer_num_requests_waiting"] == 0
+                assert m["deepinfer_num_requests_running"] == 1 and not holder.done()
+                holder.cancel()
+
+        asyncio.run(run())
+
+
+async def _drain(client, body) -> None:
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        async for _ in resp.aiter_lines():
+            pass
