@@ -58,6 +58,7 @@ def test_stop_token_and_stop_string(llm):
                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base.token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.text == llm.get_tokenizer().decode(base.token_ids[:first])  # the stop token's text is not emitted
     text = base.text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     if stop.strip():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.outputs import CompletionOutput, RequestOutput
 
 
@@ -35,14 +35,16 @@ class OutputProcessor:
         c.delta_token_ids, c.delta_text = [], ""
         if sample is not None:
             self._add_token(state, req, sample)
-        text, matched = self._text_delta(state, req.is_finished)
+        text, matched = self._text_delta(state, req.is_finished, _ended_by_token(req))
         c.text += text
         c.delta_text = text
         return matched
 
     @staticmethod
-    def _text_delta(state: _State, finished: bool) -> tuple[str, str | None]:
-        delta = state.detokenizer.add_tokens(state.completion.delta_token_ids)
+    def _text_delta(state: _State, finished: bool, drop_last: bool) -> tuple[str, str | None]:
+        """A stop token or EOS stays in token_ids but its text is not emitted (as in vLLM)."""
+        new_ids = state.completion.delta_token_ids
+        delta = state.detokenizer.add_tokens(new_ids[:-1] if drop_last else new_ids)
         if finished:
             delta += state.detokenizer.flush()
         text, matched = state.stop.step(delta)
@@ -86,3 +88,8 @@ class OutputProcessor:
                            logprobs=None if c.logprobs is None else list(c.logprobs))
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [snapshot],
                              finished=finished, num_preemptions=req.num_preemptions)
+
+
+def _ended_by_token(req: Request) -> bool:
+    """Finished by a stop token id or EOS (stop strings set a str stop_reason)."""
+    return req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
