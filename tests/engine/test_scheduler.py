@@ -155,8 +155,10 @@ def check_plan(h: Harness, plan: StepPlan) -> None:
 
 
 def test_modules_import_without_torch():
+    """engine/ never imports torch (DESIGN.md): the whole CPU side loads with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None; "
-            "import deepinfer.engine.scheduler, deepinfer.engine.kv_manager")
+            "import deepinfer.engine.scheduler, deepinfer.engine.kv_manager, deepinfer.engine.llm_engine, "
+            "deepinfer.engine.output_processor, deepinfer.engine.detokenizer, deepinfer.engine.plan")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
