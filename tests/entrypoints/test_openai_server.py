@@ -332,16 +332,6 @@ def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
     assert result["finishes"] == ["abort"] * 3  # 1000 tokens take longer than the grace period
 
 
-@pytest.mark.parametrize("sub", [["serve"], ["bench", "serve"]])
-def test_serve_help(sub, capsys):
-    from deepinfer.entrypoints import cli
-
-    with pytest.raises(SystemExit) as exit_:
-        cli.main([*sub, "--help"])
-    assert exit_.value.code == 0
-    assert "usage: deepinfer" in capsys.readouterr().out
-
-
 def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_checkpoint):
     """One seat: a long stream holds it; a second stream waits, its client leaves before any
     chunk, and the request is aborted while still queued (the first one keeps running)."""

@@ -10,19 +10,26 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2], attention_scaling) for a config's rope parameters."""
+def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None, layer_type: str | None = None,
+                  default_theta: float | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2], attention_scaling) for a config's rope parameters.
+
+    `rope_parameters` defaults to the config's; models with one RoPE per layer kind pass that
+    kind's dict and `layer_type`, which transformers' scaled variants read.
+    """
     params = rope_parameters or getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     if rope_type == "default":
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        fallback = default_theta if default_theta is not None else getattr(config, "rope_theta", 10000.0)
+        theta = params.get("rope_theta", fallback)
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # [head_dim/2]
         return (1.0 / theta**exponent).float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    kwargs = {"layer_type": layer_type} if layer_type else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq.float(), float(scaling)
 
 

@@ -29,17 +29,8 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 def gemma3_rotary(cfg, layer_type: str, max_positions: int) -> RotaryEmbedding:
     """The RoPE of one layer kind ("sliding_attention" or "full_attention")."""
-    params = cfg.rope_parameters[layer_type]
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg), params)
-    else:  # scaled variants read the per-kind parameters through transformers' own functions
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ValueError(f"rope_parameters[{layer_type!r}].rope_type={rope_type!r} is not supported")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, None, layer_type=layer_type)
-    return RotaryEmbedding(inv_freq.float(), max_positions, float(scaling))
+    inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg), cfg.rope_parameters[layer_type], layer_type)
+    return RotaryEmbedding(inv_freq, max_positions, scaling)
 
 
 def check_gemma3_config(cfg) -> None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.rotary import rope_inv_freq
 from deepinfer.model_executor.models.deepseek_v4.compressor import apply_interleaved_rope, compress_rope_inv_freq
 
 SLIDING = "sliding_attention"
@@ -43,15 +44,8 @@ def attention_rope_inv_freq(config, layer_type: str) -> tuple[torch.Tensor, floa
     if rope_label(layer_type) == "compress":
         return compress_rope_inv_freq(config, rope_dim)
     params = (getattr(config, "rope_parameters", None) or {}).get("main") or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", config.rope_theta)
-        exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim  # [rope_dim/2]
-        return (1.0 / theta**exponent).float(), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type="main")
-    return inv_freq.float(), float(scaling)
+    return rope_inv_freq(config, rope_dim, params or {"rope_type": "default"}, "main",
+                         default_theta=config.rope_theta)
 
 
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.rotary import rope_inv_freq
 
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -69,15 +70,8 @@ class CompressorState:
 def compress_rope_inv_freq(config, rope_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [rope_dim/2], attention_scaling) of the ``compress`` RoPE (base compress_rope_theta)."""
     params = (getattr(config, "rope_parameters", None) or {}).get("compress") or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        theta = params.get("rope_theta", config.compress_rope_theta)
-        exponent = torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim  # [rope_dim/2]
-        return (1.0 / theta**exponent).float(), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type="compress")
-    return inv_freq.float(), float(scaling)
+    return rope_inv_freq(config, rope_dim, params or {"rope_type": "default"}, "compress",
+                         default_theta=config.compress_rope_theta)
 
 
 def apply_interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
