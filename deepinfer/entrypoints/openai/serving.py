@@ -7,6 +7,7 @@ through the handle, and so through the engine thread.
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +23,9 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
             "total_tokens": num_prompt_tokens + num_completion_tokens}
 
 
-class _Formatter:
-    """Shared state of one response: id, model, token strings, usage."""
+class _Formatter(abc.ABC):
+    """Shared state of one response: id, model, token strings, usage. An endpoint supplies the
+    choice of one streamed chunk and of the whole response."""
 
     object_name = ""
     chunk_object_name = ""
@@ -52,10 +54,25 @@ class _Formatter:
         return []
 
     def chunk(self, out: RequestOutput) -> dict | None:
-        raise NotImplementedError
+        """The SSE chunk for this step's delta; None when the step added nothing to show."""
+        c = out.outputs[0]
+        self.num_completion_tokens = len(c.token_ids)
+        if not c.delta_token_ids and not c.delta_text and not out.finished:
+            return None
+        return self.envelope([self.chunk_choice(out)], chunk=True)
 
     def final(self, out: RequestOutput) -> dict:
-        raise NotImplementedError
+        """The whole response of a finished request, with usage."""
+        self.num_completion_tokens = len(out.outputs[0].token_ids)
+        body = self.envelope([self.final_choice(out)], chunk=False)
+        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        return body
+
+    @abc.abstractmethod
+    def chunk_choice(self, out: RequestOutput) -> dict: ...
+
+    @abc.abstractmethod
+    def final_choice(self, out: RequestOutput) -> dict: ...
 
     def _entries(self, out: RequestOutput, num_last: int | None) -> list[tuple[int, dict[int, float]]]:
         """(token id, {id: logprob}) for the last `num_last` tokens (None: all)."""
@@ -77,24 +94,15 @@ class CompletionFormatter(_Formatter):
         super().__init__(*args, **kwargs)
         self._text_offset = 0
 
-    def chunk(self, out: RequestOutput) -> dict | None:
+    def chunk_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        self.num_completion_tokens = len(c.token_ids)
-        if not c.delta_token_ids and not c.delta_text and not out.finished:
-            return None
-        choice = {"index": 0, "text": c.delta_text,
-                  "logprobs": self._logprobs(out, len(c.delta_token_ids)),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return self.envelope([choice], chunk=True)
+        return {"index": 0, "text": c.delta_text, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
-    def final(self, out: RequestOutput) -> dict:
+    def final_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        self.num_completion_tokens = len(c.token_ids)
-        choice = {"index": 0, "text": c.text, "logprobs": self._logprobs(out, None),
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        body = self.envelope([choice], chunk=False)
-        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
-        return body
+        return {"index": 0, "text": c.text, "logprobs": self._logprobs(out, None),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
         if self.num_logprobs is None:
@@ -121,24 +129,16 @@ class ChatFormatter(_Formatter):
                   "finish_reason": None}
         return [self.envelope([choice], chunk=True)]
 
-    def chunk(self, out: RequestOutput) -> dict | None:
+    def chunk_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        self.num_completion_tokens = len(c.token_ids)
-        if not c.delta_token_ids and not c.delta_text and not out.finished:
-            return None
         delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
-                  "finish_reason": c.finish_reason}
-        return self.envelope([choice], chunk=True)
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+                "finish_reason": c.finish_reason}
 
-    def final(self, out: RequestOutput) -> dict:
+    def final_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        self.num_completion_tokens = len(c.token_ids)
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                  "logprobs": self._logprobs(out, None), "finish_reason": c.finish_reason}
-        body = self.envelope([choice], chunk=False)
-        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
-        return body
+        return {"index": 0, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(out, None), "finish_reason": c.finish_reason}
 
     def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
         if self.num_logprobs is None:

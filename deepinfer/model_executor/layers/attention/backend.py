@@ -17,6 +17,7 @@ group and a ring group address the same token differently.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -56,12 +57,12 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Interface: one call per layer per step."""
 
     name = "abstract"
 
+    @abc.abstractmethod
     def forward(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata, group: GroupMetadata, scale: float) -> torch.Tensor:
         """cache: the layer's LayerCache; q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
-        raise NotImplementedError
