@@ -92,6 +92,22 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
 
+class NoTextDetokenizer:
+    """For a model that ships no tokenizer (token ids in, token ids out): the text stays empty."""
+
+    text = ""
+
+    def __init__(self):
+        self.output_token_ids: list[int] = []
+
+    def add_tokens(self, token_ids: Sequence[int]) -> str:
+        self.output_token_ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int, str] | None:
     """The stop string occurrence in `text[start:]` that ends first -> (its index, the string).
 

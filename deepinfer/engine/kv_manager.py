@@ -2,8 +2,10 @@
 
 Two kinds of cache group, each described by a small frozen spec:
 
-- `PagedGroupSpec` (full attention): a request holds a block table, one block per
-  `block_size` tokens, grown as its tokens are computed. All paged groups draw from one
+- `PagedGroupSpec` (full attention, or compressed rows): a request holds a block table, one
+  block per `block_size` rows, grown as its tokens are computed. A group with
+  `compress_ratio` m holds one row per m tokens (DeepSeek-V4's compressed rows: after t
+  tokens there are t // m of them), so a block covers `block_size * m` tokens. All paged groups draw from one
   shared `BlockPool`, so `num_blocks` is the budget of the whole cache.
 - `RingGroupSpec` (sliding window): a request holds one state slot of `ring_size` rows for
   its whole life; token p lives at row `state_id * ring_size + p % ring_size`. Each ring
@@ -31,16 +33,18 @@ def _check_positive(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class PagedGroupSpec:
-    """A full-attention cache group: paged blocks of `block_size` tokens."""
+    """A paged cache group: blocks of `block_size` rows, one row per `compress_ratio` tokens."""
 
     name: str
     block_size: int
+    compress_ratio: int = 1
 
     def __post_init__(self):
         _check_positive(f"{self.name}.block_size", self.block_size)
+        _check_positive(f"{self.name}.compress_ratio", self.compress_ratio)
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return -(-(num_tokens // self.compress_ratio) // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ class KVCacheManager:
         """The most tokens one request can hold when it has the whole cache to itself."""
         if not self.paged_specs:
             return sys.maxsize
-        low, high = 0, self.num_total_blocks * max(s.block_size for s in self.paged_specs)
+        low, high = 0, self.num_total_blocks * max(s.block_size * s.compress_ratio for s in self.paged_specs)
         while low < high:
             mid = (low + high + 1) // 2
             if self._num_blocks_for(mid) <= self.num_total_blocks:

@@ -108,6 +108,9 @@ class LLMEngine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string ({prompt[:40]!r}), but the model at {self.source.path!r} "
+                                 "ships no tokenizer: pass a list of token ids")
             return prompt, list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                      for t in prompt):
@@ -128,7 +131,7 @@ class LLMEngine:
 
 def eos_token_ids(source) -> frozenset[int]:
     ids = set()
-    for value in (getattr(source.hf_config, "eos_token_id", None), source.tokenizer.eos_token_id):
+    for value in (getattr(source.hf_config, "eos_token_id", None), getattr(source.tokenizer, "eos_token_id", None)):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
@@ -138,5 +141,5 @@ def eos_token_ids(source) -> frozenset[int]:
 
 def kv_group_specs(groups) -> tuple:
     """The runner's cache groups as the block manager sees them (sizes only, no tensors)."""
-    return tuple(PagedGroupSpec(g.name, g.rows_per_unit) if g.kind == "paged"
+    return tuple(PagedGroupSpec(g.name, g.rows_per_unit, g.compress_ratio) if g.kind == "paged"
                  else RingGroupSpec(g.name, g.rows_per_unit) for g in groups)

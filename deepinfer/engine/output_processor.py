@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from deepinfer.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer, StopChecker
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.outputs import CompletionOutput, RequestOutput
 
@@ -12,7 +12,7 @@ from deepinfer.outputs import CompletionOutput, RequestOutput
 @dataclass
 class _State:
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     stop: StopChecker
     completion: CompletionOutput
 
@@ -24,7 +24,8 @@ class OutputProcessor:
 
     def add(self, req: Request, prompt: str | None) -> None:
         p = req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+        detok = NoTextDetokenizer() if self.tokenizer is None else \
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
         self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion)
 

@@ -69,14 +69,17 @@ class RowCodec:
 
 @dataclass(frozen=True)
 class CacheGroupSpec:
-    """Which layers share one kind of cache. kind "paged": rows_per_unit = block size;
-    kind "ring": rows_per_unit = S (ring rows per state slot), window = W."""
+    """Which layers share one kind of cache. kind "paged": rows_per_unit = block size, one row
+    per `compress_ratio` tokens; kind "ring": rows_per_unit = S (ring rows per state slot),
+    window = W. `codec` is the group's row format (None: the engine's default codec)."""
 
     name: str
     kind: str
     layer_ids: tuple[int, ...]
     rows_per_unit: int
     window: int | None = None
+    compress_ratio: int = 1
+    codec: RowCodec | None = None
 
 
 class LayerCache:
@@ -120,30 +123,36 @@ class CacheEngine:
         self.groups, self.num_units, self.codec = groups, num_units, codec
         self.allocations = [self._allocate(g, n, device) for g, n in zip(groups, num_units, strict=True)]
 
+    def codec_of(self, group: CacheGroupSpec) -> RowCodec:
+        return group.codec or self.codec
+
     def _allocate(self, group: CacheGroupSpec, num_units: int, device) -> torch.Tensor:
-        unit_bytes = len(group.layer_ids) * group.rows_per_unit * self.codec.row_bytes
+        unit_bytes = len(group.layer_ids) * group.rows_per_unit * self.codec_of(group).row_bytes
         return torch.zeros(num_units, unit_bytes, dtype=torch.uint8, device=device)  # [units, unit_bytes]
 
+    def group_caches(self, gi: int) -> dict[int, LayerCache]:
+        """layer id -> its LayerCache in group gi."""
+        group, blocks = self.groups[gi], self.allocations[gi]
+        codec = self.codec_of(group)
+        return {layer: LayerCache(self.layer_view(blocks, group, li), self.rows2d(blocks, codec), li, codec)
+                for li, layer in enumerate(group.layer_ids)}
+
     def layer_caches(self) -> dict[int, tuple[int, LayerCache]]:
-        """layer id -> (group index, its LayerCache)."""
-        out = {}
-        for gi, (group, blocks) in enumerate(zip(self.groups, self.allocations, strict=True)):
-            for li, layer in enumerate(group.layer_ids):
-                out[layer] = (gi, LayerCache(self.layer_view(blocks, group, li), self.rows2d(blocks),
-                                             li, self.codec))
-        return out
+        """layer id -> (group index, its LayerCache), for models with one cache group per layer."""
+        return {layer: (gi, cache) for gi in range(len(self.groups)) for layer, cache in self.group_caches(gi).items()}
 
     def layer_view(self, blocks: torch.Tensor, group: CacheGroupSpec, index_in_group: int) -> torch.Tensor:
         """The book's (units, rows_per_unit, 1, bytes per row) view of one layer's region."""
-        row, rows = self.codec.row_bytes, group.rows_per_unit
+        row, rows = self.codec_of(group).row_bytes, group.rows_per_unit
         start = index_in_group * rows * row
         return blocks[:, start:start + rows * row].as_strided(
             (blocks.shape[0], rows, 1, row), (blocks.stride(0), row, row, 1))
 
-    def rows2d(self, blocks: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def rows2d(blocks: torch.Tensor, codec: RowCodec) -> torch.Tensor:
         """The group's allocation as one row per line, typed as the rows' element type."""
-        lines = blocks.view(-1, self.codec.row_bytes)  # [units * layers * R, row_bytes]
-        return lines if self.codec.fp8 else lines.view(self.codec.dtype)
+        lines = blocks.view(-1, codec.row_bytes)  # [units * layers * R, row_bytes]
+        return lines if codec.fp8 else lines.view(codec.dtype)
 
     @property
     def num_bytes(self) -> int:

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.model_executor.layers.attention.backend import AttentionMetadata, GroupMetadata, PrefillSegment
+from deepinfer.model_executor.layers.attention.backend import (
+    AttentionMetadata,
+    GroupMetadata,
+    PrefillSegment,
+    RequestSpan,
+)
 from deepinfer.model_executor.layers.ops.decode_metadata import get_kv_index, prepare_decode_metadata
 from deepinfer.worker.cache_engine import CacheGroupSpec
 
@@ -117,11 +122,17 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
         if decodes else torch.empty(0, **_LONG)
     ends = torch.tensor([s.num_tokens for s in ordered], **_LONG).cumsum(0).tolist()
     offsets = ends[len(decodes) - 1:-1] if decodes else [0] + ends[:-1]
-    groups = [_group_metadata(a, decodes, segments, q_pos, q_req, offsets) for a in addressing]
+    groups = [None if a.group.compress_ratio > 1 else _group_metadata(a, decodes, segments, q_pos, q_req, offsets)
+              for a in addressing]
+    starts = [0] + ends[:-1]
+    compressed = any(a.group.compress_ratio > 1 for a in addressing)
+    spans = [] if not compressed else [RequestSpan(start, end, s.start_pos, tuple(s.state_ids),
+                         tuple(torch.tensor(t, **_LONG) for t in s.block_ids))
+             for s, start, end in zip(ordered, starts, ends, strict=True)]
     positions = torch.cat([_positions(s) for s in ordered])
     ids = [t for s in ordered for t in s.token_ids]
     rows = [(s, end - 1) for s, end in zip(ordered, ends, strict=True) if s.do_sample]
-    md = AttentionMetadata(positions=positions, num_decode_tokens=int(q_pos.numel()), groups=groups)
+    md = AttentionMetadata(positions=positions, num_decode_tokens=int(q_pos.numel()), groups=groups, spans=spans)
     inputs = StepInputs(torch.tensor(ids, **_LONG), positions, md, [s for s, _ in rows],
                         torch.tensor([i for _, i in rows], **_LONG))
     return inputs if device.type == "cpu" else _to_device(inputs, device)
@@ -130,7 +141,9 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
 def _to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     to = lambda t: None if t is None else t.to(device, non_blocking=True)
     md = inputs.attn_metadata
-    for g in md.groups:
+    for span in md.spans:
+        span.block_tables = tuple(to(t) for t in span.block_tables)
+    for g in (g for g in md.groups if g is not None):
         g.store_slots, g.store_rows, g.decode_index = to(g.store_slots), to(g.store_rows), to(g.decode_index)
         for seg in g.prefills:
             seg.load_slots, seg.load_positions = to(seg.load_slots), to(seg.load_positions)

@@ -73,7 +73,13 @@ class ModelRunner:
         self.model = build_model(source, self.dtype, self.device, max_model_len)
         layers = self.model.attention_layers()
         self.codec = RowCodec(layers[0].num_kv_heads, layers[0].head_dim, self.dtype, cache_config.kv_cache_dtype)
-        self.groups = cache_groups(layers, cache_config.block_size)
+        if hasattr(self.model, "cache_groups"):  # models with several row kinds (DeepSeek-V4)
+            make_codec = lambda d: RowCodec(1, d, self.dtype, cache_config.kv_cache_dtype, shared_kv=True)
+            self.groups = self.model.cache_groups(cache_config.block_size, ring_size(layers[0].sliding_window),
+                                                  make_codec)
+            self.codec = self.groups[0].codec
+        else:
+            self.groups = cache_groups(layers, cache_config.block_size)
         for g in self.groups:
             if g.kind == "ring":
                 check_ring_fits_drafts(g.window, g.rows_per_unit, cache_config.num_speculative_tokens)
@@ -87,12 +93,16 @@ class ModelRunner:
 
     def unit_bytes(self, group: CacheGroupSpec) -> int:
         """Bytes of one block (paged) or one state slot (ring) of a group."""
-        return len(group.layer_ids) * group.rows_per_unit * self.codec.row_bytes
+        return len(group.layer_ids) * group.rows_per_unit * (group.codec or self.codec).row_bytes
+
+    def state_bytes(self) -> int:
+        """Per-request state beside the rings (DeepSeek-V4's compressor state), in bytes."""
+        return self.model.state_bytes_per_slot() if hasattr(self.model, "state_bytes_per_slot") else 0
 
     def _num_state_slots(self, cache_config, max_num_seqs: int) -> int:
         """One ring state slot per running request: max_num_seqs of them, unless they would take
         more than half the cache memory (then as many as fit there; requests beyond wait)."""
-        per_request = sum(self.unit_bytes(g) for g in self.groups if g.kind == "ring")
+        per_request = sum(self.unit_bytes(g) for g in self.groups if g.kind == "ring") + self.state_bytes()
         if not per_request:
             return 0
         share = cache_config.kv_cache_memory if not any(g.kind == "paged" for g in self.groups) \
@@ -104,19 +114,24 @@ class ModelRunner:
         return min(max_num_seqs, fit)
 
     def _num_blocks(self, cache_config) -> int:
-        ring_bytes = sum(self.unit_bytes(g) * self.num_state_slots for g in self.groups if g.kind == "ring")
+        ring_bytes = (sum(self.unit_bytes(g) for g in self.groups if g.kind == "ring")
+                      + self.state_bytes()) * self.num_state_slots
         paged = [g for g in self.groups if g.kind == "paged"]
         if not paged:
             return 0
         if cache_config.num_blocks:
             return cache_config.num_blocks
-        num = (cache_config.kv_cache_memory - ring_bytes) // self.unit_bytes(paged[0])
+        # all paged groups draw block ids from one pool, so each holds num_blocks blocks
+        num = (cache_config.kv_cache_memory - ring_bytes) // sum(self.unit_bytes(g) for g in paged)
         if num < 1:
             raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B holds no paged block after "
                              f"{ring_bytes} B of sliding-window rings; raise it or lower max_num_seqs")
         return num
 
     def _bind_cache(self, backend) -> None:
+        if hasattr(self.model, "bind_caches"):
+            self.model.bind_caches(self.cache, self.num_state_slots)
+            return
         layers = self.model.attention_layers()
         for layer_id, (group_index, cache) in self.cache.layer_caches().items():
             layers[layer_id].kv_cache, layers[layer_id].group_index = cache, group_index

@@ -66,14 +66,16 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def iter_safetensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream `(name, tensor)` file by file, tensor by tensor; floating tensors are cast to `dtype`."""
+    """Stream `(name, tensor)` file by file, tensor by tensor; floating tensors are cast to `dtype`,
+    except 8-bit and packed 4-bit ones (quantized weights and their scales), which the model
+    dequantizes with their scales."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if tensor.is_floating_point():
+                if tensor.is_floating_point() and tensor.element_size() > 1:
                     tensor = tensor.to(dtype)
                 yield name, tensor
 

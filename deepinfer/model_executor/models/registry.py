@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from deepinfer.model_executor.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.model_executor.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.model_executor.models.llama import LlamaForCausalLM
 
 _MODELS = {
+    "deepseek_v4": DeepseekV4ForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,

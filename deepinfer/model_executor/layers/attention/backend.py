@@ -47,10 +47,23 @@ class GroupMetadata:
 
 
 @dataclass
+class RequestSpan:
+    """One request's rows on the packed token axis, for layers that keep per-request state
+    (DeepSeek-V4's compressors) or address rows that are not tokens (compressed rows)."""
+
+    token_start: int
+    token_end: int
+    start_pos: int  # position of the span's first token
+    state_ids: tuple[int, ...]  # one per ring group
+    block_tables: tuple[torch.Tensor, ...]  # [num_blocks] one per paged group
+
+
+@dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] position of each new row
     num_decode_tokens: int  # rows [0, num_decode_tokens) are decode queries
-    groups: list[GroupMetadata]
+    groups: list[GroupMetadata | None]  # None for a compressed group: its rows are not tokens
+    spans: list[RequestSpan] = field(default_factory=list)  # packed order
 
     @property
     def num_tokens(self) -> int:
