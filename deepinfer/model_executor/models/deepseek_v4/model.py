@@ -56,11 +56,16 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead.from_config(cfg)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward_streams(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The residual streams after the last layer, before the head's collapse: [T, N, hidden]
+        (what the MTP module reads as the previous hidden state)."""
         streams = expand_streams(self.embed_tokens(input_ids), self.hc_mult)  # [T, N, hidden]
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
-        return self.norm(self.hc_head(streams))  # [T, hidden]
+        return streams
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.hc_head(self.forward_streams(input_ids, positions)))  # [T, hidden]
 
 
 class DeepseekV4ForCausalLM(nn.Module):
