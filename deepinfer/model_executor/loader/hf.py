@@ -30,7 +30,7 @@ def load_hf_source(path: str) -> ModelSource:
     shard_files = safetensors_files(path)
     config = AutoConfig.from_pretrained(path)
     quantization = getattr(config, "quantization_config", None)
-    if quantization:
+    if quantization and not _dequantized_on_load(config, quantization):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise ValueError(
             f"{path!r}: quantized HF checkpoints (quantization_config: {method}) are not supported"
@@ -44,6 +44,15 @@ def load_hf_source(path: str) -> ModelSource:
         identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
         _weights=lambda dtype: iter_safetensors(shard_files, dtype),
     )
+
+
+def _dequantized_on_load(config, quantization) -> bool:
+    """DeepSeek-V4's own FP8 checkpoints (128 x 128 UE8M0 block scales; FP4 routed experts ride
+    along): the V4 model dequantizes them as it loads (models/deepseek_v4/weights.py)."""
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else {}
+    return (getattr(config, "model_type", None) == "deepseek_v4" and quantization.get("quant_method") == "fp8"
+            and list(quantization.get("weight_block_size") or [128, 128]) == [128, 128])
 
 
 def safetensors_files(path: str) -> list[str]:
