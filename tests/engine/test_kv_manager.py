@@ -146,6 +146,23 @@ def test_paged_groups_share_one_pool():
     assert kv.max_num_tokens == 16  # 4 blocks of 4 + 1 block of 16
 
 
+def test_compressed_groups_hold_one_row_per_ratio_tokens():
+    """DeepSeek-V4 layout: compressed rows at ratio 4 and 128 beside a ring; rows exist only for
+    complete windows (t // m), so a block of 4 rows covers 16 resp. 512 tokens."""
+    csa, hca = PagedGroupSpec("csa", 4, compress_ratio=4), PagedGroupSpec("hca", 4, compress_ratio=128)
+    assert [csa.num_blocks_for(t) for t in (0, 3, 4, 16, 17, 19, 20)] == [0, 0, 1, 1, 1, 1, 2]
+    assert [hca.num_blocks_for(t) for t in (127, 128, 512, 639, 640)] == [0, 1, 1, 1, 2]
+    kv = KVCacheManager((RingGroupSpec("swa", 134), csa, hca), num_blocks=12, num_state_slots=2)
+    assert kv.allocate_slots("a", 3) and kv.block_ids("a") == ([], [])  # no complete window yet
+    assert kv.allocate_slots("a", 130) and [len(t) for t in kv.block_ids("a")] == [8, 1]  # 32 rows, 1 row
+    assert not kv.allocate_slots("b", 64)  # 4 more csa blocks: only 3 free
+    assert kv.max_num_tokens == 179  # 44 csa rows (11 blocks) + 1 hca row (1 block); 180 needs a 13th
+    kv.free("a")
+    kv.check_no_leaks()
+    with pytest.raises(ValueError, match="csa.compress_ratio"):
+        PagedGroupSpec("csa", 4, compress_ratio=0)
+
+
 def test_ring_groups_hold_one_state_slot_per_request():
     kv = KVCacheManager((FULL, RingGroupSpec("swa", 134), RingGroupSpec("swa2", 134)),
                         num_blocks=8, num_state_slots=2)

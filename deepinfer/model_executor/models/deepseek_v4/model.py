@@ -24,9 +24,9 @@ from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Atte
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand_streams
 from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
+from deepinfer.model_executor.models.deepseek_v4.names import expert_target, module_name
 from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
 from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights
-from deepinfer.model_executor.models.deepseek_v4.names import expert_target, module_name
 
 
 class DeepseekV4DecoderLayer(nn.Module):

@@ -8,8 +8,6 @@ any other start must continue exactly where the slot's state ended.
 
 from __future__ import annotations
 
-import torch
-
 from deepinfer.model_executor.models.deepseek_v4.compressor import CompressorState
 
 
