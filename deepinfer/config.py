@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -27,6 +28,13 @@ def parse_size(text: str | int, field: str = "size") -> int:
 def _positive(field: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{field} must be a positive integer, got {value!r}")
+
+
+def check_load_format(value) -> str:
+    """`value` if it is one of LOAD_FORMATS; else ValueError naming load_format and the value."""
+    if value not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {value!r}")
+    return value
 
 
 @dataclass
@@ -69,6 +77,7 @@ class EngineConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: min(the model's context, 4096)
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
+    load_format: str = "auto"  # one of LOAD_FORMATS
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
 
@@ -79,3 +88,4 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        check_load_format(self.load_format)

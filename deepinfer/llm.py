@@ -19,13 +19,13 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
-                 num_speculative_tokens: int = 0, hf_overrides: dict | None = None):
+                 num_speculative_tokens: int = 0, hf_overrides: dict | None = None, load_format: str = "auto"):
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                             kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=num_speculative_tokens)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                              hf_overrides=hf_overrides)
+                              hf_overrides=hf_overrides, load_format=load_format)
         self.engine = LLMEngine.from_config(config)
 
     def get_tokenizer(self):

@@ -37,7 +37,7 @@ class LLMEngine:
         from deepinfer.model_executor.loader import load_model_source
         from deepinfer.worker.model_runner import ModelRunner
 
-        source = load_model_source(config.model)
+        source = load_model_source(config.model, load_format=config.load_format)
         for key, value in (config.hf_overrides or {}).items():
             setattr(source.hf_config, key, value)
         context = getattr(source.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from deepinfer.config import LOAD_FORMATS
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object of model config fields to override, e.g. \'{"sliding_window": 128}\'')
     g.add_argument("--num-speculative-tokens", type=int, default=0,
                    help="draft tokens a step may verify (sliding-window rings need S >= W + k + 1)")
+    g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                   help="auto: the checkpoint's weights; dummy: config.json only, seeded random weights "
+                        "(benchmarks and memory figures without weight files)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +52,8 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides)
+                num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides,
+                load_format=getattr(args, "load_format", "auto"))
 
 
 def sampling_params(args) -> SamplingParams:
@@ -129,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         if p is not info and p is not serve:
             add_sampling_args(p)
         p.set_defaults(func=fn)
+    bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
     return parser
 
 

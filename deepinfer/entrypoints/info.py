@@ -1,46 +1,179 @@
-"""`deepinfer info`: what the engine built and how much its KV cache holds, per cache group."""
+"""`deepinfer info`: what the engine built and how much its KV cache holds, per cache group.
+
+Every group prints its own row format (`group.codec`, else the engine's codec): DeepSeek-V4's
+latent rows (head_dim wide; MXFP8: 512 e4m3 + 16 UE8M0 = 528 B) and its index keys
+(index_head_dim wide) differ. A paged group with a compression ratio m holds one row per m
+tokens, so a block of R rows covers R * m tokens and a layer costs row_bytes / m per token.
+Models with such groups (or per-group codecs) also get per-layer lines: the fixed ring bytes and
+compressor state per request, and the bytes each further token adds.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
 
 
+def fmt_bytes(value: float) -> str:
+    """1234 -> '1,234', 4.125 -> '4.125' (bytes per token may be fractional: row_bytes / m)."""
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.3f}".rstrip("0")
+
+
+@dataclass(frozen=True)
+class GroupBytes:
+    """One cache group's byte figures, from the engine's own allocation (no formula)."""
+
+    name: str
+    kind: str  # "ring" or "paged"
+    num_layers: int
+    row_bytes: int  # one row of one layer, in the group's own format
+    compress_ratio: int  # tokens per row (1: one row per token)
+    rows_per_unit: int  # block size (paged) or ring size S (ring)
+    unit_bytes: int  # one block or one state slot, all the group's layers
+
+    @property
+    def per_token(self) -> float:
+        """Bytes each further token adds (paged groups; 0 for a ring, whose size is fixed)."""
+        return 0.0 if self.kind == "ring" else self.unit_bytes / (self.rows_per_unit * self.compress_ratio)
+
+    @property
+    def per_request(self) -> int:
+        """Fixed bytes per request (a ring's state slot; 0 for a paged group)."""
+        return self.unit_bytes if self.kind == "ring" else 0
+
+
+def group_bytes(runner) -> list[GroupBytes]:
+    return [GroupBytes(g.name, g.kind, len(g.layer_ids), (g.codec or runner.codec).row_bytes, g.compress_ratio,
+                       g.rows_per_unit, runner.unit_bytes(g)) for g in runner.groups]
+
+
+def is_multi_format(runner) -> bool:
+    """Groups with their own codecs or compression ratios (DeepSeek-V4), not one row kind for all."""
+    return any(g.codec is not None or g.compress_ratio > 1 for g in runner.groups)
+
+
+def layer_state_bytes(attn) -> int:
+    """fp32 compressor state one request holds for this layer (0 without a compressor)."""
+    compressor = getattr(attn, "compressor", None)
+    if compressor is None:
+        return 0
+    from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
+
+    total = StateBank.bytes_per_slot(compressor.init_state())
+    indexer = getattr(compressor, "indexer", None)
+    return total + (StateBank.bytes_per_slot(indexer.init_state()) if indexer is not None else 0)
+
+
+def request_capacity(llm) -> tuple[int, int]:
+    """(requests at max_model_len that fit at once, blocks one such request takes)."""
+    engine, runner = llm.engine, llm.engine.runner
+    kv = engine.kv_manager
+    blocks = sum(spec.num_blocks_for(engine.max_model_len) for spec in kv.paged_specs)
+    limits = [runner.num_blocks // blocks] if blocks else []
+    if kv.ring_specs:
+        limits.append(runner.num_state_slots)
+    return (min(limits) if limits else 0), blocks
+
+
 def group_lines(llm) -> list[str]:
     engine, runner = llm.engine, llm.engine.runner
-    fmt, max_len = runner.codec.format, engine.max_model_len
+    max_len = engine.max_model_len
     lines = []
     for gi, g in enumerate(runner.groups):
-        units = runner.cache.num_units[gi]
-        per_token = len(g.layer_ids) * fmt.bytes_per_row
-        head = (f"cache group {g.name!r} ({g.kind}, {len(g.layer_ids)} layers): row {fmt.note}, "
+        fmt = (g.codec or runner.codec).format
+        units, n = runner.cache.num_units[gi], len(g.layer_ids)
+        mib = runner.cache.group_bytes(gi) / 2**20
+        per_token = n * fmt.bytes_per_row
+        head = (f"cache group {g.name!r} ({g.kind}, {n} layers): row {fmt.note}, "
                 f"{fmt.num_elements} elements = {fmt.bytes_per_row:,} B per row "
                 f"({fmt.data_bytes:,} data + {fmt.scale_bytes:,} scale)")
         if g.kind == "ring":
             body = (f"  window W={g.window}: {visible_rows(max_len, g.window)} visible rows, {g.rows_per_unit} "
-                    f"allocated rows (S) per request per layer = {g.rows_per_unit * per_token:,} B per request; "
-                    f"{units} state slots = {units} requests, any length "
-                    f"({runner.cache.group_bytes(gi) / 2**20:,.1f} MiB)")
+                    f"allocated rows (S) per request per layer = {g.rows_per_unit * fmt.bytes_per_row:,} B per layer, "
+                    f"{g.rows_per_unit * per_token:,} B per request; "
+                    f"{units} state slots = {units} requests, any length ({mib:,.1f} MiB)")
+        elif g.compress_ratio > 1:
+            m, tokens_per_block = g.compress_ratio, g.rows_per_unit * g.compress_ratio
+            body = (f"  compressed: 1 row per {m} tokens, {g.rows_per_unit} rows = {tokens_per_block:,} tokens "
+                    f"per block; {fmt_bytes(per_token / m)} B per token ({fmt.bytes_per_row:,} B / {m} x {n} "
+                    f"layers); {units:,} blocks x {tokens_per_block:,} = {units * tokens_per_block:,} tokens "
+                    f"({mib:,.1f} MiB)")
         else:
             tokens = units * g.rows_per_unit
             body = (f"  {per_token:,} B per token; {units:,} blocks x {g.rows_per_unit} = {tokens:,} tokens "
-                    f"= {tokens // max_len:,} requests at max_model_len {max_len} "
-                    f"({runner.cache.group_bytes(gi) / 2**20:,.1f} MiB)")
+                    f"= {tokens // max_len:,} requests at max_model_len {max_len} ({mib:,.1f} MiB)")
         lines += [head, body]
     return lines
+
+
+def layer_lines(llm) -> list[str]:
+    """Per layer: its kind, the fixed bytes per request (ring rows, compressor state) and the
+    bytes per token its paged groups add."""
+    runner = llm.engine.runner
+    layers = runner.model.attention_layers()
+    lines = []
+    for i, attn in enumerate(layers):
+        fixed, per_token, parts = 0, 0.0, []
+        for g in runner.groups:
+            if i not in g.layer_ids:
+                continue
+            row = (g.codec or runner.codec).row_bytes
+            if g.kind == "ring":
+                fixed += g.rows_per_unit * row
+                parts.append(f"{g.name} {g.rows_per_unit} x {row:,} B = {g.rows_per_unit * row:,} B per request")
+            else:
+                per_token += row / g.compress_ratio
+                parts.append(f"{g.name} {row:,} B / {g.compress_ratio} = {fmt_bytes(row / g.compress_ratio)} B "
+                             f"per token")
+        state = layer_state_bytes(attn)
+        if state:
+            parts.append(f"compressor state {state:,} B per request")
+        kind = getattr(attn, "layer_type", None) or ("sliding" if getattr(attn, "sliding_window", None) else "full")
+        lines.append(f"  layer {i} ({kind}): {fmt_bytes(per_token)} B per token + {fixed + state:,} B per request "
+                     f"[{'; '.join(parts)}]")
+    return lines
+
+
+def multi_format_lines(llm) -> list[str]:
+    engine, runner = llm.engine, llm.engine.runner
+    figures = group_bytes(runner)
+    per_token = sum(f.per_token for f in figures)
+    rings = sum(f.per_request for f in figures)
+    state = runner.state_bytes()
+    requests, blocks = request_capacity(llm)
+    max_len = engine.max_model_len
+    return [
+        "per layer (cache bytes per token, fixed bytes per request):",
+        *layer_lines(llm),
+        f"compressor state per request (fp32, all layers): {state:,} B",
+        f"KV bytes per token, all layers: {fmt_bytes(per_token)} B (paged rows, growing) + "
+        f"{rings + state:,} B per request (rings {rings:,} + state {state:,}) "
+        f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)",
+        f"capacity: {requests:,} requests at max_model_len {max_len} at once ({blocks} blocks of the shared pool "
+        f"of {runner.num_blocks:,}, {runner.num_state_slots} state slots)",
+    ]
 
 
 def info_lines(llm) -> list[str]:
     engine = llm.engine
     cfg, runner = engine.source.hf_config, engine.runner
     layers = runner.model.attention_layers()
-    return [
-        f"model: {engine.source.path}",
+    load_format = getattr(engine.source, "load_format", "auto")
+    lines = [
+        f"model: {engine.source.path}" + (" (dummy weights: seeded random values)" if load_format == "dummy" else ""),
         f"architecture: {cfg.model_type} ({', '.join(getattr(cfg, 'architectures', None) or [])})",
         f"layers: {len(layers)}, hidden: {cfg.hidden_size}, heads: {layers[0].num_heads}, "
         f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
         f"dtype: {runner.dtype}, kv cache dtype: {engine.config.cache.kv_cache_dtype}, device: {runner.device}, "
         f"max_model_len: {engine.max_model_len}, max_num_seqs: {engine.config.scheduler.max_num_seqs}",
         *group_lines(llm),
+    ]
+    if is_multi_format(runner):
+        return lines + multi_format_lines(llm)
+    return lines + [
         f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
         f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)",
     ]

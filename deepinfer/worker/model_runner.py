@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.config import check_load_format
 from deepinfer.engine.plan import ModelOutput
 from deepinfer.environ import get_environ
 from deepinfer.model_executor.forward_context import forward_context
@@ -38,11 +39,18 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int):
+    """The source's model on `device` in `dtype`: checkpoint weights, or seeded random values when
+    the source's load_format is "dummy" (no weight file is read)."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     with torch.device(device):
         model = model_cls(cfg, max_positions)
-    model.load_weights(source.iter_weights(torch.float32))
+    if check_load_format(getattr(source, "load_format", "auto")) == "dummy":
+        from deepinfer.model_executor.loader.dummy import init_dummy_weights
+
+        init_dummy_weights(model)
+    else:
+        model.load_weights(source.iter_weights(torch.float32))
     return model.to(dtype=dtype).eval()
 
 

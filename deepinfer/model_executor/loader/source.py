@@ -5,12 +5,17 @@
     a directory  config.json + *.safetensors (one file, or shards with an index) + tokenizer files
     a file       *.gguf: config, tokenizer and chat template live in its metadata
 
+With `load_format="dummy"` a directory needs only config.json (tokenizer files optional, weight
+files ignored): the source has no weight reader, and `build_model` fills the modules with seeded
+random values (`loader/dummy.py`). Its identity differs from the same files' real identity.
+
 Weights come out under the HF transformers parameter names of `*ForCausalLM`, in HF layout, so a
 model file has one loading path whatever the checkpoint format.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator
@@ -37,6 +42,7 @@ class ModelSource:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase, with its chat template
     identity: str
     _weights: Any = field(default=None, repr=False, compare=False)
+    load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
 
     def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.
@@ -50,12 +56,21 @@ class ModelSource:
         return self._weights(dtype)
 
 
-def load_model_source(model: str | None = None) -> ModelSource:
+def load_model_source(model: str | ModelSource | None = None, load_format: str = "auto") -> ModelSource:
     """Resolve `model` (a directory, a .gguf file, or None for the embedded default) to a source.
 
+    `load_format`: "auto" reads the checkpoint's weights; "dummy" needs only the config (see the
+    module docstring). A `ModelSource` resolved beforehand is returned as it is ("auto") or
+    turned into a dummy source ("dummy").
+
     Raises FileNotFoundError for a path that does not exist, ValueError for an existing path that
-    is not a model in either layout.
+    is not a model in either layout, or for an unknown load_format.
     """
+    from deepinfer.config import check_load_format
+
+    check_load_format(load_format)
+    if isinstance(model, ModelSource):
+        return as_dummy_source(model) if load_format == "dummy" else model
     if model is None:
         from deepinfer.model_executor.loader.default_model import default_model_path
 
@@ -64,14 +79,47 @@ def load_model_source(model: str | None = None) -> ModelSource:
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path {model!r} does not exist; expected {EXPECTED_LAYOUT}")
     if os.path.isdir(path):
+        if load_format == "dummy":
+            return load_config_only_source(path)
         from deepinfer.model_executor.loader.hf import load_hf_source
 
         return load_hf_source(path)
     if _is_gguf_file(path):
         from deepinfer.model_executor.loader.gguf import load_gguf_source
 
-        return load_gguf_source(path)
+        source = load_gguf_source(path)
+        return as_dummy_source(source) if load_format == "dummy" else source
     raise ValueError(f"model path {model!r} is a file but not a GGUF file; expected {EXPECTED_LAYOUT}")
+
+
+def load_config_only_source(path: str) -> ModelSource:
+    """A dummy-weight source for an HF directory: config.json (+ tokenizer files if any), no weights.
+
+    A quantization_config is ignored: dummy weights are never quantized.
+    """
+    from transformers import AutoConfig
+
+    from deepinfer.model_executor.loader.hf import _load_tokenizer
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"directory {path!r} has no config.json, which load_format='dummy' needs")
+    files = [os.path.join(path, name) for name in os.listdir(path)]
+    return ModelSource(path=path, format="hf", hf_config=AutoConfig.from_pretrained(path),
+                       tokenizer=_load_tokenizer(path),
+                       identity=_dummy_identity(compute_identity(path, [f for f in files if os.path.isfile(f)])),
+                       load_format="dummy")
+
+
+def as_dummy_source(source: ModelSource) -> ModelSource:
+    """The same config and tokenizer with dummy weights (and an identity of its own)."""
+    if source.load_format == "dummy":
+        return source
+    return dataclasses.replace(source, _weights=None, load_format="dummy", identity=_dummy_identity(source.identity))
+
+
+def _dummy_identity(identity: str) -> str:
+    """Prefix-cache keys must not mix rows of dummy weights with rows of the real ones."""
+    return hashlib.sha256(f"{identity}\0load_format=dummy".encode()).hexdigest()
 
 
 def _is_gguf_file(path: str) -> bool:
