@@ -99,8 +99,8 @@ def group_lines(llm) -> list[str]:
             m, tokens_per_block = g.compress_ratio, g.rows_per_unit * g.compress_ratio
             body = (f"  compressed: 1 row per {m} tokens, {g.rows_per_unit} rows = {tokens_per_block:,} tokens "
                     f"per block; {fmt_bytes(per_token / m)} B per token ({fmt.bytes_per_row:,} B / {m} x {n} "
-                    f"layers); {units:,} blocks x {tokens_per_block:,} = {units * tokens_per_block:,} tokens "
-                    f"({mib:,.1f} MiB)")
+                    f"layers); blocks from the pool shared by the paged groups: {units:,} pages of "
+                    f"{runner.cache.allocations[gi].shape[1]:,} B ({mib:,.1f} MiB)")
         else:
             tokens = units * g.rows_per_unit
             body = (f"  {per_token:,} B per token; {units:,} blocks x {g.rows_per_unit} = {tokens:,} tokens "

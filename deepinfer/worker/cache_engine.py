@@ -15,6 +15,8 @@ every view aliases the group's one allocation.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,18 +119,50 @@ class LayerCache:
         self.rows2d.index_copy_(0, self._lines(slots), rows)
 
 
+def page_rows(groups: list[CacheGroupSpec], block_size: int, default_codec: RowCodec) -> list[CacheGroupSpec]:
+    """Give every paged group the same page size in bytes, so all of them can share one pool.
+
+    The page P holds `block_size` rows of the widest paged group (all its layers), rounded up to
+    a multiple of every row size; each paged group then takes as many rows per block as fill P:
+
+        V4, MXFP8 rows:  csa 2 layers x 528 B, hca 1 x 528 B, index 2 x 132 B, block_size 16
+        P = 16 x 1,056 = 16,896 B  ->  csa 16 rows, hca 32 rows, index 64 rows per block
+
+    A block id then means the same bytes in every paged group, and one allocation serves them all.
+    """
+    paged = [g for g in groups if g.kind == "paged"]
+    if len(paged) < 2:
+        return groups
+    rows = [(g.codec or default_codec).row_bytes for g in paged]
+    page = block_size * max(len(g.layer_ids) * r for g, r in zip(paged, rows, strict=True))
+    step = math.lcm(*rows)
+    page = -(-page // step) * step
+    sized = {g.name: dataclasses.replace(g, rows_per_unit=page // (len(g.layer_ids) * r))
+             for g, r in zip(paged, rows, strict=True)}
+    return [sized.get(g.name, g) for g in groups]
+
+
 class CacheEngine:
+    """One uint8 allocation per ring group, and one shared by all paged groups (one page size:
+    see `page_rows`; a block id addresses the same page bytes in each of them)."""
+
     def __init__(self, groups: list[CacheGroupSpec], num_units: list[int], codec: RowCodec,
                  device: torch.device):
         self.groups, self.num_units, self.codec = groups, num_units, codec
-        self.allocations = [self._allocate(g, n, device) for g, n in zip(groups, num_units, strict=True)]
+        paged = [i for i, g in enumerate(groups) if g.kind == "paged"]
+        page = max((self.unit_bytes(groups[i]) for i in paged), default=0)
+        shared = torch.zeros(num_units[paged[0]], page, dtype=torch.uint8, device=device) if paged else None
+        self.allocations = [shared if g.kind == "paged" else self._allocate(g, n, device)
+                            for g, n in zip(groups, num_units, strict=True)]  # [units, unit_bytes] each
 
     def codec_of(self, group: CacheGroupSpec) -> RowCodec:
         return group.codec or self.codec
 
+    def unit_bytes(self, group: CacheGroupSpec) -> int:
+        return len(group.layer_ids) * group.rows_per_unit * self.codec_of(group).row_bytes
+
     def _allocate(self, group: CacheGroupSpec, num_units: int, device) -> torch.Tensor:
-        unit_bytes = len(group.layer_ids) * group.rows_per_unit * self.codec_of(group).row_bytes
-        return torch.zeros(num_units, unit_bytes, dtype=torch.uint8, device=device)  # [units, unit_bytes]
+        return torch.zeros(num_units, self.unit_bytes(group), dtype=torch.uint8, device=device)  # [units, bytes]
 
     def group_caches(self, gi: int) -> dict[int, LayerCache]:
         """layer id -> its LayerCache in group gi."""
@@ -156,7 +190,9 @@ class CacheEngine:
 
     @property
     def num_bytes(self) -> int:
-        return sum(a.numel() for a in self.allocations)
+        unique = {id(a): a for a in self.allocations}
+        return sum(a.numel() for a in unique.values())
 
     def group_bytes(self, gi: int) -> int:
+        """Bytes of group gi's allocation (for paged groups: the pool they share)."""
         return self.allocations[gi].numel()

@@ -16,7 +16,7 @@ from deepinfer.model_executor.layers.ops.cache_common import (
 from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.models.registry import get_model_class
-from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec
+from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec, page_rows
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -88,6 +88,7 @@ class ModelRunner:
             self.codec = self.groups[0].codec
         else:
             self.groups = cache_groups(layers, cache_config.block_size)
+        self.groups = page_rows(self.groups, cache_config.block_size, self.codec)
         for g in self.groups:
             if g.kind == "ring":
                 check_ring_fits_drafts(g.window, g.rows_per_unit, cache_config.num_speculative_tokens)
@@ -129,8 +130,8 @@ class ModelRunner:
             return 0
         if cache_config.num_blocks:
             return cache_config.num_blocks
-        # all paged groups draw block ids from one pool, so each holds num_blocks blocks
-        num = (cache_config.kv_cache_memory - ring_bytes) // sum(self.unit_bytes(g) for g in paged)
+        # all paged groups share one pool of same-size pages (cache_engine.page_rows)
+        num = (cache_config.kv_cache_memory - ring_bytes) // max(self.unit_bytes(g) for g in paged)
         if num < 1:
             raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B holds no paged block after "
                              f"{ring_bytes} B of sliding-window rings; raise it or lower max_num_seqs")

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.engine.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend, visibility
-from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec
+from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec, page_rows
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 
 CPU = torch.device("cpu")
@@ -125,3 +125,27 @@ def test_shared_latent_row_is_both_k_and_v(kv_cache_dtype, row_bytes):
     assert torch.equal(kv[:, 0], kv[:, 1])
     tol = 0.07 if kv_cache_dtype == "fp8" else 0.0  # half an e4m3 step: 2^-4 relative
     assert torch.allclose(kv[:, 0], latent, rtol=tol, atol=1e-3 if tol else 0.0)
+
+
+def test_paged_groups_of_different_rows_share_one_pool_of_pages():
+    """DeepSeek-V4's paged groups (MXFP8): latent rows of 528 B in 2 CSA layers and 1 HCA layer,
+    index keys of 132 B in 2 layers. One page size, one allocation; a block id is the same page
+    bytes in every group, so the pool can hand a page to any group without over-provisioning."""
+    latent = RowCodec(1, 512, torch.float32, "fp8", shared_kv=True)
+    index = RowCodec(1, 128, torch.float32, "fp8", shared_kv=True)
+    groups = [CacheGroupSpec("swa", "ring", (0, 1, 2), 134, 128, codec=latent),
+              CacheGroupSpec("csa", "paged", (1, 2), 16, compress_ratio=4, codec=latent),
+              CacheGroupSpec("hca", "paged", (0,), 16, compress_ratio=128, codec=latent),
+              CacheGroupSpec("index", "paged", (1, 2), 16, compress_ratio=4, codec=index)]
+    sized = page_rows(groups, 16, latent)
+    assert [g.rows_per_unit for g in sized] == [134, 16, 32, 64]  # page = 16 x 2 x 528 = 16,896 B
+    engine = CacheEngine(sized, [2, 5, 5, 5], latent, CPU)
+    pool = engine.allocations[1]
+    assert pool.shape == (5, 16_896) and engine.allocations[2] is pool and engine.allocations[3] is pool
+    assert engine.num_bytes == 2 * 3 * 134 * 528 + 5 * 16_896  # the pool counted once
+    caches = {g.name: engine.group_caches(i) for i, g in enumerate(sized)}
+    caches["hca"][0].store(torch.tensor([3 * 32 + 31]), torch.ones(1, 1, 512), None)  # block 3, last row
+    caches["index"][2].store(torch.tensor([1 * 64 + 63]), torch.ones(1, 1, 128), None)  # block 1, layer 2
+    used = pool.ne(0).any(dim=1).tolist()
+    assert used == [False, True, False, True, False]
+    assert pool[3, 31 * 528:32 * 528].ne(0).any() and pool[1, 16_896 - 132:].ne(0).any()

@@ -61,7 +61,7 @@ class CachedV4Attention(DeepseekV4Attention):
             HCACompressor(config) if layer_type == HCA else None
         self.window_cache = self.rows_cache = self.index_cache = None  # LayerCaches, bound later
         self.window_group = self.rows_group = self.index_group = None  # metadata / block-table indices
-        self.block_size = 0
+        self.rows_block_size = self.index_block_size = 0  # rows per block of those groups
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,8 @@ class CachedV4Attention(DeepseekV4Attention):
         for span in md.spans:
             s, e = span.token_start, span.token_end
             positions = md.positions[s:e]
-            row_count = self._compress(self.compressor, "rows", self.rows_cache, self.rows_group, hidden[s:e], span)
+            row_count = self._compress(self.compressor, "rows", self.rows_cache, self.rows_group,
+                                       self.rows_block_size, hidden[s:e], span)
             table = span.block_tables[self.rows_group]
             if self.layer_type == CSA:
                 picks = self._select(hidden[s:e], q_residual[s:e], positions, span, row_count)  # [n, k]
@@ -113,17 +114,18 @@ class CachedV4Attention(DeepseekV4Attention):
                 cols = torch.arange(row_count, device=hidden.device)  # [R]
                 seen = num_visible_rows(positions, self.compressor.compress_rate)  # [n]
                 picks = cols[None, :].expand(e - s, -1).masked_fill(cols[None, :] >= seen[:, None], -1)  # [n, R]
-            slots = paged_slots(table, picks, self.block_size)  # [n, L]
+            slots = paged_slots(table, picks, self.rows_block_size)  # [n, L]
             pieces.append((_latent(self.rows_cache, slots).to(hidden.dtype), picks >= 0))
         return _pad_cat(pieces, self.head_dim, hidden)
 
-    def _compress(self, compressor, name: str, cache, table_index: int, hidden: torch.Tensor, span) -> int:
+    def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, hidden: torch.Tensor,
+                  span) -> int:
         """Run one request's span through a compressor; store its new rows. Returns the row count."""
         bank = self.states[name]
         state = bank.read(span.state_ids[0], span.start_pos)
         new_rows, row_ids, state = compressor.compress_chunk(hidden, span.start_pos, state)
         if new_rows.shape[0]:
-            slots = paged_slots(span.block_tables[table_index], row_ids, self.block_size)  # [r]
+            slots = paged_slots(span.block_tables[table_index], row_ids, block_size)  # [r]
             _store(cache, slots, new_rows)
         bank.write(span.state_ids[0], state)
         return state.num_rows
@@ -131,9 +133,10 @@ class CachedV4Attention(DeepseekV4Attention):
     def _select(self, hidden, q_residual, positions, span, row_count: int) -> torch.Tensor:
         """The indexer's top-k visible rows [n, k] (-1 pad), scored against the cached index keys."""
         indexer = self.compressor.indexer
-        self._compress(indexer, "index", self.index_cache, self.index_group, hidden, span)
+        self._compress(indexer, "index", self.index_cache, self.index_group, self.index_block_size, hidden, span)
         cols = torch.arange(row_count, device=hidden.device)  # [R]
-        keys = _latent(self.index_cache, paged_slots(span.block_tables[self.index_group], cols, self.block_size))
+        table = span.block_tables[self.index_group]
+        keys = _latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
         return indexer.select(hidden, q_residual, positions, keys)  # [n, k]
 
 

@@ -118,11 +118,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             if attn.compressor is None:
                 continue
             rows = "csa" if attn.layer_type == CSA else "hca"
-            attn.block_size = cache_engine.groups[names.index(rows)].rows_per_unit
+            attn.rows_block_size = cache_engine.groups[names.index(rows)].rows_per_unit
             attn.rows_cache, attn.rows_group = per_group[rows][i], paged.index(rows)
             attn.states = {"rows": StateBank(attn.compressor.init_state(device), num_state_slots)}
             if attn.layer_type == CSA:
                 attn.index_cache, attn.index_group = per_group["index"][i], paged.index("index")
+                attn.index_block_size = cache_engine.groups[names.index("index")].rows_per_unit
                 attn.states["index"] = StateBank(attn.compressor.indexer.init_state(device), num_state_slots)
             self.state_banks += attn.states.values()
 
