@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from deepinfer.model_executor.models.deepseek_v4.attn import (
     DeepseekV4Attention,
+    attention_over_parts,
     sparse_attention_with_sink,
     window_index,
 )
@@ -98,6 +99,22 @@ def test_rows_are_the_mask():
     padded = torch.cat([rows, 1e3 * torch.randn(3, 4, 8, generator=gen)], dim=1)  # [T, L + 4, D]
     pad_valid = torch.cat([valid, torch.zeros(3, 4, dtype=torch.bool)], dim=1)  # [T, L + 4]
     torch.testing.assert_close(sparse_attention_with_sink(q, padded, pad_valid, sinks, 0.3), base)
+
+
+def test_shared_rows_equal_rows_copied_per_query():
+    """A row set shared by all queries ([L, D] + mask) and the same rows copied per query, split
+    across parts in any order, give one softmax: the same output."""
+    gen = torch.Generator().manual_seed(5)
+    q, shared = torch.randn(4, 2, 8, generator=gen), torch.randn(6, 8, generator=gen)  # [T, H, D], [L, D]
+    own = torch.randn(4, 3, 8, generator=gen)  # [T, L2, D]
+    mask, own_valid = torch.rand(4, 6, generator=gen) > 0.4, torch.rand(4, 3, generator=gen) > 0.3
+    sinks = torch.randn(2, generator=gen)
+    parts = attention_over_parts(q, [(shared, mask), (own, own_valid)], sinks, 0.3)  # [T, H, D]
+    copied = torch.cat([shared.expand(4, -1, -1), own], dim=1)  # [T, L + L2, D]
+    whole = sparse_attention_with_sink(q, copied, torch.cat([mask, own_valid], dim=1), sinks, 0.3)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+    swapped = attention_over_parts(q, [(own, own_valid), (shared, mask)], sinks, 0.3)
+    torch.testing.assert_close(swapped, whole, rtol=1e-5, atol=1e-6)
 
 
 def test_sink_limits():

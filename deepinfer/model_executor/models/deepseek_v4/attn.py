@@ -53,20 +53,36 @@ def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)  # [..., D]
 
 
+def attention_over_parts(q: torch.Tensor, parts, sink_logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """One softmax over several row sets plus a per-head sink logit (which contributes no value).
+
+    q [T, H, D]; parts: (rows, valid) pairs with valid [T, L] bool and rows either [L, D], shared by
+    all T queries (a prefill chunk's window, HCA rows), or [T, L, D], one list per query (decode
+    windows, CSA picks). K = V. No causal mask is applied: `valid` is the mask. A query with no
+    valid row and a sink of -inf gets a zero output. -> [T, H, D]
+    """
+    logits = []
+    for rows, valid in parts:
+        spec = "thd,ld->thl" if rows.dim() == 2 else "thd,tld->thl"
+        part = torch.einsum(spec, q.float(), rows.float()) * scale  # [T, H, L]
+        logits.append(part.masked_fill(~valid[:, None, :], float("-inf")))
+    sink = sink_logits.float()[None, :, None].expand(q.shape[0], -1, 1)  # [T, H, 1]
+    probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1).nan_to_num(0.0)  # [T, H, sum L + 1]
+    out, start = torch.zeros(q.shape, dtype=torch.float32, device=q.device), 0  # [T, H, D]
+    for (rows, _), part in zip(parts, logits, strict=True):
+        p = probs[..., start:start + part.shape[-1]]  # [T, H, L]
+        start += part.shape[-1]
+        out += torch.einsum("thl,ld->thd" if rows.dim() == 2 else "thl,tld->thd", p, rows.float())
+    return out.to(q.dtype)  # [T, H, D]
+
+
 def sparse_attention_with_sink(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor,
                                sink_logits: torch.Tensor, scale: float) -> torch.Tensor:
     """Each query attends over its own rows; a per-head sink logit joins the softmax.
 
     q [T, H, D], kv_rows [T, L, D] (shared K = V), valid [T, L] bool, sink_logits [H] -> [T, H, D].
-    No causal mask is applied: the rows given are the mask (invalid entries contribute nothing).
-    A query with no valid row and a sink of -inf gets a zero output.
     """
-    logits = torch.einsum("thd,tld->thl", q.float(), kv_rows.float()) * scale  # [T, H, L]
-    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))  # [T, H, L]
-    sink = sink_logits.float()[None, :, None].expand(q.shape[0], -1, 1)  # [T, H, 1]
-    combined = torch.cat([logits, sink], dim=-1)  # [T, H, L + 1]
-    probs = torch.softmax(combined, dim=-1)[..., :-1].nan_to_num(0.0)  # [T, H, L]  sink dropped
-    return torch.einsum("thl,tld->thd", probs, kv_rows.float()).to(q.dtype)  # [T, H, D]
+    return attention_over_parts(q, [(kv_rows, valid)], sink_logits, scale)  # [T, H, D]
 
 
 def window_index(num_tokens: int, window: int, device=None) -> torch.Tensor:
@@ -139,6 +155,10 @@ class DeepseekV4Attention(nn.Module):
     def attend(self, q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """q [T, H, D] over each query's rows [T, L, D] (valid [T, L]) with this layer's sinks."""
         return sparse_attention_with_sink(q, kv_rows, valid, self.sinks, self.scale)  # [T, H, D]
+
+    def attend_parts(self, q: torch.Tensor, parts) -> torch.Tensor:
+        """q [T, H, D] over shared and per-query row sets (see `attention_over_parts`)."""
+        return attention_over_parts(q, parts, self.sinks, self.scale)  # [T, H, D]
 
     def output(self, attn_out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """De-rotate at the query position, grouped low-rank projection, mix: [T, H, D] -> [T, hidden]."""

@@ -6,11 +6,14 @@ tokens), and a CSA layer's indexer emits index keys into a third group. Per step
 
     q, q_residual = queries(x)                      [T, H, D], [T, q_lora_rank]
     kv            = kv_rows(x)                      [T, D]          the ring's row, K = V
-    window rows   = load old window -> store kv -> read through index rows     [T, W, D]
-    per request:  compress_chunk(x of the span, its state slot) -> store new rows
-                  HCA: every visible row;  CSA: the indexer's top-k visible rows  [T, L_c, D]
-    out           = attend(q, [window | compressed], valid) with the sink -> output(out)
+    window        = load old window -> store kv -> decode: read through index rows  [N, W, D]
+                                                   prefill chunk: [loaded | chunk]  [n_old + n, D] shared
+    per request:  compress_chunk(x of the span, its state slot) -> store the rows it completes
+                  HCA: all rows [R, D], shared, masked by position;  CSA: the indexer's top-k [n, k, D]
+    out           = one softmax over [window | compressed] and the sink -> output(out)
 
+Rows shared by a chunk's queries are kept once with a mask (`attention_over_parts`), never
+copied per query, so a long prompt costs logits [n, H, L], not gathered rows [n, L, D].
 A compressed row is read back from the cache after it is stored, so a query reads the same
 bytes whether its row was written in this step or an earlier one (MXFP8 included). Rows a
 query may not see are never gathered: -1 in an index marks padding.
@@ -19,8 +22,10 @@ query may not see are never gathered: -1 in an index marks padding.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer.model_executor.forward_context import get_forward_context
+from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA, CSACompressor, HCACompressor
 from deepinfer.model_executor.models.deepseek_v4.indexer import num_visible_rows
@@ -68,40 +73,45 @@ class CachedV4Attention(DeepseekV4Attention):
         md = get_forward_context().attn_metadata
         q, q_residual = self.queries(hidden, positions)  # [T, H, D], [T, q_lora_rank]
         kv = self.kv_rows(hidden, positions)  # [T, D]
-        rows, valid = self.window_rows(kv, md)  # [T, W, D], [T, W]
-        if self.compressor is not None:
-            c_rows, c_valid = self.compressed_rows(hidden, q_residual, md)  # [T, L_c, D], [T, L_c]
-            rows, valid = torch.cat([rows, c_rows], dim=1), torch.cat([valid, c_valid], dim=1)
-        out = self.attend(q, rows, valid)  # [T, H, D]
+        decode_window, chunk_windows = self.window_parts(kv, md)
+        compressed = self.compressed_parts(hidden, q_residual, md) if self.compressor is not None else {}
+        out = torch.empty_like(q)  # [T, H, D]
+        nd = md.num_decode_tokens
+        if nd:  # decode queries: per-query rows only, batched
+            parts = [decode_window]
+            if compressed:
+                parts.append(_per_query_cat([compressed[sp.token_start] for sp in md.spans if sp.token_start < nd],
+                                            self.head_dim, hidden))
+            out[:nd] = self.attend_parts(q[:nd], parts)
+        for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
+            s, e = seg.token_start, seg.token_end
+            out[s:e] = self.attend_parts(q[s:e], [window] + ([compressed[s]] if compressed else []))
         return self.output(out, positions)  # [T, hidden]
 
     # ---- the window (ring group) -------------------------------------------------------------
-    def window_rows(self, kv: torch.Tensor, md) -> tuple[torch.Tensor, torch.Tensor]:
-        """Load old window rows, store this step's rows, then each query's W rows and validity."""
-        g, cache, W = md.groups[self.window_group], self.window_cache, self.sliding_window
+    def window_parts(self, kv: torch.Tensor, md):
+        """Load old window rows, store this step's rows, then the rows each query may read:
+        decode queries (rows [N, W, D], valid [N, W]) through their index rows; each prefill chunk
+        the rows [n_old + n, D] of [loaded | chunk], shared by its queries, with valid [n, n_old + n]."""
+        g, cache = md.groups[self.window_group], self.window_cache
         loaded = [_latent(cache, seg.load_slots) for seg in g.prefills]  # 1. load before store
         _store(cache, g.store_slots, kv if g.store_rows is None else kv[g.store_rows])  # 2. store
-        rows = kv.new_zeros(kv.shape[0], W, kv.shape[1])  # [T, W, D]
-        valid = torch.zeros(kv.shape[0], W, dtype=torch.bool, device=kv.device)  # [T, W]
         nd = md.num_decode_tokens
-        if nd:  # 3. decode queries read through their index rows
-            rows[:nd], valid[:nd] = _latent(cache, g.decode_index).to(kv.dtype), g.decode_index >= 0
+        decode = (_latent(cache, g.decode_index).to(kv.dtype), g.decode_index >= 0) if nd else None  # 3.
+        chunks = []
         for seg, old in zip(g.prefills, loaded, strict=True):  # 4. prefill: [old | chunk]
             s, e = seg.token_start, seg.token_end
-            rows[s:e], valid[s:e] = self._segment_window(torch.cat([old.to(kv.dtype), kv[s:e]]),
-                                                         md.positions[s:e], int(md.positions[s]) - old.shape[0])
-        return rows, valid
-
-    def _segment_window(self, combined: torch.Tensor, q_pos: torch.Tensor, first_pos: int):
-        """combined [n_old + n, D] rows of positions first_pos.. -> ([n, W, D], [n, W])."""
-        offsets = torch.arange(1 - self.sliding_window, 1, device=q_pos.device)  # [W]
-        idx = q_pos[:, None] + offsets[None, :] - first_pos  # [n, W]
-        return combined[idx.clamp(min=0)], idx >= 0
+            key_pos = torch.cat([seg.load_positions, md.positions[s:e]])  # [n_old + n]
+            chunks.append((torch.cat([old.to(kv.dtype), kv[s:e]]), visibility(md.positions[s:e], key_pos,
+                                                                                self.sliding_window)))
+        return decode, chunks
 
     # ---- compressed rows (paged groups with a ratio) --------------------------------------------
-    def compressed_rows(self, hidden: torch.Tensor, q_residual: torch.Tensor, md):
-        """Per request: compress its span, store the new rows, pick what each query reads."""
-        pieces = []
+    def compressed_parts(self, hidden: torch.Tensor, q_residual: torch.Tensor, md) -> dict:
+        """Per request span (keyed by its first packed row): compress it, store the new rows, and
+        return what its queries read: HCA all rows [R, D] shared, valid [n, R] by position; CSA the
+        indexer's picks per query, rows [n, k, D], valid [n, k]."""
+        parts = {}
         for span in md.spans:
             s, e = span.token_start, span.token_end
             positions = md.positions[s:e]
@@ -110,13 +120,14 @@ class CachedV4Attention(DeepseekV4Attention):
             table = span.block_tables[self.rows_group]
             if self.layer_type == CSA:
                 picks = self._select(hidden[s:e], q_residual[s:e], positions, span, row_count)  # [n, k]
+                rows = _latent(self.rows_cache, paged_slots(table, picks, self.rows_block_size))  # [n, k, D]
+                parts[s] = (rows.to(hidden.dtype), picks >= 0)
             else:
                 cols = torch.arange(row_count, device=hidden.device)  # [R]
+                rows = _latent(self.rows_cache, paged_slots(table, cols, self.rows_block_size))  # [R, D]
                 seen = num_visible_rows(positions, self.compressor.compress_rate)  # [n]
-                picks = cols[None, :].expand(e - s, -1).masked_fill(cols[None, :] >= seen[:, None], -1)  # [n, R]
-            slots = paged_slots(table, picks, self.rows_block_size)  # [n, L]
-            pieces.append((_latent(self.rows_cache, slots).to(hidden.dtype), picks >= 0))
-        return _pad_cat(pieces, self.head_dim, hidden)
+                parts[s] = (rows.to(hidden.dtype), cols[None, :] < seen[:, None])  # [R, D], [n, R]
+        return parts
 
     def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, hidden: torch.Tensor,
                   span) -> int:
@@ -140,11 +151,13 @@ class CachedV4Attention(DeepseekV4Attention):
         return indexer.select(hidden, q_residual, positions, keys)  # [n, k]
 
 
-def _pad_cat(pieces, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[(rows [n_i, L_i, D], valid [n_i, L_i])] in packed order -> [T, max L, D], [T, max L]."""
-    if not pieces:
-        return like.new_zeros(0, 0, head_dim), torch.zeros(0, 0, dtype=torch.bool, device=like.device)
-    width = max(r.shape[1] for r, _ in pieces)
-    rows = [torch.nn.functional.pad(r, (0, 0, 0, width - r.shape[1])) for r, _ in pieces]  # [n_i, L, D]
-    valid = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=False) for _, v in pieces]  # [n_i, L]
+def _per_query_cat(parts, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans' (rows [L_i, D] shared or [n_i, L_i, D], valid [n_i, L_i]), in packed order ->
+    per-query rows [sum n_i, max L, D] and valid [sum n_i, max L], padded with invalid rows."""
+    width = max(v.shape[1] for _, v in parts)
+    rows, valid = [], []
+    for r, v in parts:
+        r = r.expand(v.shape[0], -1, -1) if r.dim() == 2 else r  # [n_i, L_i, D]
+        rows.append(F.pad(r, (0, 0, 0, width - r.shape[1])))  # [n_i, L, D]
+        valid.append(F.pad(v, (0, width - v.shape[1]), value=False))  # [n_i, L]
     return torch.cat(rows), torch.cat(valid)
