@@ -156,3 +156,30 @@ def test_rope_matches_hf(layer_type, yarn):
     x = torch.randn(1, 1, positions.shape[0], cfg.head_dim)  # [1, 1, T, D]
     expected = hf_v4.apply_rotary_pos_emb(x, cos, sin)[0, 0]  # [T, D]
     torch.testing.assert_close(ours._rope(x[0, 0], positions), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_mla_mqa_sparse_reads_only_indexed_slots():
+    """The book's decode call: two caches, one index row each; -1 and unindexed slots are never
+    read (filling them with garbage changes nothing), and the result equals attention over the
+    rows gathered by hand."""
+    from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse
+    from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec
+
+    codec = RowCodec(1, 32, torch.float32, "auto", shared_kv=True)
+    groups = [CacheGroupSpec("swa", "ring", (0,), 14, 8), CacheGroupSpec("csa", "paged", (0,), 4, compress_ratio=4)]
+    engine = CacheEngine(groups, [2, 3], codec, torch.device("cpu"))
+    ring, comp = engine.group_caches(0)[0], engine.group_caches(1)[0]
+    gen = torch.Generator().manual_seed(6)
+    ring.store(torch.arange(28), torch.randn(28, 1, 32, generator=gen), None)
+    comp.store(torch.arange(12), torch.randn(12, 1, 32, generator=gen), None)
+    q, sinks = torch.randn(2, 4, 32, generator=gen), torch.randn(4, generator=gen)  # [N, H, D], [H]
+    win = torch.tensor([[0, 1, 2, -1], [14, 15, 16, 17]])  # [N, W]
+    extra = torch.tensor([[3, 7, -1], [9, -1, -1]])  # [N, L]
+    out = decode_mla_mqa_sparse(q, ring, win, 0.2, sinks, comp, extra)  # [N, H, D]
+    rows = torch.cat([ring.load(win)[:, :, 0, 0], comp.load(extra)[:, :, 0, 0]], dim=1)  # [N, 7, D]
+    ref = sparse_attention_with_sink(q, rows, torch.cat([win, extra], dim=1) >= 0, sinks, 0.2)
+    torch.testing.assert_close(out, ref)
+    unread = torch.tensor([3, 4, 5, 18, 27])  # ring slots no index names
+    ring.store(unread, 1e3 * torch.randn(5, 1, 32, generator=gen), None)
+    comp.store(torch.tensor([0, 11]), 1e3 * torch.randn(2, 1, 32, generator=gen), None)
+    torch.testing.assert_close(decode_mla_mqa_sparse(q, ring, win, 0.2, sinks, comp, extra), out)

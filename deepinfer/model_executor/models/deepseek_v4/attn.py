@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.rotary import rope_inv_freq
 from deepinfer.model_executor.models.deepseek_v4.compressor import apply_interleaved_rope, compress_rope_inv_freq
@@ -51,29 +52,6 @@ def attention_rope_inv_freq(config, layer_type: str) -> tuple[torch.Tensor, floa
 def head_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMSNorm over the last axis (HF ``q_b_norm``), computed in fp32."""
     return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)  # [..., D]
-
-
-def attention_over_parts(q: torch.Tensor, parts, sink_logits: torch.Tensor, scale: float) -> torch.Tensor:
-    """One softmax over several row sets plus a per-head sink logit (which contributes no value).
-
-    q [T, H, D]; parts: (rows, valid) pairs with valid [T, L] bool and rows either [L, D], shared by
-    all T queries (a prefill chunk's window, HCA rows), or [T, L, D], one list per query (decode
-    windows, CSA picks). K = V. No causal mask is applied: `valid` is the mask. A query with no
-    valid row and a sink of -inf gets a zero output. -> [T, H, D]
-    """
-    logits = []
-    for rows, valid in parts:
-        spec = "thd,ld->thl" if rows.dim() == 2 else "thd,tld->thl"
-        part = torch.einsum(spec, q.float(), rows.float()) * scale  # [T, H, L]
-        logits.append(part.masked_fill(~valid[:, None, :], float("-inf")))
-    sink = sink_logits.float()[None, :, None].expand(q.shape[0], -1, 1)  # [T, H, 1]
-    probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1).nan_to_num(0.0)  # [T, H, sum L + 1]
-    out, start = torch.zeros(q.shape, dtype=torch.float32, device=q.device), 0  # [T, H, D]
-    for (rows, _), part in zip(parts, logits, strict=True):
-        p = probs[..., start:start + part.shape[-1]]  # [T, H, L]
-        start += part.shape[-1]
-        out += torch.einsum("thl,ld->thd" if rows.dim() == 2 else "thl,tld->thd", p, rows.float())
-    return out.to(q.dtype)  # [T, H, D]
 
 
 def sparse_attention_with_sink(q: torch.Tensor, kv_rows: torch.Tensor, valid: torch.Tensor,

@@ -6,11 +6,14 @@ tokens), and a CSA layer's indexer emits index keys into a third group. Per step
 
     q, q_residual = queries(x)                      [T, H, D], [T, q_lora_rank]
     kv            = kv_rows(x)                      [T, D]          the ring's row, K = V
-    window        = load old window -> store kv -> decode: read through index rows  [N, W, D]
-                                                   prefill chunk: [loaded | chunk]  [n_old + n, D] shared
+    window        = each prefill chunk loads its old window rows, then kv is stored in the ring
     per request:  compress_chunk(x of the span, its state slot) -> store the rows it completes
-                  HCA: all rows [R, D], shared, masked by position;  CSA: the indexer's top-k [n, k, D]
-    out           = one softmax over [window | compressed] and the sink -> output(out)
+                  HCA: every visible row;  CSA: the indexer's top-k rows    -> index rows [n, L]
+    decode        decode_mla_mqa_sparse(q, ring, window index rows, scale, sinks,
+                                        compressed cache, compressed index rows)   (the book's call)
+    prefill chunk one softmax over [loaded | chunk] rows (shared, masked by position), the HCA rows
+                  (shared, masked) or the CSA picks (per query), and the sink
+    out           = output(attention)                                              [T, hidden]
 
 Rows shared by a chunk's queries are kept once with a mask (`attention_over_parts`), never
 copied per query, so a long prompt costs logits [n, H, L], not gathered rows [n, L, D].
@@ -21,10 +24,13 @@ query may not see are never gathered: -1 in an index marks padding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.forward_context import get_forward_context
+from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse, load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA, CSACompressor, HCACompressor
@@ -41,9 +47,19 @@ def paged_slots(table: torch.Tensor, rows: torch.Tensor, block_size: int) -> tor
     return slots.masked_fill(rows < 0, -1)
 
 
-def _latent(cache, slots: torch.Tensor) -> torch.Tensor:
-    """slots [...] -> the K = V latent rows [..., D] in the compute dtype."""
-    return cache.load(slots)[..., 0, 0, :]  # [..., D]
+@dataclass
+class CompressedRead:
+    """The compressed rows a span's queries read: index [n, L] slots (-1: none). `shared_slots`
+    [L] is set when every query's column j is that slot or -1 (HCA): the rows are then loaded
+    once for the whole span."""
+
+    index: torch.Tensor
+    shared_slots: torch.Tensor | None = None
+
+    def part(self, cache, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [L, D] shared or [n, L, D] per query, valid [n, L]) for `attention_over_parts`."""
+        slots = self.index if self.shared_slots is None else self.shared_slots
+        return load_latent(cache, slots).to(dtype), self.index >= 0
 
 
 def _store(cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
@@ -73,45 +89,42 @@ class CachedV4Attention(DeepseekV4Attention):
         md = get_forward_context().attn_metadata
         q, q_residual = self.queries(hidden, positions)  # [T, H, D], [T, q_lora_rank]
         kv = self.kv_rows(hidden, positions)  # [T, D]
-        decode_window, chunk_windows = self.window_parts(kv, md)
-        compressed = self.compressed_parts(hidden, q_residual, md) if self.compressor is not None else {}
+        chunk_windows = self.store_window(kv, md)
+        reads = self.compressed_reads(hidden, q_residual, md) if self.compressor is not None else {}
         out = torch.empty_like(q)  # [T, H, D]
         nd = md.num_decode_tokens
-        if nd:  # decode queries: per-query rows only, batched
-            parts = [decode_window]
-            if compressed:
-                parts.append(_per_query_cat([compressed[sp.token_start] for sp in md.spans if sp.token_start < nd],
-                                            self.head_dim, hidden))
-            out[:nd] = self.attend_parts(q[:nd], parts)
+        if nd:  # decode queries: everything through index rows, batched
+            extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd]) \
+                if reads else None  # [N, L_c]
+            out[:nd] = decode_mla_mqa_sparse(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
+                                             self.scale, self.sinks, self.rows_cache, extra)
         for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
             s, e = seg.token_start, seg.token_end
-            out[s:e] = self.attend_parts(q[s:e], [window] + ([compressed[s]] if compressed else []))
+            parts = [window] + ([reads[s].part(self.rows_cache, hidden.dtype)] if reads else [])
+            out[s:e] = self.attend_parts(q[s:e], parts)
         return self.output(out, positions)  # [T, hidden]
 
     # ---- the window (ring group) -------------------------------------------------------------
-    def window_parts(self, kv: torch.Tensor, md):
-        """Load old window rows, store this step's rows, then the rows each query may read:
-        decode queries (rows [N, W, D], valid [N, W]) through their index rows; each prefill chunk
-        the rows [n_old + n, D] of [loaded | chunk], shared by its queries, with valid [n, n_old + n]."""
+    def store_window(self, kv: torch.Tensor, md) -> list:
+        """Load each prefill chunk's old window rows, then store this step's rows (in that order).
+        Returns per chunk the rows [n_old + n, D] of [loaded | chunk], which its queries share, and
+        their visibility [n, n_old + n]. Decode queries read the ring later, through index rows."""
         g, cache = md.groups[self.window_group], self.window_cache
-        loaded = [_latent(cache, seg.load_slots) for seg in g.prefills]  # 1. load before store
+        loaded = [load_latent(cache, seg.load_slots) for seg in g.prefills]  # 1. load before store
         _store(cache, g.store_slots, kv if g.store_rows is None else kv[g.store_rows])  # 2. store
-        nd = md.num_decode_tokens
-        decode = (_latent(cache, g.decode_index).to(kv.dtype), g.decode_index >= 0) if nd else None  # 3.
         chunks = []
-        for seg, old in zip(g.prefills, loaded, strict=True):  # 4. prefill: [old | chunk]
+        for seg, old in zip(g.prefills, loaded, strict=True):
             s, e = seg.token_start, seg.token_end
             key_pos = torch.cat([seg.load_positions, md.positions[s:e]])  # [n_old + n]
-            chunks.append((torch.cat([old.to(kv.dtype), kv[s:e]]), visibility(md.positions[s:e], key_pos,
-                                                                                self.sliding_window)))
-        return decode, chunks
+            visible = visibility(md.positions[s:e], key_pos, self.sliding_window)  # [n, n_old + n]
+            chunks.append((torch.cat([old.to(kv.dtype), kv[s:e]]), visible))
+        return chunks
 
     # ---- compressed rows (paged groups with a ratio) --------------------------------------------
-    def compressed_parts(self, hidden: torch.Tensor, q_residual: torch.Tensor, md) -> dict:
-        """Per request span (keyed by its first packed row): compress it, store the new rows, and
-        return what its queries read: HCA all rows [R, D] shared, valid [n, R] by position; CSA the
-        indexer's picks per query, rows [n, k, D], valid [n, k]."""
-        parts = {}
+    def compressed_reads(self, hidden: torch.Tensor, q_residual: torch.Tensor, md) -> dict:
+        """Per request span (keyed by its first packed row): compress it, store the rows it
+        completes, and say which compressed rows each of its queries reads (`CompressedRead`)."""
+        reads = {}
         for span in md.spans:
             s, e = span.token_start, span.token_end
             positions = md.positions[s:e]
@@ -120,14 +133,14 @@ class CachedV4Attention(DeepseekV4Attention):
             table = span.block_tables[self.rows_group]
             if self.layer_type == CSA:
                 picks = self._select(hidden[s:e], q_residual[s:e], positions, span, row_count)  # [n, k]
-                rows = _latent(self.rows_cache, paged_slots(table, picks, self.rows_block_size))  # [n, k, D]
-                parts[s] = (rows.to(hidden.dtype), picks >= 0)
-            else:
+                reads[s] = CompressedRead(paged_slots(table, picks, self.rows_block_size))
+            else:  # HCA: every visible row; the same slots for all queries of the span
                 cols = torch.arange(row_count, device=hidden.device)  # [R]
-                rows = _latent(self.rows_cache, paged_slots(table, cols, self.rows_block_size))  # [R, D]
+                slots = paged_slots(table, cols, self.rows_block_size)  # [R]
                 seen = num_visible_rows(positions, self.compressor.compress_rate)  # [n]
-                parts[s] = (rows.to(hidden.dtype), cols[None, :] < seen[:, None])  # [R, D], [n, R]
-        return parts
+                index = slots[None, :].expand(e - s, -1).masked_fill(cols[None, :] >= seen[:, None], -1)  # [n, R]
+                reads[s] = CompressedRead(index, slots)
+        return reads
 
     def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, hidden: torch.Tensor,
                   span) -> int:
@@ -147,17 +160,11 @@ class CachedV4Attention(DeepseekV4Attention):
         self._compress(indexer, "index", self.index_cache, self.index_group, self.index_block_size, hidden, span)
         cols = torch.arange(row_count, device=hidden.device)  # [R]
         table = span.block_tables[self.index_group]
-        keys = _latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
+        keys = load_latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
         return indexer.select(hidden, q_residual, positions, keys)  # [n, k]
 
 
-def _per_query_cat(parts, head_dim: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spans' (rows [L_i, D] shared or [n_i, L_i, D], valid [n_i, L_i]), in packed order ->
-    per-query rows [sum n_i, max L, D] and valid [sum n_i, max L], padded with invalid rows."""
-    width = max(v.shape[1] for _, v in parts)
-    rows, valid = [], []
-    for r, v in parts:
-        r = r.expand(v.shape[0], -1, -1) if r.dim() == 2 else r  # [n_i, L_i, D]
-        rows.append(F.pad(r, (0, 0, 0, width - r.shape[1])))  # [n_i, L, D]
-        valid.append(F.pad(v, (0, width - v.shape[1]), value=False))  # [n_i, L]
-    return torch.cat(rows), torch.cat(valid)
+def _pad_cat(indexes: list[torch.Tensor]) -> torch.Tensor:
+    """Index rows [n_i, L_i] of consecutive spans -> [sum n_i, max L_i], padded with -1."""
+    width = max(i.shape[1] for i in indexes)
+    return torch.cat([F.pad(i, (0, width - i.shape[1]), value=-1) for i in indexes])  # [N, L]
