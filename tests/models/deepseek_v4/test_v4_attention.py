@@ -183,3 +183,13 @@ def test_decode_mla_mqa_sparse_reads_only_indexed_slots():
     ring.store(unread, 1e3 * torch.randn(5, 1, 32, generator=gen), None)
     comp.store(torch.tensor([0, 11]), 1e3 * torch.randn(2, 1, 32, generator=gen), None)
     torch.testing.assert_close(decode_mla_mqa_sparse(q, ring, win, 0.2, sinks, comp, extra), out)
+
+
+def test_rope_frequencies_stay_fp32_when_the_model_is_cast():
+    """bf16 has 8 mantissa bits: a bf16 inv_freq would shift the angle at position 4,000 by up to
+    ~16 rad. Casting the module keeps the frequencies in fp32."""
+    cfg = tiny_config()
+    ours = DeepseekV4Attention(cfg, "sliding_attention")
+    exact = ours.inv_freq.clone()
+    ours.to(torch.bfloat16)
+    assert ours.inv_freq.dtype == torch.float32 and torch.equal(ours.inv_freq, exact)

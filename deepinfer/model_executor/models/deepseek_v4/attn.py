@@ -113,7 +113,7 @@ class DeepseekV4Attention(nn.Module):
         self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
         inv_freq, self.rope_scaling = attention_rope_inv_freq(config, layer_type)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rope_dim/2]
+        self.inv_freq = inv_freq  # [rope_dim/2] fp32; a plain tensor, so casting the model to bf16 keeps it exact
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return apply_interleaved_rope(x, positions, self.inv_freq, self.rope_scaling).to(x.dtype)

@@ -105,7 +105,7 @@ class WindowCompressor(nn.Module):
         self.kv_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         rope_dim = config.qk_rope_head_dim  # same RoPE width for the compressor and the indexer
         inv_freq, self.rope_scaling = compress_rope_inv_freq(config, rope_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rope_dim/2]
+        self.inv_freq = inv_freq  # [rope_dim/2] fp32; a plain tensor, so casting the model to bf16 keeps it exact
 
     def init_state(self, device=None) -> CompressorState:
         """The state of a request with no tokens yet."""
