@@ -125,14 +125,16 @@ class CachedV4Attention(DeepseekV4Attention):
         """Per request span (keyed by its first packed row): compress it, store the rows it
         completes, and say which compressed rows each of its queries reads (`CompressedRead`)."""
         reads = {}
+        rows_in = self.compressor.project(hidden, md.positions)  # kv, score [T, C]: one matmul per step
+        index_in = self._index_inputs(hidden, q_residual, md.positions) if self.layer_type == CSA else None
         for span in md.spans:
             s, e = span.token_start, span.token_end
             positions = md.positions[s:e]
             row_count = self._compress(self.compressor, "rows", self.rows_cache, self.rows_group,
-                                       self.rows_block_size, hidden[s:e], span)
+                                       self.rows_block_size, [t[s:e] for t in rows_in], span)
             table = span.block_tables[self.rows_group]
             if self.layer_type == CSA:
-                picks = self._select(hidden[s:e], q_residual[s:e], positions, span, row_count)  # [n, k]
+                picks = self._select([t[s:e] for t in index_in], positions, span, row_count)  # [n, k]
                 reads[s] = CompressedRead(paged_slots(table, picks, self.rows_block_size))
             else:  # HCA: every visible row; the same slots for all queries of the span
                 cols = torch.arange(row_count, device=hidden.device)  # [R]
@@ -142,26 +144,34 @@ class CachedV4Attention(DeepseekV4Attention):
                 reads[s] = CompressedRead(index, slots)
         return reads
 
-    def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, hidden: torch.Tensor,
-                  span) -> int:
-        """Run one request's span through a compressor; store its new rows. Returns the row count."""
+    def _index_inputs(self, hidden, q_residual, positions) -> tuple[torch.Tensor, ...]:
+        """The indexer's per-token inputs for the whole step: its compressor's kv and score
+        [T, C], its queries [T, h, d] and head weights [T, h]."""
+        indexer = self.compressor.indexer
+        kv, score = indexer.project(hidden, positions)
+        return kv, score, indexer.queries(q_residual, positions), indexer.scorer.head_weights(hidden)
+
+    def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, projected, span) -> int:
+        """Pool one request's projected span (kv, score) with its state; store the rows it
+        completes. Returns the request's row count."""
         bank = self.states[name]
         state = bank.read(span.state_ids[0], span.start_pos)
-        new_rows, row_ids, state = compressor.compress_chunk(hidden, span.start_pos, state)
+        new_rows, row_ids, state = compressor.compress_projected(*projected, span.start_pos, state)
         if new_rows.shape[0]:
             slots = paged_slots(span.block_tables[table_index], row_ids, block_size)  # [r]
             _store(cache, slots, new_rows)
         bank.write(span.state_ids[0], state)
         return state.num_rows
 
-    def _select(self, hidden, q_residual, positions, span, row_count: int) -> torch.Tensor:
+    def _select(self, index_in, positions, span, row_count: int) -> torch.Tensor:
         """The indexer's top-k visible rows [n, k] (-1 pad), scored against the cached index keys."""
         indexer = self.compressor.indexer
-        self._compress(indexer, "index", self.index_cache, self.index_group, self.index_block_size, hidden, span)
-        cols = torch.arange(row_count, device=hidden.device)  # [R]
+        kv, score, q, weights = index_in
+        self._compress(indexer, "index", self.index_cache, self.index_group, self.index_block_size, (kv, score), span)
+        cols = torch.arange(row_count, device=q.device)  # [R]
         table = span.block_tables[self.index_group]
         keys = load_latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
-        return indexer.select(hidden, q_residual, positions, keys)  # [n, k]
+        return indexer.select_with(q, weights, positions, keys)  # [n, k]
 
 
 def _pad_cat(indexes: list[torch.Tensor]) -> torch.Tensor:

@@ -117,18 +117,27 @@ class WindowCompressor(nn.Module):
         prev_score = torch.full((prev_rows, d), float("-inf"), device=device)  # [m, D]
         return CompressorState(z, z.clone(), prev_kv, prev_score, 0)
 
+    def project(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's kv and biased gate score, fp32: hidden [n, H] -> ([n, C], [n, C]).
+        Done once for all tokens of a step; the pooling below then runs per request."""
+        kv = self.kv_proj(hidden).float()  # [n, C]
+        score = self.gate_proj(hidden).float() + self.position_bias.float()[positions % self.compress_rate]  # [n, C]
+        return kv, score
+
     def compress_chunk(self, hidden: torch.Tensor, start_pos: int, state: CompressorState):
         """Consume one request's chunk ``hidden [n, H]`` at positions ``start_pos .. start_pos+n-1``.
 
         Returns ``(new_rows [r, D] fp32, row_ids [r], new_state)``: the rows whose windows the
         chunk completes. ``state`` is not modified.
         """
+        positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=hidden.device)  # [n]
+        return self.compress_projected(*self.project(hidden, positions), start_pos, state)
+
+    def compress_projected(self, kv: torch.Tensor, score: torch.Tensor, start_pos: int, state: CompressorState):
+        """`compress_chunk` for a chunk already projected: kv, score [n, C] from `project`."""
         if start_pos != state.num_tokens:
             raise ValueError(f"start_pos={start_pos} but the state has consumed {state.num_tokens} tokens")
-        m, n = self.compress_rate, hidden.shape[0]
-        positions = torch.arange(start_pos, start_pos + n, device=hidden.device)  # [n]
-        kv = self.kv_proj(hidden).float()  # [n, C]
-        score = self.gate_proj(hidden).float() + self.position_bias[positions % m]  # [n, C]
+        m, n = self.compress_rate, kv.shape[0]
         q = state.num_pending
         all_kv = torch.cat([state.kv[:q], kv])  # [q + n, C]
         all_score = torch.cat([state.score[:q], score])  # [q + n, C]
@@ -136,7 +145,7 @@ class WindowCompressor(nn.Module):
         win_kv = all_kv[: r * m].view(r, m, all_kv.shape[1])  # [r, m, C]
         win_score = all_score[: r * m].view(r, m, all_kv.shape[1])  # [r, m, C]
         pooled = self._pool(win_kv, win_score, state)  # [r, D]
-        row_ids = torch.arange(state.num_rows, state.num_rows + r, device=hidden.device)  # [r]
+        row_ids = torch.arange(state.num_rows, state.num_rows + r, device=kv.device)  # [r]
         rows = self._norm_rope(pooled, row_ids * m)  # [r, D]
         new_state = self._next_state(all_kv[r * m:], all_score[r * m:], win_kv, win_score, state, n)
         return rows, row_ids, new_state

@@ -58,12 +58,19 @@ class IndexerScorer(nn.Module):
         self.weights_scaling = config.index_n_heads**-0.5
         self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
 
-    def forward(self, q: torch.Tensor, index_keys: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """q [n, h, d], index_keys [R, d], hidden [n, H] -> scores [n, R] (fp32)."""
+    def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
+        """w_h per query: hidden [n, H] -> [n, h] (fp32)."""
+        return self.weights_proj(hidden).float() * self.weights_scaling  # [n, h]
+
+    def score(self, q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """q [n, h, d], index_keys [R, d], weights [n, h] -> scores [n, R] (fp32)."""
         dots = torch.einsum("nhd,rd->nhr", q.float(), index_keys.float())  # [n, h, R]
         dots = torch.relu(dots) * self.softmax_scale  # [n, h, R]
-        weights = self.weights_proj(hidden).float() * self.weights_scaling  # [n, h]
         return (dots * weights[:, :, None]).sum(dim=1)  # [n, R]
+
+    def forward(self, q: torch.Tensor, index_keys: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """q [n, h, d], index_keys [R, d], hidden [n, H] -> scores [n, R] (fp32)."""
+        return self.score(q, index_keys, self.head_weights(hidden))  # [n, R]
 
 
 class Indexer(WindowCompressor):
@@ -98,5 +105,11 @@ class Indexer(WindowCompressor):
         ``index_keys`` [R, d] are the request's index rows 0..R-1 (R may exceed what a query
         sees; invisible rows are masked, so the answer does not depend on R).
         """
-        scores = self.scores(hidden, q_residual, positions, index_keys)  # [n, R]
+        q, weights = self.queries(q_residual, positions), self.scorer.head_weights(hidden)  # [n, h, d], [n, h]
+        return self.select_with(q, weights, positions, index_keys)  # [n, k]
+
+    def select_with(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                    index_keys: torch.Tensor) -> torch.Tensor:
+        """`select` with the queries [n, h, d] and head weights [n, h] already computed."""
+        scores = self.scorer.score(q, index_keys, weights)  # [n, R]
         return topk_visible_rows(scores, positions, self.index_topk, self.compress_rate)  # [n, k]
