@@ -12,6 +12,11 @@ Prompts are token ids, so a model without tokenizer files runs too (`--load-form
 bare config.json). `--max-tokens N` caps each request's output length (default: as drawn) and
 `--num-requests` sets cpu32's request count; the prompts stay the same.
 
+`--peer hf` / `--peer llama.cpp` run the same requests in a peer after ours, and the ratios are
+printed. With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs transformers'
+DeepseekV4ForCausalLM on our engine's own dummy weights, after our workloads and with our engine
+dropped, one request at a time (`hf-batch1`; see bench_peers).
+
 A model with compressed cache groups (DeepSeek-V4) also gets `kv` lines: each group's bytes from
 the engine's allocation units against the formula from its config, per layer type
 
@@ -105,8 +110,9 @@ def run_bench(args) -> int:
     max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    if args.peer and getattr(args, "load_format", "auto") == "dummy":
-        raise ValueError("--peer runs the checkpoint's weights, which load_format='dummy' does not read")
+    dummy_peer = bool(args.peer) and getattr(args, "load_format", "auto") == "dummy"
+    if dummy_peer:
+        check_dummy_peers(args)
     results = []
     if "long" in names:
         from deepinfer.entrypoints.bench_long import run_long
@@ -117,6 +123,7 @@ def run_bench(args) -> int:
     if llm is not None:
         for line in kv_lines(llm):
             print(line, flush=True)
+    workloads = []
     for name in names:
         workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests,
                                  max_output_len=max_tokens)
@@ -124,16 +131,59 @@ def run_bench(args) -> int:
         _print(results[-1])
         if name == "cpu32" and has_compressed_groups(llm.engine.runner):
             print(workload_kv_line(llm.engine.runner, workload), flush=True)
-        for peer in args.peer:
+        workloads.append(workload)
+        for peer in [] if dummy_peer else args.peer:
             from deepinfer.entrypoints.bench_peers import run_peer
 
             results.append(run_peer(peer, llm.engine.source, workload))
             _print(results[-1])
+    if dummy_peer and workloads:
+        results += run_dummy_v4_peer(llm, workloads)
+        del llm
     _print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results], f, indent=2)
     return 0
+
+
+def check_dummy_peers(args) -> None:
+    """Dummy weights have a peer only for DeepSeek-V4 in transformers (`--peer hf`), which then
+    runs our engine's own weights; any other model or peer needs the checkpoint's weights."""
+    from deepinfer.entrypoints.bench_peers import V4_MODEL_TYPE
+    from deepinfer.model_executor.loader import load_model_source
+
+    model_type = getattr(load_model_source(args.model, load_format="dummy").hf_config, "model_type", None)
+    if model_type != V4_MODEL_TYPE or set(args.peer) != {"hf"}:
+        raise ValueError(f"--peer {' '.join(args.peer)} runs the checkpoint's weights, which load_format='dummy' "
+                         f"does not read (with dummy weights only a {V4_MODEL_TYPE} model has a peer: --peer hf, "
+                         f"which reuses the engine's weights); model_type is {model_type!r}")
+
+
+def run_dummy_v4_peer(llm, workloads: list[Workload]) -> list[BenchResult]:
+    """transformers' DeepseekV4ForCausalLM on our engine's dummy weights, after our runs: the
+    weights are taken over (no copy: the state dict shares their storage), the engine is dropped
+    (its KV cache freed) and the HF model is assembled on the meta device around them, so that a
+    full-width model is never held twice. Measured one request at a time (batch 1): transformers'
+    left-padded batches are not a valid V4 reference (compressor windows align to tensor index 0).
+    `llm` is left without its engine."""
+    import gc
+
+    from deepinfer.entrypoints.bench_peers import hf_v4_model, hf_v4_state_dict, run_peer
+
+    hf_config = llm.engine.source.hf_config
+    state = hf_v4_state_dict(llm.engine.runner.model)
+    llm.engine = None  # the caller's reference keeps only an empty shell
+    gc.collect()
+    model = hf_v4_model(hf_config, state)
+    del state
+    print("peer     hf-batch1: transformers DeepseekV4ForCausalLM on the engine's dummy weights (fp32, eager), "
+          "one request at a time: its left-padded batches are not a valid V4 reference", flush=True)
+    results = []
+    for workload in workloads:
+        results.append(run_peer("hf", None, workload, model=model))
+        _print(results[-1])
+    return results
 
 
 def _print(r: BenchResult) -> None:
