@@ -68,14 +68,16 @@ def v4_checkpoint(tmp_path_factory):
     return build
 
 
-@pytest.mark.parametrize(("layer_types", "num_blocks"), [((SLIDING, HCA), 10), ((HCA, SLIDING, HCA), 10),
-                                                         ((SLIDING, CSA, HCA), 40)],
-                         ids=["sliding-hca", "hca-sliding-hca", "sliding-csa-hca"])
-def test_v4_teacher_forcing_parity(v4_checkpoint, layer_types, num_blocks):
+@pytest.mark.parametrize(("layer_types", "num_blocks", "budget"),
+                         [((SLIDING, HCA), 10, 13), ((HCA, SLIDING, HCA), 10, 13), ((SLIDING, CSA, HCA), 40, 13),
+                          ((SLIDING, CSA, HCA), 40, 61)],
+                         ids=["sliding-hca", "hca-sliding-hca", "sliding-csa-hca", "chunks-longer-than-the-ring"])
+def test_v4_teacher_forcing_parity(v4_checkpoint, layer_types, num_blocks, budget):
     """6 requests (3..70 prompt tokens) x 64 greedy tokens: > 16 windows of W = 8, up to 16
-    HCA rows (m' = 8) and 33 CSA rows (m = 4) each; chunk budget 13; preemption; abort."""
+    HCA rows (m' = 8) and 33 CSA rows (m = 4) each; chunk budget 13, or 61 (chunks longer than the
+    ring of S = 14 rows, which then stores only its last S rows); preemption; abort."""
     path, hf_model = v4_checkpoint(layer_types)
-    llm = LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=13, max_num_seqs=6,
+    llm = LLM(path, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=6,
               max_model_len=256)
     prompts = _prompts(6, seed=len(layer_types))
     outs, preemptions = _run(llm, prompts, MAX_TOKENS, abort_index=2)
