@@ -154,3 +154,10 @@ def test_v4_csa_many_heads_matches_hf_whole_sequence(v4_checkpoint):
     with torch.no_grad():
         ids = torch.tensor([prompt + out.outputs[0].token_ids])
         assert hf_model(input_ids=ids).logits.shape[1] == len(prompt) + MAX_TOKENS
+
+
+def test_v4_fp8_rows_need_widths_of_32(v4_checkpoint):
+    """MXFP8 has one scale per 32 values: an index_head_dim of 16 is refused, naming the field."""
+    path, _ = v4_checkpoint((SLIDING, CSA), index_head_dim=16)
+    with pytest.raises(ValueError, match="index_head_dim=16"):
+        LLM(path, max_model_len=256, kv_cache_dtype="fp8")

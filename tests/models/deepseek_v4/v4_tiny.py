@@ -8,7 +8,7 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 VOCAB, WINDOW, M_CSA, M_HCA = 512, 8, 4, 8
 
 
-def tiny_v4_config(layer_types: list[str], index_n_heads: int = 8, hc_mult: int = 2):
+def tiny_v4_config(layer_types: list[str], index_n_heads: int = 8, hc_mult: int = 2, index_head_dim: int = 32):
     import transformers
 
     n = len(layer_types)
@@ -16,7 +16,7 @@ def tiny_v4_config(layer_types: list[str], index_n_heads: int = 8, hc_mult: int 
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, head_dim=32,
         qk_rope_head_dim=8, q_lora_rank=32, o_lora_rank=16, o_groups=2, sliding_window=WINDOW,
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, hc_mult=hc_mult,
-        index_n_heads=index_n_heads, index_head_dim=32, index_topk=3,
+        index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=3,
         compress_rates={CSA: M_CSA, HCA: M_HCA}, layer_types=layer_types,
         mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1), num_hash_layers=1,
         compress_rope_theta=1000.0, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,

@@ -97,7 +97,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
         cfg, layers = self.config, self.attention_layers()
         rates = cfg.compress_rates
-        latent, index = make_codec(cfg.head_dim), make_codec(cfg.index_head_dim)
+        latent, index = _codec(make_codec, "head_dim", cfg.head_dim), _codec(make_codec, "index_head_dim",
+                                                                              cfg.index_head_dim)
         groups = [CacheGroupSpec("swa", "ring", tuple(range(len(layers))), ring_size, window=cfg.sliding_window,
                                  codec=latent)]
         for name, kind, codec in (("csa", CSA, latent), ("hca", HCA, latent), ("index", CSA, index)):
@@ -146,6 +147,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+
+
+def _codec(make_codec, field: str, width: int):
+    try:
+        return make_codec(width)
+    except ValueError as exc:
+        raise ValueError(f"{field}={width} cannot be cached in this row format: {exc}") from exc
 
 
 def is_mtp_name(name: str) -> bool:
