@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in bf16, or MXFP8
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -53,7 +54,7 @@ class CacheConfig:
     block_size: int = 16  # tokens per paged block
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
-    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or "fp8" (MXFP8 rows)
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "bfloat16" (bf16 rows) or "fp8" (MXFP8 rows)
     num_speculative_tokens: int = 0  # k draft tokens a step may verify; rings need S >= W + k + 1
 
     def __post_init__(self):
@@ -65,8 +66,9 @@ class CacheConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass

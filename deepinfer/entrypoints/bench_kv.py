@@ -27,7 +27,9 @@ def row_format(elements: int, dtype, kv_cache_dtype: str):
     """The cache_common format of a row of `elements` values: MXFP8, or the compute dtype."""
     from deepinfer.model_executor.layers.ops.cache_common import mxfp8_format, unquantized_format
 
-    return mxfp8_format(elements) if kv_cache_dtype == "fp8" else unquantized_format(elements, _ROW_DTYPES[str(dtype)])
+    if kv_cache_dtype == "fp8":
+        return mxfp8_format(elements)
+    return unquantized_format(elements, "bf16" if kv_cache_dtype == "bfloat16" else _ROW_DTYPES[str(dtype)])
 
 
 def v4_kv_formula(cfg, dtype, kv_cache_dtype: str) -> dict:

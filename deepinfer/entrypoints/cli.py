@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from deepinfer.config import LOAD_FORMATS
+from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -19,7 +19,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 2GiB")
     g.add_argument("--num-blocks", type=int, default=None, help="paged blocks (overrides --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="cache row format")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="cache row format: auto (the compute dtype), bfloat16, or fp8 (MXFP8: e4m3 + UE8M0 per 32)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")

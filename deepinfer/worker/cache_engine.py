@@ -38,13 +38,14 @@ class RowCodec:
     def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str,
                  shared_kv: bool = False):
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.row_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype  # plain rows' element type
         self.shared_kv = shared_kv
         self.num_parts = 1 if shared_kv else 2
         self.num_elements = self.num_parts * num_kv_heads * head_dim
         self.fp8 = kv_cache_dtype == "fp8"
         what = "K=V latent row" if shared_kv else "K|V row"
         self.format: KVCacheFormat = (mxfp8_format(self.num_elements, f"MXFP8 {what}") if self.fp8 else
-                                      unquantized_format(self.num_elements, _DTYPE_NAMES[dtype], what))
+                                      unquantized_format(self.num_elements, _DTYPE_NAMES[self.row_dtype], what))
 
     @property
     def row_bytes(self) -> int:
@@ -55,7 +56,7 @@ class RowCodec:
         flat = k.flatten(1) if self.shared_kv else torch.cat((k.flatten(1), v.flatten(1)), dim=1)  # [T, E]
         if self.fp8:
             return quantize_mxfp8(flat)  # [T, row_bytes]
-        return flat.to(self.dtype).contiguous().view(torch.uint8)  # [T, row_bytes]
+        return flat.to(self.row_dtype).contiguous().view(torch.uint8)  # [T, row_bytes]
 
     def as_kv(self, flat: torch.Tensor) -> torch.Tensor:
         """[..., E] -> [..., 2, H_kv, D]; a shared row is the same memory seen as K and as V."""
@@ -66,7 +67,7 @@ class RowCodec:
         """rows [..., row_bytes] uint8 -> [..., 2, H_kv, D] in the compute dtype."""
         if self.fp8:
             return self.as_kv(dequantize_mxfp8(rows, self.num_elements, self.dtype))  # [..., 2, H_kv, D]
-        return self.as_kv(rows.contiguous().view(self.dtype))  # [..., 2, H_kv, D]
+        return self.as_kv(rows.contiguous().view(self.row_dtype).to(self.dtype))  # [..., 2, H_kv, D]
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class CacheEngine:
     def rows2d(blocks: torch.Tensor, codec: RowCodec) -> torch.Tensor:
         """The group's allocation as one row per line, typed as the rows' element type."""
         lines = blocks.view(-1, codec.row_bytes)  # [units * layers * R, row_bytes]
-        return lines if codec.fp8 else lines.view(codec.dtype)
+        return lines if codec.fp8 else lines.view(codec.row_dtype)
 
     @property
     def num_bytes(self) -> int:

@@ -111,9 +111,10 @@ def test_paged_views_cover_distinct_blocks():
     assert back[0, :, 0, 0, 0].tolist() == [0, 5, 23] and back[0, 2, 1, 1, 3].item() == -23
 
 
-@pytest.mark.parametrize("kv_cache_dtype, row_bytes", [("fp8", 528), ("auto", 2048)])
+@pytest.mark.parametrize("kv_cache_dtype, row_bytes", [("fp8", 528), ("bfloat16", 1024), ("auto", 2048)])
 def test_shared_latent_row_is_both_k_and_v(kv_cache_dtype, row_bytes):
-    """One 512-element row per token serves as K and V: 528 B in MXFP8, as the book computes."""
+    """One 512-element row per token serves as K and V: 528 B in MXFP8, as the book computes;
+    bf16 rows under fp32 compute hold each value rounded to bf16."""
     codec = RowCodec(1, 512, torch.float32, kv_cache_dtype, shared_kv=True)
     group = CacheGroupSpec("swa", "ring", (0,), 134, 128)
     engine = CacheEngine([group], [2], codec, CPU)
@@ -123,6 +124,9 @@ def test_shared_latent_row_is_both_k_and_v(kv_cache_dtype, row_bytes):
     cache.store(torch.tensor([5, 134 + 7, 133]), latent, None)
     kv = cache.load(torch.tensor([5, 141, 133]))  # [3, 2, 1, 512]
     assert torch.equal(kv[:, 0], kv[:, 1])
+    if kv_cache_dtype == "bfloat16":
+        assert torch.equal(kv[:, 0].float(), latent.to(torch.bfloat16).float())
+        return
     tol = 0.07 if kv_cache_dtype == "fp8" else 0.0  # half an e4m3 step: 2^-4 relative
     assert torch.allclose(kv[:, 0], latent, rtol=tol, atol=1e-3 if tol else 0.0)
 
