@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.norm import RMSNorm
-from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING
 from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand_streams
@@ -195,4 +194,4 @@ def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
 _SHARED_GATE_UP = re.compile(r"^(.*\.shared_experts)\.(gate|up)_proj\.weight$")
 
 
-__all__ = ["DeepseekV4ForCausalLM", "SLIDING"]
+__all__ = ["DeepseekV4ForCausalLM"]
