@@ -132,10 +132,20 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
     positions = torch.cat([_positions(s) for s in ordered])
     ids = [t for s in ordered for t in s.token_ids]
     rows = [(s, end - 1) for s, end in zip(ordered, ends, strict=True) if s.do_sample]
-    md = AttentionMetadata(positions=positions, num_decode_tokens=int(q_pos.numel()), groups=groups, spans=spans)
+    md = AttentionMetadata(positions=positions, num_decode_tokens=int(q_pos.numel()), groups=groups, spans=spans,
+                           span_tables=_padded_tables(ordered) if compressed else ())
     inputs = StepInputs(torch.tensor(ids, **_LONG), positions, md, [s for s, _ in rows],
                         torch.tensor([i for _, i in rows], **_LONG))
     return inputs if device.type == "cpu" else _to_device(inputs, device)
+
+
+def _padded_tables(ordered) -> tuple[torch.Tensor, ...]:
+    """Every request's block table of each paged group as one [num_requests, max blocks] tensor (0-padded)."""
+    out = []
+    for g in range(len(ordered[0].block_ids)):
+        width = max(1, max(len(s.block_ids[g]) for s in ordered))
+        out.append(torch.tensor([s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in ordered], **_LONG))
+    return tuple(out)
 
 
 def _to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
@@ -143,6 +153,7 @@ def _to_device(inputs: StepInputs, device: torch.device) -> StepInputs:
     md = inputs.attn_metadata
     for span in md.spans:
         span.block_tables = tuple(to(t) for t in span.block_tables)
+    md.span_tables = tuple(to(t) for t in md.span_tables)
     for g in (g for g in md.groups if g is not None):
         g.store_slots, g.store_rows, g.decode_index = to(g.store_slots), to(g.store_rows), to(g.decode_index)
         for seg in g.prefills:

@@ -183,3 +183,27 @@ def test_v4_fp8_rows_need_widths_of_32(v4_checkpoint):
     path, _ = v4_checkpoint((SLIDING, CSA), index_head_dim=16)
     with pytest.raises(ValueError, match="index_head_dim=16"):
         LLM(path, max_model_len=256, kv_cache_dtype="fp8")
+
+
+def test_v4_batched_decode_equals_one_request_at_a_time(v4_checkpoint, monkeypatch):
+    """Decode steps compress all one-token requests together (state slots in a batch); forcing
+    the per-request path gives the same tokens and logprobs."""
+    from deepinfer.model_executor.models.deepseek_v4 import cached_attn
+
+    path, _ = v4_checkpoint((SLIDING, CSA, HCA))
+    calls = []
+    batch = cached_attn.CachedV4Attention.decode_batch
+    monkeypatch.setattr(cached_attn.CachedV4Attention, "decode_batch",
+                        lambda self, *a: calls.append(a[-1]) or batch(self, *a))
+    prompts = _prompts(6, seed=11)
+    outs = []
+    for batched in (True, False):
+        if not batched:
+            monkeypatch.setattr(cached_attn, "_one_token_decodes", lambda md: 0)
+        llm = LLM(path, block_size=4, max_num_batched_tokens=13, max_model_len=256)
+        outs.append(_run(llm, prompts, 40)[0])
+    assert max(calls) == 6  # steps that decoded all six requests together
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)

@@ -64,6 +64,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # rows [0, num_decode_tokens) are decode queries
     groups: list[GroupMetadata | None]  # None for a compressed group: its rows are not tokens
     spans: list[RequestSpan] = field(default_factory=list)  # packed order
+    span_tables: tuple[torch.Tensor, ...] = ()  # [num_spans, max blocks] per paged group, 0-padded
 
     @property
     def num_tokens(self) -> int:

@@ -90,12 +90,12 @@ class CachedV4Attention(DeepseekV4Attention):
         q, q_residual = self.queries(hidden, positions)  # [T, H, D], [T, q_lora_rank]
         kv = self.kv_rows(hidden, positions)  # [T, D]
         chunk_windows = self.store_window(kv, md)
-        reads = self.compressed_reads(hidden, q_residual, md) if self.compressor is not None else {}
+        extra, reads = self.compressed_reads(hidden, q_residual, md) if self.compressor is not None else (None, {})
         out = torch.empty_like(q)  # [T, H, D]
         nd = md.num_decode_tokens
         if nd:  # decode queries: everything through index rows, batched
-            extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd]) \
-                if reads else None  # [N, L_c]
+            if extra is None and reads:
+                extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd])  # [N, L_c]
             out[:nd] = decode_mla_mqa_sparse(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
                                              self.scale, self.sinks, self.rows_cache, extra)
         for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
@@ -121,13 +121,17 @@ class CachedV4Attention(DeepseekV4Attention):
         return chunks
 
     # ---- compressed rows (paged groups with a ratio) --------------------------------------------
-    def compressed_reads(self, hidden: torch.Tensor, q_residual: torch.Tensor, md) -> dict:
-        """Per request span (keyed by its first packed row): compress it, store the rows it
-        completes, and say which compressed rows each of its queries reads (`CompressedRead`)."""
+    def compressed_reads(self, hidden: torch.Tensor, q_residual: torch.Tensor, md):
+        """Compress every request's new tokens, store the rows they complete, and say which
+        compressed rows each query reads. Returns (decode index [N, L] or None, {first packed row
+        of a span: `CompressedRead`}): when every decode request has one token, they are done
+        together (`decode_batch`); other spans one by one."""
         reads = {}
         rows_in = self.compressor.project(hidden, md.positions)  # kv, score [T, C]: one matmul per step
         index_in = self._index_inputs(hidden, q_residual, md.positions) if self.layer_type == CSA else None
-        for span in md.spans:
+        nb = _one_token_decodes(md)
+        decode_index = self.decode_batch(rows_in, index_in, md, nb) if nb else None
+        for span in md.spans[nb:]:
             s, e = span.token_start, span.token_end
             positions = md.positions[s:e]
             row_count = self._compress(self.compressor, "rows", self.rows_cache, self.rows_group,
@@ -142,7 +146,35 @@ class CachedV4Attention(DeepseekV4Attention):
                 seen = num_visible_rows(positions, self.compressor.compress_rate)  # [n]
                 index = slots[None, :].expand(e - s, -1).masked_fill(cols[None, :] >= seen[:, None], -1)  # [n, R]
                 reads[s] = CompressedRead(index, slots)
-        return reads
+        return decode_index, reads
+
+    def decode_batch(self, rows_in, index_in, md, n: int) -> torch.Tensor:
+        """The first n spans, one decode token each, in one pass: compress (state slots in a
+        batch), store completed rows, then the index rows [n, L] each query reads."""
+        spans = md.spans[:n]
+        slot_ids, positions = [sp.state_ids[0] for sp in spans], [sp.start_pos for sp in spans]
+        tables = md.span_tables[self.rows_group][:n]  # [n, B]
+        self._step_batch(self.compressor, "rows", self.rows_cache, tables, self.rows_block_size, slot_ids,
+                         positions, [t[:n] for t in rows_in])
+        seen = num_visible_rows(md.positions[:n], self.compressor.compress_rate)  # [n] = each one's row count
+        cols = torch.arange(max((p + 1) // self.compressor.compress_rate for p in positions),
+                            device=seen.device)[None, :].expand(n, -1)  # [n, R]
+        if self.layer_type == CSA:
+            kv, score, q, weights = (t[:n] for t in index_in)
+            index_tables = md.span_tables[self.index_group][:n]  # [n, B_i]
+            self._step_batch(self.compressor.indexer, "index", self.index_cache, index_tables, self.index_block_size,
+                             slot_ids, positions, (kv, score))
+            keys = load_latent(self.index_cache, table_slots(index_tables, cols, self.index_block_size))  # [n, R, d]
+            picks = self.compressor.indexer.select_with(q, weights, md.positions[:n], keys)  # [n, k]
+        else:
+            picks = cols.masked_fill(cols >= seen[:, None], -1)  # [n, R]
+        return table_slots(tables, picks, self.rows_block_size)  # [n, L]
+
+    def _step_batch(self, compressor, name: str, cache, tables, block_size: int, slot_ids, positions,
+                    projected) -> None:
+        rows, which, row_ids = self.states[name].step_tokens(compressor, slot_ids, positions, *projected)
+        if rows.shape[0]:
+            _store(cache, table_slots(tables[which], row_ids[:, None], block_size)[:, 0], rows)
 
     def _index_inputs(self, hidden, q_residual, positions) -> tuple[torch.Tensor, ...]:
         """The indexer's per-token inputs for the whole step: its compressor's kv and score
@@ -172,6 +204,21 @@ class CachedV4Attention(DeepseekV4Attention):
         table = span.block_tables[self.index_group]
         keys = load_latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
         return indexer.select_with(q, weights, positions, keys)  # [n, k]
+
+
+def table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slots of row ids [n, L] in each query's block table tables [n, B]; -1 stays -1."""
+    safe = rows.clamp(min=0)  # [n, L]
+    slots = tables.gather(1, safe // block_size) * block_size + safe % block_size  # [n, L]
+    return slots.masked_fill(rows < 0, -1)
+
+
+def _one_token_decodes(md) -> int:
+    """N when the N decode queries are N requests of one token each (the batched path), else 0."""
+    n = md.num_decode_tokens
+    if n and len(md.spans) >= n and all(sp.token_end - sp.token_start == 1 for sp in md.spans[:n]):
+        return n
+    return 0
 
 
 def _pad_cat(indexes: list[torch.Tensor]) -> torch.Tensor:

@@ -155,13 +155,26 @@ class WindowCompressor(nn.Module):
         if win_kv.shape[0] == 0:
             return win_kv.new_zeros(0, self.head_dim)  # [0, D]
         if not self.overlap:
-            return (win_kv * win_score.softmax(dim=1)).sum(dim=1)  # [r, D]
+            return self.pool_windows(win_kv, win_score)  # [r, D]
         d = self.head_dim
         a_kv = torch.cat([state.prev_a_kv[None], win_kv[:-1, :, :d]])  # [r, m, D] A of window w-1
         a_score = torch.cat([state.prev_a_score[None], win_score[:-1, :, :d]])  # [r, m, D]
+        return self.pool_windows(win_kv, win_score, a_kv, a_score)  # [r, D]
+
+    def pool_windows(self, win_kv: torch.Tensor, win_score: torch.Tensor, a_kv: torch.Tensor | None = None,
+                     a_score: torch.Tensor | None = None) -> torch.Tensor:
+        """Pool complete windows [r, m, C]; CSA also takes each one's half A of the window before,
+        a_kv / a_score [r, m, D]. -> [r, D]"""
+        if not self.overlap:
+            return (win_kv * win_score.softmax(dim=1)).sum(dim=1)  # [r, D]
+        d = self.head_dim
         slots_kv = torch.cat([a_kv, win_kv[:, :, d:]], dim=1)  # [r, 2m, D]
         slots_score = torch.cat([a_score, win_score[:, :, d:]], dim=1)  # [r, 2m, D]
         return (slots_kv * slots_score.softmax(dim=1)).sum(dim=1)  # [r, D]
+
+    def rows_at(self, pooled: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+        """Pooled windows [r, D] -> compressed rows [r, D] (RMSNorm, RoPE at row_id * m)."""
+        return self._norm_rope(pooled, row_ids * self.compress_rate)  # [r, D]
 
     def _norm_rope(self, pooled: torch.Tensor, rope_positions: torch.Tensor) -> torch.Tensor:
         normed = self.kv_norm(pooled)  # [r, D]

@@ -63,8 +63,10 @@ class IndexerScorer(nn.Module):
         return self.weights_proj(hidden).float() * self.weights_scaling  # [n, h]
 
     def score(self, q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """q [n, h, d], index_keys [R, d], weights [n, h] -> scores [n, R] (fp32)."""
-        dots = torch.einsum("nhd,rd->nhr", q.float(), index_keys.float())  # [n, h, R]
+        """q [n, h, d], index_keys [R, d] (one request's) or [n, R, d] (each query's own request's),
+        weights [n, h] -> scores [n, R] (fp32)."""
+        spec = "nhd,rd->nhr" if index_keys.dim() == 2 else "nhd,nrd->nhr"
+        dots = torch.einsum(spec, q.float(), index_keys.float())  # [n, h, R]
         dots = torch.relu(dots) * self.softmax_scale  # [n, h, R]
         return (dots * weights[:, :, None]).sum(dim=1)  # [n, R]
 
@@ -110,6 +112,8 @@ class Indexer(WindowCompressor):
 
     def select_with(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                     index_keys: torch.Tensor) -> torch.Tensor:
-        """`select` with the queries [n, h, d] and head weights [n, h] already computed."""
+        """`select` with the queries [n, h, d] and head weights [n, h] already computed; index_keys
+        [R, d], or [n, R, d] when the queries belong to different requests (rows past a query's
+        visible count may hold anything: they are masked)."""
         scores = self.scorer.score(q, index_keys, weights)  # [n, R]
         return topk_visible_rows(scores, positions, self.index_topk, self.compress_rate)  # [n, k]

@@ -8,6 +8,8 @@ any other start must continue exactly where the slot's state ended.
 
 from __future__ import annotations
 
+import torch
+
 from deepinfer.model_executor.models.deepseek_v4.compressor import CompressorState
 
 
@@ -37,6 +39,30 @@ class StateBank:
                                f"but the request continues at position {start_pos}")
         return CompressorState(self.kv[slot], self.score[slot], self.prev_a_kv[slot], self.prev_a_score[slot],
                                self.num_tokens[slot])
+
+    def step_tokens(self, compressor, slot_ids: list[int], positions: list[int], kv: torch.Tensor,
+                    score: torch.Tensor):
+        """One new token for each of several requests at once (decode): kv, score [N, C] of the
+        tokens at `positions` in state slots `slot_ids`. Returns (rows [r, D], which [r]: the
+        requests whose window the token completes, row_ids [r]); their half A moves on (CSA)."""
+        m = compressor.compress_rate
+        for slot, pos in zip(slot_ids, positions, strict=True):
+            if self.num_tokens[slot] != pos:
+                raise RuntimeError(f"state slot {slot} holds {self.num_tokens[slot]} tokens, "
+                                   f"but the request continues at position {pos}")
+            self.num_tokens[slot] = pos + 1
+        slots = torch.tensor(slot_ids, device=kv.device)  # [N]
+        pos = torch.tensor(positions, device=kv.device)  # [N]
+        self.kv[slots, pos % m], self.score[slots, pos % m] = kv, score  # the token's place in its window
+        which = torch.nonzero((pos + 1) % m == 0).flatten()  # [r]
+        done = slots[which]  # [r]
+        win_kv, win_score = self.kv[done], self.score[done]  # [r, m, C]
+        pooled = compressor.pool_windows(win_kv, win_score, self.prev_a_kv[done], self.prev_a_score[done])  # [r, D]
+        if compressor.overlap:
+            d = compressor.head_dim
+            self.prev_a_kv[done], self.prev_a_score[done] = win_kv[:, :, :d], win_score[:, :, :d]
+        row_ids = pos[which] // m  # [r]
+        return compressor.rows_at(pooled, row_ids), which, row_ids
 
     def write(self, slot: int, state: CompressorState) -> None:
         self.kv[slot].copy_(state.kv)
