@@ -7,7 +7,9 @@ tokens), and a CSA layer's indexer emits index keys into a third group. Per step
     q, q_residual = queries(x)                      [T, H, D], [T, q_lora_rank]
     kv            = kv_rows(x)                      [T, D]          the ring's row, K = V
     window        = each prefill chunk loads its old window rows, then kv is stored in the ring
-    per request:  compress_chunk(x of the span, its state slot) -> store the rows it completes
+    compressors   projections for all T tokens at once; then the pooling with each request's state
+                  slot (decode requests of one token: all together; other spans one by one)
+                  -> store the rows it completes
                   HCA: every visible row;  CSA: the indexer's top-k rows    -> index rows [n, L]
     decode        decode_mla_mqa_sparse(q, ring, window index rows, scale, sinks,
                                         compressed cache, compressed index rows)   (the book's call)
