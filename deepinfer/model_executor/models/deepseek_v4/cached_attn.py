@@ -44,9 +44,7 @@ def paged_slots(table: torch.Tensor, rows: torch.Tensor, block_size: int) -> tor
     """Flat slots of row ids [...] in a block table [blocks]; -1 stays -1."""
     if table.numel() == 0:  # no row yet: every entry is padding
         return torch.full_like(rows, -1)
-    safe = rows.clamp(min=0)
-    slots = table[safe // block_size] * block_size + safe % block_size  # [...]
-    return slots.masked_fill(rows < 0, -1)
+    return table_slots(table[None], rows.reshape(1, -1), block_size).view(rows.shape)  # [...]
 
 
 @dataclass
