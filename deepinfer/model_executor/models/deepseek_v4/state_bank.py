@@ -22,10 +22,6 @@ class StateBank:
         self.prev_a_score = initial.prev_a_score.expand(num_slots, -1, -1).clone()  # [slots, m | 0, D]
         self.num_tokens = [0] * num_slots
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.kv, self.score, self.prev_a_kv, self.prev_a_score))
-
     @staticmethod
     def bytes_per_slot(initial: CompressorState) -> int:
         return sum(t.numel() * t.element_size() for t in
