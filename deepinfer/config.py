@@ -1,5 +1,7 @@
 """Engine configuration: small validated dataclasses. Pure Python (no torch).
 
+The environment knobs are read once, into `EngineConfig.env`; nothing below reads os.environ.
+
 Every bad value raises ValueError naming the field and the value.
 """
 
@@ -7,6 +9,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from deepinfer.environ import Environ, get_environ
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in bf16, or MXFP8
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
@@ -40,6 +44,8 @@ def check_load_format(value) -> str:
 
 @dataclass
 class SchedulerConfig:
+    """What the scheduler may put in one step, and how long a request may grow."""
+
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens of one request
@@ -51,11 +57,15 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
+    """How the KV cache is sized and stored: blocks, bytes, row format, and the draft allowance
+    (k) that sliding-window rings keep room for."""
+
     block_size: int = 16  # tokens per paged block
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "bfloat16" (bf16 rows) or "fp8" (MXFP8 rows)
-    num_speculative_tokens: int = 0  # k draft tokens a step may verify; rings need S >= W + k + 1
+    # k draft tokens a step may verify; rings keep S >= W + k + 1. None: DEEPINFER_USE_NEXTN_DECODE
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         _positive("block_size", self.block_size)
@@ -63,8 +73,8 @@ class CacheConfig:
             _positive("num_blocks", self.num_blocks)
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         _positive("kv_cache_memory", self.kv_cache_memory)
-        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
-                or self.num_speculative_tokens < 0:
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
@@ -73,6 +83,9 @@ class CacheConfig:
 
 @dataclass
 class EngineConfig:
+    """Everything one engine is built from: the model, dtype and device, the scheduler and cache
+    configs, and the DEEPINFER_* knobs (`env`), read once here at start-up."""
+
     model: str | None = None  # a model directory or .gguf file; None: the embedded default model
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     device: str | None = None  # None/auto: cuda if available, else cpu
@@ -82,12 +95,23 @@ class EngineConfig:
     load_format: str = "auto"  # one of LOAD_FORMATS
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    env: Environ | None = None  # None: the process environment (read once)
 
     def __post_init__(self):
         self.scheduler = self.scheduler or SchedulerConfig()
         self.cache = self.cache or CacheConfig()
+        self.env = self.env or get_environ()
+        if self.cache.num_speculative_tokens is None:
+            self.cache.num_speculative_tokens = self.env.use_nextn_decode
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         check_load_format(self.load_format)
+
+    def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
+        """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_context, default)
+        self.scheduler.max_model_len = self.max_model_len
+        return self.max_model_len

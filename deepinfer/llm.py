@@ -8,8 +8,20 @@ from tqdm.auto import tqdm
 
 from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.model_runner import ModelRunner
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """Compose the system: load the model source, build the runner (model, caches, sampler) and
+    hand both to the engine. The only place that knows every layer."""
+    source = load_model_source(config.model, load_format=config.load_format)
+    for key, value in (config.hf_overrides or {}).items():
+        setattr(source.hf_config, key, value)
+    config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
+    return LLMEngine(config, source, ModelRunner(source, config))
 
 
 class LLM:
@@ -19,14 +31,15 @@ class LLM:
                  max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
-                 num_speculative_tokens: int = 0, hf_overrides: dict | None = None, load_format: str = "auto"):
+                 num_speculative_tokens: int | None = None, hf_overrides: dict | None = None,
+                 load_format: str = "auto"):
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                             kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=num_speculative_tokens)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                               hf_overrides=hf_overrides, load_format=load_format)
-        self.engine = LLMEngine.from_config(config)
+        self.engine = build_engine(config)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

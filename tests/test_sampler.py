@@ -7,16 +7,22 @@ import math
 import pytest
 import torch
 
-from deepinfer.engine.plan import ScheduledRequest
+from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.layers import sampler as sampler_module
 from deepinfer.model_executor.layers.sampler import Sampler
+from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
 
 def _row(request_id: str, params: SamplingParams, prompt=(1, 2, 3), output=()) -> ScheduledRequest:
     return ScheduledRequest(request_id=request_id, token_ids=[0], start_pos=0, block_ids=([],),
                             sampling_params=params, prompt_token_ids=list(prompt),
                             output_token_ids=list(output))
+
+
+def _metadata(rows: list[ScheduledRequest]) -> SamplingMetadata:
+    return build_sampling_metadata(rows, torch.device("cpu"))
 
 
 def _logits(num_rows: int, vocab_size: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
@@ -29,7 +35,7 @@ def _draw_counts(logits_row: torch.Tensor, params: SamplingParams, num_draws: in
     """Samples `num_draws` tokens (unseeded rows from one seeded engine). -> counts [V]."""
     sampler = Sampler(seed=seed)
     batch = 2000
-    rows = [_row(f"r{i}", params) for i in range(batch)]
+    rows = _metadata([_row(f"r{i}", params) for i in range(batch)])
     counts = torch.zeros(logits_row.shape[0])
     logits = logits_row.expand(batch, -1)  # [B, V]
     for _ in range(num_draws // batch):
@@ -55,7 +61,7 @@ def test_greedy_is_argmax(dtype):
     logits = _logits(16, 1000).to(dtype)
     logits[0, [9, 3, 700]] = 100.0  # a tie: the first index wins, as in argmax
     rows = [_row(f"r{i}", SamplingParams(temperature=0.0)) for i in range(16)]
-    out = Sampler()(logits, rows)
+    out = Sampler()(logits, _metadata(rows))
     assert [r.token_id for r in out] == logits.float().argmax(dim=-1).tolist()
     assert out[0].token_id == 3
 
@@ -65,12 +71,12 @@ def test_greedy_rows_in_a_mixed_batch_are_argmax_and_logits_untouched():
     before = logits.clone()
     params = [SamplingParams(temperature=0.0) if i % 2 else
               SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.01, seed=i) for i in range(8)]
-    out = Sampler()(logits, [_row(f"r{i}", p) for i, p in enumerate(params)])
+    out = Sampler()(logits, _metadata([_row(f"r{i}", p) for i, p in enumerate(params)]))
     for i in range(1, 8, 2):
         assert out[i].token_id == int(logits[i].argmax())
     assert torch.equal(logits, before)
     all_random = [SamplingParams(temperature=0.9, top_k=20, min_p=0.01, repetition_penalty=1.2)] * 8
-    Sampler()(logits, [_row(f"r{i}", p, output=[1, 2]) for i, p in enumerate(all_random)])
+    Sampler()(logits, _metadata([_row(f"r{i}", p, output=[1, 2]) for i, p in enumerate(all_random)]))
     assert torch.equal(logits, before)
 
 
@@ -79,7 +85,7 @@ def test_top_k_one_is_greedy_and_tiny_top_p_is_greedy():
     greedy = logits.argmax(dim=-1).tolist()
     for params in (SamplingParams(temperature=1.5, top_k=1), SamplingParams(temperature=1.5, top_p=1e-6)):
         for step in range(3):
-            out = Sampler(seed=step)(logits, [_row(f"r{i}", params) for i in range(32)])
+            out = Sampler(seed=step)(logits, _metadata([_row(f"r{i}", params) for i in range(32)]))
             assert [r.token_id for r in out] == greedy
 
 
@@ -175,14 +181,14 @@ def test_penalties_match_a_hand_computation():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5,
                             frequency_penalty=0.25)
     row = _row("r", params, prompt=[0, 1], output=[2, 2, 3])
-    out = sampler_module._apply_penalties(logits, [row], [params])
+    out = sampler_module._apply_penalties(logits, _metadata([row]))
     # repetition over {0, 1, 2, 3}: 2 -> 1, -1 -> -2, 0.5 -> 0.25, -3 -> -6
     # output counts {2: 2, 3: 1}: 0.25 - 0.5 - 2 * 0.25 = -0.75; -6 - 0.5 - 0.25 = -6.75
     expected = torch.tensor([[1.0, -2.0, -0.75, -6.75, 1.2, 0.0]])
     torch.testing.assert_close(out, expected)
     assert torch.equal(logits[0, 0], torch.tensor(2.0))  # the input is not modified
-    assert Sampler()(logits, [row])[0].token_id == 4  # without penalties greedy would pick 0
-    assert Sampler()(logits, [_row("s", SamplingParams(temperature=0.0))])[0].token_id == 0
+    assert Sampler()(logits, _metadata([row]))[0].token_id == 4  # without penalties greedy would pick 0
+    assert Sampler()(logits, _metadata([_row("s", SamplingParams(temperature=0.0))]))[0].token_id == 0
 
 
 def test_penalties_apply_only_to_their_rows_and_ignore_out_of_range_ids():
@@ -190,7 +196,7 @@ def test_penalties_apply_only_to_their_rows_and_ignore_out_of_range_ids():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=2.0),
               SamplingParams(temperature=0.0)]
     rows = [_row(f"r{i}", p, output=[int(logits[i].argmax()), 10_000]) for i, p in enumerate(params)]
-    out = sampler_module._apply_penalties(logits, rows, params)
+    out = sampler_module._apply_penalties(logits, _metadata(rows))
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     best = int(logits[1].argmax())
     assert out[1, best] == logits[1, best] - 2.0
@@ -212,7 +218,7 @@ def test_penalties_match_a_dense_reference_with_repeats_and_empty_histories():
               for r, pp, f in settings]
     rows = [_row(f"r{i}", p, prompt=h[0], output=h[1]) for i, (p, h) in enumerate(zip(params, histories,
                                                                                         strict=True))]
-    out = sampler_module._apply_penalties(logits, rows, params)
+    out = sampler_module._apply_penalties(logits, _metadata(rows))
     for i, ((prompt, output), (r, pp, f)) in enumerate(zip(histories, settings, strict=True)):
         torch.testing.assert_close(out[i], _dense_penalties(logits[i], prompt, output, r, pp, f))
 
@@ -223,7 +229,7 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
               SamplingParams(temperature=0.0, logprobs=0),
               SamplingParams(temperature=0.0),
               SamplingParams(temperature=1.0, top_k=3, logprobs=2)]
-    out = Sampler()(logits, [_row(f"r{i}", p) for i, p in enumerate(params)])
+    out = Sampler()(logits, _metadata([_row(f"r{i}", p) for i, p in enumerate(params)]))
     reference = torch.log_softmax(logits, dim=-1)  # [N, V]
     for i, result in enumerate(out):
         assert result.logprob == pytest.approx(float(reference[i, result.token_id]), abs=1e-5)
@@ -237,7 +243,8 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
 
 def test_logprobs_of_half_precision_logits_are_computed_in_fp32():
     logits = _logits(2, 100, seed=9).to(torch.bfloat16)
-    out = Sampler()(logits, [_row(f"r{i}", SamplingParams(temperature=0.0, logprobs=1)) for i in range(2)])
+    rows = [_row(f"r{i}", SamplingParams(temperature=0.0, logprobs=1)) for i in range(2)]
+    out = Sampler()(logits, _metadata(rows))
     reference = torch.log_softmax(logits.float(), dim=-1)
     for i, result in enumerate(out):
         assert result.logprob == pytest.approx(float(reference[i].max()), abs=1e-5)
@@ -263,7 +270,7 @@ def _generate(batches: list[list[tuple[str, SamplingParams]]], num_steps: int, v
             rows = [_row(rid, p, prompt=prompts[rid], output=outputs[rid]) for rid, p in batch]
             logits = torch.stack([_step_logits(prompts[rid] + outputs[rid], vocab_size)
                                   for rid, _ in batch])  # [N, V]
-            for (rid, _), result in zip(batch, sampler(logits, rows), strict=True):
+            for (rid, _), result in zip(batch, sampler(logits, _metadata(rows)), strict=True):
                 outputs[rid].append(result.token_id)
     return outputs
 
@@ -299,25 +306,30 @@ def test_release_drops_generators_and_restarts_the_seed():
     sampler = Sampler()
     params = SamplingParams(temperature=1.0, seed=3)
     logits = torch.zeros(1, 1000)  # uniform: the token is a direct image of the uniform draw
-    first = [sampler(logits, [_row("r", params)])[0].token_id for _ in range(4)]
+    first = [sampler(logits, _metadata([_row("r", params)]))[0].token_id for _ in range(4)]
     assert sampler.num_request_generators == 1
     sampler.release(["r", "unknown"])
     assert sampler.num_request_generators == 0
-    assert [sampler(logits, [_row("r", params)])[0].token_id for _ in range(4)] == first
+    assert [sampler(logits, _metadata([_row("r", params)]))[0].token_id for _ in range(4)] == first
 
 
 def test_bad_input_is_refused():
     sampler = Sampler()
     with pytest.raises(ValueError, match="logits must be"):
-        sampler(torch.zeros(2, 10), [_row("r", SamplingParams())])
+        sampler(torch.zeros(2, 10), _metadata([_row("r", SamplingParams())]))
     row = ScheduledRequest(request_id="r", token_ids=[0], start_pos=0, block_ids=([],))
     with pytest.raises(ValueError, match="without sampling_params"):
-        sampler(torch.zeros(1, 10), [row])
-    assert sampler(torch.zeros(0, 10), []) == []
+        _metadata([row])
+    assert sampler(torch.zeros(0, 10), _metadata([])) == []
 
 
 def test_tiny_temperature_stays_finite():
     logits = _logits(4, 100, seed=11) * 10
-    out = Sampler()(logits, [_row(f"r{i}", SamplingParams(temperature=1e-30)) for i in range(4)])
+    out = Sampler()(logits, _metadata([_row(f"r{i}", SamplingParams(temperature=1e-30)) for i in range(4)]))
     assert [r.token_id for r in out] == logits.argmax(dim=-1).tolist()
     assert all(math.isfinite(r.logprob) for r in out)
+
+
+def test_metadata_refuses_a_row_without_params():
+    with pytest.raises(ValueError, match="'second'"):
+        SamplingMetadata.from_rows(["first", "second"], [SamplingParams(), None], [[1], [2]], [[], []], "cpu")

@@ -1,7 +1,8 @@
 """LLMEngine: the step loop. plan = schedule(); out = runner.execute(plan); update(plan, out).
 
-This module never touches tensors; the runner (worker/) is built lazily so that importing the
-engine package does not import torch.
+This module never touches tensors and imports neither the worker nor the model executor: the
+composing code above it (`deepinfer.llm.build_engine`) loads the model source, builds the runner
+and hands both in.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.model import StepRunner
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
@@ -16,11 +18,13 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
-DEFAULT_MAX_MODEL_LEN = 4096
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, source, runner):
+    """Owns the requests, the scheduler with its block pool, and output processing; drives the
+    runner it is given (`StepRunner`) one step at a time. `source` gives the tokenizer and the
+    model's config (vocabulary, EOS ids)."""
+
+    def __init__(self, config: EngineConfig, source, runner: StepRunner):
         self.config, self.source, self.runner = config, source, runner
         self.tokenizer = source.tokenizer
         self.max_model_len = config.scheduler.max_model_len
@@ -31,22 +35,6 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(source)
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        from deepinfer.model_executor.loader import load_model_source
-        from deepinfer.worker.model_runner import ModelRunner
-
-        source = load_model_source(config.model, load_format=config.load_format)
-        for key, value in (config.hf_overrides or {}).items():
-            setattr(source.hf_config, key, value)
-        context = getattr(source.hf_config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
-        if config.max_model_len is None:
-            config.max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
-        config.scheduler.max_model_len = config.max_model_len
-        runner = ModelRunner(source, config.cache, config.max_model_len, config.scheduler.max_num_seqs,
-                             config.dtype, config.device, config.seed)
-        return cls(config, source, runner)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -141,5 +129,5 @@ def eos_token_ids(source) -> frozenset[int]:
 
 def kv_group_specs(groups) -> tuple:
     """The runner's cache groups as the block manager sees them (sizes only, no tensors)."""
-    return tuple(PagedGroupSpec(g.name, g.rows_per_unit, g.compress_ratio) if g.kind == "paged"
-                 else RingGroupSpec(g.name, g.rows_per_unit) for g in groups)
+    return tuple(RingGroupSpec(g.name, g.rows_per_unit) if g.is_ring
+                 else PagedGroupSpec(g.name, g.rows_per_unit, g.compress_ratio) for g in groups)

@@ -25,12 +25,15 @@ from __future__ import annotations
 from collections import deque
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.plan import ModelOutput, ScheduledRequest, StepPlan
 from deepinfer.engine.request import Request, RequestStatus
 
 
 class Scheduler:
+    """Owns the waiting and running queues and decides each step's work (`schedule` -> StepPlan);
+    takes the step's samples back (`update`); allocates and frees blocks through the KV manager."""
+
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager):
         self.config = scheduler_config
         self.kv_manager = kv_manager

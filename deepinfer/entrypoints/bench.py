@@ -23,67 +23,12 @@ A model with compressed cache groups (DeepSeek-V4) also gets `kv` lines (see ben
 from __future__ import annotations
 
 import json
-import random
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from deepinfer.entrypoints.bench_common import WORKLOADS, BenchResult, Workload, make_workload, run_deepinfer
 from deepinfer.entrypoints.bench_kv import has_compressed_groups, kv_lines, workload_kv_line
-from deepinfer.sampling_params import SamplingParams
-
-WORKLOADS = ("cpu32", "decode1", "long")
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-@dataclass
-class BenchResult:
-    engine: str
-    workload: str
-    seconds: float
-    output_tokens: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-def make_workload(name: str, vocab_size: int, num_requests: int = 32, seed: int = 0,
-                  max_output_len: int | None = None) -> Workload:
-    """The workload's token-id prompts and output lengths; `max_output_len` caps the outputs of
-    cpu32 and decode1 (the prompts and the other draws stay the same)."""
-    rng = random.Random(seed)
-    cap = (lambda n: n) if max_output_len is None else (lambda n: min(n, max_output_len))
-    if name == "cpu32":
-        lens = [(rng.randint(32, 256), rng.randint(32, 256)) for _ in range(num_requests)]
-        prompts = [[rng.randrange(100, vocab_size) for _ in range(p)] for p, _ in lens]
-        return Workload(name, prompts, [cap(o) for _, o in lens])
-    if name == "decode1":
-        return Workload(name, [[rng.randrange(100, vocab_size) for _ in range(8)]], [cap(128)])
-    if name == "long":
-        return Workload(name, [[rng.randrange(100, vocab_size) for _ in range(2048)] for _ in range(16)],
-                        [256] * 16)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-
-
-def run_deepinfer(llm, workload: Workload, engine: str = "deepinfer") -> BenchResult:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    if produced != workload.num_output_tokens:
-        raise RuntimeError(f"deepinfer produced {produced} tokens, expected {workload.num_output_tokens}")
-    return BenchResult(engine, workload.name, seconds, produced)
+from deepinfer.entrypoints.bench_long import run_long
+from deepinfer.entrypoints.engine_args import make_llm
 
 
 def add_bench_args(p) -> None:
@@ -97,8 +42,6 @@ def add_bench_args(p) -> None:
 
 
 def run_bench(args) -> int:
-    from deepinfer.entrypoints.cli import make_llm
-
     names = args.workload or ["cpu32", "decode1"]
     max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
@@ -108,9 +51,7 @@ def run_bench(args) -> int:
         check_dummy_peers(args)
     results = []
     if "long" in names:
-        from deepinfer.entrypoints.bench_long import run_long
-
-        results += run_long(args, make_workload)
+        results += run_long(args)
         names = [n for n in names if n != "long"]
     llm = make_llm(args) if names else None
     if llm is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deepinfer.entrypoints.bench import Workload
+    from deepinfer.entrypoints.bench_common import Workload
 
 _ROW_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
@@ -32,9 +32,9 @@ def row_format(elements: int, dtype, kv_cache_dtype: str):
     return unquantized_format(elements, "bf16" if kv_cache_dtype == "bfloat16" else _ROW_DTYPES[str(dtype)])
 
 
-def v4_kv_formula(cfg, dtype, kv_cache_dtype: str) -> dict:
-    """The formula's figures from the config alone: {group: (B per token, B per request, text)},
-    plus "state" (compressor state per request)."""
+def v4_kv_formula(cfg, dtype, kv_cache_dtype: str, env) -> dict:
+    """The formula's figures from the config and the engine's knobs `env` (the ring size S):
+    {group: (B per token, B per request, text)}, plus "state" (compressor state per request)."""
     from deepinfer.worker.model_runner import ring_size
 
     def row(elements: int) -> int:
@@ -43,7 +43,7 @@ def v4_kv_formula(cfg, dtype, kv_cache_dtype: str) -> dict:
     csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
     m, m_hca = cfg.compress_rates[csa], cfg.compress_rates[hca]
     n_layers, n_csa, n_hca = len(cfg.layer_types), cfg.layer_types.count(csa), cfg.layer_types.count(hca)
-    d, d_index, s = cfg.head_dim, cfg.index_head_dim, ring_size(cfg.sliding_window)
+    d, d_index, s = cfg.head_dim, cfg.index_head_dim, ring_size(cfg.sliding_window, env)
     latent, index = row(d), row(d_index)
     out = {"swa": (0.0, n_layers * s * latent, f"{n_layers} layers x S {s} x {latent} B")}
     if n_csa:
@@ -84,7 +84,7 @@ def kv_lines(llm) -> list[str]:
     if not has_compressed_groups(runner) or not hasattr(cfg, "compress_rates"):
         return []
     kv_dtype = engine.config.cache.kv_cache_dtype
-    formula = v4_kv_formula(cfg, runner.dtype, kv_dtype)
+    formula = v4_kv_formula(cfg, runner.dtype, kv_dtype, runner.env)
     lines, total_token, total_request = [], 0.0, 0
     for g in group_bytes(runner):
         want_token, want_request, text = formula.get(g.name, (None, None, "?"))

@@ -11,7 +11,10 @@ so the memory ratio is S / L (exactly, when bs divides L).
 
 from __future__ import annotations
 
-from deepinfer.entrypoints.bench import BenchResult, run_deepinfer
+import argparse
+
+from deepinfer.entrypoints.bench_common import BenchResult, make_workload, run_deepinfer
+from deepinfer.entrypoints.engine_args import make_llm
 
 
 def allocated_bytes_per_request(runner, num_tokens: int) -> int:
@@ -24,8 +27,6 @@ def allocated_bytes_per_request(runner, num_tokens: int) -> int:
 
 
 def _engine_args(args, window: int | None):
-    import argparse
-
     overrides = dict(args.hf_overrides or {})
     if window is not None:
         overrides["sliding_window"] = window
@@ -37,9 +38,7 @@ def _engine_args(args, window: int | None):
     return ns
 
 
-def run_long(args, make_workload) -> list[BenchResult]:
-    from deepinfer.entrypoints.cli import make_llm
-
+def run_long(args) -> list[BenchResult]:
     results, bytes_per_request, swa_ring = [], {}, None
     for label, window in (("deepinfer-swa", args.window), ("deepinfer-full", None)):
         llm = make_llm(_engine_args(args, window))

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from deepinfer.entrypoints.bench import BenchResult, Workload
+from deepinfer.entrypoints.bench_common import BenchResult, Workload
 
 HF_BATCH = 8
 V4_MODEL_TYPE = "deepseek_v4"

@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.bench import make_workload
+from deepinfer.entrypoints.bench_common import make_workload
 
 PERCENTILES = (50, 90, 99)
 

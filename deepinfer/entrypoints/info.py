@@ -1,6 +1,6 @@
 """`deepinfer info`: what the engine built and how much its KV cache holds, per cache group.
 
-Every group prints its own row format (`group.codec`, else the engine's codec): DeepSeek-V4's
+Every group prints its own row format (`runner.codec_of(group)`): DeepSeek-V4's
 latent rows (head_dim wide; MXFP8: 512 e4m3 + 16 UE8M0 = 528 B) and its index keys
 (index_head_dim wide) differ. A paged group with a compression ratio m holds one row per m
 tokens, so a block of R rows covers R * m tokens and a layer costs row_bytes / m per token.
@@ -46,13 +46,13 @@ class GroupBytes:
 
 
 def group_bytes(runner) -> list[GroupBytes]:
-    return [GroupBytes(g.name, g.kind, len(g.layer_ids), (g.codec or runner.codec).row_bytes, g.compress_ratio,
+    return [GroupBytes(g.name, g.kind, len(g.layer_ids), runner.codec_of(g).row_bytes, g.compress_ratio,
                        g.rows_per_unit, runner.unit_bytes(g)) for g in runner.groups]
 
 
 def is_multi_format(runner) -> bool:
-    """Groups with their own codecs or compression ratios (DeepSeek-V4), not one row kind for all."""
-    return any(g.codec is not None or g.compress_ratio > 1 for g in runner.groups)
+    """Groups of shared K = V rows or with compression ratios (DeepSeek-V4), not one K|V row kind for all."""
+    return any(g.row.shared_kv or g.compress_ratio > 1 for g in runner.groups)
 
 
 def layer_state_bytes(attn) -> int:
@@ -83,7 +83,7 @@ def group_lines(llm) -> list[str]:
     max_len = engine.max_model_len
     lines = []
     for gi, g in enumerate(runner.groups):
-        fmt = (g.codec or runner.codec).format
+        fmt = runner.codec_of(g).format
         units, n = runner.cache.num_units[gi], len(g.layer_ids)
         mib = runner.cache.group_bytes(gi) / 2**20
         per_token = n * fmt.bytes_per_row
@@ -120,7 +120,7 @@ def layer_lines(llm) -> list[str]:
         for g in runner.groups:
             if i not in g.layer_ids:
                 continue
-            row = (g.codec or runner.codec).row_bytes
+            row = runner.codec_of(g).row_bytes
             if g.kind == "ring":
                 fixed += g.rows_per_unit * row
                 parts.append(f"{g.name} {g.rows_per_unit} x {row:,} B = {g.rows_per_unit * row:,} B per request")

@@ -15,12 +15,12 @@ every view aliases the group's one allocation.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 
+from deepinfer.contracts.cache import CacheGroupSpec, RowSpec
+from deepinfer.model_executor.layers.ops.addressing import cache_line
 from deepinfer.model_executor.layers.ops.cache_common import KVCacheFormat, mxfp8_format, unquantized_format
 from deepinfer.model_executor.layers.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
@@ -47,6 +47,14 @@ class RowCodec:
         self.format: KVCacheFormat = (mxfp8_format(self.num_elements, f"MXFP8 {what}") if self.fp8 else
                                       unquantized_format(self.num_elements, _DTYPE_NAMES[self.row_dtype], what))
 
+    @classmethod
+    def for_row(cls, row: RowSpec, dtype: torch.dtype, kv_cache_dtype: str) -> RowCodec:
+        """The codec of a declared row; a width the format cannot hold is refused naming row.field."""
+        try:
+            return cls(row.num_kv_heads, row.head_dim, dtype, kv_cache_dtype, shared_kv=row.shared_kv)
+        except ValueError as exc:
+            raise ValueError(f"{row.field}={row.head_dim} cannot be cached in this row format: {exc}") from exc
+
     @property
     def row_bytes(self) -> int:
         return self.format.bytes_per_row
@@ -70,21 +78,6 @@ class RowCodec:
         return self.as_kv(rows.contiguous().view(self.row_dtype).to(self.dtype))  # [..., 2, H_kv, D]
 
 
-@dataclass(frozen=True)
-class CacheGroupSpec:
-    """Which layers share one kind of cache. kind "paged": rows_per_unit = block size, one row
-    per `compress_ratio` tokens; kind "ring": rows_per_unit = S (ring rows per state slot),
-    window = W. `codec` is the group's row format (None: the engine's default codec)."""
-
-    name: str
-    kind: str
-    layer_ids: tuple[int, ...]
-    rows_per_unit: int
-    window: int | None = None
-    compress_ratio: int = 1
-    codec: RowCodec | None = None
-
-
 class LayerCache:
     """One layer's view of its group: load rows at flat slots, store rows at flat slots.
 
@@ -103,8 +96,7 @@ class LayerCache:
         self.layer_offset = index_in_group * self.rows_per_unit
 
     def _lines(self, slots: torch.Tensor) -> torch.Tensor:
-        R = self.rows_per_unit
-        return slots // R * self.lines_per_unit + slots % R + self.layer_offset
+        return cache_line(slots, self.rows_per_unit, self.lines_per_unit, self.layer_offset)
 
     def load(self, slots: torch.Tensor) -> torch.Tensor:
         """slots [...] (-1 reads some row: the caller masks it) -> [..., 2, H_kv, D]."""
@@ -120,7 +112,18 @@ class LayerCache:
         self.rows2d.index_copy_(0, self._lines(slots), rows)
 
 
-def page_rows(groups: list[CacheGroupSpec], block_size: int, default_codec: RowCodec) -> list[CacheGroupSpec]:
+def make_codecs(groups: list[CacheGroupSpec], dtype: torch.dtype, kv_cache_dtype: str) -> list[RowCodec]:
+    """One codec per group, from the row each group declares."""
+    return [RowCodec.for_row(g.row, dtype, kv_cache_dtype) for g in groups]
+
+
+def size_groups(groups: list[CacheGroupSpec], block_size: int, ring_rows) -> list[CacheGroupSpec]:
+    """Declared groups -> sized ones: paged groups get `block_size` rows per block, ring groups
+    S = ring_rows(W) rows per state slot."""
+    return [g.sized(ring_rows(g.window) if g.is_ring else block_size) for g in groups]
+
+
+def page_rows(groups: list[CacheGroupSpec], block_size: int, codecs: list[RowCodec]) -> list[CacheGroupSpec]:
     """Give every paged group the same page size in bytes, so all of them can share one pool.
 
     The page P holds `block_size` rows of the widest paged group (all its layers), rounded up to
@@ -131,15 +134,13 @@ def page_rows(groups: list[CacheGroupSpec], block_size: int, default_codec: RowC
 
     A block id then means the same bytes in every paged group, and one allocation serves them all.
     """
-    paged = [g for g in groups if g.kind == "paged"]
+    paged = [(g, c.row_bytes) for g, c in zip(groups, codecs, strict=True) if not g.is_ring]
     if len(paged) < 2:
         return groups
-    rows = [(g.codec or default_codec).row_bytes for g in paged]
-    page = block_size * max(len(g.layer_ids) * r for g, r in zip(paged, rows, strict=True))
-    step = math.lcm(*rows)
+    page = block_size * max(len(g.layer_ids) * r for g, r in paged)
+    step = math.lcm(*(r for _, r in paged))
     page = -(-page // step) * step
-    sized = {g.name: dataclasses.replace(g, rows_per_unit=page // (len(g.layer_ids) * r))
-             for g, r in zip(paged, rows, strict=True)}
+    sized = {g.name: g.sized(page // (len(g.layer_ids) * r)) for g, r in paged}
     return [sized.get(g.name, g) for g in groups]
 
 
@@ -147,38 +148,34 @@ class CacheEngine:
     """One uint8 allocation per ring group, and one shared by all paged groups (one page size:
     see `page_rows`; a block id addresses the same page bytes in each of them)."""
 
-    def __init__(self, groups: list[CacheGroupSpec], num_units: list[int], codec: RowCodec,
+    def __init__(self, groups: list[CacheGroupSpec], num_units: list[int], codecs: list[RowCodec],
                  device: torch.device):
-        self.groups, self.num_units, self.codec = groups, num_units, codec
-        paged = [i for i, g in enumerate(groups) if g.kind == "paged"]
-        page = max((self.unit_bytes(groups[i]) for i in paged), default=0)
+        self.groups, self.num_units, self.codecs = groups, num_units, codecs
+        paged = [i for i, g in enumerate(groups) if not g.is_ring]
+        page = max((self.unit_bytes(i) for i in paged), default=0)
         shared = torch.zeros(num_units[paged[0]], page, dtype=torch.uint8, device=device) if paged else None
-        self.allocations = [shared if g.kind == "paged" else self._allocate(g, n, device)
-                            for g, n in zip(groups, num_units, strict=True)]  # [units, unit_bytes] each
+        self.allocations = [torch.zeros(n, self.unit_bytes(gi), dtype=torch.uint8, device=device) if g.is_ring
+                            else shared for gi, (g, n) in enumerate(zip(groups, num_units, strict=True))]
+        # [units, unit_bytes] each
 
-    def codec_of(self, group: CacheGroupSpec) -> RowCodec:
-        return group.codec or self.codec
-
-    def unit_bytes(self, group: CacheGroupSpec) -> int:
-        return len(group.layer_ids) * group.rows_per_unit * self.codec_of(group).row_bytes
-
-    def _allocate(self, group: CacheGroupSpec, num_units: int, device) -> torch.Tensor:
-        return torch.zeros(num_units, self.unit_bytes(group), dtype=torch.uint8, device=device)  # [units, bytes]
+    def unit_bytes(self, gi: int) -> int:
+        """Bytes of one block (paged) or one state slot (ring) of group gi."""
+        group = self.groups[gi]
+        return len(group.layer_ids) * group.rows_per_unit * self.codecs[gi].row_bytes
 
     def group_caches(self, gi: int) -> dict[int, LayerCache]:
         """layer id -> its LayerCache in group gi."""
-        group, blocks = self.groups[gi], self.allocations[gi]
-        codec = self.codec_of(group)
-        return {layer: LayerCache(self.layer_view(blocks, group, li), self.rows2d(blocks, codec), li, codec)
-                for li, layer in enumerate(group.layer_ids)}
+        blocks, codec = self.allocations[gi], self.codecs[gi]
+        return {layer: LayerCache(self.layer_view(gi, li), self.rows2d(blocks, codec), li, codec)
+                for li, layer in enumerate(self.groups[gi].layer_ids)}
 
     def layer_caches(self) -> dict[int, tuple[int, LayerCache]]:
-        """layer id -> (group index, its LayerCache), for models with one cache group per layer."""
+        """layer id -> (group index, its LayerCache), for stacks with one cache group per layer."""
         return {layer: (gi, cache) for gi in range(len(self.groups)) for layer, cache in self.group_caches(gi).items()}
 
-    def layer_view(self, blocks: torch.Tensor, group: CacheGroupSpec, index_in_group: int) -> torch.Tensor:
-        """The book's (units, rows_per_unit, 1, bytes per row) view of one layer's region."""
-        row, rows = self.codec_of(group).row_bytes, group.rows_per_unit
+    def layer_view(self, gi: int, index_in_group: int) -> torch.Tensor:
+        """The book's (units, rows_per_unit, 1, bytes per row) view of one layer's region of group gi."""
+        blocks, row, rows = self.allocations[gi], self.codecs[gi].row_bytes, self.groups[gi].rows_per_unit
         start = index_in_group * rows * row
         return blocks[:, start:start + rows * row].as_strided(
             (blocks.shape[0], rows, 1, row), (blocks.stride(0), row, row, 1))

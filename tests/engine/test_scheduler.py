@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.contracts.plan import ModelOutput, SampleResult, StepPlan
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
-from deepinfer.engine.plan import ModelOutput, SampleResult, StepPlan
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ def test_modules_import_without_torch():
     """engine/ never imports torch (DESIGN.md): the whole CPU side loads with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None; "
             "import deepinfer.engine.scheduler, deepinfer.engine.kv_manager, deepinfer.engine.llm_engine, "
-            "deepinfer.engine.output_processor, deepinfer.engine.detokenizer, deepinfer.engine.plan")
+            "deepinfer.engine.output_processor, deepinfer.engine.detokenizer, deepinfer.contracts.plan")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -52,7 +52,12 @@ def test_chat_repl_keeps_history(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("llama"), num_blocks=32)
     seen = []
     original = llm.apply_chat_template
-    llm.apply_chat_template = lambda msgs, *a: seen.append([m["content"] for m in msgs]) or original(msgs, *a)
+
+    def recording_template(msgs, *args):
+        seen.append([m["content"] for m in msgs])
+        return original(msgs, *args)
+
+    llm.apply_chat_template = recording_template
     out = io.StringIO()
     assert run_chat(llm, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                     stdin=io.StringIO("first\nsecond\n/exit\n"), stdout=out) == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.plan import ScheduledRequest, StepPlan
+from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.worker.input_batch import build_step_inputs
 

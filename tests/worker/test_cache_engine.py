@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.plan import ScheduledRequest, StepPlan
+from deepinfer.contracts.cache import CacheGroupSpec
+from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend, visibility
-from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec, page_rows
+from deepinfer.worker.cache_engine import CacheEngine, RowCodec, page_rows
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 
 CPU = torch.device("cpu")
@@ -17,14 +18,14 @@ CPU = torch.device("cpu")
 def ring_engine(window: int, ring: int, num_states: int = 3, kv_cache_dtype: str = "auto", head_dim: int = 16):
     group = CacheGroupSpec("swa", "ring", (0, 1), ring, window)
     codec = RowCodec(1, head_dim, torch.float32, kv_cache_dtype)
-    return CacheEngine([group], [num_states], codec, CPU), group
+    return CacheEngine([group], [num_states], [codec], CPU), group
 
 
 def test_layer_views_have_the_book_shape_and_alias_one_allocation():
     engine, group = ring_engine(128, 134, kv_cache_dtype="fp8", head_dim=256)  # 2*256 = 512 -> 528 B
     (alloc,) = engine.allocations
     caches = engine.layer_caches()
-    assert engine.codec.row_bytes == 528
+    assert engine.codecs[0].row_bytes == 528
     for layer in (0, 1):
         view = caches[layer][1].view
         assert view.shape == (3, 134, 1, 528)  # (state slots, ring positions, 1, bytes per row)
@@ -103,7 +104,7 @@ def test_prefill_must_load_the_old_window_before_storing_the_chunk(backend, corr
 
 def test_paged_views_cover_distinct_blocks():
     group = CacheGroupSpec("full", "paged", (0,), 4)
-    engine = CacheEngine([group], [6], RowCodec(2, 8, torch.float32, "auto"), CPU)
+    engine = CacheEngine([group], [6], [RowCodec(2, 8, torch.float32, "auto")], CPU)
     cache = engine.layer_caches()[0][1]
     k = torch.arange(24, dtype=torch.float32).view(24, 1, 1).expand(24, 2, 8).contiguous()
     cache.store(torch.arange(24), k, -k)
@@ -117,7 +118,7 @@ def test_shared_latent_row_is_both_k_and_v(kv_cache_dtype, row_bytes):
     bf16 rows under fp32 compute hold each value rounded to bf16."""
     codec = RowCodec(1, 512, torch.float32, kv_cache_dtype, shared_kv=True)
     group = CacheGroupSpec("swa", "ring", (0,), 134, 128)
-    engine = CacheEngine([group], [2], codec, CPU)
+    engine = CacheEngine([group], [2], [codec], CPU)
     cache = engine.layer_caches()[0][1]
     assert codec.row_bytes == row_bytes and cache.view.shape == (2, 134, 1, row_bytes)
     latent = torch.randn(3, 1, 512)
@@ -137,13 +138,14 @@ def test_paged_groups_of_different_rows_share_one_pool_of_pages():
     bytes in every group, so the pool can hand a page to any group without over-provisioning."""
     latent = RowCodec(1, 512, torch.float32, "fp8", shared_kv=True)
     index = RowCodec(1, 128, torch.float32, "fp8", shared_kv=True)
-    groups = [CacheGroupSpec("swa", "ring", (0, 1, 2), 134, 128, codec=latent),
-              CacheGroupSpec("csa", "paged", (1, 2), 16, compress_ratio=4, codec=latent),
-              CacheGroupSpec("hca", "paged", (0,), 16, compress_ratio=128, codec=latent),
-              CacheGroupSpec("index", "paged", (1, 2), 16, compress_ratio=4, codec=index)]
-    sized = page_rows(groups, 16, latent)
+    groups = [CacheGroupSpec("swa", "ring", (0, 1, 2), 134, 128),
+              CacheGroupSpec("csa", "paged", (1, 2), 16, compress_ratio=4),
+              CacheGroupSpec("hca", "paged", (0,), 16, compress_ratio=128),
+              CacheGroupSpec("index", "paged", (1, 2), 16, compress_ratio=4)]
+    codecs = [latent, latent, latent, index]
+    sized = page_rows(groups, 16, codecs)
     assert [g.rows_per_unit for g in sized] == [134, 16, 32, 64]  # page = 16 x 2 x 528 = 16,896 B
-    engine = CacheEngine(sized, [2, 5, 5, 5], latent, CPU)
+    engine = CacheEngine(sized, [2, 5, 5, 5], codecs, CPU)
     pool = engine.allocations[1]
     assert pool.shape == (5, 16_896) and engine.allocations[2] is pool and engine.allocations[3] is pool
     assert engine.num_bytes == 2 * 3 * 134 * 528 + 5 * 16_896  # the pool counted once

@@ -31,14 +31,22 @@ def test_fp8_rows_shrink_the_cache(tiny_checkpoint):
     assert fp8.engine.runner.num_blocks == (1 << 20) // (16 * 2 * 66)
 
 
-def test_ring_too_small_for_drafts_is_refused_at_start_up(tiny_checkpoint, monkeypatch):
+def test_the_draft_allowance_has_one_source(tiny_checkpoint, monkeypatch):
+    """The ring keeps room for the config's k drafts (S = W + k + 1), so S >= W + k + 1 holds by
+    construction; DEEPINFER_USE_NEXTN_DECODE, read once into the config, is only k's default."""
     from deepinfer.environ import get_environ
 
-    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "1")  # S = W + 2
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "1")
     get_environ.cache_clear()
     try:
-        with pytest.raises(ValueError, match=r"W=16.*k=3|S=18.*W=16.*k=3"):
-            LLM(tiny_checkpoint("llama"), hf_overrides={"sliding_window": 16}, num_speculative_tokens=3)
+        path, window = tiny_checkpoint("llama"), 16
+        default = LLM(path, hf_overrides={"sliding_window": window})
+        explicit = LLM(path, hf_overrides={"sliding_window": window}, num_speculative_tokens=3)
     finally:
         monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
         get_environ.cache_clear()
+    assert default.engine.config.cache.num_speculative_tokens == 1
+    assert default.engine.runner.groups[0].rows_per_unit == window + 2
+    assert explicit.engine.config.cache.num_speculative_tokens == 3
+    assert explicit.engine.runner.groups[0].rows_per_unit == window + 4
+    LLM(path, hf_overrides={"sliding_window": window})  # the environment was read at start-up only

@@ -8,7 +8,7 @@ import random
 import torch
 
 from deepinfer import LLM
-from deepinfer.engine.plan import ScheduledRequest, StepPlan
+from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.worker.input_batch import build_step_inputs
 

@@ -18,6 +18,8 @@ import threading
 
 import uvicorn
 
+from deepinfer.entrypoints.engine_args import make_llm
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # The grace period, in order: running requests may finish (80% of what the reserve leaves),
 # then the aborted ones end their streams; the reserve is for uvicorn to close the connections
@@ -41,7 +43,6 @@ def run_server(args) -> int:
     The process ends through `os._exit` once uvicorn has shut down: the interpreter's own
     teardown (over a second with torch and transformers loaded) would overrun a short grace.
     """
-    from deepinfer.entrypoints.cli import make_llm
     from deepinfer.entrypoints.openai.server import ServerSettings, build_app
 
     _check_args(args)

@@ -1,5 +1,8 @@
 """Sampler: one row of logits per request that needs a token -> one SampleResult per row.
 
+The rows are described by a `SamplingMetadata` (request ids, parameters, token histories and the
+tensors derived from them), which the worker builds; the sampler never sees the scheduler's plan.
+
 Each stage runs batched over the rows that need it; Python loops run over rows, never over
 the vocabulary:
 
@@ -23,16 +26,15 @@ is 0, and the top n (token id, logprob), best first, when it is n >= 1.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
-from deepinfer.engine.plan import SampleResult, ScheduledRequest
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.contracts.plan import SampleResult
+from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, fp32_column
 
 _NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
-_MIN_TEMPERATURE = 1e-5  # smaller temperatures are clamped: logits / T must stay finite
 _MIN_LOG_WEIGHT = -80.0  # exponent floor: e^-80 is still a normal fp32 (no slow denormals)
 
 
@@ -49,22 +51,22 @@ class Sampler:
         self._engine_generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> list[SampleResult]:
-        """logits [N, V] (any float dtype; computed in fp32), one row per entry of `rows`.
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampleResult]:
+        """logits [N, V] (any float dtype; computed in fp32), one row per row of `metadata`,
+        whose tensors are on the logits' device.
 
         The caller's tensor is never written.
         """
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [N, V] with N = {len(rows)} rows, got {tuple(logits.shape)}")
-        if not rows:
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
+            raise ValueError(f"logits must be [N, V] with N = {metadata.num_rows} rows, got {tuple(logits.shape)}")
+        if not metadata.num_rows:
             return []
-        params = [_params_of(row) for row in rows]
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
         lse = _logsumexp(logits)  # [N]
-        processed = _apply_penalties(logits, rows, params)  # [N, V]
-        token_ids = self._choose(processed, rows, params)  # [N]
+        processed = _apply_penalties(logits, metadata)  # [N, V]
+        token_ids = self._choose(processed, metadata)  # [N]
         token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
-        top = _top_logprobs(logits, lse, params)
+        top = _top_logprobs(logits, lse, metadata)
         pairs = zip(token_ids.tolist(), token_logprobs.tolist(), strict=True)
         return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i))
                 for i, (t, lp) in enumerate(pairs)]
@@ -78,107 +80,88 @@ class Sampler:
     def num_request_generators(self) -> int:
         return len(self._request_generators)
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
-                params: list[SamplingParams]) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax; random rows: a draw from the processed distribution. -> [N]."""
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
+        if metadata.all_greedy:
             return logits.max(dim=-1).indices  # [N]: the hot path, one batched op (first max on ties)
-        if len(random_rows) == len(rows):
-            return self._sample(logits, rows, params)  # [N]
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)  # [N]
-        greedy_index = _index(greedy_rows, logits)  # [g]
-        token_ids[greedy_index] = logits.index_select(0, greedy_index).max(dim=-1).indices  # [g]
-        random_index = _index(random_rows, logits)  # [r]
-        token_ids[random_index] = self._sample(logits.index_select(0, random_index),
-                                               [rows[i] for i in random_rows],
-                                               [params[i] for i in random_rows])  # [r]
+        if metadata.all_random:
+            return self._sample(logits, metadata)  # [N]
+        token_ids = torch.empty(metadata.num_rows, dtype=torch.long, device=logits.device)  # [N]
+        greedy_index = _index(metadata.greedy_rows, logits)  # [G]
+        token_ids[greedy_index] = logits.index_select(0, greedy_index).max(dim=-1).indices  # [G]
+        random_index = _index(metadata.random_rows, logits)  # [R]
+        token_ids[random_index] = self._sample(logits.index_select(0, random_index), metadata)  # [R]
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest],
-                params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, top-k / top-p, min-p, then the inverse CDF at one uniform per row. -> [n].
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """logits [R, V] of the random rows: temperature, top-k / top-p, min-p, then the inverse
+        CDF at one uniform per row. -> [R].
 
         Filters do not write -inf into the logits: each gives a per-row logit threshold (drop
         below it) and the weights of dropped tokens are zeroed once (exp of -inf is slow on CPU).
         """
-        temperature = _column([max(p.temperature, _MIN_TEMPERATURE) for p in params], logits)  # [n, 1]
-        scaled = logits / temperature  # [n, V]
-        best = scaled.amax(dim=-1, keepdim=True)  # [n, 1]
-        weights = _exp_relative(scaled, best)  # [n, V]: softmax up to a per-row factor
+        scaled = logits / metadata.temperature  # [R, V]
+        best = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
+        weights = _exp_relative(scaled, best)  # [R, V]: softmax up to a per-row factor
         threshold = torch.maximum(
-            _top_k_top_p_threshold(scaled, weights, [p.top_k for p in params], [p.top_p for p in params]),
-            best + _column([p.min_p for p in params], scaled).log())  # [n, 1]; min-p 0: -inf
-        if any(0 < p.top_k < logits.shape[1] or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            weights.masked_fill_(scaled < threshold, 0.0)  # [n, V]
-        uniforms = self._uniforms(rows, params).to(weights.device)  # [n] float64
-        return _inverse_cdf(weights, uniforms)  # [n]
+            _top_k_top_p_threshold(scaled, weights, metadata.top_k, metadata.top_p),
+            best + metadata.min_p.log())  # [R, 1]; min-p 0: -inf
+        if metadata.any_filter:
+            weights.masked_fill_(scaled < threshold, 0.0)  # [R, V]; a no-op for a -inf threshold
+        uniforms = self._uniforms(metadata).to(weights.device)  # [R] float64
+        return _inverse_cdf(weights, uniforms)  # [R]
 
-    def _uniforms(self, rows: Sequence[ScheduledRequest], params: list[SamplingParams]) -> torch.Tensor:
-        """One U[0, 1) float64 per row, from the row's own generator or the engine's. -> [n] (CPU)."""
-        uniforms = torch.empty(len(rows), dtype=torch.float64)  # [n]
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+    def _uniforms(self, metadata: SamplingMetadata) -> torch.Tensor:
+        """One U[0, 1) float64 per random row, from the row's own generator or the engine's. -> [R] (CPU)."""
+        uniforms = torch.empty(len(metadata.random_rows), dtype=torch.float64)  # [R]
+        unseeded = metadata.unseeded_draws
         if unseeded:
             uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64,
                                             generator=self._engine_generator)  # [u]
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        if seeded:
+        if metadata.seeded_draws:
             draw = torch.empty(1, dtype=torch.float64)  # [1]
-            uniforms[seeded] = torch.tensor([
-                draw.uniform_(generator=self._request_generator(rows[i].request_id, params[i].seed)).item()
-                for i in seeded], dtype=torch.float64)  # [s]
+            uniforms[metadata.seeded_draws] = torch.tensor([
+                draw.uniform_(generator=self._request_generator(metadata, metadata.random_rows[j])).item()
+                for j in metadata.seeded_draws], dtype=torch.float64)  # [s]
         return uniforms
 
-    def _request_generator(self, request_id: str, seed: int) -> torch.Generator:
+    def _request_generator(self, metadata: SamplingMetadata, row: int) -> torch.Generator:
+        """The generator of the (seeded) request of logits row `row`, created on first use."""
+        request_id = metadata.request_ids[row]
         generator = self._request_generators.get(request_id)
         if generator is None:
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(metadata.params[row].seed)
             self._request_generators[request_id] = generator
         return generator
-
-
-def _params_of(row: ScheduledRequest) -> SamplingParams:
-    if row.sampling_params is None:
-        raise ValueError(f"request {row.request_id!r} was given to the sampler without sampling_params")
-    return row.sampling_params
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=like.device)  # [n]
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]  # [n, 1]
-
-
-def _apply_penalties(logits: torch.Tensor, rows: Sequence[ScheduledRequest],
-                     params: list[SamplingParams]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Returns `logits` itself when no row asks for a penalty, else a penalized copy. [N, V].
 
     Repetition (HF / vLLM): over prompt + output tokens, positive logits are divided by the
     penalty and negative ones multiplied. Presence / frequency (OpenAI): over output tokens,
     subtract presence * [count > 0] + frequency * count. Only the history's entries are touched
-    (gather / scatter over [n, L] ids), never the whole vocabulary.
+    (gather / scatter over [P, L] ids), never the whole vocabulary.
     """
-    penalized = [i for i, p in enumerate(params) if p.needs_penalties]
-    if not penalized:
+    rows = metadata.penalty_rows
+    if not rows:
         return logits
-    sub, index = _subset(logits, penalized)
-    sub = sub.clone() if index is None else sub  # [n, V], ours to write
-    sub_params = [params[i] for i in penalized]
-    if any(p.repetition_penalty != 1.0 for p in sub_params):
-        ids, valid = _history_ids([rows[i].prompt_token_ids + rows[i].output_token_ids
-                                   for i in penalized], sub)  # [n, L], [n, L]
-        penalty = _column([p.repetition_penalty for p in sub_params], sub)  # [n, 1]
-        penalty = torch.where(valid[:, :1] > 0, penalty, 1.0)  # [n, 1]; 1 for an empty history
-        seen = sub.gather(1, ids)  # [n, L]
-        sub.scatter_(1, ids, torch.where(seen > 0, seen / penalty, seen * penalty))  # [n, V]
-    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in sub_params):
-        ids, valid = _history_ids([rows[i].output_token_ids for i in penalized], sub)  # [n, L]
-        frequency = _column([p.frequency_penalty for p in sub_params], sub)  # [n, 1]
-        sub.scatter_add_(1, ids, -frequency * valid)  # once per occurrence (padding adds 0)
-        presence = _column([p.presence_penalty for p in sub_params], sub)  # [n, 1]
+    sub, index = _subset(logits, rows)
+    sub = sub.clone() if index is None else sub  # [P, V], ours to write
+    if metadata.repetition_penalty is not None:
+        ids, valid = _history_ids([metadata.prompt_token_ids[i] + metadata.output_token_ids[i]
+                                   for i in rows], sub)  # [P, L], [P, L]
+        penalty = torch.where(valid[:, :1] > 0, metadata.repetition_penalty, 1.0)  # [P, 1]; 1: empty history
+        seen = sub.gather(1, ids)  # [P, L]
+        sub.scatter_(1, ids, torch.where(seen > 0, seen / penalty, seen * penalty))  # [P, V]
+    if metadata.frequency_penalty is not None:
+        ids, valid = _history_ids([metadata.output_token_ids[i] for i in rows], sub)  # [P, L]
+        sub.scatter_add_(1, ids, -metadata.frequency_penalty * valid)  # once per occurrence (padding adds 0)
+        presence = metadata.presence_penalty  # [P, 1]
         sub.scatter_(1, ids, sub.gather(1, ids) - presence * valid[:, :1])  # once per distinct id
     return sub if index is None else logits.index_copy(0, index, sub)  # [N, V]
 
@@ -242,7 +225,7 @@ def _top_k_top_p_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: l
     sub_weights, _ = _subset(weights, rows)  # [r, V]
     ks = torch.tensor([top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows],
                       device=logits.device)[:, None]  # [r, 1]
-    found = _nucleus_threshold(sub_logits, sub_weights, ks, _column([top_p[i] for i in rows], logits))
+    found = _nucleus_threshold(sub_logits, sub_weights, ks, fp32_column([top_p[i] for i in rows], logits.device))
     return found if index is None else threshold.index_copy_(0, index, found)  # [n, 1]
 
 
@@ -315,18 +298,17 @@ def _never_filtered(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
 
 
 def _top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
-                  params: list[SamplingParams]) -> dict[int, list[tuple[int, float]]]:
+                  metadata: SamplingMetadata) -> dict[int, list[tuple[int, float]]]:
     """Row -> its top-n (token id, raw logprob), best first, for rows with logprobs set
     (an empty list for logprobs = 0)."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    num_top = max((params[i].logprobs for i in rows), default=0)
-    if num_top == 0:
+    rows = metadata.logprob_rows
+    if metadata.num_top_logprobs == 0:
         return {i: [] for i in rows}
     index = _index(rows, logits)  # [n]
-    values, ids = logits.index_select(0, index).topk(num_top, dim=-1)  # [n, k], [n, k]
+    values, ids = logits.index_select(0, index).topk(metadata.num_top_logprobs, dim=-1)  # [n, k], [n, k]
     values = values - lse.index_select(0, index)[:, None]  # [n, k]
     top: dict[int, list[tuple[int, float]]] = {}
     for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
-        n = params[row].logprobs
+        n = metadata.params[row].logprobs
         top[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
     return top

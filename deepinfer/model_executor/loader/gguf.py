@@ -26,7 +26,7 @@ import torch
 
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
-from deepinfer.model_executor.loader.source import ModelSource, compute_identity
+from deepinfer.model_executor.loader.model_source import ModelSource, compute_identity
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor"]
 

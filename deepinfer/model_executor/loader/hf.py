@@ -8,10 +8,9 @@ from collections.abc import Iterator
 
 import torch
 
-from deepinfer.model_executor.loader.source import EXPECTED_LAYOUT, ModelSource, compute_identity
+from deepinfer.model_executor.loader.model_source import EXPECTED_LAYOUT, ModelSource, compute_identity, load_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_hf_source(path: str) -> ModelSource:
@@ -40,7 +39,7 @@ def load_hf_source(path: str) -> ModelSource:
         path=path,
         format="hf",
         hf_config=config,
-        tokenizer=_load_tokenizer(path),
+        tokenizer=load_tokenizer(path),
         identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
         _weights=lambda dtype: iter_safetensors(shard_files, dtype),
     )
@@ -87,12 +86,3 @@ def iter_safetensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str
                 if tensor.is_floating_point() and tensor.element_size() > 1:
                     tensor = tensor.to(dtype)
                 yield name, tensor
-
-
-def _load_tokenizer(path: str):
-    """The directory's tokenizer (with its chat template), or None when it ships none."""
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

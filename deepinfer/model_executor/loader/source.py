@@ -9,8 +9,8 @@ With `load_format="dummy"` a directory needs only config.json (tokenizer files o
 files ignored): the source has no weight reader, and `build_model` fills the modules with seeded
 random values (`loader/dummy.py`). Its identity differs from the same files' real identity.
 
-Weights come out under the HF transformers parameter names of `*ForCausalLM`, in HF layout, so a
-model file has one loading path whatever the checkpoint format.
+The `ModelSource` type and what the loaders share live in `model_source`; this module only
+dispatches (`hf` for directories, `gguf` for files) and makes dummy-weight sources.
 """
 
 from __future__ import annotations
@@ -18,42 +18,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import torch
-
-EXPECTED_LAYOUT = "a directory with config.json and *.safetensors, or a .gguf file"
-
-
-@dataclass
-class ModelSource:
-    """A model checkpoint, resolved: everything a runner needs except the modules.
-
-    `identity` is stable for unchanged files and changes when any model file changes (path, size or
-    modification time); prefix-cache keys include it, so cached rows never cross models.
-    """
-
-    path: str
-    format: str  # "hf" or "gguf"
-    hf_config: Any  # transformers.PretrainedConfig
-    tokenizer: Any  # transformers.PreTrainedTokenizerBase, with its chat template
-    identity: str
-    _weights: Any = field(default=None, repr=False, compare=False)
-    load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
-
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.
-
-        Names are those of transformers' `*ForCausalLM` state dict, e.g.
-        `model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` appears only when the checkpoint
-        stores it (otherwise `hf_config.tie_word_embeddings` is True).
-        """
-        if self._weights is None:
-            raise ValueError(f"model source {self.path!r} has no weight reader")
-        return self._weights(dtype)
+from deepinfer.config import check_load_format
+from deepinfer.model_executor.loader.default_model import default_model_path
+from deepinfer.model_executor.loader.gguf import load_gguf_source
+from deepinfer.model_executor.loader.hf import load_hf_source
+from deepinfer.model_executor.loader.model_source import (
+    EXPECTED_LAYOUT,
+    ModelSource,
+    compute_identity,
+    load_tokenizer,
+)
 
 
 def load_model_source(model: str | ModelSource | None = None, load_format: str = "auto") -> ModelSource:
@@ -66,14 +41,10 @@ def load_model_source(model: str | ModelSource | None = None, load_format: str =
     Raises FileNotFoundError for a path that does not exist, ValueError for an existing path that
     is not a model in either layout, or for an unknown load_format.
     """
-    from deepinfer.config import check_load_format
-
     check_load_format(load_format)
     if isinstance(model, ModelSource):
         return as_dummy_source(model) if load_format == "dummy" else model
     if model is None:
-        from deepinfer.model_executor.loader.default_model import default_model_path
-
         model = default_model_path()
     path = os.path.abspath(os.path.expanduser(model))
     if not os.path.exists(path):
@@ -81,12 +52,8 @@ def load_model_source(model: str | ModelSource | None = None, load_format: str =
     if os.path.isdir(path):
         if load_format == "dummy":
             return load_config_only_source(path)
-        from deepinfer.model_executor.loader.hf import load_hf_source
-
         return load_hf_source(path)
     if _is_gguf_file(path):
-        from deepinfer.model_executor.loader.gguf import load_gguf_source
-
         source = load_gguf_source(path)
         return as_dummy_source(source) if load_format == "dummy" else source
     raise ValueError(f"model path {model!r} is a file but not a GGUF file; expected {EXPECTED_LAYOUT}")
@@ -99,13 +66,11 @@ def load_config_only_source(path: str) -> ModelSource:
     """
     from transformers import AutoConfig
 
-    from deepinfer.model_executor.loader.hf import _load_tokenizer
-
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"directory {path!r} has no config.json, which load_format='dummy' needs")
     files = [os.path.join(path, name) for name in os.listdir(path)]
     return ModelSource(path=path, format="hf", hf_config=AutoConfig.from_pretrained(path),
-                       tokenizer=_load_tokenizer(path),
+                       tokenizer=load_tokenizer(path),
                        identity=_dummy_identity(compute_identity(path, [f for f in files if os.path.isfile(f)])),
                        load_format="dummy")
 
@@ -126,12 +91,3 @@ def _is_gguf_file(path: str) -> bool:
     """True when the file starts with the GGUF magic bytes (the extension alone decides nothing)."""
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
-
-
-def compute_identity(path: str, files: list[str]) -> str:
-    """sha256 over the resolved path and each file's name, size and modification time."""
-    digest = hashlib.sha256(os.path.realpath(path).encode())
-    for file in sorted(files):
-        stat = os.stat(file)
-        digest.update(f"\0{os.path.basename(file)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()

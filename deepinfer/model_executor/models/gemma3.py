@@ -48,6 +48,11 @@ def check_gemma3_config(cfg) -> None:
                          f"{cfg.num_hidden_layers} layers; got {cfg.layer_types}")
 
 
+def gemma_norm(cfg) -> RMSNorm:
+    """Gemma's RMSNorm: weights stored as an offset from 1."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
+
+
 class Gemma3Attention(LlamaAttention):
     """Llama attention (merged qkv, window from `layer_types`) with Gemma's q/k norm and scale."""
 
@@ -73,9 +78,8 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Gemma3Attention(cfg, layer_idx, rotary)
         self.mlp = Gemma3MLP(cfg)
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=GEMMA_NORM_OFFSET)
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.input_layernorm, self.post_attention_layernorm = gemma_norm(cfg), gemma_norm(cfg)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = gemma_norm(cfg), gemma_norm(cfg)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.activation import silu_and_mul
-from deepinfer.model_executor.layers.attention.layer import Attention
+from deepinfer.model_executor.layers.attention.layer import Attention, attention_cache_groups, bind_attention_caches
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
 from deepinfer.model_executor.models.utils import MergedLinear, load_weights
@@ -118,6 +118,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight)  # [N, V]
+
+    # ---- caches (the CachedModel protocol) -------------------------------------------------
+    def cache_groups(self) -> list:
+        return attention_cache_groups(self.attention_layers())
+
+    def state_bytes_per_slot(self) -> int:
+        return 0
+
+    def bind_caches(self, caches) -> None:
+        bind_attention_caches(self.attention_layers(), caches)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

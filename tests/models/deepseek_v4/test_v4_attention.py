@@ -162,12 +162,13 @@ def test_decode_mla_mqa_sparse_reads_only_indexed_slots():
     """The book's decode call: two caches, one index row each; -1 and unindexed slots are never
     read (filling them with garbage changes nothing), and the result equals attention over the
     rows gathered by hand."""
+    from deepinfer.contracts.cache import CacheGroupSpec
     from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse
-    from deepinfer.worker.cache_engine import CacheEngine, CacheGroupSpec, RowCodec
+    from deepinfer.worker.cache_engine import CacheEngine, RowCodec
 
     codec = RowCodec(1, 32, torch.float32, "auto", shared_kv=True)
     groups = [CacheGroupSpec("swa", "ring", (0,), 14, 8), CacheGroupSpec("csa", "paged", (0,), 4, compress_ratio=4)]
-    engine = CacheEngine(groups, [2, 3], codec, torch.device("cpu"))
+    engine = CacheEngine(groups, [2, 3], [codec, codec], torch.device("cpu"))
     ring, comp = engine.group_caches(0)[0], engine.group_caches(1)[0]
     gen = torch.Generator().manual_seed(6)
     ring.store(torch.arange(28), torch.randn(28, 1, 32, generator=gen), None)

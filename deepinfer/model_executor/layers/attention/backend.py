@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _moved(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device, non_blocking=True)
+
+
 @dataclass
 class PrefillSegment:
     token_start: int  # first row of this segment on the packed token axis
@@ -34,10 +38,14 @@ class PrefillSegment:
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
+    def to(self, device) -> PrefillSegment:
+        return PrefillSegment(self.token_start, self.token_end, _moved(self.load_slots, device),
+                              _moved(self.load_positions, device))
+
 
 @dataclass
 class GroupMetadata:
-    """One cache group's addresses for this step."""
+    """One token-row cache group's addresses for this step (full attention or a ring)."""
 
     window: int | None  # W for a ring group; None: full attention
     store_slots: torch.Tensor  # [M] flat slot of each stored row
@@ -45,30 +53,64 @@ class GroupMetadata:
     decode_index: torch.Tensor | None  # [N_decode, L] slots each decode query reads, -1 pad
     prefills: list[PrefillSegment] = field(default_factory=list)
 
+    def to(self, device) -> GroupMetadata:
+        return GroupMetadata(self.window, _moved(self.store_slots, device), _moved(self.store_rows, device),
+                             _moved(self.decode_index, device), [seg.to(device) for seg in self.prefills])
+
+
+@dataclass
+class CompressedGroupMetadata:
+    """A paged group whose rows are not tokens: one row per `ratio` tokens (DeepSeek-V4's
+    compressed rows and index keys). Per request span i, in packed order:
+
+        span_rows[i]   [R_i]       slots of the request's rows 0 .. R_i - 1, R_i = rows after this step
+        store_slots[i] [r_i]       slots of the rows this step completes (span_rows[i][R_i - r_i:])
+        span_index[i]  [n_i, R_i]  slot of row c for each query that may read it, else -1
+
+    The first `num_decode_spans` spans are decode requests of one token each, also given
+    together: decode_rows [N, L] = their span_rows, padded with -1 (each one sees all its rows)."""
+
+    ratio: int
+    span_rows: list[torch.Tensor]
+    store_slots: list[torch.Tensor]
+    span_index: list[torch.Tensor]
+    decode_rows: torch.Tensor | None = None
+
+    def to(self, device) -> CompressedGroupMetadata:
+        return CompressedGroupMetadata(self.ratio, [_moved(t, device) for t in self.span_rows],
+                                       [_moved(t, device) for t in self.store_slots],
+                                       [_moved(t, device) for t in self.span_index], _moved(self.decode_rows, device))
+
 
 @dataclass
 class RequestSpan:
     """One request's rows on the packed token axis, for layers that keep per-request state
-    (DeepSeek-V4's compressors) or address rows that are not tokens (compressed rows)."""
+    (DeepSeek-V4's compressors live in the request's ring state slot)."""
 
     token_start: int
     token_end: int
     start_pos: int  # position of the span's first token
     state_ids: tuple[int, ...]  # one per ring group
-    block_tables: tuple[torch.Tensor, ...]  # [num_blocks] one per paged group
 
 
 @dataclass
 class AttentionMetadata:
+    """One step's metadata: positions, and per cache group (in the runner's group order) the
+    addresses it stores to and reads from."""
+
     positions: torch.Tensor  # [T] position of each new row
     num_decode_tokens: int  # rows [0, num_decode_tokens) are decode queries
-    groups: list[GroupMetadata | None]  # None for a compressed group: its rows are not tokens
+    groups: list[GroupMetadata | CompressedGroupMetadata]
     spans: list[RequestSpan] = field(default_factory=list)  # packed order
-    span_tables: tuple[torch.Tensor, ...] = ()  # [num_spans, max blocks] per paged group, 0-padded
+    num_decode_spans: int = 0  # the first spans, one decode token each, batched (0: none or not all)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    def to(self, device) -> AttentionMetadata:
+        return AttentionMetadata(_moved(self.positions, device), self.num_decode_tokens,
+                                 [g.to(device) for g in self.groups], self.spans, self.num_decode_spans)
 
 
 class AttentionBackend(abc.ABC):

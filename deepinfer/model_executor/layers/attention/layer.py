@@ -1,10 +1,13 @@
-"""Attention layer: binds one layer's cache view to the step's backend and metadata."""
+"""Attention layer: binds one layer's cache view to the step's backend and metadata, and the
+cache groups a stack of such layers declares (Llama family, Gemma 3)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
+from deepinfer.contracts.model import BoundCaches
 from deepinfer.model_executor.forward_context import get_forward_context
 
 
@@ -31,3 +34,28 @@ class Attention(nn.Module):
         group = md.groups[self.group_index]
         out = self.backend.forward(self.kv_cache, q, k, v, md, group, self.scale)  # [T, H, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)  # [T, H*D]
+
+
+def attention_cache_groups(layers: list[Attention]) -> list[CacheGroupSpec]:
+    """Full-attention layers -> one paged group "full"; sliding layers -> one ring group per
+    window ("swa", or "swa<W>" when windows differ). Rows hold K|V of the layer's KV heads."""
+    full = tuple(i for i, a in enumerate(layers) if a.sliding_window is None)
+    windows = sorted({a.sliding_window for a in layers if a.sliding_window is not None})
+    groups = [CacheGroupSpec("full", PAGED, full, row=_row_of(layers[full[0]]))] if full else []
+    for w in windows:
+        ids = tuple(i for i, a in enumerate(layers) if a.sliding_window == w)
+        name = "swa" if len(windows) == 1 else f"swa{w}"
+        groups.append(CacheGroupSpec(name, RING, ids, window=w, row=_row_of(layers[ids[0]])))
+    return groups
+
+
+def _row_of(layer: Attention) -> RowSpec:
+    return RowSpec(layer.num_kv_heads, layer.head_dim)
+
+
+def bind_attention_caches(layers: list[Attention], caches: BoundCaches) -> None:
+    """Each layer gets its cache view, the index of its group's metadata, and the backend."""
+    for gi, views in enumerate(caches.layer_caches):
+        for layer_id, view in views.items():
+            layers[layer_id].kv_cache, layers[layer_id].group_index = view, gi
+            layers[layer_id].backend = caches.backend

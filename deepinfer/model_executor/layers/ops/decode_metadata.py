@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.model_executor.layers.ops.addressing import ring_read_index, ring_slot
+
 
 class DecodeMetadataBatch(NamedTuple):
     swa_len: torch.Tensor  # [N] rows each query reads: min(pos + 1, W)
@@ -23,9 +25,8 @@ def prepare_decode_metadata(positions: torch.Tensor, state_ids: torch.Tensor, wi
     """positions, state_ids [N] -> per-query read bounds and write slot (listing 3.9)."""
     swa_len = torch.clamp(positions + 1, max=window_size)  # [N]
     start = positions - swa_len + 1  # [N]
-    base = state_ids * swa_block_size  # [N]
-    return DecodeMetadataBatch(swa_len, start, base + start % swa_block_size,
-                               base + positions % swa_block_size)
+    return DecodeMetadataBatch(swa_len, start, ring_slot(state_ids, start, swa_block_size),
+                               ring_slot(state_ids, positions, swa_block_size))
 
 
 def get_kv_index(offset: torch.Tensor, length: torch.Tensor, window_size: int,
@@ -35,7 +36,4 @@ def get_kv_index(offset: torch.Tensor, length: torch.Tensor, window_size: int,
         column c:  base + (offset + c) mod S   if c < length      base = offset // S * S
                    -1                           otherwise
     """
-    cols = torch.arange(window_size, device=offset.device)  # [W]
-    base = offset // swa_block_size * swa_block_size  # [N]
-    index = base[:, None] + (offset[:, None] + cols[None, :]) % swa_block_size  # [N, W]
-    return index.masked_fill(cols[None, :] >= length[:, None], -1)  # [N, W]
+    return ring_read_index(offset, length, window_size, swa_block_size)  # [N, W]

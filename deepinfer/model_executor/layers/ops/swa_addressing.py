@@ -1,4 +1,4 @@
-"""Sliding-window ring addressing and its overwrite hazards (book §3.4.4-§3.5). Pure Python.
+"""Sliding-window ring addressing and its overwrite hazards (book §3.4.4-§3.5), on Python ints.
 
 These are the scalar semantics of the decode-metadata and kv-index kernels (book listings 3.9
 and 3.10): the reference the kernels are tested against, and what the labs print.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from deepinfer.model_executor.layers.ops.addressing import ring_slot
 from deepinfer.model_executor.layers.ops.cache_common import check_int
 
 
@@ -61,7 +62,7 @@ def _check_ring(window_size: int, swa_block_size: int) -> None:
 def state_slots(state_id: int, swa_block_size: int) -> range:
     """The flat slots state `state_id` owns: b·S .. b·S + S - 1."""
     check_int("state_id", state_id)
-    start = state_id * check_int("swa_block_size", swa_block_size, 1)
+    start = ring_slot(state_id, 0, check_int("swa_block_size", swa_block_size, 1))
     return range(start, start + swa_block_size)
 
 
@@ -74,7 +75,8 @@ def logical_range(pos: int, window_size: int) -> tuple[int, int]:
 def write_slot(state_id: int, pos: int, swa_block_size: int) -> int:
     """Flat slot of token `pos` of state `state_id`: b·S + pos mod S."""
     check_int("pos", pos)
-    return state_slots(state_id, swa_block_size).start + pos % swa_block_size
+    check_int("state_id", state_id)
+    return ring_slot(state_id, pos, check_int("swa_block_size", swa_block_size, 1))
 
 
 def decode_metadata(pos: int, state_id: int, window_size: int, swa_block_size: int) -> DecodeMetadata:
@@ -97,8 +99,8 @@ def kv_index_row(offset: int, length: int, window_size: int, swa_block_size: int
     check_int("offset", offset)
     if not 0 <= check_int("length", length) <= window_size:
         raise ValueError(f"length={length} must lie in 0..window_size={window_size}")
-    base = offset // swa_block_size * swa_block_size
-    return [base + (offset + c) % swa_block_size if c < length else -1 for c in range(window_size)]
+    state = offset // swa_block_size
+    return [ring_slot(state, offset + c, swa_block_size) if c < length else -1 for c in range(window_size)]
 
 
 def read_index_row(pos: int, state_id: int, window_size: int, swa_block_size: int) -> list[int]:

@@ -36,15 +36,7 @@ from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA, CSACompressor, HCACompressor
-from deepinfer.model_executor.models.deepseek_v4.indexer import num_visible_rows
 from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
-
-
-def paged_slots(table: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat slots of row ids [...] in a block table [blocks]; -1 stays -1."""
-    if table.numel() == 0:  # no row yet: every entry is padding
-        return torch.full_like(rows, -1)
-    return table_slots(table[None], rows.reshape(1, -1), block_size).view(rows.shape)  # [...]
 
 
 @dataclass
@@ -81,8 +73,7 @@ class CachedV4Attention(DeepseekV4Attention):
         self.compressor = CSACompressor(config) if layer_type == CSA else \
             HCACompressor(config) if layer_type == HCA else None
         self.window_cache = self.rows_cache = self.index_cache = None  # LayerCaches, bound later
-        self.window_group = self.rows_group = self.index_group = None  # metadata / block-table indices
-        self.rows_block_size = self.index_block_size = 0  # rows per block of those groups
+        self.window_group = self.rows_group = self.index_group = None  # indices into the step's group metadata
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -125,27 +116,24 @@ class CachedV4Attention(DeepseekV4Attention):
         """Compress every request's new tokens, store the rows they complete, and say which
         compressed rows each query reads. Returns (decode index [N, L] or None, {first packed row
         of a span: `CompressedRead`}): when every decode request has one token, they are done
-        together (`decode_batch`); other spans one by one."""
+        together (`decode_batch`); other spans one by one. Every slot comes from the metadata."""
         reads = {}
+        rows_md = md.groups[self.rows_group]
         rows_in = self.compressor.project(hidden, md.positions)  # kv, score [T, C]: one matmul per step
         index_in = self._index_inputs(hidden, q_residual, md.positions) if self.layer_type == CSA else None
-        nb = _one_token_decodes(md)
+        nb = md.num_decode_spans
         decode_index = self.decode_batch(rows_in, index_in, md, nb) if nb else None
-        for span in md.spans[nb:]:
+        for i in range(nb, len(md.spans)):
+            span = md.spans[i]
             s, e = span.token_start, span.token_end
-            positions = md.positions[s:e]
-            row_count = self._compress(self.compressor, "rows", self.rows_cache, self.rows_group,
-                                       self.rows_block_size, [t[s:e] for t in rows_in], span)
-            table = span.block_tables[self.rows_group]
+            self._compress(self.compressor, "rows", self.rows_cache, rows_md.store_slots[i],
+                           [t[s:e] for t in rows_in], span)
             if self.layer_type == CSA:
-                picks = self._select([t[s:e] for t in index_in], positions, span, row_count)  # [n, k]
-                reads[s] = CompressedRead(paged_slots(table, picks, self.rows_block_size))
+                index_md = md.groups[self.index_group]
+                picks = self._select([t[s:e] for t in index_in], md.positions[s:e], span, index_md, i)  # [n, k]
+                reads[s] = CompressedRead(rows_of(rows_md.span_rows[i], picks))  # [n, k]
             else:  # HCA: every visible row; the same slots for all queries of the span
-                cols = torch.arange(row_count, device=hidden.device)  # [R]
-                slots = paged_slots(table, cols, self.rows_block_size)  # [R]
-                seen = num_visible_rows(positions, self.compressor.compress_rate)  # [n]
-                index = slots[None, :].expand(e - s, -1).masked_fill(cols[None, :] >= seen[:, None], -1)  # [n, R]
-                reads[s] = CompressedRead(index, slots)
+                reads[s] = CompressedRead(rows_md.span_index[i], rows_md.span_rows[i])
         return decode_index, reads
 
     def decode_batch(self, rows_in, index_in, md, n: int) -> torch.Tensor:
@@ -153,28 +141,22 @@ class CachedV4Attention(DeepseekV4Attention):
         batch), store completed rows, then the index rows [n, L] each query reads."""
         spans = md.spans[:n]
         slot_ids, positions = [sp.state_ids[0] for sp in spans], [sp.start_pos for sp in spans]
-        tables = md.span_tables[self.rows_group][:n]  # [n, B]
-        self._step_batch(self.compressor, "rows", self.rows_cache, tables, self.rows_block_size, slot_ids,
-                         positions, [t[:n] for t in rows_in])
-        seen = num_visible_rows(md.positions[:n], self.compressor.compress_rate)  # [n] = each one's row count
-        cols = torch.arange(max((p + 1) // self.compressor.compress_rate for p in positions),
-                            device=seen.device)[None, :].expand(n, -1)  # [n, R]
-        if self.layer_type == CSA:
-            kv, score, q, weights = (t[:n] for t in index_in)
-            index_tables = md.span_tables[self.index_group][:n]  # [n, B_i]
-            self._step_batch(self.compressor.indexer, "index", self.index_cache, index_tables, self.index_block_size,
-                             slot_ids, positions, (kv, score))
-            keys = load_latent(self.index_cache, table_slots(index_tables, cols, self.index_block_size))  # [n, R, d]
-            picks = self.compressor.indexer.select_with(q, weights, md.positions[:n], keys)  # [n, k]
-        else:
-            picks = cols.masked_fill(cols >= seen[:, None], -1)  # [n, R]
-        return table_slots(tables, picks, self.rows_block_size)  # [n, L]
+        rows = md.groups[self.rows_group].decode_rows  # [n, L] every row each request sees
+        self._step_batch(self.compressor, "rows", self.rows_cache, rows, slot_ids, positions, [t[:n] for t in rows_in])
+        if self.layer_type != CSA:
+            return rows  # HCA reads every visible row
+        kv, score, q, weights = (t[:n] for t in index_in)
+        keys_at = md.groups[self.index_group].decode_rows  # [n, L]
+        self._step_batch(self.compressor.indexer, "index", self.index_cache, keys_at, slot_ids, positions, (kv, score))
+        keys = load_latent(self.index_cache, keys_at)  # [n, L, d]
+        picks = self.compressor.indexer.select_with(q, weights, md.positions[:n], keys)  # [n, k]
+        return rows_of(rows, picks)  # [n, k]
 
-    def _step_batch(self, compressor, name: str, cache, tables, block_size: int, slot_ids, positions,
-                    projected) -> None:
-        rows, which, row_ids = self.states[name].step_tokens(compressor, slot_ids, positions, *projected)
-        if rows.shape[0]:
-            _store(cache, table_slots(tables[which], row_ids[:, None], block_size)[:, 0], rows)
+    def _step_batch(self, compressor, name: str, cache, rows: torch.Tensor, slot_ids, positions, projected) -> None:
+        """One token per request through the state bank; completed rows go to their slots in rows [n, L]."""
+        new_rows, which, row_ids = self.states[name].step_tokens(compressor, slot_ids, positions, *projected)
+        if new_rows.shape[0]:
+            _store(cache, rows[which, row_ids], new_rows)
 
     def _index_inputs(self, hidden, q_residual, positions) -> tuple[torch.Tensor, ...]:
         """The indexer's per-token inputs for the whole step: its compressor's kv and score
@@ -183,42 +165,36 @@ class CachedV4Attention(DeepseekV4Attention):
         kv, score = indexer.project(hidden, positions)
         return kv, score, indexer.queries(q_residual, positions), indexer.scorer.head_weights(hidden)
 
-    def _compress(self, compressor, name: str, cache, table_index: int, block_size: int, projected, span) -> int:
+    def _compress(self, compressor, name: str, cache, slots: torch.Tensor, projected, span) -> None:
         """Pool one request's projected span (kv, score) with its state; store the rows it
-        completes. Returns the request's row count."""
+        completes at `slots` [r] (the metadata's slots of those rows)."""
         bank = self.states[name]
         state = bank.read(span.state_ids[0], span.start_pos)
-        new_rows, row_ids, state = compressor.compress_projected(*projected, span.start_pos, state)
+        new_rows, _, state = compressor.compress_projected(*projected, span.start_pos, state)
+        if new_rows.shape[0] != slots.numel():
+            raise RuntimeError(f"layer {self.layer_idx} {name}: the compressor completed {new_rows.shape[0]} rows, "
+                               f"the step's metadata has {slots.numel()} slots for them")
         if new_rows.shape[0]:
-            slots = paged_slots(span.block_tables[table_index], row_ids, block_size)  # [r]
             _store(cache, slots, new_rows)
         bank.write(span.state_ids[0], state)
-        return state.num_rows
 
-    def _select(self, index_in, positions, span, row_count: int) -> torch.Tensor:
-        """The indexer's top-k visible rows [n, k] (-1 pad), scored against the cached index keys."""
+    def _select(self, index_in, positions, span, index_md, i: int) -> torch.Tensor:
+        """The indexer's top-k visible rows [n, k] (row ids, -1 pad), scored against the cached index keys."""
         indexer = self.compressor.indexer
         kv, score, q, weights = index_in
-        self._compress(indexer, "index", self.index_cache, self.index_group, self.index_block_size, (kv, score), span)
-        cols = torch.arange(row_count, device=q.device)  # [R]
-        table = span.block_tables[self.index_group]
-        keys = load_latent(self.index_cache, paged_slots(table, cols, self.index_block_size))  # [R, d]
+        self._compress(indexer, "index", self.index_cache, index_md.store_slots[i], (kv, score), span)
+        keys = load_latent(self.index_cache, index_md.span_rows[i])  # [R, d]
         return indexer.select_with(q, weights, positions, keys)  # [n, k]
 
 
-def table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Flat slots of row ids [n, L] in each query's block table tables [n, B]; -1 stays -1."""
-    safe = rows.clamp(min=0)  # [n, L]
-    slots = tables.gather(1, safe // block_size) * block_size + safe % block_size  # [n, L]
-    return slots.masked_fill(rows < 0, -1)
-
-
-def _one_token_decodes(md) -> int:
-    """N when the N decode queries are N requests of one token each (the batched path), else 0."""
-    n = md.num_decode_tokens
-    if n and len(md.spans) >= n and all(sp.token_end - sp.token_start == 1 for sp in md.spans[:n]):
-        return n
-    return 0
+def rows_of(slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+    """The slots of picked row ids: slots [L] or [n, L] (row c's slot at column c), picks [n, k]
+    (-1: none) -> [n, k], -1 kept."""
+    if slots.shape[-1] == 0:  # no row yet: every pick is padding
+        return torch.full_like(picks, -1)
+    safe = picks.clamp(min=0)  # [n, k]
+    taken = slots[safe] if slots.dim() == 1 else slots.gather(1, safe)  # [n, k]
+    return taken.masked_fill(picks < 0, -1)
 
 
 def _pad_cat(indexes: list[torch.Tensor]) -> torch.Tensor:

@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, WindowCompressor, apply_interleaved_rope
+from deepinfer.model_executor.layers.ops.addressing import visible_rows
+from deepinfer.model_executor.models.deepseek_v4.pooling import CSA, WindowCompressor, apply_interleaved_rope
 
 
 def num_visible_rows(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """Rows a query at each position may read: floor((p + 1) / m). positions [n] -> [n]."""
-    return torch.div(positions + 1, ratio, rounding_mode="floor")
+    return visible_rows(positions, ratio)  # [n]
 
 
 def topk_visible_rows(scores: torch.Tensor, positions: torch.Tensor, k: int, ratio: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ import re
 import torch
 from torch import nn
 
+from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
+from deepinfer.contracts.model import BoundCaches
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
@@ -87,44 +89,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     # ---- caches ----------------------------------------------------------------------------
-    def cache_groups(self, block_size: int, ring_size: int, make_codec) -> list:
-        """The window ring, then one paged group per compressed-row kind, each with its codec.
-
-        make_codec(head_dim) -> a RowCodec for one shared K = V latent row of that width.
-        """
-        from deepinfer.worker.cache_engine import CacheGroupSpec
-
+    def cache_groups(self) -> list[CacheGroupSpec]:
+        """The window ring (every layer), then one paged group per compressed-row kind its layers
+        use: "csa" / "hca" rows (latent width) and, with CSA layers only, "index" keys."""
         cfg, layers = self.config, self.attention_layers()
-        rates = cfg.compress_rates
-        latent, index = _codec(make_codec, "head_dim", cfg.head_dim), _codec(make_codec, "index_head_dim",
-                                                                              cfg.index_head_dim)
-        groups = [CacheGroupSpec("swa", "ring", tuple(range(len(layers))), ring_size, window=cfg.sliding_window,
-                                 codec=latent)]
-        for name, kind, codec in (("csa", CSA, latent), ("hca", HCA, latent), ("index", CSA, index)):
+        latent = RowSpec(1, cfg.head_dim, shared_kv=True, field="head_dim")
+        index = RowSpec(1, cfg.index_head_dim, shared_kv=True, field="index_head_dim")
+        groups = [CacheGroupSpec("swa", RING, tuple(range(len(layers))), window=cfg.sliding_window, row=latent)]
+        for name, kind, row in (("csa", CSA, latent), ("hca", HCA, latent), ("index", CSA, index)):
             ids = tuple(i for i, a in enumerate(layers) if a.layer_type == kind)
             if ids:
-                groups.append(CacheGroupSpec(name, "paged", ids, block_size, compress_ratio=rates[kind], codec=codec))
+                groups.append(CacheGroupSpec(name, PAGED, ids, compress_ratio=cfg.compress_rates[kind], row=row))
         return groups
 
-    def bind_caches(self, cache_engine, num_state_slots: int) -> None:
-        """Give each layer its LayerCaches, the group indices it reads, and its state banks."""
-        names = [g.name for g in cache_engine.groups]
-        per_group = {g.name: cache_engine.group_caches(gi) for gi, g in enumerate(cache_engine.groups)}
-        paged = [n for n, g in zip(names, cache_engine.groups, strict=True) if g.kind == "paged"]
-        device = next(iter(per_group["swa"].values())).rows2d.device
+    def bind_caches(self, caches: BoundCaches) -> None:
+        """Give each layer its cache views, the metadata index of each group it uses, and its
+        compressor state banks (one state per ring state slot)."""
+        views = {g.name: caches.layer_caches[gi] for gi, g in enumerate(caches.groups)}
+        device = next(iter(views["swa"].values())).rows2d.device
         self.state_banks = []
         for i, attn in enumerate(self.attention_layers()):
-            attn.window_cache, attn.window_group = per_group["swa"][i], names.index("swa")
+            attn.window_cache, attn.window_group = views["swa"][i], caches.group_index("swa")
             if attn.compressor is None:
                 continue
             rows = "csa" if attn.layer_type == CSA else "hca"
-            attn.rows_block_size = cache_engine.groups[names.index(rows)].rows_per_unit
-            attn.rows_cache, attn.rows_group = per_group[rows][i], paged.index(rows)
-            attn.states = {"rows": StateBank(attn.compressor.init_state(device), num_state_slots)}
+            attn.rows_cache, attn.rows_group = views[rows][i], caches.group_index(rows)
+            attn.states = {"rows": StateBank(attn.compressor.init_state(device), caches.num_state_slots)}
             if attn.layer_type == CSA:
-                attn.index_cache, attn.index_group = per_group["index"][i], paged.index("index")
-                attn.index_block_size = cache_engine.groups[names.index("index")].rows_per_unit
-                attn.states["index"] = StateBank(attn.compressor.indexer.init_state(device), num_state_slots)
+                attn.index_cache, attn.index_group = views["index"][i], caches.group_index("index")
+                attn.states["index"] = StateBank(attn.compressor.indexer.init_state(device), caches.num_state_slots)
             self.state_banks += attn.states.values()
 
     def state_bytes_per_slot(self) -> int:
@@ -146,13 +139,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-
-
-def _codec(make_codec, field: str, width: int):
-    try:
-        return make_codec(width)
-    except ValueError as exc:
-        raise ValueError(f"{field}={width} cannot be cached in this row format: {exc}") from exc
 
 
 def is_mtp_name(name: str) -> bool:

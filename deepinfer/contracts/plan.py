@@ -1,7 +1,7 @@
 """The plain-data contract between the scheduler (engine/) and the model runner (worker/).
 
 No torch here: the scheduler builds a `StepPlan` from Python lists, the runner turns it into
-tensors and answers with a `ModelOutput`.
+tensors and answers with a `ModelOutput` of `SampleResult`s.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class ScheduledRequest:
 
 @dataclass
 class StepPlan:
+    """One engine step: the scheduled requests in scheduling order, and the requests the runner
+    must forget (finished) or whose per-request state it keeps for a later recompute (preempted)."""
+
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops per-request state
     preempted_request_ids: list[str] = field(default_factory=list)
@@ -56,6 +59,8 @@ class StepPlan:
 
 @dataclass
 class SampleResult:
+    """The token sampled for one request this step, with its logprob under the raw model."""
+
     token_id: int
     logprob: float  # log-softmax of the sampled token under the unmodified model distribution
     top_logprobs: list[tuple[int, float]] | None = None  # top-n (token id, logprob), best first

@@ -1,0 +1,75 @@
+"""What a model offers the runner, and what a runner offers the engine (typing Protocols).
+
+    engine  --StepPlan-->  StepRunner.execute  --ModelOutput-->  engine
+                               |  builds inputs and metadata, then calls
+                               v
+                           CachedModel: cache_groups() -> bind_caches(...) -> forward / compute_logits
+
+Both the Llama family and DeepSeek-V4 implement `CachedModel`; the runner has one path for all.
+Tensors are typed `Any` here: this floor does not import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from deepinfer.contracts.cache import CacheGroupSpec
+from deepinfer.contracts.plan import ModelOutput, StepPlan
+
+
+@dataclass
+class BoundCaches:
+    """The allocated caches a model binds its layers to.
+
+    groups: the sized specs, in metadata order (`AttentionMetadata.groups[i]` is group i's);
+    layer_caches[i]: layer id -> that layer's cache view in group i; num_state_slots: ring state
+    slots (per-request state beside the rings uses the same ids); backend: the attention backend
+    for layers that delegate to one."""
+
+    groups: list[CacheGroupSpec]
+    layer_caches: list[dict[int, Any]]
+    num_state_slots: int
+    backend: Any
+
+    def group_index(self, name: str) -> int:
+        names = [g.name for g in self.groups]
+        if name not in names:
+            raise KeyError(f"no cache group {name!r}; groups are {names}")
+        return names.index(name)
+
+
+@runtime_checkable
+class CachedModel(Protocol):
+    """A decoder whose layers keep their K/V in the engine's cache groups."""
+
+    def cache_groups(self) -> list[CacheGroupSpec]:
+        """The groups its layers use (unsized: rows_per_unit 0), each with its RowSpec."""
+
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of per-request state kept beside the rings (0 for most models)."""
+
+    def bind_caches(self, caches: BoundCaches) -> None:
+        """Give every layer its cache views and the metadata index of its groups."""
+
+    def forward(self, input_ids: Any, positions: Any) -> Any:
+        """input_ids, positions [T] -> hidden states [T, hidden] (caches read and written)."""
+
+    def compute_logits(self, hidden: Any) -> Any:
+        """hidden [N, hidden] -> logits [N, V] for the rows that sample."""
+
+
+@runtime_checkable
+class StepRunner(Protocol):
+    """What the engine needs of the worker: the cache layout to manage, and the step itself."""
+
+    groups: list[CacheGroupSpec]
+    num_blocks: int
+    num_state_slots: int
+
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        """Run one step's model call and sampling."""
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Drop the per-request state (generators) of finished or aborted requests."""

@@ -1,0 +1,74 @@
+"""The engine and sampling flags every command shares, and the LLM and sampling parameters they build.
+
+Light to import (no torch): the CLI registers these argument groups on each subcommand, and the
+commands (generate, chat, info, bench, serve) build their engine with `make_llm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS
+from deepinfer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
+    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 2GiB")
+    g.add_argument("--num-blocks", type=int, default=None, help="paged blocks (overrides --kv-cache-memory)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="cache row format: auto (the compute dtype), bfloat16, or fp8 (MXFP8: e4m3 + UE8M0 per 32)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--hf-overrides", type=json.loads, default=None,
+                   help='JSON object of model config fields to override, e.g. \'{"sliding_window": 128}\'')
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens a step may verify; rings keep S >= W + k + 1 "
+                        "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
+    g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                   help="auto: the checkpoint's weights; dummy: config.json only, seeded random weights "
+                        "(benchmarks and memory figures without weight files)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides,
+                load_format=getattr(args, "load_format", "auto"))
+
+
+def sampling_params(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def make_llm(args):
+    from deepinfer.llm import LLM
+
+    return LLM(args.model, **engine_kwargs(args))

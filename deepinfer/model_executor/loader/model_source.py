@@ -1,0 +1,66 @@
+"""The `ModelSource` type every loader answers with, and what the loaders share to build one:
+the identity of a model's files and the tokenizer of an HF directory.
+
+Weights come out under the HF transformers parameter names of `*ForCausalLM`, in HF layout, so a
+model file has one loading path whatever the checkpoint format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+EXPECTED_LAYOUT = "a directory with config.json and *.safetensors, or a .gguf file"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class ModelSource:
+    """A model checkpoint, resolved: everything a runner needs except the modules.
+
+    `identity` is stable for unchanged files and changes when any model file changes (path, size or
+    modification time); prefix-cache keys include it, so cached rows never cross models.
+    """
+
+    path: str
+    format: str  # "hf" or "gguf"
+    hf_config: Any  # transformers.PretrainedConfig
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase, with its chat template
+    identity: str
+    _weights: Any = field(default=None, repr=False, compare=False)
+    load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.
+
+        Names are those of transformers' `*ForCausalLM` state dict, e.g.
+        `model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` appears only when the checkpoint
+        stores it (otherwise `hf_config.tie_word_embeddings` is True).
+        """
+        if self._weights is None:
+            raise ValueError(f"model source {self.path!r} has no weight reader")
+        return self._weights(dtype)
+
+
+def compute_identity(path: str, files: list[str]) -> str:
+    """sha256 over the resolved path and each file's name, size and modification time."""
+    digest = hashlib.sha256(os.path.realpath(path).encode())
+    for file in sorted(files):
+        stat = os.stat(file)
+        digest.update(f"\0{os.path.basename(file)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def load_tokenizer(path: str):
+    """The HF directory's tokenizer (with its chat template), or None when it ships none."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
