@@ -49,21 +49,35 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt the engine refuses (empty, too long, bad token ids) gets an output whose `error`
-        holds the ValueError; the rest of the batch still runs.
+        A prompt the engine refuses (empty, too long, bad token ids, bad sampling params) gets an
+        output whose `error` holds the ValueError; a request failed by a fault while it ran gets
+        its output with finish_reason "error" and `error` set. The rest of the batch still runs.
+        When a fatal fault (or KeyboardInterrupt) ends the call, its requests are aborted first.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         results: dict[str, RequestOutput] = {}
-        order = [self._add(prompt, p, results) for prompt, p in zip(prompts, params, strict=True)]
-        mine = set(order)
-        with tqdm(total=len(order), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
+        order: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                order.append(self._add(prompt, p, results))
+            self._run_to_completion(set(order), results, use_tqdm)
+        finally:  # after any exception (a fatal fault, KeyboardInterrupt) nothing of ours stays queued
+            self._abort_unfinished(order)
+        return [results[rid] for rid in order]
+
+    def _run_to_completion(self, mine: set[str], results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        with tqdm(total=len(mine), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id in mine:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[rid] for rid in order]
+
+    def _abort_unfinished(self, request_ids: list[str]) -> None:
+        """Abort those of `request_ids` still in the engine, so their blocks return to the pool."""
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)  # False (a no-op) for finished or refused ones
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class RequestFailedError(RuntimeError):
+    """A request the engine ended because of a fault while it ran (its model step, its sampling
+    or its output processing failed); the rest of the batch went on. The message says where and
+    what (one line); the traceback is in the "deepinfer.engine" / "deepinfer.worker" log."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id!r} failed: {message}")
+        self.request_id = request_id
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -29,7 +39,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    error: Exception | None = None  # set when this request was refused (e.g. a ValueError)
+    # set when this request was refused (e.g. a ValueError) or failed by a fault while it ran
+    # (a RequestFailedError; finish_reason "error")
+    error: Exception | None = None
     num_preemptions: int = 0
 
     @property

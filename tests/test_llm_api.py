@@ -84,7 +84,13 @@ def test_bad_prompt_fails_alone(llm, prompt, field):
 @pytest.mark.parametrize("kwargs, needle", [(dict(max_tokens=0), "max_tokens"),
                                             (dict(temperature=-0.5), "temperature"),
                                             (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                                            (dict(bogus_field=3), "bogus_field")])
+                                            (dict(bogus_field=3), "bogus_field"),
+                                            (dict(seed=2**64), "seed"), (dict(seed=-2**63 - 1), "seed"),
+                                            (dict(top_k=2**63), "top_k"), (dict(logprobs=10**30), "logprobs"),
+                                            (dict(temperature=float("inf")), "temperature"),
+                                            (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+                                            (dict(ignore_eos="no"), "ignore_eos"),
+                                            (dict(skip_special_tokens=1), "skip_special_tokens")])
 def test_bad_sampling_field_names_field_and_value(kwargs, needle):
     with pytest.raises(ValueError) as err:
         SamplingParams(**kwargs)
@@ -129,3 +135,43 @@ def test_unknown_architecture_lists_supported(tiny_checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="supported.*llama"):
         LLM(str(path))
+
+
+@pytest.mark.parametrize("field", ["temperature", "seed", "top_k", "max_tokens"])
+def test_huge_numbers_are_refused_with_a_short_message(field):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: -10**5000})  # past Python's int -> str limit
+    assert field in str(err.value) and len(str(err.value)) < 200
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: 10**400})  # too large for a float / an int64
+    assert field in str(err.value) and "characters" in str(err.value) and len(str(err.value)) < 200
+
+
+def test_extreme_seeds_work_and_a_seed_changed_after_validation_is_refused(llm):
+    for seed in (2**64 - 1, -2**63):
+        out = llm.generate([[7, 8]], SamplingParams(max_tokens=3, seed=seed, ignore_eos=True), use_tqdm=False)[0]
+        assert out.error is None and len(out.outputs[0].token_ids) == 3
+    params = SamplingParams(max_tokens=3)
+    params.seed = 2**64
+    outs = llm.generate([[7, 8], [9, 10]], [params, SamplingParams(max_tokens=3, ignore_eos=True)], use_tqdm=False)
+    assert isinstance(outs[0].error, ValueError) and str(2**64) in str(outs[0].error)
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+    _no_leaks(llm)
+
+
+def test_interrupted_generate_leaves_nothing_scheduled(llm, monkeypatch):
+    engine, real, calls = llm.engine, llm.engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    _no_leaks(llm)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2

@@ -68,6 +68,39 @@ class SampleResult:
 
 @dataclass
 class ModelOutput:
-    """request_id -> the token sampled for it this step (only requests whose plan sampled)."""
+    """request_id -> the token sampled for it this step (only requests whose plan sampled), and
+    request_id -> a one-line message for each request the runner could not serve this step (its
+    sampling failed alone); the engine fails those requests and keeps the others going."""
 
     samples: dict[str, SampleResult] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class FatalStepError(RuntimeError):
+    """A fault of the step itself, not of one request (the device, the process, the engine's own
+    state): no request can be blamed, so the engine does not try to isolate it and `step()` raises."""
+
+
+# Exception class names (anywhere in the MRO) of faults no request is to blame for, recognised
+# without importing torch: torch.OutOfMemoryError (a RuntimeError) and torch.AcceleratorError
+# (a device error: the device context is broken for every request).
+_FATAL_CLASS_NAMES = frozenset({"OutOfMemoryError", "AcceleratorError"})
+_MAX_FAULT_TEXT = 200
+
+
+def is_fatal_fault(exc: BaseException) -> bool:
+    """True for a fault that must not be pinned on one request: anything that is not an
+    `Exception` (KeyboardInterrupt, SystemExit), `FatalStepError`, `MemoryError`, and torch's
+    out-of-memory and device errors."""
+    if not isinstance(exc, Exception) or isinstance(exc, (FatalStepError, MemoryError)):
+        return True
+    return any(cls.__name__ in _FATAL_CLASS_NAMES for cls in type(exc).__mro__)
+
+
+def describe_fault(stage: str, exc: BaseException) -> str:
+    """A one-line message for a request failed by `exc` in `stage` (never a traceback: that is
+    logged). E.g. "sampling failed: ValueError: bad seed"."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if len(text) > _MAX_FAULT_TEXT:
+        text = text[:_MAX_FAULT_TEXT] + "..."
+    return f"{stage} failed: {type(exc).__name__}" + (f": {text}" if text else "")

@@ -3,20 +3,42 @@
 This module never touches tensors and imports neither the worker nor the model executor: the
 composing code above it (`deepinfer.llm.build_engine`) loads the model source, builds the runner
 and hands both in.
+
+Fault isolation: one bad request never takes the engine down. Every per-request value is checked
+before admission (`add_request`, `SamplingParams.validate`). Inside a step:
+
+    runner.execute(plan) raises ----> each request again, alone (sub-plans of one request); those
+                                      whose solo step fails are failed, the others' results used
+    the runner's sampling fails ----> it retries row by row and reports failed rows in
+                                      `ModelOutput.errors`; the engine fails those requests
+    output processing raises -------> that request is failed
+
+A failed request finishes with `RequestStatus.FINISHED_ERROR` (finish_reason "error"), its output
+carries a `RequestFailedError`, its blocks and state slots go back to the pool and the runner
+forgets it. A fault no request can be blamed for (`is_fatal_fault`: out of memory, a device error,
+`FatalStepError`; or every solo retry failing; or a one-request step failing right after another
+one-request step failed) propagates out of `step()`: the engine's state is then unknown and the
+caller decides (abort, exit). A single one-request step that fails fails its request only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.model import StepRunner
+from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.outputs import RequestFailedError, RequestOutput
+from deepinfer.sampling_params import SamplingParams, short_repr
+
+logger = logging.getLogger("deepinfer.engine")
+_MAX_LONE_FAILURES = 2  # one-request steps failing in a row before the fault counts as not per-request
 
 
 class LLMEngine:
@@ -35,14 +57,17 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(source)
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
+        self._lone_failures = 0  # one-request steps that failed in a row
 
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid."""
-        params = params or SamplingParams()
+        params = checked_params(params)
         request_id = request_id or f"req-{next(self._ids)}"
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
         if self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -74,16 +99,96 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output (with deltas) for every request that changed."""
+        """One engine step; returns an output (with deltas) for every request that changed.
+
+        A request failed by a fault comes back finished with finish_reason "error"; only a fatal
+        fault (see the module docstring) raises."""
         plan = self.scheduler.schedule()
-        output = self.runner.execute(plan)
+        output = self._execute(plan)
+        failed = [self._fail(req, message) for rid, message in output.errors.items()
+                  if (req := self.scheduler.get_request(rid)) is not None]
         updated = self.scheduler.update(plan, output)
         results = [self._process(req, output.samples.get(req.request_id)) for req in updated]
         self.runner.release([req.request_id for req in updated if req.is_finished])
         aborted, self._aborted = self._aborted, []
-        return aborted + results
+        return aborted + failed + results
+
+    def _execute(self, plan: StepPlan) -> ModelOutput:
+        """The runner's step; if it raises, find the culprits by running each request alone."""
+        try:
+            output = self.runner.execute(plan)
+        except Exception as exc:
+            if is_fatal_fault(exc):
+                raise
+            if len(plan.scheduled) < 2:
+                return self._fail_lone_request(plan, exc)
+            logger.warning("%s; running its %d requests one at a time to find the culprit",
+                           describe_fault("a step", exc), len(plan.scheduled))
+            output = self._execute_alone(plan, exc)
+        if plan.scheduled:
+            self._lone_failures = 0
+        return output
+
+    def _fail_lone_request(self, plan: StepPlan, exc: Exception) -> ModelOutput:
+        """A step of one request failed: nothing to compare with. The request fails alone, but
+        a second such step in a row (another request failing the same way) is fatal."""
+        self._lone_failures += 1
+        if self._lone_failures >= _MAX_LONE_FAILURES:
+            raise exc
+        request_id = plan.scheduled[0].request_id
+        logger.error("request %r failed in its model step", request_id, exc_info=exc)
+        return ModelOutput(errors={request_id: describe_fault("model step", exc)})
+
+    def _execute_alone(self, plan: StepPlan, exc: Exception) -> ModelOutput:
+        """Re-run the plan one request at a time (finished / preempted ids go with the first).
+
+        Re-running is safe for token caches: a store writes the same values to the same slots.
+        DeepSeek-V4's compressor state banks are not idempotent: they advance during a forward
+        (`StateBank.read` refuses a start that does not match), so after a mid-forward fault the
+        solo re-run of a V4 request whose state already advanced fails too, and a V4 fault may
+        fail more requests than the culprit. Every solo re-run failing means the fault is not
+        one request's: the original exception propagates."""
+        output, failures = ModelOutput(), {}
+        for i, sched in enumerate(plan.scheduled):
+            solo = StepPlan([sched], plan.finished_request_ids if i == 0 else [],
+                            plan.preempted_request_ids if i == 0 else [])
+            try:
+                result = self.runner.execute(solo)
+            except Exception as solo_exc:
+                if is_fatal_fault(solo_exc):
+                    raise
+                failures[sched.request_id] = solo_exc
+                continue
+            output.samples.update(result.samples)
+            output.errors.update(result.errors)
+        if len(failures) == len(plan.scheduled):
+            raise exc
+        for request_id, solo_exc in failures.items():
+            logger.error("request %r failed in its model step", request_id, exc_info=solo_exc)
+            output.errors[request_id] = describe_fault("model step", solo_exc)
+        return output
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """End `req` with FINISHED_ERROR: free its cache, forget its runner state, report it."""
+        if req.is_finished:  # already freed (e.g. it hit max_tokens in this step)
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        self.runner.release([req.request_id])
+        logger.error("request %r failed: %s", req.request_id, message)
+        return self.outputs.fail(req, RequestFailedError(req.request_id, message))
 
     def _process(self, req: Request, sample) -> RequestOutput:
+        """Fold the step's sample into req's output; a fault here fails req alone."""
+        try:
+            return self._process_sample(req, sample)
+        except Exception as exc:
+            if is_fatal_fault(exc):
+                raise
+            logger.exception("request %r failed in output processing", req.request_id)
+            return self._fail(req, describe_fault("output processing", exc))
+
+    def _process_sample(self, req: Request, sample) -> RequestOutput:
         stop = self.outputs.update(req, sample)
         if stop is not None:  # a stop string ends the request, even in the step that hit max_tokens
             if req.is_finished:
@@ -114,7 +219,17 @@ class LLMEngine:
         vocab = self.source.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise ValueError(f"prompt token id {short_repr(bad[0])} is outside the vocabulary [0, {vocab})")
+
+
+def checked_params(params: SamplingParams | None) -> SamplingParams:
+    """A validated copy of the request's params (the caller may change or reuse its object);
+    ValueError naming the field and the value when one is invalid."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    return dataclasses.replace(params)  # runs the constructor's validation on every field
 
 
 def eos_token_ids(source) -> frozenset[int]:

@@ -18,6 +18,9 @@ class _State:
 
 
 class OutputProcessor:
+    """Per request: its completion so far, detokenizer and stop checker; folds each step's
+    sample in and builds the request's RequestOutput."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
@@ -64,6 +67,22 @@ class OutputProcessor:
         c = self._states[req.request_id].completion
         c.delta_token_ids, c.delta_text = [], ""
         return self._output(req, finished=True)
+
+    def fail(self, req: Request, error: Exception) -> RequestOutput:
+        """The final output of a request failed by a fault (finish_reason "error", `error` set).
+
+        Touches neither the detokenizer nor the stop checker (either may be what failed): the
+        text is that of the last good step, token_ids every token sampled for it; no delta."""
+        state = self._states.pop(req.request_id, None)
+        if state is None:
+            completion, prompt = CompletionOutput(index=0), None
+        else:
+            completion, prompt = state.completion, state.prompt
+        out = replace(completion, token_ids=list(completion.token_ids),
+                      logprobs=None if completion.logprobs is None else list(completion.logprobs),
+                      delta_token_ids=[], delta_text="", finish_reason="error", stop_reason=None)
+        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [out], finished=True,
+                             error=error, num_preemptions=req.num_preemptions)
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

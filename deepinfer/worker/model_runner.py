@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Sequence
 
 import torch
 
 from deepinfer.config import CacheConfig, EngineConfig, check_load_format
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import BoundCaches, CachedModel
-from deepinfer.contracts.plan import ModelOutput, StepPlan
+from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.environ import Environ
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend
+from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
 from deepinfer.model_executor.layers.ops.cache_common import (
     get_inference_swa_block_size,
     get_kvstore_swa_block_size,
@@ -24,6 +27,8 @@ from deepinfer.model_executor.models.registry import get_model_class
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger("deepinfer.worker")
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -77,8 +82,12 @@ class ModelRunner:
         cache_config = config.cache
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
+            check_model_type(source.hf_config.model_type)
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len)
         self.env = draft_environ(config.env, cache_config.num_speculative_tokens)
+        if self.env.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits in the invariant mode
+            make_batch_invariant(self.model, source.hf_config.model_type)
         self.groups, self.codecs = self._sized_groups(cache_config)
         self.codec = self.codecs[0]
         self.num_state_slots = self._num_state_slots(cache_config, config.scheduler.max_num_seqs)
@@ -87,8 +96,8 @@ class ModelRunner:
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
         self.addressing = group_addressing(self.groups)
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
-                                           self.num_state_slots, TorchAttentionBackend()))
-        self.sampler = Sampler(config.seed)
+                                           self.num_state_slots, TorchAttentionBackend(self.env.batch_invariant)))
+        self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
 
     def _sized_groups(self, cache_config: CacheConfig) -> tuple[list[CacheGroupSpec], list[RowCodec]]:
         """The model's declared groups, sized (block size, ring S, page rows), with their codecs."""
@@ -150,15 +159,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
+        """Run the plan's forward and sample. A forward fault raises (the engine isolates it);
+        a sampling fault is retried row by row and rows that still fail come back in `errors`."""
         self.sampler.release(plan.finished_request_ids)
         if plan.is_empty:
             return ModelOutput()
         inputs = build_step_inputs(plan, self.addressing, self.device)
-        sampling = build_sampling_metadata(inputs.sample_rows, self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        if not sampling.num_rows:
+        if not inputs.sample_rows:
             return ModelOutput()
-        logits = self.model.compute_logits(hidden[inputs.sample_index])  # [N, V]
-        results = self.sampler(logits.float(), sampling)
+        logits = self.model.compute_logits(hidden[inputs.sample_index]).float()  # [N, V]
+        return self._sample(logits, inputs.sample_rows)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
+        """Sample every row at once; if that raises, again row by row from the same generator
+        states (sampling has no cache side effects), so the good rows draw what they would have."""
+        saved = self.sampler.save_generators(row.request_id for row in rows)
+        try:
+            return self._sample_rows(logits, rows)
+        except Exception as exc:
+            if is_fatal_fault(exc):
+                raise
+            logger.warning("%s; sampling its %d rows one by one", describe_fault("sampling a batch", exc), len(rows))
+        self.sampler.restore_generators(saved)
+        output = ModelOutput()
+        for i, row in enumerate(rows):
+            try:
+                output.samples.update(self._sample_rows(logits[i:i + 1], [row]).samples)  # [1, V]
+            except Exception as exc:
+                if is_fatal_fault(exc):
+                    raise
+                logger.exception("request %r failed in sampling", row.request_id)
+                output.errors[row.request_id] = describe_fault("sampling", exc)
+        return output
+
+    def _sample_rows(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
+        """logits [n, V], one row per entry of `rows` -> their samples."""
+        sampling = build_sampling_metadata(rows, self.device)
+        results = self.sampler(logits, sampling)
         return ModelOutput(dict(zip(sampling.request_ids, results, strict=True)))

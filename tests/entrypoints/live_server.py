@@ -19,10 +19,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LiveServer:
-    """Starts the server in a subprocess and waits for /health; use as a context manager."""
+_RUN_CLI = "\nimport sys\nfrom deepinfer.entrypoints.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0):
+
+class LiveServer:
+    """Starts the server in a subprocess and waits for /health; use as a context manager.
+
+    `prelude`: Python code the subprocess runs before the CLI (e.g. to monkeypatch the engine)."""
+
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout: float = 180.0,
+                 prelude: str | None = None):
+        self.prelude = prelude
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -45,8 +52,8 @@ class LiveServer:
             raise
 
     def start(self) -> LiveServer:
-        self.proc = subprocess.Popen([sys.executable, "-m", "deepinfer.entrypoints.cli", *self.args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        entry = ["-m", "deepinfer.entrypoints.cli"] if self.prelude is None else ["-c", self.prelude + _RUN_CLI]
+        self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=self.log, stderr=subprocess.STDOUT)
         return self
 
     def wait_ready(self) -> LiveServer:

@@ -203,7 +203,7 @@ def test_bench_serve_replays_cpu32(tiny_server, tmp_path):
 _AUTH = {"Authorization": f"Bearer {KEY}"}
 _CMPL, _CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_REQUESTS = [  # (name, path, body (bytes: raw), headers, status, type, param, code)
-    ("malformed json", _CMPL, b'{"prompt": ', _AUTH, 400, "invalid_request_error", None, None),
+    ("malformed json", _CMPL, b'{"prompt": ', _AUTH, 400, "invalid_request_error", None, "invalid_json"),
     ("not an object", _CMPL, b"[1, 2]", _AUTH, 400, "invalid_request_error", None, None),
     ("empty body", _CMPL, b"", _AUTH, 400, "invalid_request_error", None, None),
     ("missing prompt", _CMPL, {}, _AUTH, 400, "invalid_request_error", "prompt", None),
@@ -288,11 +288,16 @@ def test_harmless_unknown_fields_are_ignored(tiny_server):
 
 
 async def _drain_stream(resp: httpx.Response) -> str | None:
+    """The stream's finish_reason, or "error:CODE" for an error event."""
     finish = None
     try:
         async for line in resp.aiter_lines():
             if line.startswith("data: {"):
-                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+                event = json.loads(line[6:])
+                if "error" in event:
+                    finish = f"error:{event['error']['code']}"
+                else:
+                    finish = event["choices"][0]["finish_reason"] or finish
     except httpx.HTTPError:
         return "connection closed"
     return finish
@@ -329,7 +334,8 @@ def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
     assert result["full"].json()["error"]["code"] == "queue_full"
     assert result["late"].status_code == 503 and "retry-after" in result["late"].headers
     assert result["exit_s"] <= grace, f"exited {result['exit_s']:.2f} s after SIGTERM"
-    assert result["finishes"] == ["abort"] * 3  # 1000 tokens take longer than the grace period
+    # 1000 tokens take longer than the grace period: aborted, reported as an error event (no "abort")
+    assert result["finishes"] == ["error:request_aborted"] * 3
 
 
 def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_checkpoint):

@@ -11,10 +11,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     g.add_argument("--served-model-name", default=None,
-                   help="model id clients send (default: --model as given, or the default model's name)")
+                   help="model id clients send and /v1/models shows (default: the base name of --model's "
+                        "file or directory, or the default model's name)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="waiting requests above which new ones get 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to finish (then abort) running requests on SIGINT/SIGTERM")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_connection_args(p)
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("connections")
+    g.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="seconds after which a connection with no request under way is closed")
+    g.add_argument("--timeout-request-header", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers, from their first byte (then 408)")
+    g.add_argument("--timeout-request-body", type=float, default=60.0,
+                   help="seconds a client has to send a request's body, once the headers are in (then 408)")
+    g.add_argument("--max-connections", type=int, default=512,
+                   help="open connections above this get 503 and are closed")
+    g.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that parse and tokenize request bodies off the event loop")

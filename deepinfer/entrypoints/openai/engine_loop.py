@@ -13,6 +13,11 @@ The thread sleeps on the Condition while there is neither a command nor an unfin
 Requests from many connections join the running batch at the next step (continuous batching).
 An abort is applied before the next step, so an aborted request never computes another token
 and its blocks return to the pool at once.
+
+A request failed by a fault inside a step comes out of `engine.step()` as a finished output
+(finish_reason "error", `error` set) and is delivered and counted like any other. `step()` raises
+only for a fatal fault: the thread then fails every open request (EngineClosedError), and calls
+`on_fatal(exc)` once, so the server can exit instead of answering 503 forever.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
@@ -96,9 +102,11 @@ class RequestHandle:
 class EngineLoop:
     """Runs `engine.step()` on a dedicated thread while there is work; see the module picture."""
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine, metrics: ServerMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
+        self.on_fatal = on_fatal  # called once, on the engine thread, after a fatal fault
         self.stats = EngineStats()
         self.error: BaseException | None = None
         self._cond = threading.Condition()
@@ -206,11 +214,21 @@ class EngineLoop:
                     outputs = self.engine.step()
                     self._publish(outputs, time.monotonic())
                 self._publish_stats()
-        except Exception as exc:  # the engine is in an unknown state: fail everything
+        except BaseException as exc:  # a fatal fault: the engine is in an unknown state, fail everything
             logger.exception("engine step failed; the server stops taking requests")
             self.error = exc
         finally:
             self._close()
+        if self.error is not None:
+            self._notify_fatal(self.error)
+
+    def _notify_fatal(self, exc: BaseException) -> None:
+        if self.on_fatal is None:
+            return
+        try:
+            self.on_fatal(exc)
+        except Exception:
+            logger.exception("the on_fatal callback raised")
 
     def _next_commands(self) -> list[_Add | _Abort] | None:
         """Wait for work; None when stopping."""

@@ -1,18 +1,24 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 Every failure a client can cause maps to a 4xx here; FastAPI's default 422 body never leaves
-the server, and malformed JSON is a 400, never a 500.
+the server, and malformed JSON is a 400, never a 500. A 4xx message names the field and the
+problem, never an internal exception's text. Anything else is a 500 that says only "internal
+error" and a request id (`req-<hex>`); the log has the same id with the traceback.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import reprlib
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -34,11 +40,30 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+        return ErrorResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON response rendered as ASCII, so that no text a client sent can fail its encoding."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def service_unavailable(message: str, retry_after_s: int = 5, code: str = "server_unavailable") -> APIError:
+    return APIError(503, message, "service_unavailable", code=code, headers={"Retry-After": str(retry_after_s)})
+
+
+def internal_error(exc: BaseException | None, context: str) -> APIError:
+    """A 500 saying only "internal error" and a fresh request id; logs the id with the traceback."""
+    request_id = f"req-{uuid.uuid4().hex}"
+    logger.error("internal error %s while %s", request_id, context, exc_info=exc)
+    return APIError(500, f"internal error (request id {request_id})", "server_error", code="internal_error",
+                    headers={"X-Request-Id": request_id})
 
 
 def context_length_exceeded(num_prompt_tokens: int, max_model_len: int, param: str,
@@ -79,9 +104,12 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     return bad_request(message, param=param)
 
 
-def _short_repr(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+def _short_repr(value) -> str:
+    """A bounded repr of what the client sent (cheap for a huge value)."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxdict, short.maxlist, short.maxtuple = 2, 4, 6, 6
+    short.maxstring, short.maxother, short.maxlong = 60, 60, 40
+    return short.repr(value)
 
 
 _STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -115,8 +143,10 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         return respond(request, APIError(exc.status_code, str(exc.detail), kind,
                                          headers=getattr(exc, "headers", None)))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnect(request: Request, exc: ClientDisconnect):  # nobody reads this answer
+        return respond(request, bad_request("the client went away before sending the whole body"))
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        logger.exception("internal error while serving %s", request.url.path)
-        return respond(request, APIError(500, f"internal server error: {type(exc).__name__}",
-                                         "server_error"))
+        return respond(request, internal_error(exc, f"serving {request.method} {request.url.path}"))

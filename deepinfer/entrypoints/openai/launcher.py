@@ -1,8 +1,14 @@
-"""`deepinfer serve`: the engine behind uvicorn, with a graceful shutdown.
+"""`deepinfer serve`: the engine behind uvicorn, with a graceful shutdown and connection limits.
 
 On the first SIGINT or SIGTERM the server keeps listening but answers new requests with 503,
 lets running requests finish for most of `--shutdown-grace` seconds, aborts what is left, and
 then lets uvicorn close the connections; the process exits 0. A second signal stops at once.
+If the engine dies of a fatal fault, the server shuts down and the process exits with
+FATAL_EXIT_STATUS (a supervisor restarts it) rather than answering 503 forever.
+
+Connections are bounded (`TimedH11Protocol`): an idle one is closed after `--timeout-keep-alive`,
+a request head must arrive within `--timeout-request-header`, its body within
+`--timeout-request-body`, and at most `--max-connections` are served at once.
 Its flags live in `args.py`, which the CLI imports without uvicorn.
 """
 
@@ -10,17 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deepinfer.entrypoints.engine_args import make_llm
+from deepinfer.entrypoints.openai.errors import APIError, service_unavailable
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+FATAL_EXIT_STATUS = 1
 # The grace period, in order: running requests may finish (80% of what the reserve leaves),
 # then the aborted ones end their streams; the reserve is for uvicorn to close the connections
 # (a third of it) and for the process to exit.
@@ -38,7 +51,8 @@ logger = logging.getLogger("deepinfer.server")
 
 
 def run_server(args) -> int:
-    """Load the engine, serve until a signal, drain, and end the process with status 0.
+    """Load the engine, serve until a signal, drain, and end the process with status 0 (or
+    FATAL_EXIT_STATUS after a fatal engine fault).
 
     The process ends through `os._exit` once uvicorn has shut down: the interpreter's own
     teardown (over a second with torch and transformers loaded) would overrun a short grace.
@@ -48,19 +62,34 @@ def run_server(args) -> int:
     _check_args(args)
     _setup_logging(args.log_level)
     engine = make_llm(args).engine
-    settings = ServerSettings(model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-                              api_key=args.api_key, max_waiting=args.max_waiting,
-                              max_body_bytes=args.max_body_bytes)
-    app = build_app(engine, settings)
+    settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
+                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                              tokenizer_workers=args.tokenizer_workers)
+    fatal = FatalExit()
+    app = build_app(engine, settings, on_fatal=fatal)
+    limits = ConnectionLimits(args.timeout_keep_alive, args.timeout_request_header,
+                              args.timeout_request_body, args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=shutdown_budget(args.shutdown_grace)[2])
+                            timeout_graceful_shutdown=shutdown_budget(args.shutdown_grace)[2],
+                            timeout_keep_alive=limits.keep_alive_s,
+                            http=functools.partial(TimedH11Protocol, limits=limits))
     print(f"deepinfer: serving {settings.model_name} (max_model_len {engine.max_model_len}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
-    GracefulServer(config, app.state.server.engine_loop, args.shutdown_grace).run()
+    fatal.server = GracefulServer(config, app.state.server.engine_loop, args.shutdown_grace)
+    fatal.server.run()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if fatal.error is None else FATAL_EXIT_STATUS)
+
+
+def served_model_name(args) -> str:
+    """--served-model-name, else the base name of --model's file or directory, else the default's."""
+    if args.served_model_name:
+        return args.served_model_name
+    if not args.model:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(args.model)) or args.model
 
 
 def _setup_logging(level: str) -> None:
@@ -75,8 +104,136 @@ def _check_args(args) -> None:
     for name in ("max_waiting", "max_body_bytes", "port"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("max_connections", "tokenizer_workers"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.shutdown_grace < 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+
+
+class FatalExit:
+    """The engine loop's `on_fatal`: records the fault and shuts the server down (the process
+    then exits with FATAL_EXIT_STATUS). Called once, on the engine thread."""
+
+    def __init__(self):
+        self.error: BaseException | None = None
+        self.server: GracefulServer | None = None
+
+    def __call__(self, exc: BaseException) -> None:
+        self.error = exc
+        logger.critical("the engine died of a fatal fault (%s); shutting down, exit status %d",
+                        type(exc).__name__, FATAL_EXIT_STATUS)
+        if self.server is not None:
+            self.server.stop_soon()
+
+
+# -- connection limits ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Deadlines for reading a request, per phase (seconds), and the most open connections."""
+
+    keep_alive_s: float = 5.0
+    header_s: float = 10.0
+    body_s: float = 60.0
+    max_connections: int = 512
+
+    def timeout(self, phase: str) -> float:
+        return {"idle": self.keep_alive_s, "head": self.header_s, "body": self.body_s}[phase]
+
+
+_PHASE_NAMES = {"head": "request headers", "body": "request body"}
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with deadlines on reading a request, and a cap on connections.
+
+        phase                                deadline        then
+        no request under way, nothing read   keep_alive_s    close
+        part of a request head is in         header_s        408, close
+        the head is in, not all of the body  body_s          408 (unless a response started), close
+
+    A deadline runs from the start of its phase and more bytes do not extend it, so a client
+    that trickles a byte at a time is closed too. Once the whole request is in, no deadline
+    applies (generating the answer may take long). A connection over `max_connections` gets a
+    503 for its first request and is closed.
+    """
+
+    def __init__(self, *args, limits: ConnectionLimits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._phase: str | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            logger.warning("%d connections are open (limit %d): refusing one", len(self.connections),
+                           self.limits.max_connections)
+            self.app = _over_capacity
+        self._update_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._update_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_phase(None)
+        super().connection_lost(exc)
+
+    def _reading_phase(self) -> str | None:
+        """What the connection waits for from the client: 'idle', 'head', 'body' or None."""
+        if self.transport.is_closing():
+            return None
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            return "head" if self.conn.trailing_data[0] else "idle"
+        return "body" if state is h11.SEND_BODY else None
+
+    def _update_deadline(self) -> None:
+        phase = self._reading_phase()
+        if phase != self._phase:
+            self._set_phase(phase)
+
+    def _set_phase(self, phase: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = phase
+        if phase is not None:
+            self._deadline = self.loop.call_later(self.limits.timeout(phase), self._expire, phase)
+
+    def _expire(self, phase: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        started = self.cycle is not None and self.cycle.response_started
+        if phase == "head" or (phase == "body" and not started):
+            self.transport.write(_timeout_response(phase, self.limits.timeout(phase)))
+        self.transport.close()  # connection_lost tells a request still reading that the client left
+
+
+def _timeout_response(phase: str, timeout_s: float) -> bytes:
+    error = APIError(408, f"the {_PHASE_NAMES[phase]} did not arrive within {timeout_s:g} s",
+                     code="request_timeout")
+    body = json.dumps(error.to_dict()).encode()
+    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+async def _over_capacity(scope, receive, send) -> None:
+    error = service_unavailable("the server has too many open connections; retry later", retry_after_s=1)
+    error.headers["Connection"] = "close"
+    await error.response()(scope, receive, send)
 
 
 class GracefulServer(uvicorn.Server):
@@ -91,6 +248,18 @@ class GracefulServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._event_loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    def stop_soon(self) -> None:
+        """From any thread: refuse new requests and shut down now (no drain: the engine is gone)."""
+        if self._event_loop is None:
+            self.should_exit = True
+            return
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: it is over anyway
+            self._event_loop.call_soon_threadsafe(self._stop_now)
+
+    def _stop_now(self) -> None:
+        self.engine_loop.stop_accepting()
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain_task is not None or self._event_loop is None:

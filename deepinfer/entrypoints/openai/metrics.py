@@ -36,7 +36,7 @@ class ServerMetrics:
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("deepinfer_requests", "Requests by status (finished, aborted, error) "
+        self.requests = Counter("deepinfer_requests", "Requests by status (finished, aborted, failed, error) "
                                 "and finish reason", ["status", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of admitted requests",
                                      registry=r)
@@ -69,7 +69,7 @@ class ServerMetrics:
             self.ttft.observe(ttft)
 
     def record_finished(self, finish_reason: str | None, latency: float, tpot: float | None) -> None:
-        status = "aborted" if finish_reason == "abort" else "finished"
+        status = {"abort": "aborted", "error": "failed"}.get(finish_reason, "finished")
         self.requests.labels(status, finish_reason or "none").inc()
         self.e2e.observe(latency)
         if tpot is not None:

@@ -4,6 +4,10 @@ Unknown fields are ignored. Fields that would change the meaning of a request bu
 server does not implement (n > 1, tools, echo, ...) are parsed loosely and refused by
 `check_supported()` with a 400 that names them, so a client never gets a silently different
 answer.
+
+Types are strict, as in OpenAI's API: a boolean is not an integer (`max_tokens: true` is a 400),
+a string is not a boolean or a number (`stream: "yes"`, `temperature: "0.5"`), a float is not
+an integer; an integer is a float. Numbers must be finite.
 """
 
 from __future__ import annotations
@@ -14,27 +18,31 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
 
+# torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
+SEED_MIN, SEED_MAX, INT64_MAX = -(2**63), 2**64 - 1, 2**63 - 1
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool | None = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
@@ -107,13 +115,13 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # name, ... reach the template
     role: str
     content: str | list[TextPart] | None = None
 

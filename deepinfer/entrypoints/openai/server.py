@@ -2,28 +2,37 @@
 
     GET  /health                 200 while the engine runs and the server takes requests
     GET  /metrics                Prometheus text
-    GET  /v1/models              the one served model
+    GET  /v1/models              the one served model (its served name, never a path)
     POST /v1/completions         text completion, whole or streamed (SSE)
     POST /v1/chat/completions    chat completion through the model's chat template
 
-Every /v1 route checks `Authorization: Bearer KEY` when an API key is set. Generation requests
-are tokenized here (on the event loop) and handed to the engine thread as token ids.
+Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
+header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
+a small worker pool (`TokenizerPool`), never on the event loop, so `/health` and streams stay
+responsive while a large prompt is tokenized; the token ids then go to the engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hmac
+import logging
+import os
+import queue
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deepinfer.entrypoints.openai.body import BodySizeLimit, read_json
+from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.errors import (
     APIError,
@@ -31,11 +40,20 @@ from deepinfer.entrypoints.openai.errors import (
     context_length_exceeded,
     from_value_error,
     install_error_handlers,
+    service_unavailable,
 )
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from deepinfer.entrypoints.openai.serving import ChatFormatter, CompletionFormatter, collect, stream_events
+from deepinfer.entrypoints.openai.serving import (
+    ChatFormatter,
+    CompletionFormatter,
+    collect,
+    engine_closed,
+    stream_events,
+)
 from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer.server")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 _PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt"}
@@ -50,27 +68,74 @@ class ServerSettings:
     max_waiting: int = 256  # waiting requests above this get a 429
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
+    tokenizer_workers: int = 2  # threads that parse, tokenize and chat-template request bodies
+
+
+class TokenizerPool:
+    """Tokenization and chat templating off the event loop, in `max_workers` threads.
+
+    Each call gets a tokenizer copy of its own for its duration (a Hugging Face tokenizer is not
+    safe to share between threads; the engine thread and the event loop keep theirs). The copies
+    are made up front, one per thread. `pending` counts the calls queued or running. The threads
+    run at a lower CPU priority (nice +WORKER_NICENESS, where the OS allows), so that on a busy
+    machine the event loop is scheduled ahead of a long tokenization.
+    """
+
+    def __init__(self, tokenizer, max_workers: int):
+        self.pending = 0  # touched on the event loop only
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(max_workers):
+            self._copies.put(copy.deepcopy(tokenizer))
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="deepinfer-tokenize",
+                                            initializer=_lower_thread_priority)
+
+    async def run(self, fn, *args):
+        """`fn(tokenizer, *args)` on a worker thread: its result, or its exception raised here."""
+        self.pending += 1
+        try:
+            return await asyncio.wrap_future(self._executor.submit(self._call, fn, args))
+        finally:
+            self.pending -= 1
+
+    def _call(self, fn, args):
+        tokenizer = self._copies.get()
+        try:
+            return fn(tokenizer, *args)
+        finally:
+            self._copies.put(tokenizer)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+WORKER_NICENESS = 5
+
+
+def _lower_thread_priority() -> None:
+    """Raise the calling thread's niceness (Linux applies it per thread; elsewhere a no-op)."""
+    with contextlib.suppress(AttributeError, OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
 
 
 class ServerState:
-    """Everything a route needs: the engine loop, a tokenizer of its own, settings, metrics."""
+    """Everything a route needs: the engine loop, tokenizers of its own, settings, metrics."""
 
-    def __init__(self, engine, settings: ServerSettings, metrics: ServerMetrics):
+    def __init__(self, engine, settings: ServerSettings, metrics: ServerMetrics,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.settings, self.metrics = settings, metrics
-        self.engine_loop = EngineLoop(engine, metrics)
+        self.engine_loop = EngineLoop(engine, metrics, on_fatal=on_fatal)
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread keeps the original
+        self.pool = TokenizerPool(self.tokenizer, max(1, settings.tokenizer_workers))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.source.hf_config.vocab_size
-        self.model_path = engine.source.path
         self.created = int(time.time())
 
     def check_capacity(self) -> None:
-        """503 while shutting down, 429 while the waiting queue is full."""
+        """503 while shutting down, 429 while the waiting queue (incl. requests being tokenized) is full."""
         if not self.engine_loop.accepting:
-            raise APIError(503, "the server is shutting down or its engine stopped; retry later",
-                           "service_unavailable", code="server_unavailable",
-                           headers={"Retry-After": "5"})
-        waiting, limit = self.engine_loop.num_waiting, self.settings.max_waiting
+            raise service_unavailable("the server is shutting down or its engine stopped; retry later")
+        waiting, limit = self.engine_loop.num_waiting + self.pool.pending, self.settings.max_waiting
         if waiting >= limit:
             raise APIError(429, f"the server is busy: {waiting} requests are waiting (limit "
                            f"{limit}); retry later", "rate_limit_error", code="queue_full",
@@ -82,9 +147,11 @@ class ServerState:
                            f"`{self.settings.model_name}`", param="model", code="model_not_found")
 
 
-def build_app(engine, settings: ServerSettings) -> FastAPI:
-    """The FastAPI app serving `engine`; the engine thread runs while the app's lifespan does."""
-    state = ServerState(engine, settings, ServerMetrics())
+def build_app(engine, settings: ServerSettings,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine thread runs while the app's lifespan does.
+    `on_fatal(exc)` is called (on the engine thread) if the engine dies of a fatal fault."""
+    state = ServerState(engine, settings, ServerMetrics(), on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,6 +160,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             await asyncio.to_thread(state.engine_loop.stop)
+            state.pool.shutdown()
 
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -112,11 +180,14 @@ def _auth_dependency(api_key: str | None):
     async def verify(request: Request) -> None:
         if api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if not header:
+        headers = request.headers.getlist("authorization")
+        if len(headers) > 1:
+            raise bad_request(f"the request has {len(headers)} Authorization headers; send exactly one",
+                              code="invalid_api_key")
+        if not headers or not headers[0]:
             raise APIError(401, "You didn't provide an API key; send it as `Authorization: Bearer "
                            "KEY`", code="invalid_api_key")
-        scheme, _, token = header.partition(" ")
+        scheme, _, token = headers[0].partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
 
@@ -144,50 +215,59 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict:
-        card = {"id": state.settings.model_name, "object": "model", "created": state.created,
-                "owned_by": "deepinfer", "root": state.model_path,
-                "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+        name = state.settings.model_name
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "deepinfer",
+                "root": name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
         return {"object": "list", "data": [card]}
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
         state.check_capacity()
-        body = CompletionRequest.model_validate(await read_json(request))
-        prompt_ids = _completion_prompt_ids(state, body)
+        raw = await read_body(request)
+        body, prompt_ids = await state.pool.run(_prepare_completion, state, raw)
         return await _generate(state, request, body, prompt_ids, "prompt",
                                CompletionFormatter, f"cmpl-{uuid.uuid4().hex}")
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state.check_capacity()
-        body = ChatCompletionRequest.model_validate(await read_json(request))
-        prompt_ids = _chat_prompt_ids(state, body)
+        raw = await read_body(request)
+        body, prompt_ids = await state.pool.run(_prepare_chat, state, raw)
         return await _generate(state, request, body, prompt_ids, "messages",
                                ChatFormatter, f"chatcmpl-{uuid.uuid4().hex}")
 
     return router
 
 
-def _completion_prompt_ids(state: ServerState, body: CompletionRequest) -> list[int]:
+# -- on a TokenizerPool thread: parse, validate, tokenize ---------------------------------------------
+
+
+def _prepare_completion(tokenizer, state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+    body = CompletionRequest.model_validate(parse_json(raw))
     body.check_supported()
     state.check_model(body.model)
     prompt = body.prompt_input()
     if isinstance(prompt, list):
-        return prompt
-    return list(state.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return body, prompt
+    if tokenizer is None:
+        raise bad_request("this model ships no tokenizer; send the prompt as a list of token ids", "prompt")
+    return body, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
-def _chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def _prepare_chat(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    body = ChatCompletionRequest.model_validate(parse_json(raw))
     body.check_supported()
     state.check_model(body.model)
-    if not state.tokenizer.chat_template:
+    if tokenizer is None or not tokenizer.chat_template:
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    messages = body.template_messages()
     try:
-        ids = state.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                  tokenize=True)
-    except Exception as exc:  # the template refused the conversation (roles, order, ...)
-        raise bad_request(f"the chat template refused the messages: {exc}", "messages") from exc
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # the template refused the conversation (roles, order, content, ...)
+        logger.info("the chat template refused a conversation: %r", exc)
+        raise bad_request("the model's chat template refused the messages (check their roles, order "
+                          "and content)", "messages") from None
+    return body, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: str) -> SamplingParams:
@@ -215,19 +295,16 @@ async def _generate(state: ServerState, request: Request, body, prompt_ids: list
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
     except EngineClosedError as exc:
-        raise APIError(503, str(exc), "service_unavailable", code="server_unavailable",
-                       headers={"Retry-After": "5"}) from exc
+        raise engine_closed(exc, response_id, state.engine_loop) from None
     formatter = formatter_cls(response_id, state.settings.model_name, state.tokenizer,
                               len(prompt_ids), params.logprobs)
     if body.stream:
-        return StreamingResponse(stream_events(handle, formatter, body.include_usage),
+        return StreamingResponse(stream_events(handle, formatter, body.include_usage, state.engine_loop),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
     try:
-        return JSONResponse(await collect(handle, formatter))
-    except EngineClosedError as exc:
-        raise APIError(503, str(exc), "service_unavailable", code="server_unavailable") from exc
+        return JSONResponse(await collect(handle, formatter, state.engine_loop))
     finally:
         watcher.cancel()
         handle.abort()  # a no-op when finished

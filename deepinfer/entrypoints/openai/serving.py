@@ -3,6 +3,11 @@
 A formatter knows one endpoint's shapes (text completion or chat completion); `collect()` and
 `stream_events()` drive it over a RequestHandle. Neither touches the engine: an abort goes
 through the handle, and so through the engine thread.
+
+`finish_reason` is one of OpenAI's values ("stop", "length"). A request that ends otherwise is
+an error, never a finish reason: aborted (the server is shutting down) -> 503, failed by the
+engine (finish_reason "error") or stopped with the engine -> 500 "internal error" with a request
+id. A stream reports the same error as an `{"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, RequestHandle
+from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop, RequestHandle
+from deepinfer.entrypoints.openai.errors import APIError, internal_error, service_unavailable
 from deepinfer.outputs import RequestOutput
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -156,11 +162,35 @@ class ChatFormatter(_Formatter):
         return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
 
 
-async def collect(handle: RequestHandle, formatter: _Formatter) -> dict:
-    """Run the request to its end; the whole response body."""
+def request_failure(out: RequestOutput, response_id: str) -> APIError | None:
+    """The error a finished output stands for (None: it finished normally)."""
+    reason = out.outputs[0].finish_reason if out.outputs else None
+    if reason == "abort":
+        return service_unavailable("the request was aborted: the server is shutting down; retry later",
+                                   code="request_aborted")
+    if reason == "error" or (out.finished and out.error is not None):
+        return internal_error(out.error, f"generating {response_id} (the engine failed the request)")
+    return None
+
+
+def engine_closed(exc: EngineClosedError, response_id: str, engine_loop: EngineLoop | None) -> APIError:
+    """The engine stopped under a request: a 503 while shutting down, a 500 if the engine failed."""
+    if engine_loop is not None and engine_loop.error is not None:
+        return internal_error(exc, f"generating {response_id} (the engine failed)")
+    return service_unavailable("the server is shutting down or its engine stopped; retry later")
+
+
+async def collect(handle: RequestHandle, formatter: _Formatter, engine_loop: EngineLoop | None = None) -> dict:
+    """Run the request to its end; the whole response body (an APIError for a failed request)."""
     last = None
-    async for out in handle:
-        last = out
+    try:
+        async for out in handle:
+            last = out
+    except EngineClosedError as exc:
+        raise engine_closed(exc, formatter.response_id, engine_loop) from None
+    failure = request_failure(last, formatter.response_id)
+    if failure is not None:
+        raise failure
     return formatter.final(last)
 
 
@@ -168,23 +198,35 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(handle: RequestHandle, formatter: _Formatter,
-                        include_usage: bool) -> AsyncIterator[str]:
-    """SSE events of one request; a client that goes away (cancellation) aborts the request."""
+async def stream_events(handle: RequestHandle, formatter: _Formatter, include_usage: bool,
+                        engine_loop: EngineLoop | None = None) -> AsyncIterator[str]:
+    """SSE events of one request; a client that goes away (cancellation) aborts the request.
+    Whatever happens, the stream ends with `data: [DONE]`."""
     try:
         for chunk in formatter.start_chunks():
             yield sse(chunk)
-        async for out in handle:
-            chunk = formatter.chunk(out)
-            if chunk is not None:
-                if include_usage:
-                    chunk["usage"] = None
-                yield sse(chunk)
-        if include_usage:
-            yield sse(formatter.usage_chunk())
+        async for event in _output_events(handle, formatter, include_usage):
+            yield event
     except EngineClosedError as exc:
-        yield sse({"error": {"message": str(exc), "type": "server_error", "param": None,
-                             "code": "engine_closed"}})
+        yield sse(engine_closed(exc, formatter.response_id, engine_loop).to_dict())
+    except Exception as exc:  # a bug while formatting: the client still gets an error, then [DONE]
+        yield sse(internal_error(exc, f"streaming {formatter.response_id}").to_dict())
     finally:
         handle.abort()  # a no-op when the request finished
     yield sse("[DONE]")
+
+
+async def _output_events(handle: RequestHandle, formatter: _Formatter, include_usage: bool
+                         ) -> AsyncIterator[str]:
+    async for out in handle:
+        failure = request_failure(out, formatter.response_id)
+        if failure is not None:
+            yield sse(failure.to_dict())
+            return
+        chunk = formatter.chunk(out)
+        if chunk is not None:
+            if include_usage:
+                chunk["usage"] = None
+            yield sse(chunk)
+    if include_usage:
+        yield sse(formatter.usage_chunk())

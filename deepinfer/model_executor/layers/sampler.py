@@ -16,8 +16,14 @@ the vocabulary:
 
 Every sampled token of a random row consumes exactly one uniform from its request's own
 generator (seeded requests) or from the engine generator (unseeded requests), in row order, so a
-seeded request's tokens do not depend on what else is in the batch. Greedy rows draw nothing.
+seeded request's uniforms do not depend on what else is in the batch. Greedy rows draw nothing.
 Generators live on the CPU whatever the logits' device: one [n] tensor of uniforms is copied over.
+
+Its tokens are another matter: without DEEPINFER_BATCH_INVARIANT a seeded request repeats for the
+same batch composition, but its logits and logprobs move in the last bits with the batch (the
+model's matmuls; here a [1, V] sum is split across threads, a [17, V] one across rows), enough to
+flip a draw now and then. With `batch_invariant=True` the two vocabulary sums (logsumexp, top-p
+mass) go through `batch_invariant.row_sum`, and every stage depends on the row alone.
 
 `SampleResult.logprob` is always filled (one batched logsumexp, cheap next to the argmax), also
 when `SamplingParams.logprobs` is None. `top_logprobs` is None when logprobs is None, [] when it
@@ -27,15 +33,25 @@ is 0, and the top n (token id, logprob), best first, when it is n >= 1.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer.contracts.plan import SampleResult
+from deepinfer.model_executor.layers.batch_invariant import row_sum
 from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, fp32_column
 
 _NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
 _MIN_LOG_WEIGHT = -80.0  # exponent floor: e^-80 is still a normal fp32 (no slow denormals)
+
+
+@dataclass
+class GeneratorStates:
+    """Saved generator states: the engine generator's, and each request's own (None: it had none)."""
+
+    engine_state: torch.Tensor
+    request_states: dict[str, torch.Tensor | None]
 
 
 class Sampler:
@@ -44,10 +60,12 @@ class Sampler:
     Seeded requests each own a `torch.Generator` created on first use and advanced only by their
     own draws; unseeded requests share one engine generator seeded with `seed`. Call `release`
     for finished or aborted requests (not for preempted ones: their generator must continue).
+    `batch_invariant`: sum over the vocabulary in fixed blocks (bit-identical rows in any batch).
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, batch_invariant: bool = False):
         self.seed = seed
+        self.batch_invariant = batch_invariant
         self._engine_generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
@@ -62,7 +80,7 @@ class Sampler:
         if not metadata.num_rows:
             return []
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
-        lse = _logsumexp(logits)  # [N]
+        lse = _logsumexp(logits, self.batch_invariant)  # [N]
         processed = _apply_penalties(logits, metadata)  # [N, V]
         token_ids = self._choose(processed, metadata)  # [N]
         token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
@@ -79,6 +97,22 @@ class Sampler:
     @property
     def num_request_generators(self) -> int:
         return len(self._request_generators)
+
+    def save_generators(self, request_ids: Iterable[str]) -> GeneratorStates:
+        """The generator states a batch of these requests starts from (for a retry)."""
+        states = {rid: g.get_state() if (g := self._request_generators.get(rid)) is not None else None
+                  for rid in request_ids}
+        return GeneratorStates(self._engine_generator.get_state(), states)
+
+    def restore_generators(self, saved: GeneratorStates) -> None:
+        """Rewind to `saved`: a retried row draws what it would have drawn; a generator the
+        failed attempt created is dropped, to be created again from its seed."""
+        self._engine_generator.set_state(saved.engine_state)
+        for request_id, state in saved.request_states.items():
+            if state is None:
+                self._request_generators.pop(request_id, None)
+            else:
+                self._request_generators[request_id].set_state(state)
 
     def _choose(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax; random rows: a draw from the processed distribution. -> [N]."""
@@ -104,7 +138,7 @@ class Sampler:
         best = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
         weights = _exp_relative(scaled, best)  # [R, V]: softmax up to a per-row factor
         threshold = torch.maximum(
-            _top_k_top_p_threshold(scaled, weights, metadata.top_k, metadata.top_p),
+            _top_k_top_p_threshold(scaled, weights, metadata.top_k, metadata.top_p, self.batch_invariant),
             best + metadata.min_p.log())  # [R, 1]; min-p 0: -inf
         if metadata.any_filter:
             weights.masked_fill_(scaled < threshold, 0.0)  # [R, V]; a no-op for a -inf threshold
@@ -202,14 +236,19 @@ def _exp_relative(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     return (logits - best).clamp_min_(_MIN_LOG_WEIGHT).exp_()  # [n, V]
 
 
-def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+def _sum_rows(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """x [n, V] -> [n]: torch's sum, or the batch-invariant blocked one."""
+    return row_sum(x) if invariant else x.sum(dim=-1)
+
+
+def _logsumexp(logits: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """log(sum(exp(logits))) per row [N], through `_exp_relative` (fast for any logit range)."""
     best = logits.amax(dim=-1, keepdim=True)  # [N, 1]
-    return _exp_relative(logits, best).sum(dim=-1).log_() + best[:, 0]  # [N]
+    return _sum_rows(_exp_relative(logits, best), invariant).log_() + best[:, 0]  # [N]
 
 
 def _top_k_top_p_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: list[int],
-                           top_p: list[float]) -> torch.Tensor:
+                           top_p: list[float], invariant: bool = False) -> torch.Tensor:
     """Per row, the logit below which top-k (k = 0 or >= V: off) and then top-p (p = 1: off)
     drop tokens; -inf for rows without either. -> [n, 1].
 
@@ -225,12 +264,13 @@ def _top_k_top_p_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: l
     sub_weights, _ = _subset(weights, rows)  # [r, V]
     ks = torch.tensor([top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows],
                       device=logits.device)[:, None]  # [r, 1]
-    found = _nucleus_threshold(sub_logits, sub_weights, ks, fp32_column([top_p[i] for i in rows], logits.device))
+    ps = fp32_column([top_p[i] for i in rows], logits.device)  # [r, 1]
+    found = _nucleus_threshold(sub_logits, sub_weights, ks, ps, invariant)
     return found if index is None else threshold.index_copy_(0, index, found)  # [n, 1]
 
 
 def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor) -> torch.Tensor:
+                       top_p: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """logits, weights [n, V]; top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: last kept logit.
 
     Sorting the vocabulary is slow and the kept set is usually small: search the best
@@ -239,7 +279,7 @@ def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch
     answer depends on that row alone, never on the window width or on the rest of the batch.
     """
     num_rows, vocab_size = logits.shape
-    row_mass = weights.sum(dim=-1, keepdim=True)  # [n, 1]: for rows without top-k
+    row_mass = _sum_rows(weights, invariant)[:, None]  # [n, 1]: for rows without top-k
     threshold = torch.empty(num_rows, 1, device=logits.device)  # [n, 1]
     pending = torch.arange(num_rows, device=logits.device)  # [m]
     width = min(int(top_k.max()), _NUCLEUS_WIDTH, vocab_size)  # all rows top-k <= 256: max k

@@ -1,4 +1,9 @@
-"""PyTorch reference attention: reads the cache through explicit index rows."""
+"""PyTorch reference attention: reads the cache through explicit index rows.
+
+With `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT) every query, decode or prefill, reduces
+over exactly its visible keys in fixed blocks (attention/invariant.py), so its bits depend on
+neither the batch nor the chunking; otherwise decode and prefill use SDPA (the fast path).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from deepinfer.model_executor.layers.attention.backend import (
     AttentionMetadata,
     GroupMetadata,
 )
+from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
 
 
 def decode_attention(cache, q: torch.Tensor, kv_index: torch.Tensor, scale: float) -> torch.Tensor:
@@ -47,6 +53,10 @@ def prefill_attention(q, k, v, loaded, q_pos, loaded_pos, scale, window):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, batch_invariant: bool = False):
+        self.batch_invariant = batch_invariant
+        self.layouts = StepLayouts() if batch_invariant else None
+
     def forward(self, cache, q, k, v, metadata: AttentionMetadata, group: GroupMetadata,
                 scale: float) -> torch.Tensor:
         md, g = metadata, group
@@ -54,11 +64,15 @@ class TorchAttentionBackend(AttentionBackend):
         rows = g.store_rows
         cache.store(g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
         out = torch.empty_like(q)  # [T, H, D]
-        nd = md.num_decode_tokens
-        if nd:
-            out[:nd] = decode_attention(cache, q[:nd], g.decode_index, scale)  # 3. decode reads
-        for seg, old in zip(g.prefills, loaded, strict=True):  # 4. prefill over [old | chunk]
+        nd, invariant = md.num_decode_tokens, self.batch_invariant
+        if nd:  # 3. decode reads
+            out[:nd] = invariant_decode(cache, q[:nd], self.layouts.decode(md, g), scale) if invariant \
+                else decode_attention(cache, q[:nd], g.decode_index, scale)
+        for i, (seg, old) in enumerate(zip(g.prefills, loaded, strict=True)):  # 4. prefill over [old | chunk]
             s, e = seg.token_start, seg.token_end
-            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], old, md.positions[s:e],
-                                         seg.load_positions, scale, g.window)
+            if invariant:
+                out[s:e] = invariant_prefill(cache, q[s:e], k[s:e], v[s:e], old, self.layouts.prefill(md, g, i), scale)
+            else:
+                out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], old, md.positions[s:e],
+                                             seg.load_positions, scale, g.window)
         return out

@@ -1,0 +1,123 @@
+"""Batch-invariant attention (DEEPINFER_BATCH_INVARIANT): where each query's keys sit.
+
+Every query, decode or prefill, reduces over its visible keys laid out in blocks of KEY_BLOCK at
+absolute position offsets (position x in block x // B, column x % B), from the block of its first
+visible key; hidden columns weigh exactly 0. Decode reads its index row shifted right by that
+offset; a prefill chunk lays [loaded | chunk] out once and all its queries share it. The numerics
+(`per_query_attention`, `shared_key_attention`) live in `layers/batch_invariant.py`; they give
+a query the same bits in both layouts. A step's layouts are the same for every layer of a cache
+group: the first layer builds them, the others reuse them (`StepLayouts`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.model_executor.layers.batch_invariant import (
+    DECODE_PAIR_BUDGET,
+    KEY_BLOCK,
+    PREFILL_PAIR_BUDGET,
+    padded_width,
+    per_query_attention,
+    query_slices,
+    shared_key_attention,
+)
+
+
+def first_visible(q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[n] the first position each query sees: p - W + 1 (window), else 0; never below 0."""
+    return (q_pos - window + 1).clamp(min=0) if window is not None else torch.zeros_like(q_pos)
+
+
+@dataclass
+class DecodeLayout:
+    index: torch.Tensor  # [N, L] slots, each row shifted right by its first key's offset in its block; -1 hidden
+    visible: torch.Tensor  # [N, L] index >= 0
+
+
+def decode_layout(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> DecodeLayout:
+    """kv_index [N, L0] (each query's visible slots in position order, then -1), q_pos [N]."""
+    shift = first_visible(q_pos, window) % KEY_BLOCK  # [N]
+    width = kv_index.shape[1]
+    cols = torch.arange(padded_width(width + int(shift.max())), device=kv_index.device) - shift[:, None]  # [N, L]
+    inside = (cols >= 0) & (cols < width)  # [N, L]
+    index = torch.where(inside, kv_index.gather(1, cols.clamp(0, max(width - 1, 0))), -1)  # [N, L]
+    return DecodeLayout(index, index >= 0)
+
+
+@dataclass
+class PrefillLayout:
+    left: int  # zero rows before the first row of [loaded | chunk] (its position's offset in its block)
+    width: int  # L: rows after padding, a multiple of KEY_BLOCK
+    visible: torch.Tensor  # [n, L] column c holds position base + c
+    first_block: torch.Tensor  # [n] block of each query's first visible key
+
+
+def prefill_layout(q_pos: torch.Tensor, loaded_pos: torch.Tensor, window: int | None) -> PrefillLayout:
+    """A chunk at positions q_pos [n] over loaded rows at loaded_pos [n_old] (consecutive, before it)."""
+    start = int(loaded_pos[0]) if loaded_pos.numel() else int(q_pos[0])  # position of the first row
+    base = start - start % KEY_BLOCK  # block boundary at or before it
+    width = padded_width(int(q_pos[-1]) + 1 - base)
+    key_pos = base + torch.arange(width, device=q_pos.device)  # [L]
+    first = first_visible(q_pos, window)  # [n]
+    visible = (key_pos >= first[:, None]) & (key_pos <= q_pos[:, None])  # [n, L]
+    first_block = torch.div(first - base, KEY_BLOCK, rounding_mode="floor")  # [n]
+    return PrefillLayout(start - base, width, visible, first_block)
+
+
+def invariant_decode(cache, q: torch.Tensor, layout: DecodeLayout, scale: float) -> torch.Tensor:
+    """q [N, H, D]: each query over its own cache rows -> [N, H, D]."""
+    out = torch.empty_like(q)  # [N, H, D]
+    for rows in query_slices(q.shape[0], layout.index.shape[1], DECODE_PAIR_BUDGET):
+        kv = cache.load(layout.index[rows])  # [n, L, 2, H_kv, D]
+        out[rows] = per_query_attention(q[rows], kv, layout.visible[rows], scale)
+    return out
+
+
+def as_cached(cache, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [n, H_kv, D] as a later read of the cache returns them -> [n, 2, H_kv, D]."""
+    return cache.codec.decode(cache.codec.encode(k, v))
+
+
+def invariant_prefill(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
+                      layout: PrefillLayout, scale: float) -> torch.Tensor:
+    """q [n, H, D], k, v [n, H_kv, D] of a chunk, loaded [n_old, 2, H_kv, D] -> [n, H, D]. The
+    chunk's rows are taken as the cache returns them, so a later decode read sees the same bits."""
+    chunk = as_cached(cache, k, v)  # [n, 2, H_kv, D]
+    right = layout.width - layout.left - loaded.shape[0] - chunk.shape[0]
+    rows = torch.cat((chunk.new_zeros(layout.left, *chunk.shape[1:]), loaded.to(chunk.dtype), chunk,
+                      chunk.new_zeros(right, *chunk.shape[1:])))  # [L, 2, H_kv, D]
+    out = torch.empty_like(q)  # [n, H, D]
+    for sub in query_slices(q.shape[0], layout.width, PREFILL_PAIR_BUDGET):
+        out[sub] = shared_key_attention(q[sub], rows, layout.visible[sub], layout.first_block[sub], scale)
+    return out
+
+
+class StepLayouts:
+    """The layouts of the step in flight, per (cache group, segment): built once, used by every layer."""
+
+    def __init__(self):
+        self._step = None  # the AttentionMetadata they belong to
+        self._layouts: dict[tuple[int, int], DecodeLayout | PrefillLayout] = {}
+
+    def _current(self, metadata) -> dict:
+        if self._step is not metadata:
+            self._step, self._layouts = metadata, {}
+        return self._layouts
+
+    def decode(self, metadata, group) -> DecodeLayout:
+        layouts, key = self._current(metadata), (id(group), -1)
+        if key not in layouts:
+            nd = metadata.num_decode_tokens
+            layouts[key] = decode_layout(group.decode_index, metadata.positions[:nd], group.window)
+        return layouts[key]
+
+    def prefill(self, metadata, group, i: int) -> PrefillLayout:
+        layouts, key = self._current(metadata), (id(group), i)
+        if key not in layouts:
+            seg = group.prefills[i]
+            q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
+            layouts[key] = prefill_layout(q_pos, seg.load_positions, group.window)
+        return layouts[key]

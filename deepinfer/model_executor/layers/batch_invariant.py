@@ -1,0 +1,299 @@
+"""Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`): a request's logprobs and seeded samples
+are bit-identical whatever else shares its batch and however its prompt is chunked.
+
+A float sum's value depends on its order, so an op is invariant when the order in which each
+output element is accumulated depends on that element's own inputs only, never on how many rows
+share the call, where the row sits in it, or how the work is split across threads. Measured on
+the CPU (an AMD EPYC with AVX-512, torch 2.13 with MKL and oneDNN, 2 threads;
+tests/models/test_batch_invariant.py repeats the checks), and what this module does about each:
+
+- Linear layers (`F.linear`). MKL's sgemm (torch's fp32 default) takes other kernels for calls
+  of 1 .. 3 rows and for the last M mod 4 rows of small calls (M < 12, and M = 129 for the LM
+  head): those rows differ in the last bits from the same row in a larger call, and batch-1
+  decode (M = 1) is exactly such a call. oneDNN's linear (`mkldnn._linear_pointwise`, the dense
+  weight, no copy) gives a row the same bits at any position of any call of M >= 2 rows
+  (every M = 2 .. 699 and spot checks to 4199, fp32 and bf16); one row takes a GEMV kernel.
+  `linear` runs oneDNN and gives a lone row a zero companion row. On SmolLM2's projections it is
+  also faster than MKL at 1 .. 32 rows (2 rows: 26 ms per token's 120 layer matmuls, MKL's GEMV
+  40 ms) and 7% slower at 512.
+  Off the CPU it falls back to F.linear on rows padded to a multiple of 4 (MKL's rule; unverified
+  for other BLAS).
+- Reductions. torch splits a reduction across threads only when it has a single output element
+  and >= 32768 inputs (a [1, V] sum over the vocabulary), otherwise it splits over output rows
+  and every row is reduced by the same serial loop. `row_sum` reduces fixed blocks of
+  `VOCAB_BLOCK` first, so no call has a single output element. RMSNorm, softmax, amax, topk and
+  cumsum over rows are invariant as they are.
+- Elementwise ops. A vectorized loop handles an array's tail (and each thread's chunk tail) with
+  the scalar function: for `exp`, `log`, `tanh`, `erf`, `rsqrt` and plain arithmetic both give
+  the same bits, for `silu`, `sigmoid` and `gelu` they do not (the same value rounds differently
+  at the end of an array). `silu`, `sigmoid` and `gelu` here are written with `exp` / `tanh` /
+  `erf` and IEEE arithmetic.
+- Attention. The reference backend pads decode reads to the widest query of the batch and runs
+  prefill over [loaded | chunk] with a mask: different lengths and kernels for the same query.
+  Here every query reduces over its visible keys in blocks of `KEY_BLOCK` at absolute position
+  offsets (attention/invariant.py lays them out), from the block of its first visible key: per
+  (KV head, block) the query rows times the block's keys and the weights times its values as
+  `row_matmul`s (MKL bmm on rows padded to a multiple of 4: for these K = B or D columns a row's
+  bits then depend on neither the row count nor the row's place, so decode's own [G, B] blocks and
+  prefill's shared [n*G, B] ones agree), an exact max, `exp`, a sum over each B-element block,
+  and a pairwise sum over blocks, zero-padded to a power of two, in which padding blocks add exact
+  zeros. A chunk's own keys are taken as the cache will return them (fp8 / bf16 caches).
+- The sampler (`Sampler(batch_invariant=True)`) takes its two vocabulary sums (logsumexp, top-p
+  mass) through `row_sum`; its other stages (argmax, topk, per-block sums, float64 prefix sums,
+  per-request generators) depend on the row alone.
+
+`BatchInvariantMode` (a `TorchFunctionMode`) reroutes `F.linear`, `F.silu`, `F.gelu` and
+`sigmoid` while a wrapped model runs, so model files need no change; it refuses
+`F.scaled_dot_product_attention`. `make_batch_invariant` wraps a model's `forward` and
+`compute_logits`; the runner calls it, and gives the attention backend and the sampler their flag,
+only when the knob is on (knob off: nothing here runs).
+
+Scope: bits are the same across batches and chunkings of one engine (a fixed thread count, dtype
+and machine), not across machines or thread counts. Verified on the CPU (fp32, bf16; fp8 and bf16
+KV caches) for the Llama family and Gemma 3. Not covered: DeepSeek-V4 (its sparse attention and
+compressors), which the runner refuses in this mode; penalties are exact per row but untested.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROW_MULTIPLE = 4  # MKL matmuls (attention's bmm; linear off the CPU) run on a multiple of 4 rows
+ONEDNN_MIN_ROWS = 2  # oneDNN's linear takes a GEMV kernel for 1 row: a lone row gets a zero row
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+KEY_BLOCK = 64  # keys per attention block
+VOCAB_BLOCK = 256  # elements per first-level block of `row_sum`
+DECODE_PAIR_BUDGET = 1 << 15  # query x key pairs per decode sub-batch (each pair gathers one cache row)
+PREFILL_PAIR_BUDGET = 1 << 20  # query x key pairs per prefill sub-batch (scores, expanded queries)
+UNSUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` whose rows' bits do not depend on the call: x [..., K] -> [..., N]. On the CPU
+    (fp32, bf16) oneDNN on at least `ONEDNN_MIN_ROWS` rows, else rows padded to a multiple of
+    `ROW_MULTIPLE` (zero rows, dropped after)."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    num_rows = rows.shape[0]
+    if _onednn_ok(rows, weight):
+        if num_rows < ONEDNN_MIN_ROWS:
+            rows = F.pad(rows, (0, 0, 0, ONEDNN_MIN_ROWS - num_rows))  # [M', K]
+        out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")  # [M', N]
+    else:
+        out = F.linear(pad_dim(rows, 0, ROW_MULTIPLE), weight, bias)  # [M', N]
+    if out.shape[0] != num_rows:
+        out = out[:num_rows]  # [M, N]
+    return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
+
+
+def _onednn_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """oneDNN's linear: CPU tensors of one dtype, fp32 or bf16, and a contiguous weight."""
+    return (_ONEDNN and rows.device.type == "cpu" and rows.dtype == weight.dtype
+            and rows.dtype in (torch.float32, torch.bfloat16) and weight.is_contiguous())
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), elementwise with the same bits at any position."""
+    return torch.exp(-x).add_(1.0).reciprocal_()
+
+
+def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """x / (1 + exp(-x)), written into x when `inplace` (F.silu's signature)."""
+    out = x / torch.exp(-x).add_(1.0)
+    return x.copy_(out) if inplace else out
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU from `tanh` (approximate="tanh") or `erf`, with IEEE arithmetic around it."""
+    if approximate == "tanh":
+        inner = (x + 0.044715 * x * x * x) * math.sqrt(2.0 / math.pi)  # [...]
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+    return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim, [..., V] -> [...]: blocks of `VOCAB_BLOCK` (zero-padded), then their
+    sums. No reduction has a single output element, so none is split across threads."""
+    pad = -x.shape[-1] % VOCAB_BLOCK
+    if pad:
+        x = F.pad(x, (0, pad))  # [..., V']
+    blocks = x.reshape(*x.shape[:-1], -1, VOCAB_BLOCK).sum(dim=-1)  # [..., V' / 256]
+    return blocks.sum(dim=-1)  # [...]
+
+
+def pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` as a pairwise tree over a power-of-two length (zero-padded). Zero entries at
+    the end add exact zeros, so the result does not depend on how far a row is padded."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    width = 1 << max(0, size - 1).bit_length()
+    if width != size:
+        pad = [0, 0] * (x.dim() - dim - 1) + [0, width - size]
+        x = F.pad(x, pad)
+    while x.shape[dim] > 1:
+        pairs = x.unflatten(dim, (-1, 2))
+        x = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
+def pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """x zero-padded at the end of `dim` to a multiple of `multiple`."""
+    dim = dim % x.dim()
+    pad = -x.shape[dim] % multiple
+    return F.pad(x, [0, 0] * (x.dim() - dim - 1) + [0, pad]) if pad else x
+
+
+def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b [..., K, N] (same batch dims), one bmm on rows padded to a multiple of
+    `ROW_MULTIPLE`, contiguous operands: a row's bits depend on that row and b alone. -> [..., M, N]."""
+    rows = a.shape[-2]
+    a = pad_dim(a, -2, ROW_MULTIPLE)
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]).contiguous(), b.reshape(-1, *b.shape[-2:]).contiguous())
+    out = out.view(*a.shape[:-1], out.shape[-1])  # [..., M', N]
+    return out[..., :rows, :] if out.shape[-2] != rows else out
+
+
+def block_softmax(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [n, Hkv, nb, G, B] (fp32), visible [n, nb, B] -> (weights exp(s - max) with 0 for hidden
+    keys [n, Hkv, nb, G, B], their per-block sums [n, Hkv, nb, G]). The max is exact in any order;
+    each block sum runs over B elements."""
+    hidden = ~visible[:, None, :, None, :]  # [n, 1, nb, 1, B]
+    scores = scores.masked_fill(hidden, float("-inf"))
+    best = scores.amax(dim=(2, 4), keepdim=True)  # [n, Hkv, 1, G, 1]
+    weights = (scores - best).exp_()  # [n, Hkv, nb, G, B]
+    return weights, weights.sum(dim=-1)
+
+
+def combine_blocks(partials: torch.Tensor, block_sums: torch.Tensor) -> torch.Tensor:
+    """partials [n, Hkv, nb, G, D] (weights @ values per block), block_sums [n, Hkv, nb, G], block 0
+    being each query's first block -> [n, Hkv * G, D]: pairwise trees over the blocks, divided."""
+    out = pairwise_sum(partials, dim=2) / pairwise_sum(block_sums, dim=2)[..., None]  # [n, Hkv, G, D]
+    return out.flatten(1, 2)  # [n, H, D]
+
+
+def _heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [n, H, D] -> [n, Hkv, G, D] in fp32 (query head h reads KV head h // G)."""
+    n, num_heads, head_dim = q.shape
+    return q.float().view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """[..., L, Hkv, D] -> [..., Hkv, L / B, B, D] (fp32)."""
+    *lead, length, num_kv_heads, head_dim = x.shape
+    x = x.float().reshape(*lead, length // KEY_BLOCK, KEY_BLOCK, num_kv_heads, head_dim)
+    return x.movedim(-2, len(lead))
+
+
+def per_query_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode: each query over its own rows. q [n, H, D]; kv [n, L, 2, Hkv, D] (L a multiple of
+    KEY_BLOCK, column 0 at a block boundary of absolute positions, the query's first visible key
+    in block 0); visible [n, L]. -> [n, H, D] in q's dtype."""
+    n, num_blocks, num_kv_heads = q.shape[0], kv.shape[1] // KEY_BLOCK, kv.shape[3]
+    heads = _heads(q, num_kv_heads)  # [n, Hkv, G, D]
+    keys, values = _blocks(kv[:, :, 0]), _blocks(kv[:, :, 1])  # [n, Hkv, nb, B, D] each
+    queries = heads[:, :, None].expand(-1, -1, num_blocks, -1, -1)  # [n, Hkv, nb, G, D]
+    scores = row_matmul(queries, keys.transpose(-1, -2)) * scale  # [n, Hkv, nb, G, B]
+    weights, block_sums = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK))
+    partials = row_matmul(weights, values)  # [n, Hkv, nb, G, D]
+    return combine_blocks(partials, block_sums).to(q.dtype)  # [n, H, D]
+
+
+def shared_key_attention(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, first_block: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Prefill: every query of a chunk over one row set. q [n, H, D]; rows [L, 2, Hkv, D] (L a
+    multiple of KEY_BLOCK, column 0 at a block boundary of absolute positions); visible [n, L];
+    first_block [n] the block of each query's first visible key. The same bits as
+    `per_query_attention` over the query's own rows. -> [n, H, D] in q's dtype."""
+    n, num_blocks, num_kv_heads = q.shape[0], rows.shape[0] // KEY_BLOCK, rows.shape[2]
+    heads = _heads(q, num_kv_heads)  # [n, Hkv, G, D]
+    group = heads.shape[2]
+    keys, values = _blocks(rows[:, 0]), _blocks(rows[:, 1])  # [Hkv, nb, B, D] each
+    queries = heads.permute(1, 0, 2, 3).reshape(num_kv_heads, 1, n * group, -1)  # [Hkv, 1, n*G, D]
+    queries = queries.expand(-1, num_blocks, -1, -1)  # [Hkv, nb, n*G, D]
+    scores = row_matmul(queries, keys.transpose(-1, -2)) * scale  # [Hkv, nb, n*G, B]
+    scores = scores.view(num_kv_heads, num_blocks, n, group, KEY_BLOCK).permute(2, 0, 1, 3, 4)  # [n, Hkv, nb, G, B]
+    weights, block_sums = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK))
+    weights = weights.permute(1, 2, 0, 3, 4).reshape(num_kv_heads, num_blocks, n * group, -1)  # [Hkv, nb, n*G, B]
+    partials = row_matmul(weights, values).view(num_kv_heads, num_blocks, n, group, -1)  # [Hkv, nb, n, G, D]
+    partials = partials.permute(2, 0, 1, 3, 4)  # [n, Hkv, nb, G, D]
+    partials, block_sums = _from_first_block(partials, first_block), _from_first_block(block_sums, first_block)
+    return combine_blocks(partials, block_sums).to(q.dtype)  # [n, H, D]
+
+
+def _from_first_block(x: torch.Tensor, first_block: torch.Tensor) -> torch.Tensor:
+    """x [n, Hkv, nb, ...] -> the same with each query's blocks shifted to start at its first block
+    (blocks past the end: zero)."""
+    if not bool(first_block.any()):
+        return x
+    num_blocks = x.shape[2]
+    index = first_block[:, None] + torch.arange(num_blocks, device=x.device)  # [n, nb]
+    inside = index < num_blocks  # [n, nb]
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]  # [n, 1]
+    shifted = x.movedim(2, 1)[rows, index.clamp(max=num_blocks - 1)]  # [n, nb, Hkv, ...]
+    shifted = torch.where(inside.view(*inside.shape, *([1] * (shifted.dim() - 2))), shifted, 0.0)
+    return shifted.movedim(1, 2)  # [n, Hkv, nb, ...]
+
+
+def padded_width(width: int) -> int:
+    """`width` keys rounded up to whole blocks (at least one)."""
+    return max(1, -(-width // KEY_BLOCK)) * KEY_BLOCK
+
+
+def query_slices(num_queries: int, width: int, budget: int) -> list[slice]:
+    """Query sub-batches of at most `budget` query x key pairs (at least one query each); every
+    query's result is its own, so the split changes no bits."""
+    step = max(1, budget // max(1, width))
+    return [slice(start, min(start + step, num_queries)) for start in range(0, num_queries, step)]
+
+
+_HANDLERS = {
+    F.linear: linear,
+    F.silu: silu,
+    F.gelu: gelu,
+    torch.sigmoid: sigmoid,
+    torch.Tensor.sigmoid: sigmoid,
+}
+_REFUSED = {F.scaled_dot_product_attention: "its CPU kernel's tiles depend on the sequence lengths"}
+
+
+class BatchInvariantMode(TorchFunctionMode):
+    """Reroutes the ops above to their invariant forms while a wrapped model runs."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if func in _REFUSED:
+            raise RuntimeError(f"{func.__name__} is not batch-invariant ({_REFUSED[func]}); "
+                               "DEEPINFER_BATCH_INVARIANT needs the attention backend's invariant path")
+        return func(*args, **kwargs)
+
+
+def _under_mode(method):
+    """`method` run inside BatchInvariantMode."""
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with BatchInvariantMode():
+            return method(*args, **kwargs)
+
+    return wrapped
+
+
+def check_model_type(model_type: str) -> None:
+    """Refuse the models this mode does not cover, naming the knob and the model type."""
+    if model_type in UNSUPPORTED_MODEL_TYPES:
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 is not supported for model_type={model_type!r}: its sparse "
+                         "attention and compressors have no batch-invariant path; unset DEEPINFER_BATCH_INVARIANT")
+
+
+def make_batch_invariant(model, model_type: str) -> None:
+    """Run `model.forward` and `model.compute_logits` in BatchInvariantMode from now on."""
+    check_model_type(model_type)
+    model.forward = _under_mode(model.forward)
+    model.compute_logits = _under_mode(model.compute_logits)

@@ -1,0 +1,250 @@
+"""Fuzzing `deepinfer serve`: no input gets a 5xx, nothing hangs, and the server is whole after.
+
+A live server on the tiny checkpoint (a short context, so that a valid request is quick) gets
+hypothesis-generated JSON bodies over the request fields of /v1/completions and
+/v1/chat/completions (right names with right and wrong types, huge and negative numbers, nested
+junk, lone surrogates, any unicode, sent as escaped ASCII or as raw UTF-8) and a table of
+hand-written hostile requests. Every answer must be a 2xx or an OpenAI-shaped 4xx within the
+per-request timeout; a stream must end with `data: [DONE]` and carry no error event. Afterwards
+a normal request succeeds and every KV block is free again. `pytest -s` prints the counts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from live_server import LiveServer
+
+MODEL = "fuzz-model"
+MAX_BODY = 1 << 20
+REQUEST_TIMEOUT_S = 30.0
+EXAMPLES_PER_ENDPOINT = 100  # per test: 4 tests
+COUNTS: Counter = Counter()
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_checkpoint):
+    with LiveServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96", "--served-model-name", MODEL,
+                    "--max-body-bytes", str(MAX_BODY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(fuzz_server):
+    with httpx.Client(base_url=fuzz_server.url, timeout=REQUEST_TIMEOUT_S) as c:
+        yield c
+
+
+def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | None = None,
+         method: str = "POST") -> int:
+    """One request; asserts no 5xx, no hang, an OpenAI-shaped 4xx, and a whole stream."""
+    headers = {"Content-Type": "application/json"} if headers is None else headers
+    try:
+        with client.stream(method, path, content=raw, headers=headers) as resp:
+            body = resp.read()
+    except httpx.TimeoutException:
+        COUNTS["timeouts"] += 1
+        pytest.fail(f"no answer within {REQUEST_TIMEOUT_S} s to {method} {path} {raw[:200]!r}")
+    status = resp.status_code
+    COUNTS["cases"] += 1
+    COUNTS[f"{status // 100}xx"] += 1
+    assert status < 500, f"{status} for {method} {path} {raw[:300]!r}: {body[:500]!r}"
+    if status >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+        assert b'data: {"error"' not in body, body[-500:]
+    return status
+
+
+# -- strategies -------------------------------------------------------------------------------------
+
+_surrogates = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=2)
+TEXT = st.one_of(st.text(max_size=30), st.tuples(st.text(max_size=5), _surrogates, st.text(max_size=5)).map("".join))
+INTS = st.one_of(st.integers(-3, 120), st.integers(),
+                 st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 10**40, -(10**40)]))
+FLOATS = st.one_of(st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True))
+JUNK = st.recursive(st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT),
+                    lambda children: st.one_of(st.lists(children, max_size=4),
+                                               st.dictionaries(TEXT, children, max_size=4)),
+                    max_leaves=12)
+TOKEN_IDS = st.lists(st.integers(-2, 50_000), max_size=24)
+
+_COMMON = {
+    "model": st.one_of(st.just(MODEL), TEXT),
+    "max_tokens": INTS, "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "min_p": FLOATS,
+    "presence_penalty": FLOATS, "frequency_penalty": FLOATS, "repetition_penalty": FLOATS, "seed": INTS,
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)), "n": INTS, "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.one_of(st.booleans(), JUNK)}),
+    "user": TEXT, "ignore_eos": st.booleans(), "logit_bias": st.dictionaries(TEXT, INTS, max_size=3),
+}
+COMPLETION_FIELDS = _COMMON | {
+    "prompt": st.one_of(st.text(max_size=60), TEXT, TOKEN_IDS, st.lists(TEXT, max_size=3),
+                        st.lists(TOKEN_IDS, max_size=3)),
+    "logprobs": INTS, "best_of": INTS, "echo": st.booleans(), "suffix": TEXT,
+}
+_PART = st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["text", "image_url"]), TEXT)},
+                              optional={"text": TEXT, "image_url": JUNK})
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), TEXT),
+     "content": st.one_of(st.text(max_size=60), TEXT, st.none(), st.lists(_PART, max_size=3))},
+    optional={"name": st.one_of(TEXT, JUNK), "tool_calls": JUNK, "tool_call_id": TEXT})
+CHAT_FIELDS = _COMMON | {
+    "messages": st.lists(_MESSAGE, max_size=4), "max_completion_tokens": INTS, "logprobs": st.booleans(),
+    "top_logprobs": INTS, "tools": st.lists(JUNK, max_size=2), "tool_choice": st.one_of(st.just("none"), JUNK),
+    "functions": st.lists(JUNK, max_size=2), "function_call": st.one_of(st.just("none"), JUNK),
+    "response_format": st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["text", "json_object"]), TEXT)}),
+}
+
+
+# well-typed: every value of its right type and mostly in range, so that most requests reach the
+# engine and exercise its sampling options together
+_CLEAN_TEXT = st.text(st.characters(codec="utf-8"), max_size=40)
+_WELL_TYPED_COMMON = {
+    "model": st.just(MODEL), "max_tokens": st.integers(1, 40), "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1), "top_k": st.one_of(st.integers(-1, 100), st.integers(0, 2**63 - 1)),
+    "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 5), "seed": st.integers(-(2**63), 2**64 - 1),
+    "stop": st.one_of(st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=4)),
+    "stream": st.booleans(), "user": _CLEAN_TEXT, "ignore_eos": st.booleans(), "n": st.just(1),
+}
+WELL_TYPED_COMPLETION_FIELDS = _WELL_TYPED_COMMON | {
+    "prompt": st.one_of(_CLEAN_TEXT.filter(str.strip), st.lists(st.integers(0, 49_151), min_size=1, max_size=40)),
+    "logprobs": st.integers(0, 20), "best_of": st.just(1), "echo": st.just(False),
+}
+WELL_TYPED_CHAT_FIELDS = _WELL_TYPED_COMMON | {
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                                "content": st.one_of(_CLEAN_TEXT, st.lists(st.fixed_dictionaries(
+                                                    {"type": st.just("text"), "text": _CLEAN_TEXT}), max_size=2))}),
+                         min_size=1, max_size=3),
+    "max_completion_tokens": st.integers(1, 40), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+}
+
+
+def well_typed(fields: dict, required: str) -> st.SearchStrategy[dict]:
+    optional = {name: strategy for name, strategy in fields.items() if name != required}
+    return st.fixed_dictionaries({required: fields[required]}, optional=optional)
+
+
+def bodies(fields: dict, required: str) -> st.SearchStrategy[dict]:
+    """Objects over `fields`: each value of its right type or junk; `required` mostly present."""
+    values = {name: st.one_of(strategy, JUNK) for name, strategy in fields.items() if name != required}
+    with_required = st.fixed_dictionaries({required: fields[required]}, optional=values)
+    return st.one_of(with_required, with_required, st.fixed_dictionaries({}, optional=values | {required: JUNK}))
+
+
+def encode(body: dict, ascii_only: bool) -> bytes:
+    """JSON as escaped ASCII, or as raw UTF-8 (a lone surrogate then goes out as its 3 bytes)."""
+    return json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+_FUZZ = settings(max_examples=EXAMPLES_PER_ENDPOINT, deadline=None, database=None, derandomize=True,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@_FUZZ
+@given(body=bodies(COMPLETION_FIELDS, "prompt"), ascii_only=st.booleans())
+def test_fuzz_completions(client, body, ascii_only):
+    send(client, "/v1/completions", encode(body, ascii_only))
+
+
+@_FUZZ
+@given(body=bodies(CHAT_FIELDS, "messages"), ascii_only=st.booleans())
+def test_fuzz_chat_completions(client, body, ascii_only):
+    send(client, "/v1/chat/completions", encode(body, ascii_only))
+
+
+@_FUZZ
+@given(body=well_typed(WELL_TYPED_COMPLETION_FIELDS, "prompt"))
+def test_fuzz_well_typed_completions(client, body):
+    send(client, "/v1/completions", encode(body, False))
+
+
+@_FUZZ
+@given(body=well_typed(WELL_TYPED_CHAT_FIELDS, "messages"))
+def test_fuzz_well_typed_chat_completions(client, body):
+    send(client, "/v1/chat/completions", encode(body, False))
+
+
+# -- hand-written hostile requests ------------------------------------------------------------------
+
+_BIG = "9" * 5001
+_NUMERIC = ["max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "seed", "n", "logprobs", "best_of"]
+_MSG = [{"role": "user", "content": "hi"}]
+
+
+def _surrogate_bodies() -> list[tuple[str, dict]]:
+    s = "x\ud800y"
+    completion = [{"prompt": s}, {"prompt": [s]}, {"prompt": "hi", "model": s}, {"prompt": "hi", "stop": s},
+                  {"prompt": "hi", "stop": ["a", s]}, {"prompt": "hi", "user": s}, {"prompt": "hi", "suffix": s},
+                  {"prompt": "hi", "logit_bias": {s: 1}}, {"prompt": "hi", s: 1}]
+    chat = [{"messages": [{"role": "user", "content": s}]}, {"messages": [{"role": s, "content": "x"}]},
+            {"messages": [{"role": "user", "content": "x", "name": s}]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": s}]}]},
+            {"messages": [{"role": "user", "content": [{"type": s, "text": "x"}]}]},
+            {"messages": _MSG, "model": s}, {"messages": _MSG, "stop": [s]}, {"messages": _MSG, "user": s},
+            {"messages": _MSG, "response_format": {"type": s}}, {"messages": _MSG, "tool_choice": s}]
+    return [("/v1/completions", b) for b in completion] + [("/v1/chat/completions", b) for b in chat]
+
+
+def hostile_requests() -> list[tuple[str, bytes | None, dict | None, str]]:
+    """(path, raw body, headers (None: JSON), method)."""
+    cases = []
+    for path, body in _surrogate_bodies():
+        cases += [(path, encode(body, True), None, "POST"), (path, encode(body, False), None, "POST")]
+    for field in _NUMERIC:
+        cases.append(("/v1/completions", f'{{"prompt": "hi", "{field}": {_BIG}}}'.encode(), None, "POST"))
+        cases.append(("/v1/completions", f'{{"prompt": "hi", "{field}": -{_BIG}.5e3}}'.encode(), None, "POST"))
+    deep = [b"[" * n + b"]" * n for n in (65, 1000, 100_000)]
+    cases += [("/v1/completions", b'{"prompt": ' + d + b"}", None, "POST") for d in deep]
+    cases += [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": ' + d + b"}]}",
+               None, "POST") for d in deep]
+    cases += [("/v1/completions", raw, None, "POST") for raw in (
+        b"", b"   ", b"not json", b"{", b"}", b"[]", b"null", b"1", b'"prompt"', b"\x00\x01\x02", b"\xff" * 10,
+        b'{"prompt": "a", "prompt": [1]}', b"\xef\xbb\xbf" + b'{"prompt": "hi"}', '{"prompt": "hi"}'.encode("utf-16"),
+        b'{"prompt": "hi", "max_tokens": Infinity}', b'{"prompt": "unterminated', b'{"prompt": "\\', b"[" * 50_000)]
+    for content_type in ("text/plain", "multipart/form-data; boundary=x", "application/x-www-form-urlencoded", ""):
+        headers = {"Content-Type": content_type} if content_type else {}
+        cases += [("/v1/completions", b'{"prompt": [5], "max_tokens": 2}', headers, "POST"),
+                  ("/v1/chat/completions", b"prompt=hi&max_tokens=2", headers, "POST")]
+    cases += [("/v1/completions", b"a" * (MAX_BODY + 1), None, "POST"), ("/v1/completions", None, None, "GET"),
+              ("/health", b"{}", None, "POST"), ("/v1/nothing", b"{}", None, "POST"),
+              ("/v1/models", b"x", None, "DELETE"), ("/v1/completions?x=%ff%00", b'{"prompt": [5]}', None, "POST")]
+    return cases
+
+
+def test_hand_written_hostile_requests(client):
+    before = COUNTS["cases"]
+    statuses = Counter(send(client, path, raw, headers, method) for path, raw, headers, method in hostile_requests())
+    print(f"\nhand-written: {COUNTS['cases'] - before} cases, statuses {dict(sorted(statuses.items()))}")
+
+
+# -- afterwards -------------------------------------------------------------------------------------
+
+
+def test_server_is_whole_after_the_fuzz(fuzz_server, client):
+    resp = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4,
+                                                "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 20
+    while True:
+        m = fuzz_server.metrics()
+        idle = m["deepinfer_num_requests_running"] == 0 and m["deepinfer_num_requests_waiting"] == 0
+        if idle and m["deepinfer_kv_free_blocks"] == m["deepinfer_kv_total_blocks"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert m["deepinfer_kv_free_blocks"] == m["deepinfer_kv_total_blocks"] > 0
+    assert httpx.get(fuzz_server.url + "/health", timeout=5).status_code == 200
+    print(f"\nfuzz totals: {COUNTS['cases']} cases, 2xx {COUNTS['2xx']}, 4xx {COUNTS['4xx']}, "
+          f"5xx {COUNTS['5xx']}, timeouts {COUNTS['timeouts']}")
+    assert COUNTS["5xx"] == 0 and COUNTS["timeouts"] == 0
