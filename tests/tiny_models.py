@@ -92,3 +92,20 @@ def assert_teacher_forcing(hf_model, prompt_ids, output_ids, sampled_logprobs=No
         if sampled_logprobs is not None:
             assert abs(sampled_logprobs[i] - float(ref[i, token])) < atol, (i, sampled_logprobs[i],
                                                                             float(ref[i, token]))
+
+
+@torch.inference_mode()
+def run_steps(llm, steps) -> list[torch.Tensor]:
+    """Logits [T, V] of every row of each single-request step (ScheduledRequests), run in order
+    through the engine's own cache and runner metadata."""
+    from deepinfer.contracts.plan import StepPlan
+    from deepinfer.model_executor.forward_context import forward_context
+    from deepinfer.worker.input_batch import build_step_inputs
+
+    runner, out = llm.engine.runner, []
+    for step in steps:
+        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
+        with forward_context(inputs.attn_metadata):
+            hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        out.append(runner.model.compute_logits(hidden).float())  # [T, V]
+    return out

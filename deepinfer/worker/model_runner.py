@@ -175,14 +175,16 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
         """Sample every row at once; if that raises, again row by row from the same generator
         states (sampling has no cache side effects), so the good rows draw what they would have."""
-        saved = self.sampler.save_generators(row.request_id for row in rows)
+        draws = any(row.sampling_params is not None and not row.sampling_params.greedy for row in rows)
+        saved = self.sampler.save_generators(row.request_id for row in rows) if draws else None
         try:
             return self._sample_rows(logits, rows)
         except Exception as exc:
             if is_fatal_fault(exc):
                 raise
             logger.warning("%s; sampling its %d rows one by one", describe_fault("sampling a batch", exc), len(rows))
-        self.sampler.restore_generators(saved)
+        if saved is not None:  # greedy rows draw nothing: nothing to rewind
+            self.sampler.restore_generators(saved)
         output = ModelOutput()
         for i, row in enumerate(rows):
             try:

@@ -16,10 +16,10 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import run_steps
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.contracts.plan import ScheduledRequest, StepPlan
-from deepinfer.model_executor.forward_context import forward_context
+from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.layers import batch_invariant as bi
 from deepinfer.model_executor.layers.attention.invariant import (
     decode_layout,
@@ -28,7 +28,6 @@ from deepinfer.model_executor.layers.attention.invariant import (
     prefill_layout,
 )
 from deepinfer.model_executor.layers.sampler import Sampler
-from deepinfer.worker.input_batch import build_step_inputs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
 # ---- ops -------------------------------------------------------------------------------------
@@ -265,18 +264,6 @@ def test_tiny_models_are_batch_invariant_under_preemption(arch, tiny_checkpoint)
         assert (ours.token_ids, ours.logprobs) == (theirs.token_ids, theirs.logprobs)
 
 
-@torch.inference_mode()
-def _step_logits(llm: LLM, steps: list[ScheduledRequest]) -> list[torch.Tensor]:
-    """Logits of every row of each single-request step, run in order through the engine's cache."""
-    runner, out = llm.engine.runner, []
-    for step in steps:
-        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
-        with forward_context(inputs.attn_metadata):
-            hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        out.append(runner.model.compute_logits(hidden).float())  # [T, V]
-    return out
-
-
 def test_verification_step_has_the_bits_of_a_prefill(tiny_checkpoint):
     """k+1 = 6 decode queries of one request (a verification step, ring wrapped three times) give
     the same logits, bit for bit, as a plain prefill of those positions (tests/worker's allclose)."""
@@ -285,7 +272,7 @@ def test_verification_step_has_the_bits_of_a_prefill(tiny_checkpoint):
     rng = random.Random(0)
     tokens = [rng.randrange(3, 49152) for _ in range(70)]
     table, p, k = list(range(9)), 61, 5
-    _, got = _step_logits(llm, [ScheduledRequest("r", tokens[:p], 0, (table,), (0,)),
+    _, got = run_steps(llm, [ScheduledRequest("r", tokens[:p], 0, (table,), (0,)),
                                 ScheduledRequest("r", tokens[p:p + k + 1], p, (table,), (0,), verify=True)])
-    ref = _step_logits(llm, [ScheduledRequest("q", tokens[:p + k + 1], 0, (list(range(9, 18)),), (1,))])[0]
+    ref = run_steps(llm, [ScheduledRequest("q", tokens[:p + k + 1], 0, (list(range(9, 18)),), (1,))])[0]
     assert torch.equal(got, ref[p:])

@@ -6,23 +6,10 @@ from __future__ import annotations
 import random
 
 import torch
+from tiny_models import run_steps
 
 from deepinfer import LLM
-from deepinfer.contracts.plan import ScheduledRequest, StepPlan
-from deepinfer.model_executor.forward_context import forward_context
-from deepinfer.worker.input_batch import build_step_inputs
-
-
-@torch.inference_mode()
-def run_steps(llm: LLM, steps: list[ScheduledRequest]) -> list[torch.Tensor]:
-    """Logits of every row of each step, run in order through the engine's cache."""
-    runner, out = llm.engine.runner, []
-    for step in steps:
-        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
-        with forward_context(inputs.attn_metadata):
-            hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        out.append(runner.model.compute_logits(hidden).float())  # [T, V]
-    return out
+from deepinfer.contracts.plan import ScheduledRequest
 
 
 def test_verification_step_equals_prefill(tiny_checkpoint):
