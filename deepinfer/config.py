@@ -57,15 +57,13 @@ class SchedulerConfig:
 
 @dataclass
 class CacheConfig:
-    """How the KV cache is sized and stored: blocks, bytes, row format, and the draft allowance
-    (k) that sliding-window rings keep room for."""
+    """How the KV cache is sized and stored: blocks, bytes and row format. (The draft allowance k
+    that sliding-window rings keep room for is `SpeculativeConfig.num_speculative_tokens`.)"""
 
     block_size: int = 16  # tokens per paged block
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "bfloat16" (bf16 rows) or "fp8" (MXFP8 rows)
-    # k draft tokens a step may verify; rings keep S >= W + k + 1. None: DEEPINFER_USE_NEXTN_DECODE
-    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         _positive("block_size", self.block_size)
@@ -73,12 +71,47 @@ class CacheConfig:
             _positive("num_blocks", self.num_blocks)
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
         _positive("kv_cache_memory", self.kv_cache_memory)
-        k = self.num_speculative_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                              f"got {self.kv_cache_dtype!r}")
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp")  # prompt lookup (any model); DeepSeek-V4's next-n module
+MAX_SPECULATIVE_TOKENS = 32  # drafts one verification step may carry: each costs a query row every step
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: who drafts (`method`; None: nobody) and how many tokens a step may
+    verify (k). k is also the ring allowance: rings keep S = W + max(backtracking, k + 1) rows.
+
+    k = None resolves to DEEPINFER_USE_NEXTN_DECODE (5) in `EngineConfig`.
+    """
+
+    method: str | None = None  # None, "ngram" or "mtp"
+    num_speculative_tokens: int | None = None  # k; None: DEEPINFER_USE_NEXTN_DECODE
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched against the history
+    prompt_lookup_min: int = 1  # ngram: shortest
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} "
+                             f"or None, got {self.method!r}")
+        k = self.num_speculative_tokens
+        low = 1 if self.method else 0
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not low <= k <= MAX_SPECULATIVE_TOKENS):
+            what = f"with speculative_method={self.method!r}" if self.method else "(the ring allowance)"
+            raise ValueError(f"num_speculative_tokens must be an integer in [{low}, {MAX_SPECULATIVE_TOKENS}] "
+                             f"{what}, got {k!r}")
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must not exceed "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
 
 
 @dataclass
@@ -95,14 +128,17 @@ class EngineConfig:
     load_format: str = "auto"  # one of LOAD_FORMATS
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
+    speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
     env: Environ | None = None  # None: the process environment (read once)
 
     def __post_init__(self):
         self.scheduler = self.scheduler or SchedulerConfig()
         self.cache = self.cache or CacheConfig()
+        self.speculative = self.speculative or SpeculativeConfig()
         self.env = self.env or get_environ()
-        if self.cache.num_speculative_tokens is None:
-            self.cache.num_speculative_tokens = self.env.use_nextn_decode
+        if self.speculative.num_speculative_tokens is None:  # one value sizes rings and caps drafts
+            self.speculative.num_speculative_tokens = self.env.use_nextn_decode
+            self.speculative.__post_init__()  # e.g. DEEPINFER_USE_NEXTN_DECODE=0 with a method
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_model_len is not None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig
+from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
@@ -25,21 +25,32 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 class LLM:
-    """An engine for offline use. `model=None` runs the embedded default model (SmolLM2-135M)."""
+    """An engine for offline use. `model=None` runs the embedded default model (SmolLM2-135M).
+
+    `speculative_method="ngram"` (prompt lookup, any model) or `"mtp"` (DeepSeek-V4's next-n
+    module) drafts up to `num_speculative_tokens` tokens per step, verified by the model in one
+    pass; outputs keep the distribution of plain decoding (greedy: the same tokens).
+    """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
                  max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
-                 num_speculative_tokens: int | None = None, hf_overrides: dict | None = None,
-                 load_format: str = "auto"):
+                 speculative_method: str | None = None, num_speculative_tokens: int | None = None,
+                 hf_overrides: dict | None = None, load_format: str = "auto"):
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                            kv_cache_dtype=kv_cache_dtype, num_speculative_tokens=num_speculative_tokens)
+                            kv_cache_dtype=kv_cache_dtype)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                              hf_overrides=hf_overrides, load_format=load_format)
+                              speculative=speculative, hf_overrides=hf_overrides, load_format=load_format)
         self.engine = build_engine(config)
+
+    def get_metrics(self) -> dict:
+        """The engine's counters since start: requests, tokens, preemptions and, with a
+        speculative method, drafts proposed and accepted (see `LLMEngine.get_metrics`)."""
+        return self.engine.get_metrics()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -5,9 +5,11 @@ collected, at module level and inside functions, classes and `if TYPE_CHECKING:`
 by `deepinfer/__init__.py` are ignored: it re-exports the public API.
 
 Rules:
-1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.model_executor`, `.entrypoints`, `.llm`.
-2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`.
-3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.entrypoints`, `.llm`.
+1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.spec_decode`, `.model_executor`,
+   `.entrypoints`, `.llm`.
+2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`; `spec_decode/` (between the
+   worker and the model executor) none of those nor `deepinfer.worker`.
+3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
 4. `model_executor/layers/ops/` imports none of `deepinfer.model_executor.models`, `.loader`,
    `.layers.attention`, `.layers.sampler` (nor a `sampling_metadata` module).
 5. `contracts/` imports, of ours, only `deepinfer.config`, `.environ`, `.sampling_params` and other
@@ -77,9 +79,13 @@ class Cycle:
 
 _ME = "deepinfer.model_executor"
 RULES = (
-    Rule("engine", "deepinfer.engine", ("torch", "deepinfer.worker", _ME, "deepinfer.entrypoints", "deepinfer.llm")),
+    Rule("engine", "deepinfer.engine",
+         ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm")),
     Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm")),
-    Rule("model_executor", _ME, ("deepinfer.engine", "deepinfer.worker", "deepinfer.entrypoints", "deepinfer.llm")),
+    Rule("spec_decode", "deepinfer.spec_decode",
+         ("deepinfer.engine", "deepinfer.worker", "deepinfer.entrypoints", "deepinfer.llm")),
+    Rule("model_executor", _ME,
+         ("deepinfer.engine", "deepinfer.worker", "deepinfer.spec_decode", "deepinfer.entrypoints", "deepinfer.llm")),
     Rule(
         "ops",
         f"{_ME}.layers.ops",

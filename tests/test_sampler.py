@@ -161,7 +161,7 @@ def test_wide_logit_ranges_sample_correctly():
     probs = torch.softmax(logits, dim=-1)
     assert counts[2] == counts[3] == counts[5] == 0
     assert _chi_square(counts[[0, 1, 4]], probs[[0, 1, 4]] / probs[[0, 1, 4]].sum()) < _CHI2_CRIT[2]
-    lse = sampler_module._logsumexp(logits[None])
+    lse = sampler_module.logsumexp(logits[None])
     torch.testing.assert_close(lse, torch.logsumexp(logits[None], dim=-1))
 
 
@@ -171,7 +171,7 @@ def test_inverse_cdf_never_picks_filtered_tokens_and_covers_the_edges():
     probs[1, 999] = 1.0  # the last token only (in the padded last block)
     probs[2, [255, 256, 511]] = torch.tensor([0.25, 0.5, 0.25])  # block edges
     for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-53):
-        ids = sampler_module._inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
+        ids = sampler_module.inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
         assert ids[:2] == [0, 999]
         assert ids[2] == (255 if u < 0.25 else 256 if u < 0.75 else 511)
 
@@ -181,7 +181,7 @@ def test_penalties_match_a_hand_computation():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5,
                             frequency_penalty=0.25)
     row = _row("r", params, prompt=[0, 1], output=[2, 2, 3])
-    out = sampler_module._apply_penalties(logits, _metadata([row]))
+    out = sampler_module.apply_penalties(logits, _metadata([row]))
     # repetition over {0, 1, 2, 3}: 2 -> 1, -1 -> -2, 0.5 -> 0.25, -3 -> -6
     # output counts {2: 2, 3: 1}: 0.25 - 0.5 - 2 * 0.25 = -0.75; -6 - 0.5 - 0.25 = -6.75
     expected = torch.tensor([[1.0, -2.0, -0.75, -6.75, 1.2, 0.0]])
@@ -196,7 +196,7 @@ def test_penalties_apply_only_to_their_rows_and_ignore_out_of_range_ids():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=2.0),
               SamplingParams(temperature=0.0)]
     rows = [_row(f"r{i}", p, output=[int(logits[i].argmax()), 10_000]) for i, p in enumerate(params)]
-    out = sampler_module._apply_penalties(logits, _metadata(rows))
+    out = sampler_module.apply_penalties(logits, _metadata(rows))
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     best = int(logits[1].argmax())
     assert out[1, best] == logits[1, best] - 2.0
@@ -218,7 +218,7 @@ def test_penalties_match_a_dense_reference_with_repeats_and_empty_histories():
               for r, pp, f in settings]
     rows = [_row(f"r{i}", p, prompt=h[0], output=h[1]) for i, (p, h) in enumerate(zip(params, histories,
                                                                                         strict=True))]
-    out = sampler_module._apply_penalties(logits, _metadata(rows))
+    out = sampler_module.apply_penalties(logits, _metadata(rows))
     for i, ((prompt, output), (r, pp, f)) in enumerate(zip(histories, settings, strict=True)):
         torch.testing.assert_close(out[i], _dense_penalties(logits[i], prompt, output, r, pp, f))
 

@@ -59,6 +59,12 @@ class CachedModel(Protocol):
     def compute_logits(self, hidden: Any) -> Any:
         """hidden [N, hidden] -> logits [N, V] for the rows that sample."""
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """After a step with verification spans: span (by its first packed row) -> how many of
+        its tokens were kept (the last sampled token and the accepted drafts). Per-request state
+        beside the caches (DeepSeek-V4's compressors) must end as if only those were computed;
+        cache rows of the rest need no undo (they are overwritten before anything reads them)."""
+
 
 @runtime_checkable
 class StepRunner(Protocol):

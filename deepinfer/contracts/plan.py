@@ -27,12 +27,18 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None
     prompt_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
     output_token_ids: list[int] = field(default_factory=list)  # for penalties (not copied)
-    # A verification step: its k+1 tokens are stored, then read, in decode order (book §3.5.1).
+    # A verification step: token_ids = [the last sampled token] + k drafts; its k+1 tokens are
+    # stored, then read, in decode order (book §3.5.1), and every position is scored.
     verify: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The drafts a verification step checks (empty for any other step)."""
+        return self.token_ids[1:] if self.verify else []
 
     @property
     def do_sample(self) -> bool:
@@ -68,12 +74,24 @@ class SampleResult:
 
 @dataclass
 class ModelOutput:
-    """request_id -> the token sampled for it this step (only requests whose plan sampled), and
-    request_id -> a one-line message for each request the runner could not serve this step (its
-    sampling failed alone); the engine fails those requests and keeps the others going."""
+    """What one step produced, per request id:
 
-    samples: dict[str, SampleResult] = field(default_factory=dict)
+    samples: the tokens sampled this step, in order (only requests whose plan sampled): one for a
+             plain step; for a verification step the accepted drafts, then the target model's
+             next token (1 .. k+1 tokens);
+    draft_token_ids: the drafts proposed for the request's next step (speculative decoding);
+    errors:  a one-line message for each request the runner could not serve this step (its
+             sampling failed alone); the engine fails those requests and keeps the others going.
+    """
+
+    samples: dict[str, list[SampleResult]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+
+    def update(self, other: ModelOutput) -> None:
+        self.samples.update(other.samples)
+        self.draft_token_ids.update(other.draft_token_ids)
+        self.errors.update(other.errors)
 
 
 class FatalStepError(RuntimeError):

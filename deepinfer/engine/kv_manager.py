@@ -240,6 +240,19 @@ class KVCacheManager:
             table.extend(self.block_pool.allocate(num_new))
         return True
 
+    def trim(self, request_id: str, num_tokens_total: int) -> int:
+        """Shrink the request's block tables to what `num_tokens_total` tokens need, freeing the
+        tail blocks (e.g. those only rejected draft positions used). Returns the blocks freed."""
+        cache = self._cache(request_id)
+        freed = 0
+        for spec, table in zip(self.paged_specs, cache.block_tables, strict=True):
+            keep = spec.num_blocks_for(num_tokens_total)
+            if len(table) > keep:
+                self.block_pool.free(reversed(table[keep:]))
+                freed += len(table) - keep
+                del table[keep:]
+        return freed
+
     def _register(self, request_id: str) -> _RequestCache:
         cache = _RequestCache(tuple([] for _ in self.paged_specs),
                               tuple(pool.allocate() for pool in self.slot_pools))

@@ -96,6 +96,20 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_metrics(self) -> dict:
+        """Counters since start: running / waiting requests, preemptions, KV blocks, and the
+        speculative-decoding counters (`SpecDecodeStats.as_dict`: drafts, draft tokens, accepted
+        tokens, acceptance per draft position, acceptance rate, mean accepted length)."""
+        kv = self.kv_manager
+        return {"num_requests_running": self.scheduler.num_running,
+                "num_requests_waiting": self.scheduler.num_waiting,
+                "num_preemptions": self.scheduler.num_preemptions_total,
+                "kv_cache_usage": kv.usage, "num_free_blocks": kv.num_free_blocks,
+                "num_total_blocks": kv.num_total_blocks,
+                "speculative_method": self.config.speculative.method,
+                "num_speculative_tokens": self.config.speculative.num_speculative_tokens,
+                **self.scheduler.spec_stats.as_dict()}
+
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -159,8 +173,7 @@ class LLMEngine:
                     raise
                 failures[sched.request_id] = solo_exc
                 continue
-            output.samples.update(result.samples)
-            output.errors.update(result.errors)
+            output.update(result)
         if len(failures) == len(plan.scheduled):
             raise exc
         for request_id, solo_exc in failures.items():
@@ -178,18 +191,20 @@ class LLMEngine:
         logger.error("request %r failed: %s", req.request_id, message)
         return self.outputs.fail(req, RequestFailedError(req.request_id, message))
 
-    def _process(self, req: Request, sample) -> RequestOutput:
-        """Fold the step's sample into req's output; a fault here fails req alone."""
+    def _process(self, req: Request, samples) -> RequestOutput:
+        """Fold the step's samples into req's output; a fault here fails req alone."""
         try:
-            return self._process_sample(req, sample)
+            return self._process_sample(req, samples or [])
         except Exception as exc:
             if is_fatal_fault(exc):
                 raise
             logger.exception("request %r failed in output processing", req.request_id)
             return self._fail(req, describe_fault("output processing", exc))
 
-    def _process_sample(self, req: Request, sample) -> RequestOutput:
-        stop = self.outputs.update(req, sample)
+    def _process_sample(self, req: Request, samples: list) -> RequestOutput:
+        stop, taken = self.outputs.update(req, samples)
+        if taken < len(samples):  # a stop string inside a verified run: its later tokens never were
+            req.truncate_outputs(req.num_output_tokens - (len(samples) - taken))
         if stop is not None:  # a stop string ends the request, even in the step that hit max_tokens
             if req.is_finished:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop

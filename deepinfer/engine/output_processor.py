@@ -32,22 +32,34 @@ class OutputProcessor:
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
         self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion)
 
-    def update(self, req: Request, sample) -> str | None:
-        """Fold this step's token (if any) and its text in; returns a stop string it completed."""
+    def update(self, req: Request, samples: list) -> tuple[str | None, int]:
+        """Fold this step's tokens and their text in, one token at a time as plain decoding
+        would. Returns (the stop string a token completed, or None; how many tokens were taken):
+        a stop string ends the run at the token that completed it."""
         state = self._states[req.request_id]
         c = state.completion
         c.delta_token_ids, c.delta_text = [], ""
-        if sample is not None:
+        if not samples:
+            self._fold_text(state, [], req.is_finished, False)
+            return None, 0
+        for i, sample in enumerate(samples):
+            last = i == len(samples) - 1
             self._add_token(state, req, sample)
-        text, matched = self._text_delta(state, req.is_finished, _ended_by_token(req))
-        c.text += text
-        c.delta_text = text
+            matched = self._fold_text(state, [sample.token_id], req.is_finished and last,
+                                      last and _ended_by_token(req))
+            if matched is not None:
+                return matched, i + 1
+        return None, len(samples)
+
+    def _fold_text(self, state: _State, new_ids: list[int], finished: bool, drop_last: bool) -> str | None:
+        text, matched = self._text_delta(state, new_ids, finished, drop_last)
+        state.completion.text += text
+        state.completion.delta_text += text
         return matched
 
     @staticmethod
-    def _text_delta(state: _State, finished: bool, drop_last: bool) -> tuple[str, str | None]:
+    def _text_delta(state: _State, new_ids: list[int], finished: bool, drop_last: bool) -> tuple[str, str | None]:
         """A stop token or EOS stays in token_ids but its text is not emitted (as in vLLM)."""
-        new_ids = state.completion.delta_token_ids
         delta = state.detokenizer.add_tokens(new_ids[:-1] if drop_last else new_ids)
         if finished:
             delta += state.detokenizer.flush()

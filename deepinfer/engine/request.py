@@ -46,6 +46,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -69,3 +70,8 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.token_ids.append(token_id)
+
+    def truncate_outputs(self, num_output_tokens: int) -> None:
+        """Keep the first `num_output_tokens` outputs (a stop string ended the run earlier)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens:]

@@ -15,6 +15,12 @@ Each step, under a budget of `max_num_batched_tokens` tokens:
    seats (`max_num_seqs`), budget and blocks for their first chunk last; admission stops at the
    first request that does not fit.
 
+Speculative decoding: the runner returns drafts with a request's sampled tokens; a decode
+request holding drafts is scheduled as one verification span `[last token] + k'` drafts, k' cut
+to what max_tokens, the model length and the token budget leave. The step's samples (accepted
+drafts + the target's next token) advance `num_computed_tokens` by their count; blocks that only
+rejected positions needed go back to the pool (`KVCacheManager.trim`).
+
 Order invariant: `running` is sorted by arrival and every running request arrived before every
 waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
 newest running request and FCFS order holds across preemptions.
@@ -28,6 +34,7 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.spec_stats import SpecDecodeStats
 
 
 class Scheduler:
@@ -41,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, FCFS
         self.running: list[Request] = []  # RUNNING, oldest first
         self.num_preemptions_total = 0
+        self.spec_stats = SpecDecodeStats()
         self._finished_request_ids: list[str] = []  # since the last schedule()
 
     # ---- requests -----------------------------------------------------------------------
@@ -132,12 +140,22 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, num_new, preempted):
+            drafts = self._drafts_to_verify(req, num_new, budget)
+            if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
                 break  # req preempted itself: it was the newest, nothing runs after it
-            scheduled.append(self._scheduled_request(req, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled_request(req, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a decode step of req verifies: as many as max_tokens, the model length and
+        the budget leave room for (each accepted draft is one more output token)."""
+        if not req.draft_token_ids or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(req.sampling_params.max_tokens - req.num_output_tokens,
+                   self.max_model_len(req) - req.num_tokens, budget) - 1
+        return req.draft_token_ids[:max(0, room)]
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
         """Get blocks for req's next `num_new` tokens, preempting newest first; False if req went."""
@@ -153,6 +171,7 @@ class Scheduler:
         """Free req's cache and queue it first in line; it will recompute prompt + outputs."""
         self.kv_manager.free(req.request_id)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []  # the recompute's last chunk proposes afresh
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -170,44 +189,70 @@ class Scheduler:
             scheduled.append(self._scheduled_request(req, num_new))
             budget -= num_new
 
-    def _scheduled_request(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled_request(self, req: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.token_ids[start:end],
+            token_ids=req.token_ids[start:end] + list(drafts),
             start_pos=start,
             block_ids=self.kv_manager.block_ids(req.request_id),
             state_ids=self.kv_manager.state_ids(req.request_id),
             sampling_params=req.sampling_params if end == req.num_tokens else None,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
+            verify=bool(drafts),
         )
 
     # ---- update -------------------------------------------------------------------------
     def update(self, plan: StepPlan, output: ModelOutput) -> list[Request]:
         """Apply a step's results: advance, append sampled tokens, stop, free.
 
-        Returns the requests that got a new token this step (finished ones included), in plan
-        order. Requests aborted since `schedule()` are skipped.
+        Returns the requests that got new tokens this step (finished ones included), in plan
+        order. Requests aborted since `schedule()` are skipped. A verification step's tokens are
+        appended one by one, each checked for a stop as plain decoding would; the first that ends
+        the request ends the run (`output.samples[id]` is cut to the tokens kept).
         """
         updated = []
         for sched in plan.scheduled:
             req = self.requests.get(sched.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += sched.num_tokens
             if not sched.do_sample:
+                req.num_computed_tokens += sched.num_tokens
                 continue
-            sample = output.samples.get(sched.request_id)
-            if sample is None:
+            samples = output.samples.get(sched.request_id)
+            if not samples or len(samples) > sched.num_tokens:
                 raise RuntimeError(f"request {sched.request_id!r} was planned to sample a token "
-                                   "but the model output has none for it")
-            req.append_output(sample.token_id)
-            self._check_stop(req)
+                                   f"but the model output has {len(samples or [])} for its "
+                                   f"{sched.num_tokens}-token step")
+            self._advance(req, sched, samples)
+            output.samples[sched.request_id] = samples[:self._append(req, samples)]
+            req.draft_token_ids = [] if req.is_finished else output.draft_token_ids.get(req.request_id, [])
             updated.append(req)
         if any(req.is_finished for req in updated):
             self.running = [req for req in self.running if not req.is_finished]
         return updated
+
+    def _advance(self, req: Request, sched: ScheduledRequest, samples: list) -> None:
+        """Count the step's computed tokens: all of a plain step; of a verification step, the
+        last token and the accepted drafts (one fewer than the samples). Blocks that only the
+        rejected positions needed are freed."""
+        if not sched.verify:
+            req.num_computed_tokens += sched.num_tokens
+            return
+        num_drafts = sched.num_tokens - 1
+        self.spec_stats.observe(num_drafts, len(samples) - 1)
+        req.num_computed_tokens += len(samples)
+        self.kv_manager.trim(req.request_id, req.num_computed_tokens)
+
+    def _append(self, req: Request, samples: list) -> int:
+        """Append sampled tokens until one ends the request; returns how many were appended."""
+        for i, sample in enumerate(samples):
+            req.append_output(sample.token_id)
+            self._check_stop(req)
+            if req.is_finished:
+                return i + 1
+        return len(samples)
 
     def _check_stop(self, req: Request) -> None:
         """Stop on a stop token id, EOS (unless ignore_eos), max_tokens or max_model_len."""

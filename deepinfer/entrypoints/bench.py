@@ -7,15 +7,21 @@ Workloads (same requests for every engine):
   long    16 requests of 2,048-token prompts and 256 outputs, run twice on the same model: with a
           sliding window of W = --window (128) on every layer, and with the full cache. Reports
           tokens/s of each and the KV bytes allocated per request against the formula S / L.
+  copy    8 requests whose answers repeat or edit text of the prompt, run with plain and with
+          speculative decoding (--speculative-method, default ngram) at batch 1 and 8; reports
+          tokens/s of each, the ratio, the acceptance and whether the outputs agree (bench_copy).
 
 Prompts are token ids, so a model without tokenizer files runs too (`--load-format dummy` on a
 bare config.json). `--max-tokens N` caps each request's output length (default: as drawn) and
 `--num-requests` sets cpu32's request count; the prompts stay the same.
 
-`--peer hf` / `--peer llama.cpp` run the same requests in a peer after ours, and the ratios are
-printed. With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs transformers'
-DeepseekV4ForCausalLM on our engine's own dummy weights, after our workloads and with our engine
-dropped, one request at a time (`hf-batch1`; see bench_peers).
+With `--speculative-method`, every workload runs with it (engine `deepinfer+ngram` or
+`deepinfer+mtp`) and prints its acceptance rate and mean accepted length over the measured run.
+
+`--peer hf` / `--peer llama.cpp` run the same requests (cpu32, decode1) in a peer after ours, and
+the ratios are printed. With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs
+transformers' DeepseekV4ForCausalLM on our engine's own dummy weights, after our workloads and
+with our engine dropped, one request at a time (`hf-batch1`; see bench_peers).
 
 A model with compressed cache groups (DeepSeek-V4) also gets `kv` lines (see bench_kv).
 """
@@ -23,9 +29,17 @@ A model with compressed cache groups (DeepSeek-V4) also gets `kv` lines (see ben
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 
-from deepinfer.entrypoints.bench_common import WORKLOADS, BenchResult, Workload, make_workload, run_deepinfer
+from deepinfer.entrypoints.bench_common import (
+    WORKLOADS,
+    BenchResult,
+    Workload,
+    engine_label,
+    format_result,
+    format_spec,
+    make_workload,
+    run_deepinfer,
+)
 from deepinfer.entrypoints.bench_kv import has_compressed_groups, kv_lines, workload_kv_line
 from deepinfer.entrypoints.bench_long import run_long
 from deepinfer.entrypoints.engine_args import make_llm
@@ -52,7 +66,13 @@ def run_bench(args) -> int:
     results = []
     if "long" in names:
         results += run_long(args)
+        _print_spec(results)
         names = [n for n in names if n != "long"]
+    if "copy" in names:
+        from deepinfer.entrypoints.bench_copy import run_copy
+
+        results += run_copy(args)
+        names = [n for n in names if n != "copy"]
     llm = make_llm(args) if names else None
     if llm is not None:
         for line in kv_lines(llm):
@@ -61,8 +81,9 @@ def run_bench(args) -> int:
     for name in names:
         workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests,
                                  max_output_len=max_tokens)
-        results.append(run_deepinfer(llm, workload))
+        results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
         _print(results[-1])
+        _print_spec(results[-1:])
         if name == "cpu32" and has_compressed_groups(llm.engine.runner):
             print(workload_kv_line(llm.engine.runner, workload), flush=True)
         workloads.append(workload)
@@ -77,7 +98,7 @@ def run_bench(args) -> int:
     _print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results], f, indent=2)
+            json.dump([r.as_json() for r in results], f, indent=2)
     return 0
 
 
@@ -121,8 +142,13 @@ def run_dummy_v4_peer(llm, workloads: list[Workload]) -> list[BenchResult]:
 
 
 def _print(r: BenchResult) -> None:
-    print(f"{r.workload:8s} {r.engine:10s} {r.output_tokens:6d} tokens in {r.seconds:8.2f} s "
-          f"= {r.tokens_per_s:8.2f} tok/s", flush=True)
+    print(format_result(r), flush=True)
+
+
+def _print_spec(results: list[BenchResult]) -> None:
+    for r in results:
+        if r.spec is not None:
+            print(format_spec(r), flush=True)
 
 
 def _print_ratios(results: list[BenchResult]) -> None:

@@ -1,18 +1,23 @@
 """What every `deepinfer bench` mode shares: the fixed workloads and running one on our engine.
 
-The workloads (cpu32, decode1, long) are described in `bench`; `bench_long`, `bench_kv`,
-`bench_peers` and `bench serve` build on the same `Workload` and `BenchResult`.
+The workloads (cpu32, decode1, long, copy) are described in `bench`; `bench_long`, `bench_kv`,
+`bench_copy`, `bench_peers` and `bench serve` build on the same `Workload` and `BenchResult`.
+
+With a speculative method, a measured run also carries what speculative decoding did in it:
+the deltas of the engine's counters (`LLM.get_metrics()`) from just before the run to just after,
+so a warm-up or an earlier run never counts.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.sampling_params import SamplingParams
 
-WORKLOADS = ("cpu32", "decode1", "long")
+WORKLOADS = ("cpu32", "decode1", "long", "copy")
 
 
 @dataclass
@@ -20,10 +25,15 @@ class Workload:
     name: str
     prompts: list[list[int]]
     output_lens: list[int]
+    ignore_eos: bool = True  # False: a request may stop at EOS, and output_lens are caps
 
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
+
+    def sampling_params(self) -> list[SamplingParams]:
+        """Greedy, one per request."""
+        return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=self.ignore_eos) for n in self.output_lens]
 
 
 @dataclass
@@ -32,10 +42,39 @@ class BenchResult:
     workload: str
     seconds: float
     output_tokens: int
+    batch: int | None = None  # requests in flight at once; None: the whole workload at once
+    spec: SpecDecodeStats | None = None  # speculative decoding in this run (None: no method)
+    vs_plain: dict | None = None  # a speculative run against plain decoding of the same requests
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    def as_json(self) -> dict:
+        """The fields that are set, tokens_per_s, and the spec counters with their rates."""
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.spec is not None:
+            d["spec"] = self.spec.as_dict()
+        return d | {"tokens_per_s": self.tokens_per_s}
+
+
+def engine_label(speculative_method: str | None) -> str:
+    """`deepinfer`, or `deepinfer+ngram` / `deepinfer+mtp` with a speculative method."""
+    return "deepinfer" if speculative_method is None else f"deepinfer+{speculative_method}"
+
+
+def format_result(r: BenchResult) -> str:
+    batch = "" if r.batch is None else f"batch {r.batch:2d} "
+    return (f"{r.workload:8s} {r.engine:15s} {batch}{r.output_tokens:6d} tokens in {r.seconds:8.2f} s "
+            f"= {r.tokens_per_s:8.2f} tok/s")
+
+
+def format_spec(r: BenchResult) -> str:
+    """Acceptance rate and mean accepted length of a speculative run."""
+    s, batch = r.spec, "" if r.batch is None else f" batch {r.batch}"
+    return (f"{r.workload:8s} {r.engine}{batch}: acceptance rate {s.acceptance_rate:.3f} "
+            f"({s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens), mean accepted length "
+            f"{s.mean_accepted_length:.2f} over {s.num_drafts} verification steps")
 
 
 def _capped(n: int, max_output_len: int | None) -> int:
@@ -45,7 +84,8 @@ def _capped(n: int, max_output_len: int | None) -> int:
 def make_workload(name: str, vocab_size: int, num_requests: int = 32, seed: int = 0,
                   max_output_len: int | None = None) -> Workload:
     """The workload's token-id prompts and output lengths; `max_output_len` caps the outputs of
-    cpu32 and decode1 (the prompts and the other draws stay the same)."""
+    cpu32 and decode1 (the prompts and the other draws stay the same). `copy` needs the model's
+    tokenizer: see `bench_copy.copy_workload`."""
     rng = random.Random(seed)
     if name == "cpu32":
         lens = [(rng.randint(32, 256), rng.randint(32, 256)) for _ in range(num_requests)]
@@ -60,12 +100,46 @@ def make_workload(name: str, vocab_size: int, num_requests: int = 32, seed: int 
 
 
 def run_deepinfer(llm, workload: Workload, engine: str = "deepinfer") -> BenchResult:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    """A warm-up request, then the workload all at once."""
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    result, _ = measure(llm, workload, engine)
+    return result
+
+
+def measure(llm, workload: Workload, engine: str, batch: int | None = None
+            ) -> tuple[BenchResult, list[list[int]]]:
+    """Run the workload `batch` requests at a time (one `generate` call per group; None: all at
+    once) and time it. Returns the result and every request's output token ids."""
+    before = llm.get_metrics()
+    params, size = workload.sampling_params(), batch or len(workload.prompts)
     start = time.perf_counter()
-    outs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outs = [out for i in range(0, len(params), size)
+            for out in llm.generate(workload.prompts[i:i + size], params[i:i + size], use_tqdm=False)]
     seconds = time.perf_counter() - start
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    if produced != workload.num_output_tokens:
+    token_ids = _checked_output_ids(outs, workload)
+    spec = spec_between(before, llm.get_metrics()) if before.get("speculative_method") else None
+    return BenchResult(engine, workload.name, seconds, sum(map(len, token_ids)), batch, spec), token_ids
+
+
+def _checked_output_ids(outs, workload: Workload) -> list[list[int]]:
+    """Output token ids per request; raises if a request failed or (ignore_eos) fell short."""
+    for out in outs:
+        if out.error is not None:
+            raise RuntimeError(f"deepinfer failed request {out.request_id}: {out.error}")
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    produced = sum(map(len, token_ids))
+    if workload.ignore_eos and produced != workload.num_output_tokens:
         raise RuntimeError(f"deepinfer produced {produced} tokens, expected {workload.num_output_tokens}")
-    return BenchResult(engine, workload.name, seconds, produced)
+    return token_ids
+
+
+def spec_between(before: dict, after: dict) -> SpecDecodeStats:
+    """What speculative decoding did between two `get_metrics()` snapshots."""
+    def delta(key: str) -> int:
+        return after[key] - before[key]
+
+    per_pos_before = before["spec_decode_num_accepted_tokens_per_pos"]
+    per_pos = [n - (per_pos_before[i] if i < len(per_pos_before) else 0)
+               for i, n in enumerate(after["spec_decode_num_accepted_tokens_per_pos"])]
+    return SpecDecodeStats(delta("spec_decode_num_drafts"), delta("spec_decode_num_draft_tokens"),
+                           delta("spec_decode_num_accepted_tokens"), per_pos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS
+from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, SPECULATIVE_METHODS
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -29,8 +29,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--hf-overrides", type=json.loads, default=None,
                    help='JSON object of model config fields to override, e.g. \'{"sliding_window": 128}\'')
+    g.add_argument("--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
+                   help="draft tokens and verify them in one pass: ngram (prompt lookup, any model) "
+                        "or mtp (DeepSeek-V4's next-n module); default: none")
     g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens a step may verify; rings keep S >= W + k + 1 "
+                   help="k: draft tokens a step may verify; rings keep S >= W + k + 1 "
                         "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
     g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                    help="auto: the checkpoint's weights; dummy: config.json only, seeded random weights "
@@ -57,6 +60,7 @@ def engine_kwargs(args) -> dict:
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                speculative_method=getattr(args, "speculative_method", None),
                 num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides,
                 load_format=getattr(args, "load_format", "auto"))
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.contracts.cache import CacheGroupSpec
+from deepinfer.contracts.plan import StepPlan
 from deepinfer.model_executor.layers.attention.backend import (
     AttentionMetadata,
     CompressedGroupMetadata,
@@ -35,13 +36,19 @@ _LONG = dict(dtype=torch.long)
 @dataclass
 class StepInputs:
     """One step's model inputs: packed ids and positions, the attention metadata, and which
-    requests sample (their last token's row on the packed axis)."""
+    requests sample: a plain one its last token's row on the packed axis, a verification step
+    all its k + 1 rows (`sample_index`, in `sample_rows` order)."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     sample_rows: list  # the ScheduledRequests that sample, in logits-row order
-    sample_index: torch.Tensor  # [N] row of each one's last token on the packed axis
+    sample_index: torch.Tensor  # [M] packed rows whose logits are computed (M >= len(sample_rows))
+    spans: list  # (ScheduledRequest, first packed row) of every request, in packed order
+
+    def logits_rows(self, s) -> int:
+        """How many logits rows request s samples from: k + 1 for a verification step, else 1."""
+        return s.num_tokens if s.verify else 1
 
 
 def is_decode(s) -> bool:
@@ -180,11 +187,18 @@ def build_attention_metadata(batch: _Batch, addressing: list[_GroupAddressing]) 
     nb = _one_token_decodes(batch)
     groups = [_compressed_group(a, batch, nb) if a.group.compress_ratio > 1 else _token_group(a, batch)
               for a in addressing]
-    spans = [RequestSpan(start, start + s.num_tokens, s.start_pos, tuple(s.state_ids))
+    spans = [RequestSpan(start, start + s.num_tokens, s.start_pos, tuple(s.state_ids), s.verify)
              for s, start in zip(batch.ordered, batch.starts, strict=True)]
     positions = torch.cat([_positions(s) for s in batch.ordered])  # [T]
     return AttentionMetadata(positions=positions, num_decode_tokens=int(batch.q_pos.numel()), groups=groups,
                              spans=spans, num_decode_spans=nb)
+
+
+def build_group_metadata(scheduled: list, addressing: list[_GroupAddressing]) -> tuple[AttentionMetadata, list]:
+    """Metadata of `addressing`'s groups alone for requests `scheduled` (e.g. a draft module's
+    own ring), and the order the requests take on the packed axis (decodes first)."""
+    batch = _batch(StepPlan(list(scheduled)))
+    return build_attention_metadata(batch, addressing), list(zip(batch.ordered, batch.starts, strict=True))
 
 
 def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device) -> StepInputs:
@@ -192,9 +206,11 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
     batch = _batch(plan)
     md = build_attention_metadata(batch, addressing)
     ids = [t for s in batch.ordered for t in s.token_ids]
-    rows = [(s, start + s.num_tokens - 1) for s, start in zip(batch.ordered, batch.starts, strict=True)
-            if s.do_sample]
-    sample_index = torch.tensor([i for _, i in rows], **_LONG)  # [N]
+    spans = list(zip(batch.ordered, batch.starts, strict=True))
+    rows = [s for s, _ in spans if s.do_sample]
+    sample_index = torch.tensor([i for s, start in spans if s.do_sample
+                                 for i in range(start + (0 if s.verify else s.num_tokens - 1), start + s.num_tokens)],
+                                **_LONG)  # [M]
     if device.type != "cpu":
         md, sample_index = md.to(device), sample_index.to(device, non_blocking=True)
-    return StepInputs(torch.tensor(ids, **_LONG).to(device), md.positions, md, [s for s, _ in rows], sample_index)
+    return StepInputs(torch.tensor(ids, **_LONG).to(device), md.positions, md, rows, sample_index, spans)

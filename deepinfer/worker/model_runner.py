@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.config import CacheConfig, EngineConfig, check_load_format
+from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig, check_load_format
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan, describe_fault, is_fatal_fault
@@ -24,8 +24,11 @@ from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_d
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
 from deepinfer.model_executor.models.registry import get_model_class
+from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
-from deepinfer.worker.input_batch import build_step_inputs, group_addressing
+from deepinfer.worker.drafters import NgramDrafter
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing
+from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("deepinfer.worker")
@@ -49,18 +52,33 @@ def resolve_device(name: str | None) -> torch.device:
     return torch.device(name)
 
 
-def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int):
+def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int,
+                speculative_method: str | None = None):
     """The source's model on `device` in `dtype`: checkpoint weights, or seeded random values when
-    the source's load_format is "dummy" (no weight file is read)."""
+    the source's load_format is "dummy" (no weight file is read). speculative_method="mtp" adds
+    the model's next-n draft module, refused for a model that has none."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     with torch.device(device):
         model = model_cls(cfg, max_positions)
+        if speculative_method == "mtp":
+            add_mtp = getattr(model, "add_mtp", None)
+            if add_mtp is None:
+                raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
+                                 f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
+            add_mtp()
     if check_load_format(getattr(source, "load_format", "auto")) == "dummy":
         init_dummy_weights(model)
     else:
         model.load_weights(source.iter_weights(torch.float32))
     return model.to(dtype=dtype).eval()
+
+
+def make_drafter(config: SpeculativeConfig, model, groups, addressing):
+    """The drafter of `config.method` (None without one)."""
+    if config.method is None:
+        return None
+    return NgramDrafter(config) if config.method == "ngram" else MtpDrafter(config, model, groups, addressing)
 
 
 def ring_size(window: int, env: Environ) -> int:
@@ -84,8 +102,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
             check_model_type(source.hf_config.model_type)
-        self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len)
-        self.env = draft_environ(config.env, cache_config.num_speculative_tokens)
+        self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
+                                              config.speculative.method)
+        self.speculative = config.speculative
+        self.env = draft_environ(config.env, self.speculative.num_speculative_tokens)
         if self.env.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits in the invariant mode
             make_batch_invariant(self.model, source.hf_config.model_type)
         self.groups, self.codecs = self._sized_groups(cache_config)
@@ -98,6 +118,8 @@ class ModelRunner:
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                            self.num_state_slots, TorchAttentionBackend(self.env.batch_invariant)))
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
 
     def _sized_groups(self, cache_config: CacheConfig) -> tuple[list[CacheGroupSpec], list[RowCodec]]:
         """The model's declared groups, sized (block size, ring S, page rows), with their codecs."""
@@ -107,7 +129,7 @@ class ModelRunner:
         groups = page_rows(groups, cache_config.block_size, codecs)
         for g in groups:
             if g.is_ring:
-                check_ring_fits_drafts(g.window, g.rows_per_unit, cache_config.num_speculative_tokens)
+                check_ring_fits_drafts(g.window, g.rows_per_unit, self.speculative.num_speculative_tokens)
         return groups, codecs
 
     def _ring_rows(self, window: int) -> int:
@@ -154,27 +176,48 @@ class ModelRunner:
         return num
 
     def release(self, request_ids) -> None:
-        """Drop per-request state (sampler generators) of finished or aborted requests."""
+        """Drop per-request state (sampler generators, draft distributions) of finished or
+        aborted requests."""
+        request_ids = list(request_ids)
         self.sampler.release(request_ids)
+        if self.drafter is not None:
+            self.drafter.release(request_ids)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
-        """Run the plan's forward and sample. A forward fault raises (the engine isolates it);
-        a sampling fault is retried row by row and rows that still fail come back in `errors`."""
-        self.sampler.release(plan.finished_request_ids)
+        """Run the plan's forward, sample (verifying drafts), then propose the next drafts. A
+        forward fault raises (the engine isolates it); a sampling fault is retried request by
+        request and requests that still fail come back in `errors`."""
+        self.release(plan.finished_request_ids)
+        if self.drafter is not None:
+            self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
         if plan.is_empty:
             return ModelOutput()
         inputs = build_step_inputs(plan, self.addressing, self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        if not inputs.sample_rows:
-            return ModelOutput()
-        logits = self.model.compute_logits(hidden[inputs.sample_index]).float()  # [N, V]
-        return self._sample(logits, inputs.sample_rows)
+        output = ModelOutput()
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
+            output = self._sample(logits, inputs)
+        self._keep_verified(inputs, output)
+        if self.drafter is not None:
+            output.draft_token_ids = self.drafter.propose(inputs, hidden, output.samples)
+        return output
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
-        """Sample every row at once; if that raises, again row by row from the same generator
-        states (sampling has no cache side effects), so the good rows draw what they would have."""
+    def _keep_verified(self, inputs: StepInputs, output: ModelOutput) -> None:
+        """Tell the model how many tokens of each verification step were kept (the last token
+        and the accepted drafts), so per-request state beside the caches forgets the rest."""
+        kept = {start: len(output.samples[s.request_id]) for s, start in inputs.spans
+                if s.verify and s.request_id in output.samples}
+        if kept:
+            self.model.keep_verified(kept)
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> ModelOutput:
+        """Sample every request at once; if that raises, again request by request from the same
+        generator states (sampling has no cache side effects), so the good ones draw what they
+        would have."""
+        rows, sizes = inputs.sample_rows, [inputs.logits_rows(s) for s in inputs.sample_rows]
         draws = any(row.sampling_params is not None and not row.sampling_params.greedy for row in rows)
         saved = self.sampler.save_generators(row.request_id for row in rows) if draws else None
         try:
@@ -182,22 +225,46 @@ class ModelRunner:
         except Exception as exc:
             if is_fatal_fault(exc):
                 raise
-            logger.warning("%s; sampling its %d rows one by one", describe_fault("sampling a batch", exc), len(rows))
+            logger.warning("%s; sampling its %d requests one by one", describe_fault("sampling a batch", exc),
+                           len(rows))
         if saved is not None:  # greedy rows draw nothing: nothing to rewind
             self.sampler.restore_generators(saved)
-        output = ModelOutput()
-        for i, row in enumerate(rows):
+        output, first = ModelOutput(), 0
+        for row, size in zip(rows, sizes, strict=True):
             try:
-                output.samples.update(self._sample_rows(logits[i:i + 1], [row]).samples)  # [1, V]
+                output.update(self._sample_rows(logits[first:first + size], [row]))  # [size, V]
             except Exception as exc:
                 if is_fatal_fault(exc):
                     raise
                 logger.exception("request %r failed in sampling", row.request_id)
                 output.errors[row.request_id] = describe_fault("sampling", exc)
+            first += size
         return output
 
     def _sample_rows(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
-        """logits [n, V], one row per entry of `rows` -> their samples."""
-        sampling = build_sampling_metadata(rows, self.device)
-        results = self.sampler(logits, sampling)
-        return ModelOutput(dict(zip(sampling.request_ids, results, strict=True)))
+        """logits [M, V]: one row per plain request, k + 1 per verification step, in `rows`
+        order -> their samples (plain rows through the sampler, verifications through the
+        rejection sampler)."""
+        sizes = [s.num_tokens if s.verify else 1 for s in rows]
+        offsets = [sum(sizes[:i]) for i in range(len(rows))]
+        plain = [i for i, s in enumerate(rows) if not s.verify]
+        verify = [i for i, s in enumerate(rows) if s.verify]
+        output = ModelOutput()
+        if plain:
+            index = torch.tensor([offsets[i] for i in plain], device=logits.device)  # [N]
+            sampling = build_sampling_metadata([rows[i] for i in plain], self.device)
+            results = self.sampler(logits.index_select(0, index), sampling)  # [N, V] in
+            output.samples.update((rid, [r]) for rid, r in zip(sampling.request_ids, results, strict=True))
+        if verify:
+            index = torch.cat([torch.arange(offsets[i], offsets[i] + sizes[i]) for i in verify]).to(logits.device)
+            checks = [self._verify_row(rows[i]) for i in verify]
+            results = self.rejection_sampler(logits.index_select(0, index), checks)  # [M', V] in
+            output.samples.update((c.request_id, r) for c, r in zip(checks, results, strict=True))
+        return output
+
+    def _verify_row(self, s: ScheduledRequest) -> VerifyRow:
+        if s.sampling_params is None:
+            raise ValueError(f"request {s.request_id!r} was given to the sampler without sampling_params")
+        probs = self.drafter.draft_probs(s.request_id, s.draft_token_ids) if self.drafter is not None else None
+        return VerifyRow(s.request_id, s.sampling_params, s.prompt_token_ids, s.output_token_ids,
+                         s.draft_token_ids, probs)

@@ -18,6 +18,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.plan import FatalStepError, describe_fault, is_fatal_fault
+from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.model_executor.layers.sampler import Sampler
@@ -302,7 +303,8 @@ class _FatalEngine:
     """Just enough of an LLMEngine for the engine loop; every step fails fatally."""
 
     def __init__(self):
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions_total=0)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions_total=0,
+                                         spec_stats=SpecDecodeStats())
         self.kv_manager = SimpleNamespace(usage=0.0, num_free_blocks=0, num_total_blocks=0)
         self.pending: list[str] = []
         self.fault = FatalStepError("injected: the device is gone")

@@ -66,7 +66,7 @@ class FakeRunner:
             for pos, token_id in enumerate(s.token_ids, start=s.start_pos):
                 self.rows[self.slot(s.block_ids[0], pos)] = (s.request_id, pos, token_id)
             self.num_computed[s.request_id] = s.start_pos + s.num_tokens
-        return ModelOutput({s.request_id: SampleResult(self.sample(s), -1.0)
+        return ModelOutput({s.request_id: [SampleResult(self.sample(s), -1.0)]
                             for s in plan.scheduled if s.do_sample})
 
     def sample(self, s) -> int:

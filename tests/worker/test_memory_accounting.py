@@ -45,8 +45,8 @@ def test_the_draft_allowance_has_one_source(tiny_checkpoint, monkeypatch):
     finally:
         monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE")
         get_environ.cache_clear()
-    assert default.engine.config.cache.num_speculative_tokens == 1
+    assert default.engine.config.speculative.num_speculative_tokens == 1
     assert default.engine.runner.groups[0].rows_per_unit == window + 2
-    assert explicit.engine.config.cache.num_speculative_tokens == 3
+    assert explicit.engine.config.speculative.num_speculative_tokens == 3
     assert explicit.engine.runner.groups[0].rows_per_unit == window + 4
     LLM(path, hf_overrides={"sliding_window": window})  # the environment was read at start-up only

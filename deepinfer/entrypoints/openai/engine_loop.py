@@ -303,9 +303,16 @@ class EngineLoop:
 
     def _publish_stats(self) -> None:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
-        self.stats = EngineStats(scheduler.num_running, scheduler.num_waiting, len(self._tracked),
-                                 kv.usage, kv.num_free_blocks, kv.num_total_blocks,
-                                 scheduler.num_preemptions_total)
+        spec = scheduler.spec_stats
+        spec_fields = dict(  # copied: the engine thread mutates spec_stats
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
+        self.stats = EngineStats(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_active=len(self._tracked), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks, num_preemptions_total=scheduler.num_preemptions_total,
+            **spec_fields)
         if self.metrics is not None:
             self.metrics.record_engine(self.stats)
 

@@ -27,6 +27,11 @@ class EngineStats:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_preemptions_total: int = 0
+    # speculative decoding since start (`engine.spec_stats.SpecDecodeStats`); zero without a method
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # [i]: how often draft i of a step was accepted
 
 
 class ServerMetrics:
@@ -55,7 +60,16 @@ class ServerMetrics:
         self.kv_free_blocks = Gauge("deepinfer_kv_free_blocks", "Free KV cache blocks", registry=r)
         self.kv_total_blocks = Gauge("deepinfer_kv_total_blocks", "KV cache blocks in all", registry=r)
         self.preemptions = Counter("deepinfer_num_preemptions", "Preemptions since start", registry=r)
-        self._num_preemptions_seen = 0
+        self.spec_drafts = Counter("deepinfer_spec_decode_num_drafts", "Speculative verification steps "
+                                   "(one per request per step that carried drafts)", registry=r)
+        self.spec_draft_tokens = Counter("deepinfer_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("deepinfer_spec_decode_num_accepted_tokens", "Draft tokens "
+                                            "accepted", registry=r)
+        self.spec_accepted_per_pos = Counter("deepinfer_spec_decode_num_accepted_tokens_per_pos", "Draft "
+                                             "tokens accepted at each draft position (0-based)", ["position"],
+                                             registry=r)
+        self._seen: dict[object, int] = {}  # counter (or labelled child) -> the engine total it has reached
 
     # -- per request ------------------------------------------------------------------------------
 
@@ -87,10 +101,20 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.kv_total_blocks.set(stats.num_total_blocks)
-        new = stats.num_preemptions_total - self._num_preemptions_seen
+        self._advance(self.preemptions, stats.num_preemptions_total)
+        self._advance(self.spec_drafts, stats.spec_num_drafts)
+        self._advance(self.spec_draft_tokens, stats.spec_num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, stats.spec_num_accepted_tokens)
+        for position, total in enumerate(stats.spec_accepted_per_position):
+            self._advance(self.spec_accepted_per_pos.labels(str(position)), total)
+
+    def _advance(self, counter, total: int) -> None:
+        """Move `counter` up to the engine's running `total` (counters only grow: a total below
+        the one seen, as in the empty snapshot after the engine stops, changes nothing)."""
+        new = total - self._seen.get(counter, 0)
         if new > 0:
-            self.preemptions.inc(new)
-            self._num_preemptions_seen = stats.num_preemptions_total
+            counter.inc(new)
+            self._seen[counter] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,11 +80,11 @@ class Sampler:
         if not metadata.num_rows:
             return []
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
-        lse = _logsumexp(logits, self.batch_invariant)  # [N]
-        processed = _apply_penalties(logits, metadata)  # [N, V]
+        lse = logsumexp(logits, self.batch_invariant)  # [N]
+        processed = apply_penalties(logits, metadata)  # [N, V]
         token_ids = self._choose(processed, metadata)  # [N]
         token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
-        top = _top_logprobs(logits, lse, metadata)
+        top = top_logprobs(logits, lse, metadata)
         pairs = zip(token_ids.tolist(), token_logprobs.tolist(), strict=True)
         return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i))
                 for i, (t, lp) in enumerate(pairs)]
@@ -129,21 +129,16 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [R, V] of the random rows: temperature, top-k / top-p, min-p, then the inverse
-        CDF at one uniform per row. -> [R].
-
-        Filters do not write -inf into the logits: each gives a per-row logit threshold (drop
-        below it) and the weights of dropped tokens are zeroed once (exp of -inf is slow on CPU).
-        """
-        scaled = logits / metadata.temperature  # [R, V]
-        best = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
-        weights = _exp_relative(scaled, best)  # [R, V]: softmax up to a per-row factor
-        threshold = torch.maximum(
-            _top_k_top_p_threshold(scaled, weights, metadata.top_k, metadata.top_p, self.batch_invariant),
-            best + metadata.min_p.log())  # [R, 1]; min-p 0: -inf
-        if metadata.any_filter:
-            weights.masked_fill_(scaled < threshold, 0.0)  # [R, V]; a no-op for a -inf threshold
+        CDF at one uniform per row. -> [R]."""
+        weights = filtered_weights(logits, metadata, self.batch_invariant)  # [R, V]
         uniforms = self._uniforms(metadata).to(weights.device)  # [R] float64
-        return _inverse_cdf(weights, uniforms)  # [R]
+        return inverse_cdf(weights, uniforms)  # [R]
+
+    def uniform(self, request_id: str, seed: int | None) -> float:
+        """One U[0, 1) draw for one request: from its own generator when it has a seed (created
+        on first use), else from the engine generator."""
+        generator = self._engine_generator if seed is None else self._generator(request_id, seed)
+        return torch.empty(1, dtype=torch.float64).uniform_(generator=generator).item()
 
     def _uniforms(self, metadata: SamplingMetadata) -> torch.Tensor:
         """One U[0, 1) float64 per random row, from the row's own generator or the engine's. -> [R] (CPU)."""
@@ -161,19 +156,40 @@ class Sampler:
 
     def _request_generator(self, metadata: SamplingMetadata, row: int) -> torch.Generator:
         """The generator of the (seeded) request of logits row `row`, created on first use."""
-        request_id = metadata.request_ids[row]
+        return self._generator(metadata.request_ids[row], metadata.params[row].seed)
+
+    def _generator(self, request_id: str, seed: int) -> torch.Generator:
         generator = self._request_generators.get(request_id)
         if generator is None:
-            generator = torch.Generator().manual_seed(metadata.params[row].seed)
+            generator = torch.Generator().manual_seed(seed)
             self._request_generators[request_id] = generator
         return generator
+
+
+def filtered_weights(logits: torch.Tensor, metadata: SamplingMetadata, invariant: bool = False) -> torch.Tensor:
+    """logits [R, V] of the random rows (in `metadata.random_rows` order) -> their sampling
+    weights [R, V]: softmax at the row's temperature up to a per-row factor, with the tokens
+    top-k, top-p and min-p drop set to 0.
+
+    Filters do not write -inf into the logits: each gives a per-row logit threshold (drop below
+    it) and the weights of dropped tokens are zeroed once (exp of -inf is slow on CPU).
+    """
+    scaled = logits / metadata.temperature  # [R, V]
+    best = scaled.amax(dim=-1, keepdim=True)  # [R, 1]
+    weights = _exp_relative(scaled, best)  # [R, V]: softmax up to a per-row factor
+    threshold = torch.maximum(
+        _top_k_top_p_threshold(scaled, weights, metadata.top_k, metadata.top_p, invariant),
+        best + metadata.min_p.log())  # [R, 1]; min-p 0: -inf
+    if metadata.any_filter:
+        weights.masked_fill_(scaled < threshold, 0.0)  # [R, V]; a no-op for a -inf threshold
+    return weights
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=like.device)  # [n]
 
 
-def _apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Returns `logits` itself when no row asks for a penalty, else a penalized copy. [N, V].
 
     Repetition (HF / vLLM): over prompt + output tokens, positive logits are divided by the
@@ -241,7 +257,7 @@ def _sum_rows(x: torch.Tensor, invariant: bool) -> torch.Tensor:
     return row_sum(x) if invariant else x.sum(dim=-1)
 
 
-def _logsumexp(logits: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+def logsumexp(logits: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """log(sum(exp(logits))) per row [N], through `_exp_relative` (fast for any logit range)."""
     best = logits.amax(dim=-1, keepdim=True)  # [N, 1]
     return _sum_rows(_exp_relative(logits, best), invariant).log_() + best[:, 0]  # [N]
@@ -304,7 +320,7 @@ def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch
     return threshold
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [n, V] (unnormalized weights >= 0; 0 for filtered tokens), uniforms [n] float64 in
     [0, 1) -> token ids [n].
 
@@ -337,7 +353,7 @@ def _never_filtered(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tenso
     return token_ids
 
 
-def _top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
+def top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
                   metadata: SamplingMetadata) -> dict[int, list[tuple[int, float]]]:
     """Row -> its top-n (token id, raw logprob), best first, for rows with logprobs set
     (an empty list for logprobs = 0)."""

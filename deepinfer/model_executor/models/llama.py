@@ -126,6 +126,9 @@ class LlamaForCausalLM(nn.Module):
     def state_bytes_per_slot(self) -> int:
         return 0
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
+
     def bind_caches(self, caches) -> None:
         bind_attention_caches(self.attention_layers(), caches)
 

@@ -91,6 +91,7 @@ class RequestSpan:
     token_end: int
     start_pos: int  # position of the span's first token
     state_ids: tuple[int, ...]  # one per ring group
+    verify: bool = False  # a verification step: only a prefix of its tokens may be kept
 
 
 @dataclass

@@ -22,11 +22,17 @@ copied per query, so a long prompt costs logits [n, H, L], not gathered rows [n,
 A compressed row is read back from the cache after it is stored, so a query reads the same
 bytes whether its row was written in this step or an earlier one (MXFP8 included). Rows a
 query may not see are never gathered: -1 in an index marks padding.
+
+Verification spans (k + 1 tokens of which only a prefix may be accepted): the compressor state
+they start from and their projections are kept for the step; `keep_verified` then replays the
+kept prefix from that state, so the state ends as if only the accepted tokens had been computed.
+Rows the rejected tokens completed stay in the paged cache past the request's row count, where
+the accepted continuation overwrites them before any query can read them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +41,13 @@ from deepinfer.model_executor.forward_context import get_forward_context
 from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse, load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
-from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA, CSACompressor, HCACompressor
+from deepinfer.model_executor.models.deepseek_v4.compressor import (
+    CSA,
+    HCA,
+    CompressorState,
+    CSACompressor,
+    HCACompressor,
+)
 from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
 
 
@@ -54,6 +66,17 @@ class CompressedRead:
         return load_latent(cache, slots).to(dtype), self.index >= 0
 
 
+@dataclass
+class _Verified:
+    """A verification span's compressor input: the state it started from and its projections."""
+
+    name: str
+    compressor: object
+    span: object  # RequestSpan
+    state: CompressorState
+    projected: tuple  # kv, score [n, C]
+
+
 def _store(cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """rows [n, D] -> the cache, one latent row per slot."""
     cache.store(slots, rows[:, None, :], None)
@@ -62,22 +85,25 @@ def _store(cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
 class CachedV4Attention(DeepseekV4Attention):
     """One V4 layer's attention with its compressor; the model runner binds the caches."""
 
-    def __init__(self, config, layer_idx: int):
-        layer_type = config.layer_types[layer_idx]
+    def __init__(self, config, layer_idx: int, layer_type: str | None = None):
+        """`layer_type` defaults to `config.layer_types[layer_idx]` (an MTP block passes SLIDING)."""
+        layer_type = layer_type or config.layer_types[layer_idx]
         super().__init__(config, layer_type)
         self.layer_idx, self.layer_type = layer_idx, layer_type
         self.sliding_window = config.sliding_window
         self.num_kv_heads = 1
         if layer_type not in (SLIDING, CSA, HCA):
-            raise ValueError(f"layer_types[{layer_idx}]={layer_type!r}; expected {SLIDING}, {CSA} or {HCA}")
+            raise ValueError(f"layer {layer_idx} has layer type {layer_type!r}; expected {SLIDING}, {CSA} or {HCA}")
         self.compressor = CSACompressor(config) if layer_type == CSA else \
             HCACompressor(config) if layer_type == HCA else None
         self.window_cache = self.rows_cache = self.index_cache = None  # LayerCaches, bound later
         self.window_group = self.rows_group = self.index_group = None  # indices into the step's group metadata
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
+        self._verified: list[_Verified] = []  # this step's verification spans
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
+        self._verified = []
         q, q_residual = self.queries(hidden, positions)  # [T, H, D], [T, q_lora_rank]
         kv = self.kv_rows(hidden, positions)  # [T, D]
         chunk_windows = self.store_window(kv, md)
@@ -170,6 +196,8 @@ class CachedV4Attention(DeepseekV4Attention):
         completes at `slots` [r] (the metadata's slots of those rows)."""
         bank = self.states[name]
         state = bank.read(span.state_ids[0], span.start_pos)
+        if span.verify:
+            self._verified.append(_Verified(name, compressor, span, _cloned(state), tuple(projected)))
         new_rows, _, state = compressor.compress_projected(*projected, span.start_pos, state)
         if new_rows.shape[0] != slots.numel():
             raise RuntimeError(f"layer {self.layer_idx} {name}: the compressor completed {new_rows.shape[0]} rows, "
@@ -178,6 +206,19 @@ class CachedV4Attention(DeepseekV4Attention):
             _store(cache, slots, new_rows)
         bank.write(span.state_ids[0], state)
 
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """Rewind each verification span's compressor state to its kept prefix: the state it
+        started from, advanced by the kept tokens' projections only (`kept`: first packed row of
+        a span -> tokens kept)."""
+        for v in self._verified:
+            n = kept.get(v.span.token_start)
+            if n is None or n == v.span.token_end - v.span.token_start:
+                continue
+            kv, score = (t[:n] for t in v.projected)
+            _, _, state = v.compressor.compress_projected(kv, score, v.span.start_pos, v.state)
+            self.states[v.name].write(v.span.state_ids[0], state)
+        self._verified = []
+
     def _select(self, index_in, positions, span, index_md, i: int) -> torch.Tensor:
         """The indexer's top-k visible rows [n, k] (row ids, -1 pad), scored against the cached index keys."""
         indexer = self.compressor.indexer
@@ -185,6 +226,12 @@ class CachedV4Attention(DeepseekV4Attention):
         self._compress(indexer, "index", self.index_cache, index_md.store_slots[i], (kv, score), span)
         keys = load_latent(self.index_cache, index_md.span_rows[i])  # [R, d]
         return indexer.select_with(q, weights, positions, keys)  # [n, k]
+
+
+def _cloned(state: CompressorState) -> CompressorState:
+    """A copy that the bank's later writes cannot change (read() returns views of the bank)."""
+    return replace(state, kv=state.kv.clone(), score=state.score.clone(), prev_a_kv=state.prev_a_kv.clone(),
+                   prev_a_score=state.prev_a_score.clone())
 
 
 def rows_of(slots: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:

@@ -8,12 +8,11 @@
 
 Cache groups (see `cache_groups`): "swa" (ring, every layer, one latent row per token),
 "csa" / "hca" (paged, one compressed row per m / m' tokens) and "index" (paged, the CSA
-indexer's keys, one per m tokens). Compressor state lives in the ring's state slots.
+indexer's keys, one per m tokens). Compressor state lives in the ring's state slots. With the
+MTP draft module on (`add_mtp`), an "mtp" ring holds its blocks' window rows.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 from torch import nn
@@ -25,9 +24,9 @@ from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Atte
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand_streams
 from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
-from deepinfer.model_executor.models.deepseek_v4.names import expert_target, module_name
+from deepinfer.model_executor.models.deepseek_v4.mtp import DeepseekV4MTP, num_mtp_layers
 from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
-from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights
+from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights, is_mtp_name, load_v4_weights
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -78,9 +77,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.state_banks: list[StateBank] = []
+        self.mtp: DeepseekV4MTP | None = None  # the next-n draft module, when `add_mtp` was called
+        self.last_streams: torch.Tensor | None = None  # [T, N, hidden] of the last forward (with MTP)
+
+    def add_mtp(self) -> None:
+        """Build the MTP draft module (before weights are loaded): speculative_method='mtp'."""
+        n = num_mtp_layers(self.config)
+        if n < 1:
+            raise ValueError(f"speculative_method='mtp' needs MTP layers, but the config's "
+                             f"num_nextn_predict_layers is {n}; use speculative_method='ngram'")
+        self.mtp = DeepseekV4MTP(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+        """[T] -> hidden [T, hidden]; with MTP on, the pre-head streams are kept in `last_streams`
+        (what the draft module reads next)."""
+        streams = self.model.forward_streams(input_ids, positions)  # [T, N, hidden]
+        if self.mtp is not None:
+            self.last_streams = streams
+        return self.model.norm(self.model.hc_head(streams))  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V]
@@ -100,6 +114,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             ids = tuple(i for i, a in enumerate(layers) if a.layer_type == kind)
             if ids:
                 groups.append(CacheGroupSpec(name, PAGED, ids, compress_ratio=cfg.compress_rates[kind], row=row))
+        if self.mtp is not None:  # the draft blocks' window rows, ids after the main layers
+            ids = tuple(layer.layer_idx for layer in self.mtp.layers)
+            groups.append(CacheGroupSpec("mtp", RING, ids, window=cfg.sliding_window, row=latent))
         return groups
 
     def bind_caches(self, caches: BoundCaches) -> None:
@@ -119,6 +136,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                 attn.index_cache, attn.index_group = views["index"][i], caches.group_index("index")
                 attn.states["index"] = StateBank(attn.compressor.indexer.init_state(device), caches.num_state_slots)
             self.state_banks += attn.states.values()
+        if self.mtp is not None:  # the drafter's metadata holds the "mtp" group alone: index 0
+            for layer in self.mtp.layers:
+                layer.self_attn.window_cache = views["mtp"][layer.layer_idx]
+                layer.self_attn.window_group = 0
+
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """Each compressor forgets the rejected tokens of the step's verification spans."""
+        for attn in self.attention_layers():
+            attn.keep_verified(kept)
 
     def state_bytes_per_slot(self) -> int:
         """fp32 compressor state one request holds across all layers."""
@@ -133,51 +159,31 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
         """V4- or module-named tensors; FP8 / FP4 weights with their scales are dequantized.
-        MTP tensors (`mtp.*`) belong to the draft module and are skipped here."""
-        loaded = load_v4_weights(self, (nt for nt in dequantize_v4_weights(weights, torch.float32)
-                                        if not is_mtp_name(nt[0])))
-        missing = {n for n, _ in self.named_parameters()} - loaded
+        MTP tensors (`mtp.*`) go to the draft module when it was added, else are skipped; with
+        the module added, a checkpoint without them is refused."""
+        mtp_tensors: list = []
+        main = (nt for nt in weights if not (is_mtp_name(nt[0]) and mtp_tensors.append(nt) is None))
+        loaded = load_v4_weights(self.main_module(), dequantize_v4_weights(main, torch.float32))
+        missing = {n for n, _ in self.main_module().named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+        if self.mtp is not None:
+            if not mtp_tensors:
+                raise ValueError("speculative_method='mtp' needs the checkpoint's MTP weights (mtp.* tensors), "
+                                 "but it has none; use speculative_method='ngram'")
+            self.mtp.load_weights(mtp_tensors)
+
+    def main_module(self) -> nn.Module:
+        """The main model and head, without the draft module (what a checkpoint must fill)."""
+        return _MainView(self.model, self.lm_head)
 
 
-def is_mtp_name(name: str) -> bool:
-    return name.startswith(("mtp.", "model.mtp."))
+class _MainView(nn.Module):
+    """`model` and `lm_head` under their own names, for loading the main weights alone."""
 
-
-def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
-    """Copy (name, tensor) pairs into `module`; returns the parameter names loaded.
-
-    Per-expert matrices go into the stacked expert weights; a shared expert's gate / up go into
-    its merged gate_up projection.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        expert = expert_target(name)
-        if expert is not None:
-            owner = rename(expert[0])
-            module.get_submodule(owner).load_expert_weight(expert[1], expert[2], tensor)
-            loaded.add(f"{owner}.{'down_proj' if expert[2] in ('w2', 'down_proj') else 'gate_up_proj'}")
-            continue
-        target = rename(name)
-        shared = _SHARED_GATE_UP.match(target)
-        if shared:
-            target = f"{shared.group(1)}.gate_up_proj.weight"
-            half = params[target].shape[0] // 2
-            dst = params[target].data[:half] if shared.group(2) == "gate" else params[target].data[half:]
-        elif target in params:
-            dst = params[target].data
-        else:
-            raise ValueError(f"checkpoint tensor {name!r} ({target!r}) has no matching parameter")
-        if dst.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
-        loaded.add(target)
-    return loaded
-
-
-_SHARED_GATE_UP = re.compile(r"^(.*\.shared_experts)\.(gate|up)_proj\.weight$")
+    def __init__(self, model: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.model, self.lm_head = model, lm_head
 
 
 __all__ = ["DeepseekV4ForCausalLM"]

@@ -9,7 +9,10 @@ One MTP layer, for each position t of a sequence (structure of DeepSeek's `MTPBl
     streams = one V4 decoder layer (hyper-connected sliding-window attention, score-routed MoE)
     logits  = lm_head(norm(hc_head(streams)))                                [T, vocab]
 
-The output streams at t predict token t+2. `hnorm` normalises each stream on its own. The
+The output streams at t predict token t+2. In the engine (`forward_cached`), the block's
+sliding-window rows live in the engine's "mtp" ring group, one ring per request like the main
+layers' window, written and read through the step's metadata (`worker/mtp_drafter.py`).
+`hnorm` normalises each stream on its own. The
 embedding and the LM head are the main model's (the checkpoint carries no MTP copies); `hc_head`
 and `norm` are the MTP layer's own. The block's attention is sliding-window only (no compressor)
 with the `main` RoPE, and its MoE routes by score, never by token hash.
@@ -29,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.model_executor.layers.norm import RMSNorm
-from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
+from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING
+from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead
-from deepinfer.model_executor.models.deepseek_v4.model import load_v4_weights
 from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
 from deepinfer.model_executor.models.deepseek_v4.names import module_name
-from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights
+from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights, load_v4_weights
 
 _MTP_NAME = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.+)$")
 # the main model's embedding / head under an MTP prefix (vLLM maps them onto the shared modules)
@@ -68,15 +71,16 @@ class DeepseekV4MTPLayer(nn.Module):
     `input_layernorm`, `post_attention_layernorm`, `attn_hc`, `ffn_hc`, then `hc_head`, `norm`.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.hc_mult, self.window = cfg.hc_mult, cfg.sliding_window
+        self.layer_idx = layer_idx  # its id in the "mtp" cache group (after the main layers)
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.e_proj = nn.Linear(h, h, bias=False)
         self.h_proj = nn.Linear(h, h, bias=False)
-        self.self_attn = DeepseekV4Attention(cfg, SLIDING)
+        self.self_attn = CachedV4Attention(cfg, layer_idx, layer_type=SLIDING)
         self.mlp = DeepseekV4MoE(_ScoreRoutedConfig(cfg), 0)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -97,11 +101,21 @@ class DeepseekV4MTPLayer(nn.Module):
         if prev_streams.shape[:2] != (num_tokens, self.hc_mult) or next_embeds.shape[0] != num_tokens:
             raise ValueError(f"prev_streams must be [{num_tokens}, {self.hc_mult}, hidden] and next_embeds "
                              f"[{num_tokens}, hidden], got {tuple(prev_streams.shape)} and {tuple(next_embeds.shape)}")
+        return self._block(prev_streams, next_embeds, positions, next_ids,
+                           lambda x: self.self_attn.forward_full(x, positions, self.window))
+
+    def forward_cached(self, prev_streams: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                       next_ids: torch.Tensor) -> torch.Tensor:
+        """`forward` for a packed step of many requests, its attention over the engine's "mtp"
+        ring through the forward context's metadata (store the new rows, read each query's
+        window). Same shapes as `forward`."""
+        return self._block(prev_streams, next_embeds, positions, next_ids, lambda x: self.self_attn(x, positions))
+
+    def _block(self, prev_streams, next_embeds, positions, next_ids, attention) -> torch.Tensor:
         e = next_embeds.masked_fill((positions == 0)[:, None], 0)  # [T, hidden]  position 0 sees no token
         streams = self.h_proj(self.hnorm(prev_streams)) + self.e_proj(self.enorm(e)).unsqueeze(1)  # [T, N, hidden]
         x, post, comb = self.attn_hc(streams)  # [T, hidden], [T, N], [T, N, N]
-        attn = self.self_attn.forward_full(self.input_layernorm(x), positions, self.window)  # [T, hidden]
-        streams = self.attn_hc.merge(attn, streams, post, comb)
+        streams = self.attn_hc.merge(attention(self.input_layernorm(x)), streams, post, comb)
         x, post, comb = self.ffn_hc(streams)
         moe = self.mlp(self.post_attention_layernorm(x), next_ids)  # [T, hidden]
         return self.ffn_hc.merge(moe, streams, post, comb)  # [T, N, hidden]
@@ -124,7 +138,7 @@ class DeepseekV4MTP(nn.Module):
         if n < 1:
             raise ValueError(f"num_nextn_predict_layers must be >= 1 for an MTP module, got {n}")
         self.config, self.window, self.hc_mult = cfg, cfg.sliding_window, cfg.hc_mult
-        self.layers = nn.ModuleList(DeepseekV4MTPLayer(cfg) for _ in range(n))
+        self.layers = nn.ModuleList(DeepseekV4MTPLayer(cfg, cfg.num_hidden_layers + i) for i in range(n))
 
     # ---- weights ---------------------------------------------------------------------------
     def _owns(self, name: str) -> bool:

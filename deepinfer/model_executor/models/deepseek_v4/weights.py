@@ -16,9 +16,13 @@ Scale names: DeepSeek's own `X.scale` beside `X.weight`; HF's `X.weight_scale_in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
+
+from deepinfer.model_executor.models.deepseek_v4.names import expert_target, module_name
 
 FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
@@ -133,3 +137,42 @@ def _leftovers(weights: dict[str, torch.Tensor],
         if scale_name.endswith("_scale_inv"):
             raise ValueError(f"scale tensor {scale_name!r} has no quantized weight")
         yield scale_name, scale
+
+
+def is_mtp_name(name: str) -> bool:
+    return name.startswith(("mtp.", "model.mtp."))
+
+
+def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
+    """Copy (name, tensor) pairs into `module`; returns the parameter names loaded.
+
+    Per-expert matrices go into the stacked expert weights; a shared expert's gate / up go into
+    its merged gate_up projection.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        expert = expert_target(name)
+        if expert is not None:
+            owner = rename(expert[0])
+            module.get_submodule(owner).load_expert_weight(expert[1], expert[2], tensor)
+            loaded.add(f"{owner}.{'down_proj' if expert[2] in ('w2', 'down_proj') else 'gate_up_proj'}")
+            continue
+        target = rename(name)
+        shared = _SHARED_GATE_UP.match(target)
+        if shared:
+            target = f"{shared.group(1)}.gate_up_proj.weight"
+            half = params[target].shape[0] // 2
+            dst = params[target].data[:half] if shared.group(2) == "gate" else params[target].data[half:]
+        elif target in params:
+            dst = params[target].data
+        else:
+            raise ValueError(f"checkpoint tensor {name!r} ({target!r}) has no matching parameter")
+        if dst.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        loaded.add(target)
+    return loaded
+
+
+_SHARED_GATE_UP = re.compile(r"^(.*\.shared_experts)\.(gate|up)_proj\.weight$")

@@ -1,0 +1,49 @@
+"""Draft proposers the runner calls after sampling: each request that sampled gets up to k drafts
+for its next step, which the scheduler then verifies in one span of 1 + k' tokens.
+
+    NgramDrafter  prompt lookup over the request's prompt and outputs (any model)
+    MtpDrafter    DeepSeek-V4's next-n module, chained k times (`worker/mtp_drafter.py`)
+
+A drafter offers `propose(inputs, hidden, samples) -> {request_id: drafts}`, `draft_probs`
+(the proposal distribution q of drafts it handed out, None for one-hot) and `release(ids)`.
+It proposes no more than the request's max_tokens leaves room to verify.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from deepinfer.config import SpeculativeConfig
+from deepinfer.spec_decode.ngram import NgramProposer
+
+
+def draft_budget(s, samples: list, k: int) -> int:
+    """Drafts worth proposing for request s after this step's samples: k, fewer when max_tokens
+    leaves less room (the verification step also yields one token of its own)."""
+    params = s.sampling_params
+    left = params.max_tokens - len(s.output_token_ids) - len(samples)
+    return max(0, min(k, left - 1))
+
+
+class NgramDrafter:
+    """Prompt lookup: drafts from the request's own history (prompt + outputs + this step's)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
+
+    def propose(self, inputs, hidden, samples: dict) -> dict[str, list[int]]:
+        drafts = {}
+        for s in inputs.sample_rows:
+            new = samples.get(s.request_id)
+            budget = draft_budget(s, new, self.k) if new else 0
+            if budget:
+                history = s.prompt_token_ids + s.output_token_ids + [r.token_id for r in new]
+                drafts[s.request_id] = self.proposer.propose(history, budget)
+        return drafts
+
+    def draft_probs(self, request_id: str, draft_token_ids: list[int]):
+        return None  # one-hot at each draft
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        pass
