@@ -16,6 +16,7 @@ from deepinfer.environ import Environ
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend
 from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
+from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.layers.ops.cache_common import (
     get_inference_swa_block_size,
     get_kvstore_swa_block_size,
@@ -106,8 +107,11 @@ class ModelRunner:
                                               config.speculative.method)
         self.speculative = config.speculative
         self.env = draft_environ(config.env, self.speculative.num_speculative_tokens)
+        self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T
         if self.env.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits in the invariant mode
             make_batch_invariant(self.model, source.hf_config.model_type)
+        else:
+            self.num_few_row_linear = use_few_row_linear(self.model)
         self.groups, self.codecs = self._sized_groups(cache_config)
         self.codec = self.codecs[0]
         self.num_state_slots = self._num_state_slots(cache_config, config.scheduler.max_num_seqs)
