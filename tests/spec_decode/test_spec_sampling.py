@@ -12,11 +12,11 @@ leaves room to verify only one draft, since the verification step also emits a t
 
 from __future__ import annotations
 
-import math
 import time
 
 import pytest
 import torch
+from chi_square import assert_fits, assert_rate
 from tiny_models import hf_reference
 
 from deepinfer import LLM, SamplingParams
@@ -26,44 +26,6 @@ VOCAB = 32
 PROMPT = [5, 17, 9, 23, 11, 30, 4]  # ids < 32; EOS (2) is ignored
 K = 2
 NUM_REQUESTS = 3000
-
-_Z_999 = 3.090232306167813  # standard normal quantile at 0.999
-
-
-def chi2_bound(df: int) -> float:
-    """The 99.9% quantile of chi-square with df degrees of freedom (no scipy here), by the
-    Wilson-Hilferty approximation: (X / df) ** (1/3) is close to normal with mean 1 - 2/(9 df) and
-    variance 2/(9 df), so the quantile is df * (1 - 2/(9 df) + z * sqrt(2/(9 df))) ** 3, z the
-    normal 99.9% quantile (df=10: 29.76 against the exact 29.59; slightly lenient for small df)."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + _Z_999 * math.sqrt(a)) ** 3
-
-
-def assert_fits(counts: torch.Tensor, probs: torch.Tensor, what: str) -> None:
-    """Pearson chi-square of counts against probs (any shape): p = 0 cells must be empty; cells
-    expecting < 5 are pooled (into the smallest bin if the pool itself expects < 5); the statistic
-    must stay below the 99.9% quantile (the draws are seeded: the outcome is deterministic)."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    probs = probs / probs.sum()
-    n = float(counts.sum())
-    impossible = int(counts[probs == 0].sum())
-    assert impossible == 0, f"{what}: {impossible} tokens of probability 0 were sampled"
-    expected = probs * n
-    big = expected >= 5.0
-    obs, exp = counts[big].tolist(), expected[big].tolist()
-    small_obs, small_exp = float(counts[~big].sum()), float(expected[~big].sum())
-    if small_exp >= 5.0:
-        obs.append(small_obs)
-        exp.append(small_exp)
-    elif small_exp > 0.0:
-        j = min(range(len(exp)), key=exp.__getitem__)
-        obs[j] += small_obs
-        exp[j] += small_exp
-    df = len(exp) - 1
-    assert df >= 1, f"{what}: too few bins to test"
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
-    assert stat < chi2_bound(df), f"{what}: chi-square {stat:.1f} >= {chi2_bound(df):.1f} (df={df})"
-
 
 class Reference:
     """The exact law of plain decoding from the HF model: processed distributions of every context
@@ -169,8 +131,7 @@ def test_sampled_tokens_with_drafts_follow_plain_decoding(model_dir, penalty, on
     # the accepted drafts are the tokens the drafter proposed, so the acceptance of d1 is a binomial
     # count with success probability sum_t p1(t) p2(d1(t) | t) (one-hot q: accept with p(d1))
     accept_d1 = float(sum(p1[t] * p2[t, table[t][0]] for t in range(VOCAB)))
-    sigma = math.sqrt(NUM_REQUESTS * accept_d1 * (1 - accept_d1))
-    assert abs(per_position[0] - NUM_REQUESTS * accept_d1) < 4 * sigma, (per_position, accept_d1)
+    assert_rate(per_position[0], NUM_REQUESTS, accept_d1, "first draft accepted")
 
     # the exact laws of each output token, marginalised over the earlier ones
     law2 = (p1[:, None] * p2).sum(0)  # [V]
