@@ -46,9 +46,10 @@ class StepInputs:
     sample_index: torch.Tensor  # [M] packed rows whose logits are computed (M >= len(sample_rows))
     spans: list  # (ScheduledRequest, first packed row) of every request, in packed order
 
-    def logits_rows(self, s) -> int:
-        """How many logits rows request s samples from: k + 1 for a verification step, else 1."""
-        return s.num_tokens if s.verify else 1
+
+def num_logits_rows(s) -> int:
+    """How many logits rows a sampling request s needs: k + 1 for a verification step, else 1."""
+    return s.num_tokens if s.verify else 1
 
 
 def is_decode(s) -> bool:
@@ -208,8 +209,8 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
     ids = [t for s in batch.ordered for t in s.token_ids]
     spans = list(zip(batch.ordered, batch.starts, strict=True))
     rows = [s for s, _ in spans if s.do_sample]
-    sample_index = torch.tensor([i for s, start in spans if s.do_sample
-                                 for i in range(start + (0 if s.verify else s.num_tokens - 1), start + s.num_tokens)],
+    end = {id(s): start + s.num_tokens for s, start in spans}
+    sample_index = torch.tensor([i for s in rows for i in range(end[id(s)] - num_logits_rows(s), end[id(s)])],
                                 **_LONG)  # [M]
     if device.type != "cpu":
         md, sample_index = md.to(device), sample_index.to(device, non_blocking=True)

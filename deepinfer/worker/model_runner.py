@@ -28,7 +28,7 @@ from deepinfer.model_executor.models.registry import get_model_class
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
 from deepinfer.worker.drafters import NgramDrafter
-from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
 from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
@@ -221,7 +221,7 @@ class ModelRunner:
         """Sample every request at once; if that raises, again request by request from the same
         generator states (sampling has no cache side effects), so the good ones draw what they
         would have."""
-        rows, sizes = inputs.sample_rows, [inputs.logits_rows(s) for s in inputs.sample_rows]
+        rows, sizes = inputs.sample_rows, [num_logits_rows(s) for s in inputs.sample_rows]
         draws = any(row.sampling_params is not None and not row.sampling_params.greedy for row in rows)
         saved = self.sampler.save_generators(row.request_id for row in rows) if draws else None
         try:
@@ -249,7 +249,7 @@ class ModelRunner:
         """logits [M, V]: one row per plain request, k + 1 per verification step, in `rows`
         order -> their samples (plain rows through the sampler, verifications through the
         rejection sampler)."""
-        sizes = [s.num_tokens if s.verify else 1 for s in rows]
+        sizes = [num_logits_rows(s) for s in rows]
         offsets = [sum(sizes[:i]) for i in range(len(rows))]
         plain = [i for i, s in enumerate(rows) if not s.verify]
         verify = [i for i, s in enumerate(rows) if s.verify]

@@ -60,7 +60,7 @@ class MtpDrafter:
             raise ValueError(f"the MTP module needs one 'mtp' ring group, the model declared {names}")
 
     def propose(self, inputs, hidden, samples: dict) -> dict[str, list[int]]:
-        chains = self._first_pass_inputs(inputs, samples)
+        chains, drafts = self._first_pass_inputs(inputs, samples)
         step = 0
         while chains:
             outs = self._run(step, chains)  # per chain [n, N, hidden]
@@ -78,13 +78,13 @@ class MtpDrafter:
                                            c.sched.state_ids)
                     chains.append(_Chain(nxt, out[-1:], c.budget, c.drafts))
             step += 1
-        return self._drafts
+        return drafts
 
-    def _first_pass_inputs(self, inputs, samples: dict) -> list[_Chain]:
-        """Every request's kept positions with the tokens after them; `_drafts` collects, per
-        request that sampled and has room, the drafts its chain produces."""
+    def _first_pass_inputs(self, inputs, samples: dict) -> tuple[list[_Chain], dict[str, list[int]]]:
+        """Every request's kept positions with the tokens after them, and per request that
+        sampled and has room the list its chain's drafts will be appended to."""
         streams = self.model.last_streams  # [T, N, hidden]
-        self._drafts: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
         chains = []
         for s, start in inputs.spans:
             new = samples.get(s.request_id)
@@ -93,11 +93,11 @@ class MtpDrafter:
             kept = len(new) if s.verify else s.num_tokens
             following = [new[-1].token_id] if s.do_sample else [_token_at(s, s.start_pos + s.num_tokens)]
             budget = draft_budget(s, new, self.k) if s.do_sample else 0
-            drafts = self._drafts.setdefault(s.request_id, []) if budget else []
+            collected = drafts.setdefault(s.request_id, []) if budget else []
             sched = ScheduledRequest(s.request_id, s.token_ids[1:kept] + following, s.start_pos, s.block_ids,
                                      s.state_ids)
-            chains.append(_Chain(sched, streams[start:start + kept], budget, drafts))
-        return chains
+            chains.append(_Chain(sched, streams[start:start + kept], budget, collected))
+        return chains, drafts
 
     def _run(self, step: int, chains: list[_Chain]) -> list[torch.Tensor]:
         """One pass of MTP layer `step % L` over every chain, packed; per chain its output [n, N, hidden]."""

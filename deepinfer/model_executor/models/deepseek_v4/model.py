@@ -162,9 +162,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         MTP tensors (`mtp.*`) go to the draft module when it was added, else are skipped; with
         the module added, a checkpoint without them is refused."""
         mtp_tensors: list = []
-        main = (nt for nt in weights if not (is_mtp_name(nt[0]) and mtp_tensors.append(nt) is None))
-        loaded = load_v4_weights(self.main_module(), dequantize_v4_weights(main, torch.float32))
-        missing = {n for n, _ in self.main_module().named_parameters()} - loaded
+
+        def main_tensors():
+            for name, tensor in weights:
+                if not is_mtp_name(name):
+                    yield name, tensor
+                elif self.mtp is not None:
+                    mtp_tensors.append((name, tensor))
+
+        loaded = load_v4_weights(self, dequantize_v4_weights(main_tensors(), torch.float32))
+        missing = {n for n, _ in self.named_parameters() if not n.startswith("mtp.")} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
         if self.mtp is not None:
@@ -172,18 +179,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError("speculative_method='mtp' needs the checkpoint's MTP weights (mtp.* tensors), "
                                  "but it has none; use speculative_method='ngram'")
             self.mtp.load_weights(mtp_tensors)
-
-    def main_module(self) -> nn.Module:
-        """The main model and head, without the draft module (what a checkpoint must fill)."""
-        return _MainView(self.model, self.lm_head)
-
-
-class _MainView(nn.Module):
-    """`model` and `lm_head` under their own names, for loading the main weights alone."""
-
-    def __init__(self, model: nn.Module, lm_head: nn.Module):
-        super().__init__()
-        self.model, self.lm_head = model, lm_head
 
 
 __all__ = ["DeepseekV4ForCausalLM"]
