@@ -140,7 +140,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(req, num_new, budget)
+            drafts = self._drafts_to_verify(req, budget)
             if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
                 break  # req preempted itself: it was the newest, nothing runs after it
             scheduled.append(self._scheduled_request(req, num_new, drafts))
@@ -148,10 +148,10 @@ class Scheduler:
             i += 1
         return budget
 
-    def _drafts_to_verify(self, req: Request, num_new: int, budget: int) -> list[int]:
+    def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
         """The drafts a decode step of req verifies: as many as max_tokens, the model length and
         the budget leave room for (each accepted draft is one more output token)."""
-        if not req.draft_token_ids or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+        if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1:
             return []
         room = min(req.sampling_params.max_tokens - req.num_output_tokens,
                    self.max_model_len(req) - req.num_tokens, budget) - 1
@@ -240,8 +240,7 @@ class Scheduler:
         if not sched.verify:
             req.num_computed_tokens += sched.num_tokens
             return
-        num_drafts = sched.num_tokens - 1
-        self.spec_stats.observe(num_drafts, len(samples) - 1)
+        self.spec_stats.observe(len(sched.draft_token_ids), len(samples) - 1)
         req.num_computed_tokens += len(samples)
         self.kv_manager.trim(req.request_id, req.num_computed_tokens)
 

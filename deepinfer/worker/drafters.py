@@ -4,7 +4,7 @@ for its next step, which the scheduler then verifies in one span of 1 + k' token
     NgramDrafter  prompt lookup over the request's prompt and outputs (any model)
     MtpDrafter    DeepSeek-V4's next-n module, chained k times (`worker/mtp_drafter.py`)
 
-A drafter offers `propose(inputs, hidden, samples) -> {request_id: drafts}`, `draft_probs`
+A drafter offers `propose(inputs, samples) -> {request_id: drafts}`, `draft_probs`
 (the proposal distribution q of drafts it handed out, None for one-hot) and `release(ids)`.
 It proposes no more than the request's max_tokens leaves room to verify.
 """
@@ -32,7 +32,7 @@ class NgramDrafter:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
 
-    def propose(self, inputs, hidden, samples: dict) -> dict[str, list[int]]:
+    def propose(self, inputs, samples: dict) -> dict[str, list[int]]:
         drafts = {}
         for s in inputs.sample_rows:
             new = samples.get(s.request_id)

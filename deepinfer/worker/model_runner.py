@@ -206,7 +206,7 @@ class ModelRunner:
             output = self._sample(logits, inputs)
         self._keep_verified(inputs, output)
         if self.drafter is not None:
-            output.draft_token_ids = self.drafter.propose(inputs, hidden, output.samples)
+            output.draft_token_ids = self.drafter.propose(inputs, output.samples)
         return output
 
     def _keep_verified(self, inputs: StepInputs, output: ModelOutput) -> None:

@@ -59,7 +59,7 @@ class MtpDrafter:
             names = [g.name for g in groups]
             raise ValueError(f"the MTP module needs one 'mtp' ring group, the model declared {names}")
 
-    def propose(self, inputs, hidden, samples: dict) -> dict[str, list[int]]:
+    def propose(self, inputs, samples: dict) -> dict[str, list[int]]:
         chains, drafts = self._first_pass_inputs(inputs, samples)
         step = 0
         while chains:

@@ -18,7 +18,7 @@ class ScriptedDrafter:
         self.continuations, self.k, self.vocab, self.wrong = continuations, k, vocab, wrong
         self.num_proposed = 0
 
-    def propose(self, inputs, hidden, samples) -> dict[str, list[int]]:
+    def propose(self, inputs, samples) -> dict[str, list[int]]:
         drafts = {}
         for s in inputs.sample_rows:
             new = samples.get(s.request_id)

@@ -69,7 +69,7 @@ class TableDrafter:
     def __init__(self, table: dict[int, list[int]]):
         self.table = table
 
-    def propose(self, inputs, hidden, samples: dict) -> dict[str, list[int]]:
+    def propose(self, inputs, samples: dict) -> dict[str, list[int]]:
         drafts = {}
         for s in inputs.sample_rows:
             new = samples.get(s.request_id)

@@ -121,12 +121,12 @@ def test_cached_mtp_chain_equals_the_stateless_reference(v4_path):
     runner, model = llm.engine.runner, llm.engine.runner.model
     drafter, streams, checks = runner.drafter, [], []
 
-    def propose(inputs, hidden, samples):
+    def propose(inputs, samples):
         (s, start), = inputs.spans
         new = samples.get(s.request_id)
         kept = len(new) if s.verify else s.num_tokens
         streams.append(model.last_streams[start:start + kept].clone())
-        drafts = drafter.propose(inputs, hidden, samples)
+        drafts = drafter.propose(inputs, samples)
         if new:
             history = s.prompt_token_ids + s.output_token_ids + [r.token_id for r in new]
             checks.append((history, drafts.get(s.request_id, [])))
