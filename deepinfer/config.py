@@ -64,9 +64,24 @@ class CacheConfig:
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "bfloat16" (bf16 rows) or "fp8" (MXFP8 rows)
+    enable_prefix_caching: bool = True  # reuse computed blocks of identical prefixes
+    kv_cache_dir: str | None = None  # save computed blocks here; a later start-up reads them
+    kv_cache_dir_size: int | str = "4GiB"  # the directory's budget (least recently used go first)
+    prefix_snapshot_interval: int = 512  # ring models: tokens between snapshots of a long prefill
+    num_prefix_snapshots: int | None = None  # ring models: snapshot slots; None: min(16, max_num_seqs)
 
     def __post_init__(self):
         _positive("block_size", self.block_size)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.kv_cache_dir is not None and (not isinstance(self.kv_cache_dir, str) or not self.kv_cache_dir):
+            raise ValueError(f"kv_cache_dir must be a directory path, got {self.kv_cache_dir!r}")
+        self.kv_cache_dir_size = parse_size(self.kv_cache_dir_size, "kv_cache_dir_size")
+        _positive("kv_cache_dir_size", self.kv_cache_dir_size)
+        _positive("prefix_snapshot_interval", self.prefix_snapshot_interval)
+        if self.num_prefix_snapshots is not None and (isinstance(self.num_prefix_snapshots, bool) or not isinstance(
+                self.num_prefix_snapshots, int) or self.num_prefix_snapshots < 0):
+            raise ValueError(f"num_prefix_snapshots must be an integer >= 0, got {self.num_prefix_snapshots!r}")
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")

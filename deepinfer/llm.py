@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -37,15 +38,38 @@ class LLM:
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
                  speculative_method: str | None = None, num_speculative_tokens: int | None = None,
-                 hf_overrides: dict | None = None, load_format: str = "auto"):
+                 hf_overrides: dict | None = None, load_format: str = "auto",
+                 enable_prefix_caching: bool = True, kv_cache_dir: str | None = None,
+                 kv_cache_dir_size: str | int = "4GiB", prefix_snapshot_interval: int = 512,
+                 num_prefix_snapshots: int | None = None):
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
+                            kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
+                            prefix_snapshot_interval=prefix_snapshot_interval,
+                            num_prefix_snapshots=num_prefix_snapshots)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
         config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                               speculative=speculative, hf_overrides=hf_overrides, load_format=load_format)
         self.engine = build_engine(config)
+        self._closed = False
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Save what the KV cache directory still lacks and stop its writer (idempotent; also
+        called on exit and by `with LLM(...) as llm:`)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_metrics(self) -> dict:
         """The engine's counters since start: requests, tokens, preemptions and, with a

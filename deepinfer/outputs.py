@@ -43,6 +43,7 @@ class RequestOutput:
     # (a RequestFailedError; finish_reason "error")
     error: Exception | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not recomputed) on admission
 
     @property
     def text(self) -> str:

@@ -10,6 +10,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _deepinfer_cache_dir(tmp_path_factory):
+    """Weight fingerprints of this run go to a temporary cache, not the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_CACHE_DIR", str(tmp_path_factory.mktemp("deepinfer-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> str:
     from deepinfer.model_executor.loader.default_model import default_model_path

@@ -59,6 +59,13 @@ class CachedModel(Protocol):
     def compute_logits(self, hidden: Any) -> Any:
         """hidden [N, hidden] -> logits [N, V] for the rows that sample."""
 
+    def read_state(self, slot: int) -> dict[str, Any]:
+        """Copies of the per-request state beside the caches in state slot `slot` (named tensors;
+        {} for most models), for prefix-cache snapshots."""
+
+    def write_state(self, slot: int, tensors: dict[str, Any]) -> None:
+        """Set slot `slot`'s per-request state from `read_state`'s tensors."""
+
     def keep_verified(self, kept: dict[int, int]) -> None:
         """After a step with verification spans: span (by its first packed row) -> how many of
         its tokens were kept (the last sampled token and the accepted drafts). Per-request state
@@ -73,6 +80,8 @@ class StepRunner(Protocol):
     groups: list[CacheGroupSpec]
     num_blocks: int
     num_state_slots: int
+    num_snapshot_slots: int  # prefix-cache snapshots of ring rows and per-request state
+    cache_identity: str  # everything that changes K/V (weights, config, dtype, row format, layout)
 
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Run one step's model call and sampling."""

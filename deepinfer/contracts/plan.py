@@ -11,6 +11,33 @@ from dataclasses import dataclass, field
 from deepinfer.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class CacheLoad:
+    """Read one saved unit from the KV cache directory into the cache before the step's forward:
+    a paged block (`group`: the paged group's index among paged groups, `unit`: the block id)
+    or a snapshot (`group` -1, `unit`: the snapshot slot). `key` is the unit's hash (hex)."""
+
+    group: int
+    unit: int
+    path: str
+    key: str
+
+    @property
+    def is_snapshot(self) -> bool:
+        return self.group < 0
+
+
+@dataclass(frozen=True)
+class CachePersist:
+    """Write one cached unit (a block of paged group `group`, or snapshot slot `unit` when group
+    is -1) to the KV cache directory. The worker copies its bytes before the step's forward."""
+
+    group: int
+    unit: int
+    path: str
+    key: str
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step: `token_ids` at positions start_pos .. start_pos+len-1.
@@ -30,6 +57,13 @@ class ScheduledRequest:
     # A verification step: token_ids = [the last sampled token] + k drafts; its k+1 tokens are
     # stored, then read, in decode order (book §3.5.1), and every position is scored.
     verify: bool = False
+    # Prefix caching: before the forward, read these saved units from disk into the request's
+    # blocks (or a snapshot slot), then restore its rings, per-request state and partial pages
+    # at start_pos from snapshot slot `restore_from`; after the step, copy them at the chunk's
+    # end into snapshot slot `capture_to`.
+    loads: list[CacheLoad] = field(default_factory=list)
+    restore_from: int | None = None
+    capture_to: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +87,7 @@ class StepPlan:
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[str] = field(default_factory=list)  # runner drops per-request state
     preempted_request_ids: list[str] = field(default_factory=list)
+    persist: list[CachePersist] = field(default_factory=list)  # units to save, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,17 +116,21 @@ class ModelOutput:
              next token (1 .. k+1 tokens);
     draft_token_ids: the drafts proposed for the request's next step (speculative decoding);
     errors:  a one-line message for each request the runner could not serve this step (its
-             sampling failed alone); the engine fails those requests and keeps the others going.
+             sampling failed alone); the engine fails those requests and keeps the others going;
+    load_failures: the saved-cache files that could not be read for a request (missing,
+             damaged, foreign): the request was left out of the step and starts over.
     """
 
     samples: dict[str, list[SampleResult]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    load_failures: dict[str, list[str]] = field(default_factory=dict)
 
     def update(self, other: ModelOutput) -> None:
         self.samples.update(other.samples)
         self.draft_token_ids.update(other.draft_token_ids)
         self.errors.update(other.errors)
+        self.load_failures.update(other.load_failures)
 
 
 class FatalStepError(RuntimeError):

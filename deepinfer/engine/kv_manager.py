@@ -14,16 +14,39 @@ Two kinds of cache group, each described by a small frozen spec:
     request "a":  block_tables = ([7, 2, 9],)   state_ids = (0,)
                    paged group 0 ^               ^ ring group 0
 
+Prefix caching (`engine/prefix_cache.py` has the keys and the rules): a computed full block is
+registered under its chained hash (`commit`); a new request takes the longest run of cached
+units (`find_prefix`, then `allocate_slots(..., hit)`): shared blocks (touched), blocks read from
+the cache directory (`CacheLoad`), and for ring models the snapshot at the hit boundary, which
+the worker restores into the request's fresh state slots before its first step.
+
 Invariant (no leaks): every block and state slot returns to its pool when the request is
 freed, whether it finished, was aborted or was preempted; `check_no_leaks()` verifies it.
+Cached blocks wait on the free list (ref_cnt 0) and snapshots in their own pool: both count as
+free, and allocation evicts them least recently used first.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
-from collections import OrderedDict, deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from deepinfer.contracts.plan import CacheLoad, CachePersist
+from deepinfer.engine.block_pool import BlockPool, KVBlock, StateSlotPool
+from deepinfer.engine.prefix_cache import (
+    SNAPSHOT,
+    DiskIndex,
+    KnownPrefixes,
+    PrefixCacheStats,
+    PrefixSettings,
+    Snapshot,
+    SnapshotPool,
+    chain_hash,
+    chain_root,
+    snapshot_boundaries,
+)
 
 
 def _check_positive(name: str, value) -> None:
@@ -43,6 +66,10 @@ class PagedGroupSpec:
         _check_positive(f"{self.name}.block_size", self.block_size)
         _check_positive(f"{self.name}.compress_ratio", self.compress_ratio)
 
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.compress_ratio
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-(num_tokens // self.compress_ratio) // self.block_size)
 
@@ -58,108 +85,43 @@ class RingGroupSpec:
         _check_positive(f"{self.name}.ring_size", self.ring_size)
 
 
-@dataclass(eq=False)
-class KVBlock:
-    """One physical block. `ref_cnt` counts the block tables holding it (0: on the free list).
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest cached prefix of a request: `num_tokens` tokens (a unit boundary, 0 for none),
+    per paged group the full blocks below it (a cached `KVBlock`, or the path of a saved block),
+    and the snapshot at the boundary (in memory, a saved file's path, or None when the model
+    needs none). `key` is the boundary's unit hash."""
 
-    `block_hash` is reserved for prefix caching (hash chained over parent hash and tokens);
-    nothing sets it yet, and a block loses it when it is handed out again.
-    """
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: int | None = None
-
-
-class BlockPool:
-    """A fixed set of ref-counted blocks and an LRU free list.
-
-    Allocation takes from the head of the free list, freed blocks go to the tail, so the
-    block freed longest ago is reused first (the order a prefix cache wants for eviction).
-    """
-
-    def __init__(self, num_blocks: int):
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+    num_tokens: int = 0
+    blocks: tuple[list, ...] = ()
+    snapshot: Snapshot | str | None = None
+    key: bytes | None = None
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks in use, 0.0 .. 1.0."""
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.blocks else 0.0
-
-    def free_block_ids(self) -> list[int]:
-        """The free list, head (next to be allocated) first."""
-        return list(self._free)
-
-    def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take `num_blocks` blocks from the head of the free list, each with ref_cnt 1."""
-        if num_blocks > self.num_free_blocks:
-            raise ValueError(f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free")
-        blocks = []
-        for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
-            block.ref_cnt, block.block_hash = 1, None
-            blocks.append(block)
-        return blocks
-
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Add a holder to each block (sharing), taking it off the free list if it was free."""
-        for block in blocks:
-            if block.ref_cnt == 0:
-                del self._free[block.block_id]
-            block.ref_cnt += 1
-
-    def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one holder from each block; a block nobody holds goes to the free-list tail."""
-        for block in blocks:
-            if block.ref_cnt < 1:
-                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self._free[block.block_id] = block
-
-
-class StateSlotPool:
-    """`num_slots` state slots of one ring group; a request holds at most one."""
-
-    def __init__(self, num_slots: int):
-        self.num_slots = num_slots
-        self._free: deque[int] = deque(range(num_slots))
-
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
-    def free_state_ids(self) -> list[int]:
-        return list(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise ValueError(f"no free state slot (all {self.num_slots} in use)")
-        return self._free.popleft()
-
-    def free(self, state_id: int) -> None:
-        if state_id in self._free or not 0 <= state_id < self.num_slots:
-            raise RuntimeError(f"state slot {state_id} freed twice or never allocated")
-        self._free.append(state_id)
+    def num_disk_tokens(self) -> int:
+        """Tokens of the hit whose rows come from the cache directory (0 or all of them)."""
+        on_disk = isinstance(self.snapshot, str) or any(isinstance(b, str) for g in self.blocks for b in g)
+        return self.num_tokens if on_disk else 0
 
 
 @dataclass
 class _RequestCache:
     block_tables: tuple[list[KVBlock], ...]  # one per paged group
     state_ids: tuple[int, ...]  # one per ring group
+    num_committed: list[int] = field(default_factory=list)  # per paged group: blocks cached or hit
+    loads: list[CacheLoad] = field(default_factory=list)  # saved units its next step reads
+    restore_from: int | None = None  # snapshot slot its next step restores from
+    pinned: Snapshot | None = None  # the in-memory snapshot restored from (kept until commit)
+    loaded_snapshot: tuple | None = None  # (slot, key, boundary) of a snapshot read from disk
+    capture: tuple | None = None  # (slot, key, boundary) its step copies into a snapshot slot
+
+    def held_snapshot_slots(self) -> list[int]:
+        return [t[0] for t in (self.loaded_snapshot, self.capture) if t is not None]
 
 
 class KVCacheManager:
-    """Per-request block tables (paged groups) and state slots (ring groups) over shared pools.
+    """Per-request block tables (paged groups) and state slots (ring groups) over shared pools,
+    and the prefix cache over them.
 
     `allocate_slots` is all-or-nothing: it either covers the asked number of tokens in every
     group or changes nothing. A request's state slots are taken on its first allocation and,
@@ -167,7 +129,7 @@ class KVCacheManager:
     """
 
     def __init__(self, group_specs: tuple[PagedGroupSpec | RingGroupSpec, ...], num_blocks: int,
-                 num_state_slots: int = 0):
+                 num_state_slots: int = 0, prefix: PrefixSettings | None = None, unit: int = 16):
         self.group_specs = tuple(group_specs)
         self.paged_specs = tuple(s for s in self.group_specs if isinstance(s, PagedGroupSpec))
         self.ring_specs = tuple(s for s in self.group_specs if isinstance(s, RingGroupSpec))
@@ -180,6 +142,21 @@ class KVCacheManager:
         self.slot_pools = tuple(StateSlotPool(num_state_slots) for _ in self.ring_specs)
         self._requests: dict[str, _RequestCache] = {}
         self.max_num_tokens = self._max_num_tokens()
+        self.prefix = prefix or PrefixSettings(enabled=False)
+        # the hash unit: every paged block ends on a unit boundary
+        self.unit = math.gcd(*(s.tokens_per_block for s in self.paged_specs)) if self.paged_specs else unit
+        self.needs_snapshots = bool(self.ring_specs)  # a hit must restore ring rows and state
+        self.snapshots = SnapshotPool(self.prefix.num_snapshot_slots if self.needs_snapshots else 0)
+        self.snapshot_interval = max(self.unit, self.prefix.snapshot_interval // self.unit * self.unit)
+        self.known = KnownPrefixes()
+        self.disk = DiskIndex(self.prefix.kv_cache_dir, self.prefix.identity)
+        self.stats = PrefixCacheStats()
+        self._persist: list[CachePersist] = []
+
+    @property
+    def caching(self) -> bool:
+        """Prefix caching is on and can hit (ring models need snapshot slots)."""
+        return self.prefix.enabled and (not self.needs_snapshots or self.snapshots.num_slots > 0)
 
     # ---- counts -------------------------------------------------------------------------
     @property
@@ -189,6 +166,10 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.block_pool.cached)
 
     @property
     def usage(self) -> float:
@@ -202,7 +183,7 @@ class KVCacheManager:
         """The most tokens one request can hold when it has the whole cache to itself."""
         if not self.paged_specs:
             return sys.maxsize
-        low, high = 0, self.num_total_blocks * max(s.block_size * s.compress_ratio for s in self.paged_specs)
+        low, high = 0, self.num_total_blocks * max(s.tokens_per_block for s in self.paged_specs)
         while low < high:
             mid = (low + high + 1) // 2
             if self._num_blocks_for(mid) <= self.num_total_blocks:
@@ -213,6 +194,61 @@ class KVCacheManager:
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return sum(spec.num_blocks_for(num_tokens) for spec in self.paged_specs)
+
+    # ---- prefix lookup ------------------------------------------------------------------
+    def block_hashes(self, req) -> list[bytes]:
+        """The request's unit hashes over its full units so far (kept on the request)."""
+        hashes, u = req.block_hashes, self.unit
+        parent = hashes[-1] if hashes else chain_root(self.prefix.identity, req.cache_salt)
+        for i in range(len(hashes), req.num_tokens // u):
+            parent = chain_hash(parent, req.token_ids[i * u:(i + 1) * u])
+            hashes.append(parent)
+        return hashes
+
+    def find_prefix(self, req) -> PrefixHit:
+        """The longest cached prefix of req's tokens, leaving at least its last token to compute."""
+        if not self.caching:
+            return PrefixHit(blocks=tuple([] for _ in self.paged_specs))
+        hashes = self.block_hashes(req)
+        blocks: tuple[list, ...] = tuple([] for _ in self.paged_specs)
+        best, sizes, snap = 0, [0] * len(blocks), None
+        for i in range(1, (req.num_tokens - 1) // self.unit + 1):
+            if not self._extend(blocks, hashes, i * self.unit):
+                break
+            found = self._snapshot_at(hashes[i - 1]) if self.needs_snapshots else None
+            if found is not None or not self.needs_snapshots:
+                best, sizes, snap = i * self.unit, [len(g) for g in blocks], found
+        return PrefixHit(best, tuple(g[:n] for g, n in zip(blocks, sizes, strict=True)), snap,
+                         hashes[best // self.unit - 1] if best else None)
+
+    def _extend(self, blocks: tuple[list, ...], hashes: list[bytes], boundary: int) -> bool:
+        """Add each paged group's block that ends at `boundary` (cached, or a saved file); False
+        if one is nowhere."""
+        key = hashes[boundary // self.unit - 1]
+        for gi, spec in enumerate(self.paged_specs):
+            if boundary % spec.tokens_per_block:
+                continue
+            found = self.block_pool.cached.get((gi, key)) or self.disk.path(key, spec.name)
+            if found is None:
+                return False
+            blocks[gi].append(found)
+        return True
+
+    def _snapshot_at(self, key: bytes) -> Snapshot | str | None:
+        snap = self.snapshots.get(key)
+        if snap is not None:
+            return snap
+        path = self.disk.path(key, SNAPSHOT)
+        return path if path is not None and self.snapshots.can_take() else None
+
+    def snapshot_boundaries(self, req, start: int) -> list[int]:
+        """Where req (admitted with `start` tokens cached) takes snapshots; [] without rings."""
+        if not self.caching or not self.needs_snapshots:
+            return []
+        hashes = self.block_hashes(req)
+        known = self.known.longest(hashes[:(req.num_tokens - 1) // self.unit]) * self.unit
+        return snapshot_boundaries(req.num_tokens, req.num_prompt_tokens, self.unit, self.snapshot_interval,
+                                   start, known)
 
     # ---- allocation ---------------------------------------------------------------------
     def _num_new_blocks(self, request_id: str, num_tokens_total: int) -> list[int]:
@@ -227,11 +263,14 @@ class KVCacheManager:
             return False
         return request_id in self._requests or all(p.num_free_slots > 0 for p in self.slot_pools)
 
-    def allocate_slots(self, request_id: str, num_tokens_total: int) -> bool:
-        """Grow the request's block tables to cover `num_tokens_total` tokens (never shrinks).
+    def allocate_slots(self, request_id: str, num_tokens_total: int, hit: PrefixHit | None = None) -> bool:
+        """Grow the request's block tables to cover `num_tokens_total` tokens (never shrinks);
+        a new request may start from a prefix `hit` (its blocks are shared or read from disk).
 
         Returns False, changing nothing, when the free blocks or state slots do not suffice.
         """
+        if hit is not None and hit.num_tokens:
+            return self._allocate_hit(request_id, num_tokens_total, hit)
         if not self.can_allocate(request_id, num_tokens_total):
             return False
         num_new_blocks = self._num_new_blocks(request_id, num_tokens_total)
@@ -239,6 +278,57 @@ class KVCacheManager:
         for table, num_new in zip(cache.block_tables, num_new_blocks, strict=True):
             table.extend(self.block_pool.allocate(num_new))
         return True
+
+    def _allocate_hit(self, request_id: str, num_tokens_total: int, hit: PrefixHit) -> bool:
+        if request_id in self._requests:
+            raise RuntimeError(f"request {request_id!r} already holds cache; a prefix hit needs a new one")
+        revived = sum(1 for g in hit.blocks for b in g if isinstance(b, KVBlock) and b.ref_cnt == 0)
+        from_disk = sum(1 for g in hit.blocks for b in g if isinstance(b, str))
+        fresh = sum(spec.num_blocks_for(num_tokens_total) - len(g) for spec, g in zip(self.paged_specs, hit.blocks,
+                                                                                     strict=True))
+        if revived + from_disk + fresh > self.num_free_blocks or not all(p.num_free_slots for p in self.slot_pools):
+            return False
+        if isinstance(hit.snapshot, str) and not self.snapshots.can_take():
+            return False
+        self.block_pool.touch(b for g in hit.blocks for b in g if isinstance(b, KVBlock))  # before any eviction
+        cache = self._register(request_id)
+        for gi, (spec, table, found) in enumerate(zip(self.paged_specs, cache.block_tables, hit.blocks, strict=True)):
+            for b in found:
+                table.append(b if isinstance(b, KVBlock) else self._load_block(cache, gi, b))
+            table.extend(self.block_pool.allocate(spec.num_blocks_for(num_tokens_total) - len(table)))
+        self._restore(cache, hit)
+        return True
+
+    def _load_block(self, cache: _RequestCache, gi: int, path: str) -> KVBlock:
+        (block,) = self.block_pool.allocate(1)
+        cache.loads.append(CacheLoad(gi, block.block_id, path, _key_of(path)))
+        return block
+
+    def _restore(self, cache: _RequestCache, hit: PrefixHit) -> None:
+        """Point the request's first step at the hit's snapshot (read from disk first if saved)."""
+        if isinstance(hit.snapshot, Snapshot):
+            hit.snapshot.ref_cnt += 1
+            cache.pinned, cache.restore_from = hit.snapshot, hit.snapshot.slot
+        elif isinstance(hit.snapshot, str):
+            slot = self.snapshots.take_slot()
+            cache.loads.append(CacheLoad(-1, slot, hit.snapshot, hit.key.hex()))
+            cache.loaded_snapshot, cache.restore_from = (slot, hit.key, hit.num_tokens), slot
+
+    def reserve_snapshot(self, req, boundary: int) -> None:
+        """Ask req's step that ends at `boundary` to copy its rings and state into a snapshot
+        slot (skipped when that snapshot exists or no slot can be had)."""
+        cache = self._cache(req.request_id)
+        key = self.block_hashes(req)[boundary // self.unit - 1]
+        if cache.capture is not None or self.snapshots.get(key) is not None:
+            return
+        slot = self.snapshots.take_slot()
+        if slot is not None:
+            cache.capture = (slot, key, boundary)
+
+    def step_ops(self, request_id: str) -> tuple[list[CacheLoad], int | None, int | None]:
+        """(loads, restore_from, capture_to) for the request's step being scheduled."""
+        cache = self._cache(request_id)
+        return list(cache.loads), cache.restore_from, cache.capture[0] if cache.capture else None
 
     def trim(self, request_id: str, num_tokens_total: int) -> int:
         """Shrink the request's block tables to what `num_tokens_total` tokens need, freeing the
@@ -255,14 +345,74 @@ class KVCacheManager:
 
     def _register(self, request_id: str) -> _RequestCache:
         cache = _RequestCache(tuple([] for _ in self.paged_specs),
-                              tuple(pool.allocate() for pool in self.slot_pools))
+                              tuple(pool.allocate() for pool in self.slot_pools),
+                              [0] * len(self.paged_specs))
         self._requests[request_id] = cache
         return cache
+
+    # ---- after a step ----------------------------------------------------------------------
+    def commit(self, req) -> None:
+        """After a step of req succeeded: register its newly full blocks and the snapshot its step
+        took or read, and queue them for the cache directory."""
+        cache = self._requests.get(req.request_id)
+        if cache is None or not self.caching:
+            return
+        cache.loads, cache.restore_from = [], None
+        if cache.pinned is not None:
+            cache.pinned.ref_cnt -= 1
+            cache.pinned = None
+        if cache.loaded_snapshot is not None:
+            self._keep_snapshot(*cache.loaded_snapshot, persist=False)
+            cache.loaded_snapshot = None
+        hashes = self.block_hashes(req)
+        done = min(req.num_computed_tokens, len(hashes) * self.unit)
+        for gi, spec in enumerate(self.paged_specs):
+            self._cache_blocks(gi, spec, cache, hashes, done)
+        if self.needs_snapshots:
+            self.known.add(hashes[:done // self.unit])
+        if cache.capture is not None:
+            slot, key, boundary = cache.capture
+            cache.capture = None
+            if req.num_computed_tokens == boundary:
+                self._keep_snapshot(slot, key, boundary, persist=True)
+            else:
+                self.snapshots.give_back(slot)
+
+    def _cache_blocks(self, gi: int, spec: PagedGroupSpec, cache: _RequestCache, hashes, done: int) -> None:
+        table, per_block = cache.block_tables[gi], spec.tokens_per_block
+        full = min(done // per_block, len(table))
+        for j in range(cache.num_committed[gi], full):
+            key = hashes[(j + 1) * per_block // self.unit - 1]
+            if self.block_pool.cache(table[j], (gi, key)):
+                self._queue_persist(gi, table[j].block_id, key, spec.name)
+        cache.num_committed[gi] = max(cache.num_committed[gi], full)
+
+    def _keep_snapshot(self, slot: int, key: bytes, boundary: int, persist: bool) -> None:
+        if self.snapshots.register(slot, key, boundary) is not None:
+            self.stats.num_snapshots_taken += persist
+            if persist:
+                self._queue_persist(-1, slot, key, SNAPSHOT)
+
+    def _queue_persist(self, gi: int, unit: int, key: bytes, kind: str) -> None:
+        path = self.disk.target(key, kind)
+        if path is not None and not os.path.exists(path):
+            self._persist.append(CachePersist(gi, unit, path, key.hex()))
+
+    def take_persist(self) -> list[CachePersist]:
+        """Units registered since the last call that the cache directory lacks (for the next plan)."""
+        persist, self._persist = self._persist, []
+        return persist
+
+    def forget_paths(self, paths) -> None:
+        """Saved files that failed to load: never looked up again in this process."""
+        self.disk.bad_paths.update(paths)
+        self.stats.num_load_failures += 1
 
     def free(self, request_id: str) -> None:
         """Give back all blocks and state slots of the request; a no-op if it holds none.
 
         Blocks are freed last-first, so a request's tail blocks are reused before its head.
+        Cached blocks keep their rows and hashes on the free list (a later request may hit them).
         """
         cache = self._requests.pop(request_id, None)
         if cache is None:
@@ -271,6 +421,10 @@ class KVCacheManager:
             self.block_pool.free(reversed(table))
         for pool, state_id in zip(self.slot_pools, cache.state_ids, strict=True):
             pool.free(state_id)
+        if cache.pinned is not None:
+            cache.pinned.ref_cnt -= 1
+        for slot in cache.held_snapshot_slots():
+            self.snapshots.give_back(slot)
 
     # ---- lookups ------------------------------------------------------------------------
     def _cache(self, request_id: str) -> _RequestCache:
@@ -292,7 +446,8 @@ class KVCacheManager:
 
     # ---- checks for tests ---------------------------------------------------------------
     def check_consistency(self) -> None:
-        """Each block's ref_cnt equals the number of tables holding it; free means ref_cnt 0."""
+        """Each block's ref_cnt equals the number of tables holding it; free means ref_cnt 0;
+        every cached block is registered under its own hash; snapshot slots add up."""
         holders = [0] * self.num_total_blocks
         for cache in self._requests.values():
             for table in cache.block_tables:
@@ -304,14 +459,19 @@ class KVCacheManager:
             if block.ref_cnt != holders[block.block_id] or on_free_list != (block.ref_cnt == 0):
                 raise AssertionError(f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
                                      f"{holders[block.block_id]} holders, free={on_free_list}")
+        for key, block in self.block_pool.cached.items():
+            if block.block_hash != key:
+                raise AssertionError(f"cached block {block.block_id} is registered under another key")
         for i, pool in enumerate(self.slot_pools):
             held, free = [cache.state_ids[i] for cache in self._requests.values()], pool.free_state_ids()
             if sorted(held + free) != list(range(pool.num_slots)):
                 raise AssertionError(f"ring group {self.ring_specs[i].name}: state slots "
                                      f"held {sorted(held)}, free {sorted(free)}")
+        self.snapshots.check([s for c in self._requests.values() for s in c.held_snapshot_slots()])
 
     def check_no_leaks(self) -> None:
-        """Raise AssertionError unless every block and state slot is back in its pool."""
+        """Raise AssertionError unless every block and state slot is back in its pool (cached
+        blocks and snapshots count as free: nobody holds them)."""
         self.check_consistency()
         leaks = []
         if self._requests:
@@ -321,8 +481,16 @@ class KVCacheManager:
         for spec, pool in zip(self.ring_specs, self.slot_pools, strict=True):
             if pool.num_free_slots != pool.num_slots:
                 leaks.append(f"{pool.num_slots - pool.num_free_slots} state slots of {spec.name} not free")
+        pinned = [s.slot for s in self.snapshots.by_key.values() if s.ref_cnt]
+        if pinned:
+            leaks.append(f"snapshots still pinned: slots {pinned}")
         if leaks:
             raise AssertionError("; ".join(leaks))
+
+
+def _key_of(path: str) -> str:
+    """The unit hash (hex) a saved file is named by."""
+    return os.path.basename(path).split(".", 1)[0]
 
 
 def _check_group_specs(specs, paged_specs, ring_specs) -> None:

@@ -32,6 +32,7 @@ from deepinfer.contracts.model import StepRunner
 from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.prefix_cache import PrefixSettings
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.outputs import RequestFailedError, RequestOutput
@@ -51,7 +52,8 @@ class LLMEngine:
         self.tokenizer = source.tokenizer
         self.max_model_len = config.scheduler.max_model_len
         self.kv_manager = KVCacheManager(kv_group_specs(runner.groups), num_blocks=runner.num_blocks,
-                                         num_state_slots=runner.num_state_slots)
+                                         num_state_slots=runner.num_state_slots,
+                                         prefix=prefix_settings(config, runner), unit=config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(source)
@@ -62,9 +64,12 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request; raises ValueError (naming the field and value) if it is invalid."""
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue one request; raises ValueError (naming the field and value) if it is invalid.
+        Requests share cached prefixes only when their `cache_salt` is equal (None included)."""
         params = checked_params(params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {short_repr(cache_salt)}")
         request_id = request_id or f"req-{next(self._ids)}"
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
@@ -73,7 +78,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
         req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len)
+                      max_model_len=self.max_model_len, cache_salt=cache_salt)
         self.outputs.add(req, text)
         try:
             self.scheduler.add_request(req)  # refuses what the cache can never hold
@@ -101,7 +106,11 @@ class LLMEngine:
         speculative-decoding counters (`SpecDecodeStats.as_dict`: drafts, draft tokens, accepted
         tokens, acceptance per draft position, acceptance rate, mean accepted length)."""
         kv = self.kv_manager
-        return {"num_requests_running": self.scheduler.num_running,
+        disk = getattr(self.runner, "disk_stats", None)
+        return {**kv.stats.as_dict(), "prefix_caching": kv.caching,
+                "num_cached_blocks": kv.num_cached_blocks, "num_prefix_snapshots": len(kv.snapshots.by_key),
+                **(disk() if disk is not None else {}),
+                "num_requests_running": self.scheduler.num_running,
                 "num_requests_waiting": self.scheduler.num_waiting,
                 "num_preemptions": self.scheduler.num_preemptions_total,
                 "kv_cache_usage": kv.usage, "num_free_blocks": kv.num_free_blocks,
@@ -109,6 +118,16 @@ class LLMEngine:
                 "speculative_method": self.config.speculative.method,
                 "num_speculative_tokens": self.config.speculative.num_speculative_tokens,
                 **self.scheduler.spec_stats.as_dict()}
+
+    def close(self) -> None:
+        """Save what the cache directory still lacks and stop the runner's writer (idempotent).
+        Unfinished requests are left as they are."""
+        persist = self.kv_manager.take_persist()
+        if persist:
+            self.runner.execute(StepPlan([], persist=persist))
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -165,7 +184,7 @@ class LLMEngine:
         output, failures = ModelOutput(), {}
         for i, sched in enumerate(plan.scheduled):
             solo = StepPlan([sched], plan.finished_request_ids if i == 0 else [],
-                            plan.preempted_request_ids if i == 0 else [])
+                            plan.preempted_request_ids if i == 0 else [], plan.persist if i == 0 else [])
             try:
                 result = self.runner.execute(solo)
             except Exception as solo_exc:
@@ -255,6 +274,15 @@ def eos_token_ids(source) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def prefix_settings(config: EngineConfig, runner: StepRunner) -> PrefixSettings:
+    """The prefix cache the engine keeps over the runner's groups (see `CacheConfig`)."""
+    cache = config.cache
+    return PrefixSettings(enabled=cache.enable_prefix_caching, identity=runner.cache_identity,
+                          kv_cache_dir=cache.kv_cache_dir if cache.enable_prefix_caching else None,
+                          snapshot_interval=cache.prefix_snapshot_interval,
+                          num_snapshot_slots=runner.num_snapshot_slots)
 
 
 def kv_group_specs(groups) -> tuple:

@@ -94,7 +94,8 @@ class OutputProcessor:
                       logprobs=None if completion.logprobs is None else list(completion.logprobs),
                       delta_token_ids=[], delta_text="", finish_reason="error", stop_reason=None)
         return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [out], finished=True,
-                             error=error, num_preemptions=req.num_preemptions)
+                             error=error, num_preemptions=req.num_preemptions,
+                             num_cached_tokens=req.num_cached_tokens or 0)
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -119,7 +120,8 @@ class OutputProcessor:
         snapshot = replace(c, token_ids=list(c.token_ids),  # outputs must not change after return
                            logprobs=None if c.logprobs is None else list(c.logprobs))
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [snapshot],
-                             finished=finished, num_preemptions=req.num_preemptions)
+                             finished=finished, num_preemptions=req.num_preemptions,
+                             num_cached_tokens=req.num_cached_tokens or 0)
 
 
 def _ended_by_token(req: Request) -> bool:

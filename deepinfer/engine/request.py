@@ -47,6 +47,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step (speculative)
+    cache_salt: str | None = None  # isolates its prefix-cache keys (e.g. per tenant)
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hash per full unit of token_ids
+    snapshot_at: list[int] = field(default_factory=list)  # boundaries its prefill stops at for a snapshot
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -75,3 +79,4 @@ class Request:
         """Keep the first `num_output_tokens` outputs (a stop string ended the run earlier)."""
         del self.output_token_ids[num_output_tokens:]
         del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
+        self.block_hashes.clear()  # recomputed from the tokens if ever needed

@@ -21,6 +21,13 @@ to what max_tokens, the model length and the token budget leave. The step's samp
 drafts + the target's next token) advance `num_computed_tokens` by their count; blocks that only
 rejected positions needed go back to the pool (`KVCacheManager.trim`).
 
+Prefix caching: a request admitted with nothing computed (new, or back after preemption) starts
+at its longest cached prefix (`KVCacheManager.find_prefix`); the hit's tokens cost no budget.
+A ring model's prefill chunk stops at each snapshot boundary (`Request.snapshot_at`) so that its
+rings can be copied there (`ScheduledRequest.capture_to`). After every step the request's newly
+full blocks and snapshots are registered (`KVCacheManager.commit`); a request whose saved-cache
+files failed to load starts over without them.
+
 Order invariant: `running` is sorted by arrival and every running request arrived before every
 waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
 newest running request and FCFS order holds across preemptions.
@@ -117,7 +124,10 @@ class Scheduler:
         return True
 
     def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
-        """Mark finished, free its cache, forget it; the caller takes it out of its queue."""
+        """Mark finished, free its cache (its computed blocks stay cached, unless it failed),
+        forget it; the caller takes it out of its queue."""
+        if status is not RequestStatus.FINISHED_ERROR:
+            self.kv_manager.commit(req)
         req.status, req.stop_reason = status, stop_reason
         self.kv_manager.free(req.request_id)
         del self.requests[req.request_id]
@@ -132,14 +142,14 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(scheduled, budget)
         finished, self._finished_request_ids = self._finished_request_ids, []
-        return StepPlan(scheduled, finished, [r.request_id for r in preempted])
+        return StepPlan(scheduled, finished, [r.request_id for r in preempted], self.kv_manager.take_persist())
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> int:
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, req.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(req, budget)
             if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
                 break  # req preempted itself: it was the newest, nothing runs after it
@@ -147,6 +157,14 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
         return budget
+
+    @staticmethod
+    def _chunk(req: Request, start: int, budget: int) -> int:
+        """Tokens req computes this step from `start`: what is left, cut by the budget and at its
+        next snapshot boundary."""
+        end = min(req.num_tokens, start + budget)
+        end = min([end] + [b for b in req.snapshot_at if b > start])
+        return end - start
 
     def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
         """The drafts a decode step of req verifies: as many as max_tokens, the model length and
@@ -172,6 +190,7 @@ class Scheduler:
         self.kv_manager.free(req.request_id)
         req.num_computed_tokens = 0
         req.draft_token_ids = []  # the recompute's last chunk proposes afresh
+        req.snapshot_at = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -180,9 +199,16 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_manager.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
+            hit = self.kv_manager.find_prefix(req)
+            req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
+            num_new = self._chunk(req, hit.num_tokens, budget)
+            if not self.kv_manager.allocate_slots(req.request_id, hit.num_tokens + num_new, hit):
                 break  # FCFS: nobody overtakes the head of the queue
+            req.num_computed_tokens = hit.num_tokens
+            if self.kv_manager.caching:
+                self.kv_manager.stats.observe(req.num_tokens, hit.num_tokens, hit.num_disk_tokens)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = hit.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -191,6 +217,9 @@ class Scheduler:
 
     def _scheduled_request(self, req: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
+        if end in req.snapshot_at:
+            self.kv_manager.reserve_snapshot(req, end)
+        loads, restore_from, capture_to = self.kv_manager.step_ops(req.request_id)
         return ScheduledRequest(
             request_id=req.request_id,
             token_ids=req.token_ids[start:end] + list(drafts),
@@ -201,6 +230,9 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             verify=bool(drafts),
+            loads=loads,
+            restore_from=restore_from,
+            capture_to=capture_to,
         )
 
     # ---- update -------------------------------------------------------------------------
@@ -217,8 +249,12 @@ class Scheduler:
             req = self.requests.get(sched.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
+            if sched.request_id in output.load_failures:
+                self._start_over(req, output.load_failures[sched.request_id])
+                continue
             if not sched.do_sample:
                 req.num_computed_tokens += sched.num_tokens
+                self.kv_manager.commit(req)
                 continue
             samples = output.samples.get(sched.request_id)
             if not samples or len(samples) > sched.num_tokens:
@@ -227,11 +263,22 @@ class Scheduler:
                                    f"{sched.num_tokens}-token step")
             self._advance(req, sched, samples)
             output.samples[sched.request_id] = samples[:self._append(req, samples)]
+            self.kv_manager.commit(req)  # a no-op once finished (committed before its cache was freed)
             req.draft_token_ids = [] if req.is_finished else output.draft_token_ids.get(req.request_id, [])
             updated.append(req)
         if any(req.is_finished for req in updated):
             self.running = [req for req in self.running if not req.is_finished]
         return updated
+
+    def _start_over(self, req: Request, paths: list[str]) -> None:
+        """Saved-cache files of req's step could not be read (it was left out of the step): forget
+        them, free its cache and queue it first in line to start again."""
+        self.kv_manager.forget_paths(paths)
+        self.kv_manager.free(req.request_id)
+        self.running.remove(req)
+        req.num_computed_tokens, req.draft_token_ids, req.snapshot_at = 0, [], []
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def _advance(self, req: Request, sched: ScheduledRequest, samples: list) -> None:
         """Count the step's computed tokens: all of a plain step; of a verification step, the

@@ -29,7 +29,9 @@ from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
+from deepinfer.worker.kv_disk import KvDiskStore
 from deepinfer.worker.mtp_drafter import MtpDrafter
+from deepinfer.worker.prefix_store import PrefixStore, cache_identity
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("deepinfer.worker")
@@ -114,13 +116,18 @@ class ModelRunner:
             self.num_few_row_linear = use_few_row_linear(self.model)
         self.groups, self.codecs = self._sized_groups(cache_config)
         self.codec = self.codecs[0]
-        self.num_state_slots = self._num_state_slots(cache_config, config.scheduler.max_num_seqs)
+        max_num_seqs = config.scheduler.max_num_seqs
+        self.num_state_slots, self.num_snapshot_slots = self._num_state_slots(cache_config, max_num_seqs)
         self.num_blocks = self._num_blocks(cache_config)
-        units = [self.num_state_slots if g.is_ring else self.num_blocks for g in self.groups]
+        num_ring_units = self.num_state_slots + self.num_snapshot_slots
+        units = [num_ring_units if g.is_ring else self.num_blocks for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
         self.addressing = group_addressing(self.groups)
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
-                                           self.num_state_slots, TorchAttentionBackend(self.env.batch_invariant)))
+                                           num_ring_units, TorchAttentionBackend(self.env.batch_invariant)))
+        self.cache_identity = cache_identity(source, self.dtype, cache_config.kv_cache_dtype, self.groups, self.env)
+        self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
+                                  self._disk_store(cache_config))
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
@@ -150,24 +157,55 @@ class ModelRunner:
         """Per-request state beside the rings (DeepSeek-V4's compressor state), in bytes."""
         return self.model.state_bytes_per_slot()
 
-    def _num_state_slots(self, cache_config, max_num_seqs: int) -> int:
-        """One ring state slot per running request: max_num_seqs of them, unless they would take
-        more than half the cache memory (then as many as fit there; requests beyond wait)."""
-        per_request = sum(self.unit_bytes(g) for g in self.groups if g.is_ring) + self.state_bytes()
+    def _num_state_slots(self, cache_config, max_num_seqs: int) -> tuple[int, int]:
+        """(state slots, snapshot slots). One ring state slot per running request: max_num_seqs
+        of them, unless they would take more than half the cache memory (then as many as fit
+        there; requests beyond wait). Prefix-cache snapshots (ring models) take what the running
+        requests leave of that share, or a quarter of it."""
+        per_request = self._per_request_bytes()
         if not per_request:
-            return 0
+            return 0, 0
         share = cache_config.kv_cache_memory if not any(not g.is_ring for g in self.groups) \
             else cache_config.kv_cache_memory // 2
         fit = share // per_request
         if fit < 1:
             raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B cannot hold one request's "
                              f"sliding-window rings ({per_request} B)")
-        return min(max_num_seqs, fit)
+        wanted = 0 if not cache_config.enable_prefix_caching else cache_config.num_prefix_snapshots \
+            if cache_config.num_prefix_snapshots is not None else min(16, max_num_seqs)
+        snapshots = min(wanted, max(fit - max_num_seqs, fit // 4))
+        return min(max_num_seqs, fit - snapshots), snapshots
+
+    def _per_request_bytes(self) -> int:
+        return sum(self.unit_bytes(g) for g in self.groups if g.is_ring) + self.state_bytes()
+
+    def _disk_store(self, cache_config) -> KvDiskStore | None:
+        """The cache directory's store, refused at start-up if it cannot hold one unit."""
+        if not cache_config.kv_cache_dir or not cache_config.enable_prefix_caching:
+            return None
+        paged = [self.unit_bytes(g) for g in self.groups if not g.is_ring]
+        snapshot = self._per_request_bytes() + len(paged) * max(paged, default=0) if self.num_snapshot_slots else 0
+        return KvDiskStore(cache_config.kv_cache_dir, cache_config.kv_cache_dir_size, self.cache_identity,
+                           min_file_bytes=max(paged + [snapshot]))
+
+    def disk_stats(self) -> dict:
+        """The cache directory's counters (empty without one)."""
+        disk = self.prefix.disk
+        if disk is None:
+            return {}
+        return {"kv_cache_dir_bytes_read": disk.bytes_read, "kv_cache_dir_bytes_written": disk.bytes_written,
+                "kv_cache_dir_files_read": disk.files_read, "kv_cache_dir_files_written": disk.files_written,
+                "kv_cache_dir_load_failures": disk.load_failures}
+
+    def close(self) -> None:
+        """Finish writing the cache directory (idempotent)."""
+        self.prefix.close()
 
     def _num_blocks(self, cache_config) -> int:
-        ring_bytes = (sum(self.unit_bytes(g) for g in self.groups if g.is_ring)
-                      + self.state_bytes()) * self.num_state_slots
         paged = [g for g in self.groups if not g.is_ring]
+        page = max((self.unit_bytes(g) for g in paged), default=0)
+        ring_bytes = self._per_request_bytes() * (self.num_state_slots + self.num_snapshot_slots) \
+            + self.num_snapshot_slots * len(paged) * page
         if not paged:
             return 0
         if cache_config.num_blocks:
@@ -195,8 +233,9 @@ class ModelRunner:
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
+        plan, load_failures = self.prefix.prepare(plan)  # saves, loads, restores before the forward
         if plan.is_empty:
-            return ModelOutput()
+            return ModelOutput(load_failures=load_failures)
         inputs = build_step_inputs(plan, self.addressing, self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
@@ -207,6 +246,8 @@ class ModelRunner:
         self._keep_verified(inputs, output)
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(inputs, output.samples)
+        self.prefix.finish(plan)  # snapshots at the step's boundaries
+        output.load_failures = load_failures
         return output
 
     def _keep_verified(self, inputs: StepInputs, output: ModelOutput) -> None:

@@ -62,14 +62,18 @@ def test_tokenizer_files_are_loaded(tmp_path):
     assert loaded.convert_tokens_to_ids("hello") == 1
 
 
-def test_identity_is_stable_and_tracks_file_changes(tmp_path):
+def test_identity_is_stable_and_tracks_content_changes(tmp_path):
     _save(tmp_path)
     first = load_model_source(str(tmp_path)).identity
     assert first == load_model_source(str(tmp_path) + os.sep).identity
     weights = tmp_path / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    assert load_model_source(str(tmp_path)).identity != first
+    assert load_model_source(str(tmp_path)).identity == first  # touched, same bytes: same content
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert load_model_source(str(tmp_path)).identity != first  # same path, changed weights
 
 
 def test_index_naming_a_missing_shard_is_refused(tmp_path):

@@ -7,11 +7,12 @@ model file has one loading path whatever the checkpoint format.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from deepinfer.model_executor.loader.fingerprint import content_identity, default_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -24,8 +25,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class ModelSource:
     """A model checkpoint, resolved: everything a runner needs except the modules.
 
-    `identity` is stable for unchanged files and changes when any model file changes (path, size or
-    modification time); prefix-cache keys include it, so cached rows never cross models.
+    `identity` is the content of the model files (weights, config, tokenizer files): a hash over
+    each file's name and the digest of its bytes, not the directory path nor modification times.
+    A copy of the same checkpoint elsewhere has the same identity; the same path with changed bytes
+    has another. Prefix-cache keys include it, so cached rows never cross models.
     """
 
     path: str
@@ -49,12 +52,13 @@ class ModelSource:
 
 
 def compute_identity(path: str, files: list[str]) -> str:
-    """sha256 over the resolved path and each file's name, size and modification time."""
-    digest = hashlib.sha256(os.path.realpath(path).encode())
-    for file in sorted(files):
-        stat = os.stat(file)
-        digest.update(f"\0{os.path.basename(file)}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
+    """The content identity of `files` (the model's files under `path`): sha256 over each file's
+    basename and the blake2b digest of its bytes (`fingerprint.content_identity`).
+
+    `path` itself is not hashed: identity is by content. Digests are cached by file stat in
+    `default_cache_dir()`, so only new or rewritten files are read in full.
+    """
+    return content_identity(files, default_cache_dir())
 
 
 def load_tokenizer(path: str):

@@ -68,11 +68,14 @@ def load_config_only_source(path: str) -> ModelSource:
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"directory {path!r} has no config.json, which load_format='dummy' needs")
-    files = [os.path.join(path, name) for name in os.listdir(path)]
+    files = [os.path.join(path, name) for name in os.listdir(path) if not name.endswith(_WEIGHT_SUFFIXES)]
     return ModelSource(path=path, format="hf", hf_config=AutoConfig.from_pretrained(path),
                        tokenizer=load_tokenizer(path),
                        identity=_dummy_identity(compute_identity(path, [f for f in files if os.path.isfile(f)])),
                        load_format="dummy")
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")  # dummy weights depend on the config alone
 
 
 def as_dummy_source(source: ModelSource) -> ModelSource:

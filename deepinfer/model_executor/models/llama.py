@@ -129,6 +129,12 @@ class LlamaForCausalLM(nn.Module):
     def keep_verified(self, kept: dict[int, int]) -> None:
         """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
 
+    def read_state(self, slot: int) -> dict:
+        return {}  # no per-request state beside the caches
+
+    def write_state(self, slot: int, tensors: dict) -> None:
+        pass
+
     def bind_caches(self, caches) -> None:
         bind_attention_caches(self.attention_layers(), caches)
 

@@ -146,6 +146,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         for attn in self.attention_layers():
             attn.keep_verified(kept)
 
+    def read_state(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of every compressor's state in `slot` (for prefix-cache snapshots)."""
+        return {f"{i}.{name}": t for i, bank in enumerate(self.state_banks) for name, t in bank.export(slot).items()}
+
+    def write_state(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Set every compressor's state in `slot` from `read_state`'s tensors."""
+        for i, bank in enumerate(self.state_banks):
+            prefix = f"{i}."
+            bank.load(slot, {n.removeprefix(prefix): t for n, t in tensors.items() if n.startswith(prefix)})
+
     def state_bytes_per_slot(self) -> int:
         """fp32 compressor state one request holds across all layers."""
         total = 0

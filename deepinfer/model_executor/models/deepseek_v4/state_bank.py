@@ -60,6 +60,18 @@ class StateBank:
         row_ids = pos[which] // m  # [r]
         return compressor.rows_at(pooled, row_ids), which, row_ids
 
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of the slot's state, the token count as a 0-d int64 tensor."""
+        return {"kv": self.kv[slot].clone(), "score": self.score[slot].clone(),
+                "prev_a_kv": self.prev_a_kv[slot].clone(), "prev_a_score": self.prev_a_score[slot].clone(),
+                "num_tokens": torch.tensor(self.num_tokens[slot], dtype=torch.long)}
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the slot's state from `export`'s tensors."""
+        for name in ("kv", "score", "prev_a_kv", "prev_a_score"):
+            getattr(self, name)[slot].copy_(tensors[name])
+        self.num_tokens[slot] = int(tensors["num_tokens"])
+
     def write(self, slot: int, state: CompressorState) -> None:
         self.kv[slot].copy_(state.kv)
         self.score[slot].copy_(state.score)

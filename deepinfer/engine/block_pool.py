@@ -1,0 +1,129 @@
+"""The block pool (paged groups) and state slot pools (ring groups). Pure Python.
+
+    free list (LRU, head first):  [ 5 | 2* | 9 | 0* ]     * = cached: rows kept, findable by hash
+    allocate -> 5, then 2* (evicted: its hash is dropped)
+    free(b)  -> b to the tail (a cached block keeps its hash and rows)
+    touch(b) -> a prefix hit takes a cached block back off the free list
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    """One physical block. `ref_cnt` counts the block tables holding it (0: on the free list).
+
+    `block_hash` is its prefix-cache key, (paged group index, chained hash of every token up to
+    the block's end), once its rows are computed and registered; a cached block with ref_cnt 0
+    stays on the free list with its rows and loses the key when it is handed out again.
+    """
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: tuple | None = None
+
+
+class BlockPool:
+    """A fixed set of ref-counted blocks, an LRU free list and the cached-block map.
+
+    Allocation takes from the head of the free list, freed blocks go to the tail, so the
+    block freed longest ago is reused first: an unreferenced cached block stays where it is,
+    rows intact, findable in `cached`, until allocation evicts it (least recently used first;
+    a request frees its blocks last-first, so of one prefix the longest goes first).
+    """
+
+    def __init__(self, num_blocks: int):
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[tuple, KVBlock] = {}  # block_hash -> the block holding those rows
+        self.num_evicted = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0.0 .. 1.0."""
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.blocks else 0.0
+
+    def free_block_ids(self) -> list[int]:
+        """The free list, head (next to be allocated) first."""
+        return list(self._free)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take `num_blocks` blocks from the head of the free list, each with ref_cnt 1."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+                self.num_evicted += 1
+            block.block_hash = None
+
+    def cache(self, block: KVBlock, key: tuple) -> bool:
+        """Register a computed block under `key`; False (nothing changes) if the key or the block
+        is cached already (e.g. another request computed the same prefix at the same time)."""
+        if key in self.cached or block.block_hash is not None:
+            return False
+        block.block_hash = key
+        self.cached[key] = block
+        return True
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a holder to each block (sharing), taking it off the free list if it was free."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one holder from each block; a block nobody holds goes to the free-list tail."""
+        for block in blocks:
+            if block.ref_cnt < 1:
+                raise RuntimeError(f"block {block.block_id} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+
+class StateSlotPool:
+    """`num_slots` state slots of one ring group; a request holds at most one."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def free_state_ids(self) -> list[int]:
+        return list(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise ValueError(f"no free state slot (all {self.num_slots} in use)")
+        return self._free.popleft()
+
+    def free(self, state_id: int) -> None:
+        if state_id in self._free or not 0 <= state_id < self.num_slots:
+            raise RuntimeError(f"state slot {state_id} freed twice or never allocated")
+        self._free.append(state_id)

@@ -1,0 +1,181 @@
+"""The worker's side of prefix caching: boundary snapshots and the saved cache directory.
+
+    capture  after a step that ends at boundary b:   the request's ring slots     ─┐
+                                                     its per-request state          ├─> snapshot slot s
+                                                     pages b falls inside (paged)  ─┘
+    restore  before a hit's first step (at b):       snapshot slot s ─> the request's fresh slots, blocks
+    persist  before the next forward:                a cached block's page, or a snapshot ─> a file
+    load     before the forward:                     a file ─> a fresh block, or a snapshot slot
+
+Snapshot slot s of a ring group is its unit `num_state_slots + s` (ring rows keep their
+addresses: token p stays at row p mod S, so a copied slot needs no re-indexing); per-request
+state (DeepSeek-V4's compressors) uses the same unit numbers; the partial pages of paged groups
+live in one allocation of their own, [snapshot slots, paged groups, page bytes].
+
+Memory per snapshot: the ring state slot of every ring group (S rows of each of its layers),
+the per-request state, and one page per paged group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+
+import torch
+
+from deepinfer.contracts.kv_files import KV_FILE_VERSION, SNAPSHOT
+from deepinfer.contracts.plan import CacheLoad, CachePersist, ScheduledRequest, StepPlan
+
+logger = logging.getLogger("deepinfer.worker")
+
+
+_NOT_KV = ("transformers_version", "architectures", "torch_dtype", "dtype", "use_cache", "output_attentions",
+           "output_hidden_states", "return_dict")
+
+
+def cache_identity(source, dtype: torch.dtype, kv_cache_dtype: str, groups, env) -> str:
+    """sha256 over everything that changes cached K/V: the weights' content (`source.identity`),
+    the model config (RoPE and its scaling, windows, layer types: the whole config, less
+    bookkeeping fields), the compute dtype, the row format, the cache layout and the kernels'
+    batch-invariant mode. Two engines share saved units only when all of them agree."""
+    config = source.hf_config.to_dict() if hasattr(source.hf_config, "to_dict") else vars(source.hf_config)
+    config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _NOT_KV}
+    document = {"version": KV_FILE_VERSION, "weights": source.identity, "config": config, "dtype": str(dtype),
+                "kv_cache_dtype": kv_cache_dtype, "groups": [dataclasses.asdict(g) for g in groups],
+                "batch_invariant": env.batch_invariant}
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class PrefixStore:
+    """Copies between requests' cache units, snapshot slots and the cache directory."""
+
+    def __init__(self, cache, model, num_state_slots: int, num_snapshot_slots: int, disk=None):
+        self.cache, self.model, self.disk = cache, model, disk
+        self.groups = cache.groups
+        self.ring = [gi for gi, g in enumerate(self.groups) if g.is_ring]
+        self.paged = [gi for gi, g in enumerate(self.groups) if not g.is_ring]
+        self.first_snapshot_unit = num_state_slots
+        page = cache.allocations[self.paged[0]].shape[1] if self.paged else 0
+        device = cache.allocations[0].device
+        self.pages = torch.zeros(num_snapshot_slots, len(self.paged), page, dtype=torch.uint8, device=device)
+        # [snapshots, paged groups, page bytes]
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes one snapshot takes: ring slots, per-request state and partial pages."""
+        rings = sum(self.cache.unit_bytes(gi) for gi in self.ring)
+        return rings + self.model.state_bytes_per_slot() + len(self.paged) * self.pages.shape[-1]
+
+    # ---- within memory ----------------------------------------------------------------------
+    def _partial_block(self, pi: int, boundary: int) -> int | None:
+        """Index in paged group pi's table of the block `boundary` falls inside (None: on an edge)."""
+        g = self.groups[self.paged[pi]]
+        rows = boundary // g.compress_ratio
+        return rows // g.rows_per_unit if rows % g.rows_per_unit else None
+
+    def _page(self, pi: int, block_id: int) -> torch.Tensor:
+        return self.cache.allocations[self.paged[pi]][block_id]  # [page bytes]
+
+    def capture(self, s: ScheduledRequest) -> None:
+        """Copy the request's rings, state and partial pages at its step's end into s.capture_to."""
+        unit, boundary = self.first_snapshot_unit + s.capture_to, s.start_pos + s.num_tokens
+        for ri, gi in enumerate(self.ring):
+            self.cache.allocations[gi][unit].copy_(self.cache.allocations[gi][s.state_ids[ri]])
+        self.model.write_state(unit, self.model.read_state(s.state_ids[0]))
+        for pi in range(len(self.paged)):
+            j = self._partial_block(pi, boundary)
+            if j is not None:
+                self.pages[s.capture_to, pi].copy_(self._page(pi, s.block_ids[pi][j]))
+
+    def restore(self, s: ScheduledRequest) -> None:
+        """The request's fresh rings, state and partial pages at s.start_pos from s.restore_from."""
+        unit = self.first_snapshot_unit + s.restore_from
+        for ri, gi in enumerate(self.ring):
+            self.cache.allocations[gi][s.state_ids[ri]].copy_(self.cache.allocations[gi][unit])
+        self.model.write_state(s.state_ids[0], self.model.read_state(unit))
+        for pi in range(len(self.paged)):
+            j = self._partial_block(pi, s.start_pos)
+            if j is not None:
+                self._page(pi, s.block_ids[pi][j]).copy_(self.pages[s.restore_from, pi])
+
+    # ---- the plan's operations ----------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> tuple[StepPlan, dict[str, list[str]]]:
+        """Save the plan's persist units, then per request read its loads and restore its
+        snapshot. Requests whose files fail are left out of the returned plan and reported."""
+        for op in plan.persist:
+            self.persist(op)
+        failed: dict[str, list[str]] = {}
+        for s in plan.scheduled:
+            bad = [op.path for op in s.loads if not self.load(op)]
+            if bad:
+                failed[s.request_id] = bad
+            elif s.restore_from is not None:
+                self.restore(s)
+        if failed:
+            plan = StepPlan([s for s in plan.scheduled if s.request_id not in failed], plan.finished_request_ids,
+                            plan.preempted_request_ids)
+        return plan, failed
+
+    def finish(self, plan: StepPlan) -> None:
+        """After the step: take the snapshots it asked for."""
+        for s in plan.scheduled:
+            if s.capture_to is not None:
+                self.capture(s)
+
+    # ---- the cache directory ------------------------------------------------------------------
+    def _unit_tensors(self, op: CachePersist | CacheLoad) -> dict[str, torch.Tensor]:
+        """The live tensors a unit's file holds (views into the caches)."""
+        if op.group >= 0:
+            return {"page": self._page(op.group, op.unit)}
+        unit = self.first_snapshot_unit + op.unit
+        tensors = {f"ring.{self.groups[gi].name}": self.cache.allocations[gi][unit] for gi in self.ring}
+        tensors.update({f"page.{self.groups[gi].name}": self.pages[op.unit, pi] for pi, gi in enumerate(self.paged)})
+        return tensors
+
+    def _kind(self, op: CachePersist | CacheLoad) -> str:
+        return SNAPSHOT if op.group < 0 else self.groups[self.paged[op.group]].name
+
+    def persist(self, op: CachePersist) -> None:
+        """Copy the unit's bytes now; the disk store writes them in the background."""
+        if self.disk is None:
+            return
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in self._unit_tensors(op).items()}
+        if op.group < 0:
+            state = self.model.read_state(self.first_snapshot_unit + op.unit)
+            tensors.update({f"state.{name}": t.to("cpu", copy=True) for name, t in state.items()})
+        self.disk.save(op.path, self._kind(op), op.key, tensors)
+
+    def load(self, op: CacheLoad) -> bool:
+        """Read one saved unit into its place; False (with a warning) if it cannot be used."""
+        loaded = self.disk.load(op.path, self._kind(op), op.key) if self.disk is not None else None
+        if loaded is None:
+            return False
+        targets = self._unit_tensors(op)
+        state = {n.removeprefix("state."): t for n, t in loaded.items() if n.startswith("state.")}
+        plain = {n: t for n, t in loaded.items() if not n.startswith("state.")}
+        bad = _mismatch(plain, targets) or (op.group < 0 and _mismatch(state, self.model.read_state(0)))
+        if bad:
+            logger.warning("saved KV cache file %s does not fit this cache (%s); recomputing", op.path, bad)
+            return False
+        for name, t in plain.items():
+            targets[name].copy_(t)
+        if op.group < 0:
+            self.model.write_state(self.first_snapshot_unit + op.unit, state)
+        return True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+def _mismatch(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str | None:
+    """Why `loaded` cannot replace `expected` (names, shapes, dtypes), or None."""
+    if set(loaded) != set(expected):
+        return f"tensors {sorted(loaded)} where {sorted(expected)} are expected"
+    for name, t in loaded.items():
+        want = expected[name]
+        if t.shape != want.shape or t.dtype != want.dtype:
+            return f"{name} is {tuple(t.shape)} {t.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    return None
