@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -11,8 +11,13 @@ from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, Specula
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, short_repr
 from deepinfer.worker.model_runner import ModelRunner
+
+# a prompt: text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, with an optional "cache_salt"
+Prompt = str | list[int] | Mapping
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt"}
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -31,6 +36,19 @@ class LLM:
     `speculative_method="ngram"` (prompt lookup, any model) or `"mtp"` (DeepSeek-V4's next-n
     module) drafts up to `num_speculative_tokens` tokens per step, verified by the model in one
     pass; outputs keep the distribution of plain decoding (greedy: the same tokens).
+
+    Prefix caching is on by default (`enable_prefix_caching=False` turns it off): a prompt that
+    starts like an earlier one reuses the KV blocks already computed for the shared prefix
+    (`RequestOutput.num_cached_tokens` says how many prompt tokens were not recomputed). Requests
+    share cached prefixes only when their `cache_salt` is equal: pass a prompt as
+    `{"prompt": text, "cache_salt": "tenant-a"}` (or `{"prompt_token_ids": ids, ...}`) to keep
+    one user's cache apart from another's. Ring models (sliding window, DeepSeek-V4) also keep
+    `num_prefix_snapshots` snapshots, taken every `prefix_snapshot_interval` tokens of a prefill.
+
+    `kv_cache_dir` keeps a saved cache: computed blocks are written there (at most
+    `kv_cache_dir_size`, least recently used files go first), and a later start-up of the same
+    model reads them instead of recomputing. `close()` (or leaving `with LLM(...) as llm:`, or
+    the end of the process) writes what the directory still lacks.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
@@ -54,15 +72,18 @@ class LLM:
                               speculative=speculative, hf_overrides=hf_overrides, load_format=load_format)
         self.engine = build_engine(config)
         self._closed = False
-        atexit.register(self.close)
+        self._at_exit = bool(cache.kv_cache_dir and cache.enable_prefix_caching)  # only a cache dir needs it
+        if self._at_exit:
+            atexit.register(self.close)
 
     def close(self) -> None:
         """Save what the KV cache directory still lacks and stop its writer (idempotent; also
         called on exit and by `with LLM(...) as llm:`)."""
-        if self._closed:
+        if self._closed or self.engine is None:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        if self._at_exit:
+            atexit.unregister(self.close)
         self.engine.close()
 
     def __enter__(self) -> LLM:
@@ -79,15 +100,20 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt the engine refuses (empty, too long, bad token ids, bad sampling params) gets an
-        output whose `error` holds the ValueError; a request failed by a fault while it ran gets
-        its output with finish_reason "error" and `error` set. The rest of the batch still runs.
-        When a fatal fault (or KeyboardInterrupt) ends the call, its requests are aborted first.
+        A prompt is a string, a list of token ids, or a dict: `{"prompt": str}` or
+        `{"prompt_token_ids": [int, ...]}`, either with an optional `"cache_salt": str` (only
+        requests with the same salt share cached prefixes).
+
+        A prompt the engine refuses (empty, too long, bad token ids, a malformed dict, bad sampling
+        params) gets an output whose `error` holds the ValueError; a request failed by a fault
+        while it ran gets its output with finish_reason "error" and `error` set. The rest of the
+        batch still runs. When a fatal fault (or KeyboardInterrupt) ends the call, its requests
+        are aborted first.
         """
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
@@ -143,19 +169,58 @@ class LLM:
             self.engine.abort_request(request_id)
 
     def _add(self, prompt, params, results) -> str:
+        """Queue one prompt; a refused one gets its finished output (`error` set) in `results`."""
         try:
-            return self.engine.add_request(prompt, params)
+            inputs, cache_salt = parse_prompt(prompt)
+            return self.engine.add_request(inputs, params, cache_salt=cache_salt)
         except ValueError as exc:
             rid = f"refused-{len(results)}-{id(exc)}"
             done = CompletionOutput(index=0, finish_reason="error")
-            results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
-                                         [] if isinstance(prompt, str) else list(prompt), [done],
-                                         finished=True, error=exc)
+            text, ids = _refused_prompt(prompt)
+            results[rid] = RequestOutput(rid, text, ids, [done], finished=True, error=exc)
             return rid
 
 
+def parse_prompt(prompt) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache_salt) of one prompt; a dict must hold exactly one of "prompt"
+    (a string) and "prompt_token_ids" (a list of ints), and may hold "cache_salt". ValueError
+    naming the field and the value otherwise (the engine checks the salt's type and the ids)."""
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    unknown = sorted(map(str, set(prompt) - _DICT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt dict has unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))}; allowed: 'prompt' or 'prompt_token_ids', "
+                         f"and 'cache_salt'")
+    given = [key for key in _PROMPT_KEYS if key in prompt]
+    if len(given) != 1:
+        what = "neither" if not given else "both"
+        raise ValueError(f"prompt dict must have exactly one of 'prompt' (text) and 'prompt_token_ids' "
+                         f"(token ids), got {what}: {short_repr(dict(prompt))}")
+    key = given[0]
+    value = prompt[key]
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"prompt must be a string, got {short_repr(value)}")
+    if key == "prompt_token_ids" and not (isinstance(value, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value)):
+        raise ValueError(f"prompt_token_ids must be a list of token ids (ints), got {short_repr(value)}")
+    return (value if key == "prompt" else list(value)), prompt.get("cache_salt")
+
+
+def _refused_prompt(prompt) -> tuple[str | None, list[int]]:
+    """(prompt text, prompt token ids) shown in a refused prompt's output, as far as they are known."""
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if isinstance(prompt, str):
+        return prompt, []
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    return None, []
+
+
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str):
+    """One prompt (text, token ids or a dict) as a list of one; a sequence of prompts as a list."""
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):

@@ -21,6 +21,7 @@ class CacheLoad:
     unit: int
     path: str
     key: str
+    mtime_ns: int | None = None  # the file's recency after the read (deeper units: older)
 
     @property
     def is_snapshot(self) -> bool:
@@ -30,12 +31,15 @@ class CacheLoad:
 @dataclass(frozen=True)
 class CachePersist:
     """Write one cached unit (a block of paged group `group`, or snapshot slot `unit` when group
-    is -1) to the KV cache directory. The worker copies its bytes before the step's forward."""
+    is -1) to the KV cache directory. The worker copies its bytes before the step's forward.
+    `mtime_ns` is the recency the file gets: of one prefix, deeper units look older, so the
+    directory's LRU eviction drops a prefix's tail before its head."""
 
     group: int
     unit: int
     path: str
     key: str
+    mtime_ns: int | None = None
 
 
 @dataclass

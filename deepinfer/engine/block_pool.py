@@ -1,4 +1,5 @@
-"""The block pool (paged groups) and state slot pools (ring groups). Pure Python.
+"""Cache group specs as the engine sees them, the block pool (paged groups) and state slot
+pools (ring groups). Pure Python.
 
     free list (LRU, head first):  [ 5 | 2* | 9 | 0* ]     * = cached: rows kept, findable by hash
     allocate -> 5, then 2* (evicted: its hash is dropped)
@@ -127,3 +128,50 @@ class StateSlotPool:
         if state_id in self._free or not 0 <= state_id < self.num_slots:
             raise RuntimeError(f"state slot {state_id} freed twice or never allocated")
         self._free.append(state_id)
+
+
+def check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PagedGroupSpec:
+    """A paged cache group: blocks of `block_size` rows, one row per `compress_ratio` tokens."""
+
+    name: str
+    block_size: int
+    compress_ratio: int = 1
+
+    def __post_init__(self):
+        check_positive(f"{self.name}.block_size", self.block_size)
+        check_positive(f"{self.name}.compress_ratio", self.compress_ratio)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.compress_ratio
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-(num_tokens // self.compress_ratio) // self.block_size)
+
+
+@dataclass(frozen=True)
+class RingGroupSpec:
+    """A sliding-window cache group: one state slot of `ring_size` rows per request."""
+
+    name: str
+    ring_size: int
+
+    def __post_init__(self):
+        check_positive(f"{self.name}.ring_size", self.ring_size)
+
+
+def check_group_specs(specs, paged_specs, ring_specs) -> None:
+    if not specs:
+        raise ValueError("group_specs must name at least one cache group, got ()")
+    if len(paged_specs) + len(ring_specs) != len(specs):
+        bad = [s for s in specs if not isinstance(s, PagedGroupSpec | RingGroupSpec)]
+        raise ValueError(f"group_specs must be PagedGroupSpec or RingGroupSpec, got {bad!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cache group names must be unique, got {names!r}")

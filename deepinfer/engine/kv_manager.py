@@ -31,15 +31,25 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from deepinfer.contracts.plan import CacheLoad, CachePersist
-from deepinfer.engine.block_pool import BlockPool, KVBlock, StateSlotPool
+from deepinfer.engine.block_pool import (
+    BlockPool,
+    KVBlock,
+    PagedGroupSpec,
+    RingGroupSpec,
+    StateSlotPool,
+    check_group_specs,
+    check_positive,
+)
 from deepinfer.engine.prefix_cache import (
     SNAPSHOT,
     DiskIndex,
     KnownPrefixes,
     PrefixCacheStats,
+    PrefixHit,
     PrefixSettings,
     Snapshot,
     SnapshotPool,
@@ -48,60 +58,7 @@ from deepinfer.engine.prefix_cache import (
     snapshot_boundaries,
 )
 
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class PagedGroupSpec:
-    """A paged cache group: blocks of `block_size` rows, one row per `compress_ratio` tokens."""
-
-    name: str
-    block_size: int
-    compress_ratio: int = 1
-
-    def __post_init__(self):
-        _check_positive(f"{self.name}.block_size", self.block_size)
-        _check_positive(f"{self.name}.compress_ratio", self.compress_ratio)
-
-    @property
-    def tokens_per_block(self) -> int:
-        return self.block_size * self.compress_ratio
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-(num_tokens // self.compress_ratio) // self.block_size)
-
-
-@dataclass(frozen=True)
-class RingGroupSpec:
-    """A sliding-window cache group: one state slot of `ring_size` rows per request."""
-
-    name: str
-    ring_size: int
-
-    def __post_init__(self):
-        _check_positive(f"{self.name}.ring_size", self.ring_size)
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """The longest cached prefix of a request: `num_tokens` tokens (a unit boundary, 0 for none),
-    per paged group the full blocks below it (a cached `KVBlock`, or the path of a saved block),
-    and the snapshot at the boundary (in memory, a saved file's path, or None when the model
-    needs none). `key` is the boundary's unit hash."""
-
-    num_tokens: int = 0
-    blocks: tuple[list, ...] = ()
-    snapshot: Snapshot | str | None = None
-    key: bytes | None = None
-
-    @property
-    def num_disk_tokens(self) -> int:
-        """Tokens of the hit whose rows come from the cache directory (0 or all of them)."""
-        on_disk = isinstance(self.snapshot, str) or any(isinstance(b, str) for g in self.blocks for b in g)
-        return self.num_tokens if on_disk else 0
+__all__ = ["BlockPool", "KVBlock", "KVCacheManager", "PagedGroupSpec", "PrefixHit", "RingGroupSpec", "StateSlotPool"]
 
 
 @dataclass
@@ -114,6 +71,7 @@ class _RequestCache:
     pinned: Snapshot | None = None  # the in-memory snapshot restored from (kept until commit)
     loaded_snapshot: tuple | None = None  # (slot, key, boundary) of a snapshot read from disk
     capture: tuple | None = None  # (slot, key, boundary) its step copies into a snapshot slot
+    stamp_ns: int = field(default_factory=time.time_ns)  # wall clock at admission: its saved units' recency
 
     def held_snapshot_slots(self) -> list[int]:
         return [t[0] for t in (self.loaded_snapshot, self.capture) if t is not None]
@@ -133,11 +91,11 @@ class KVCacheManager:
         self.group_specs = tuple(group_specs)
         self.paged_specs = tuple(s for s in self.group_specs if isinstance(s, PagedGroupSpec))
         self.ring_specs = tuple(s for s in self.group_specs if isinstance(s, RingGroupSpec))
-        _check_group_specs(self.group_specs, self.paged_specs, self.ring_specs)
+        check_group_specs(self.group_specs, self.paged_specs, self.ring_specs)
         if self.paged_specs:
-            _check_positive("num_blocks", num_blocks)
+            check_positive("num_blocks", num_blocks)
         if self.ring_specs:
-            _check_positive("num_state_slots", num_state_slots)
+            check_positive("num_state_slots", num_state_slots)
         self.block_pool = BlockPool(num_blocks if self.paged_specs else 0)
         self.slot_pools = tuple(StateSlotPool(num_state_slots) for _ in self.ring_specs)
         self._requests: dict[str, _RequestCache] = {}
@@ -146,6 +104,8 @@ class KVCacheManager:
         # the hash unit: every paged block ends on a unit boundary
         self.unit = math.gcd(*(s.tokens_per_block for s in self.paged_specs)) if self.paged_specs else unit
         self.needs_snapshots = bool(self.ring_specs)  # a hit must restore ring rows and state
+        # without snapshots a hit ends where every paged group's block ends (no partial block)
+        self.hit_align = math.lcm(*(s.tokens_per_block for s in self.paged_specs)) if self.paged_specs else unit
         self.snapshots = SnapshotPool(self.prefix.num_snapshot_slots if self.needs_snapshots else 0)
         self.snapshot_interval = max(self.unit, self.prefix.snapshot_interval // self.unit * self.unit)
         self.known = KnownPrefixes()
@@ -216,7 +176,7 @@ class KVCacheManager:
             if not self._extend(blocks, hashes, i * self.unit):
                 break
             found = self._snapshot_at(hashes[i - 1]) if self.needs_snapshots else None
-            if found is not None or not self.needs_snapshots:
+            if found is not None or (not self.needs_snapshots and i * self.unit % self.hit_align == 0):
                 best, sizes, snap = i * self.unit, [len(g) for g in blocks], found
         return PrefixHit(best, tuple(g[:n] for g, n in zip(blocks, sizes, strict=True)), snap,
                          hashes[best // self.unit - 1] if best else None)
@@ -293,15 +253,16 @@ class KVCacheManager:
         self.block_pool.touch(b for g in hit.blocks for b in g if isinstance(b, KVBlock))  # before any eviction
         cache = self._register(request_id)
         for gi, (spec, table, found) in enumerate(zip(self.paged_specs, cache.block_tables, hit.blocks, strict=True)):
-            for b in found:
-                table.append(b if isinstance(b, KVBlock) else self._load_block(cache, gi, b))
+            for j, b in enumerate(found):
+                depth = (j + 1) * spec.tokens_per_block // self.unit
+                table.append(b if isinstance(b, KVBlock) else self._load_block(cache, gi, b, depth))
             table.extend(self.block_pool.allocate(spec.num_blocks_for(num_tokens_total) - len(table)))
         self._restore(cache, hit)
         return True
 
-    def _load_block(self, cache: _RequestCache, gi: int, path: str) -> KVBlock:
+    def _load_block(self, cache: _RequestCache, gi: int, path: str, depth: int) -> KVBlock:
         (block,) = self.block_pool.allocate(1)
-        cache.loads.append(CacheLoad(gi, block.block_id, path, _key_of(path)))
+        cache.loads.append(CacheLoad(gi, block.block_id, path, _key_of(path), _recency(cache.stamp_ns, depth)))
         return block
 
     def _restore(self, cache: _RequestCache, hit: PrefixHit) -> None:
@@ -311,7 +272,8 @@ class KVCacheManager:
             cache.pinned, cache.restore_from = hit.snapshot, hit.snapshot.slot
         elif isinstance(hit.snapshot, str):
             slot = self.snapshots.take_slot()
-            cache.loads.append(CacheLoad(-1, slot, hit.snapshot, hit.key.hex()))
+            recency = _recency(cache.stamp_ns, hit.num_tokens // self.unit)
+            cache.loads.append(CacheLoad(-1, slot, hit.snapshot, hit.key.hex(), recency))
             cache.loaded_snapshot, cache.restore_from = (slot, hit.key, hit.num_tokens), slot
 
     def reserve_snapshot(self, req, boundary: int) -> None:
@@ -362,7 +324,7 @@ class KVCacheManager:
             cache.pinned.ref_cnt -= 1
             cache.pinned = None
         if cache.loaded_snapshot is not None:
-            self._keep_snapshot(*cache.loaded_snapshot, persist=False)
+            self._keep_snapshot(*cache.loaded_snapshot, recency=None)
             cache.loaded_snapshot = None
         hashes = self.block_hashes(req)
         done = min(req.num_computed_tokens, len(hashes) * self.unit)
@@ -374,7 +336,7 @@ class KVCacheManager:
             slot, key, boundary = cache.capture
             cache.capture = None
             if req.num_computed_tokens == boundary:
-                self._keep_snapshot(slot, key, boundary, persist=True)
+                self._keep_snapshot(slot, key, boundary, _recency(cache.stamp_ns, boundary // self.unit))
             else:
                 self.snapshots.give_back(slot)
 
@@ -382,31 +344,39 @@ class KVCacheManager:
         table, per_block = cache.block_tables[gi], spec.tokens_per_block
         full = min(done // per_block, len(table))
         for j in range(cache.num_committed[gi], full):
-            key = hashes[(j + 1) * per_block // self.unit - 1]
+            depth = (j + 1) * per_block // self.unit
+            key = hashes[depth - 1]
             if self.block_pool.cache(table[j], (gi, key)):
-                self._queue_persist(gi, table[j].block_id, key, spec.name)
+                self._queue_persist(gi, table[j].block_id, key, spec.name, _recency(cache.stamp_ns, depth))
         cache.num_committed[gi] = max(cache.num_committed[gi], full)
 
-    def _keep_snapshot(self, slot: int, key: bytes, boundary: int, persist: bool) -> None:
-        if self.snapshots.register(slot, key, boundary) is not None:
-            self.stats.num_snapshots_taken += persist
-            if persist:
-                self._queue_persist(-1, slot, key, SNAPSHOT)
+    def _keep_snapshot(self, slot: int, key: bytes, boundary: int, recency: int | None) -> None:
+        """Register a snapshot; one just taken (`recency` set) is also queued for the directory."""
+        if self.snapshots.register(slot, key, boundary) is not None and recency is not None:
+            self.stats.num_snapshots_taken += 1
+            self._queue_persist(-1, slot, key, SNAPSHOT, recency)
 
-    def _queue_persist(self, gi: int, unit: int, key: bytes, kind: str) -> None:
+    def _queue_persist(self, gi: int, unit: int, key: bytes, kind: str, recency: int) -> None:
         path = self.disk.target(key, kind)
         if path is not None and not os.path.exists(path):
-            self._persist.append(CachePersist(gi, unit, path, key.hex()))
+            self._persist.append(CachePersist(gi, unit, path, key.hex(), recency))
 
     def take_persist(self) -> list[CachePersist]:
         """Units registered since the last call that the cache directory lacks (for the next plan)."""
         persist, self._persist = self._persist, []
         return persist
 
-    def forget_paths(self, paths) -> None:
-        """Saved files that failed to load: never looked up again in this process."""
+    def forget_paths(self, paths, num_hit_tokens: int) -> None:
+        """Saved files that failed to load: never looked up again in this process; the hit of
+        `num_hit_tokens` they belonged to is not counted."""
         self.disk.bad_paths.update(paths)
         self.stats.num_load_failures += 1
+        self.stats.retract(num_hit_tokens)
+
+    def close_disk(self) -> None:
+        """No more lookups in, or saves to, the cache directory (the runner closed it)."""
+        self.disk.directory = None
+        self._persist = []
 
     def free(self, request_id: str) -> None:
         """Give back all blocks and state slots of the request; a no-op if it holds none.
@@ -488,17 +458,12 @@ class KVCacheManager:
             raise AssertionError("; ".join(leaks))
 
 
+def _recency(stamp_ns: int, depth: int) -> int:
+    """A saved unit's mtime: its request's admission time, less 1 µs per unit of depth, so that
+    of one prefix the tail looks older than the head (evicted first, as in memory)."""
+    return stamp_ns - depth * 1000
+
+
 def _key_of(path: str) -> str:
     """The unit hash (hex) a saved file is named by."""
     return os.path.basename(path).split(".", 1)[0]
-
-
-def _check_group_specs(specs, paged_specs, ring_specs) -> None:
-    if not specs:
-        raise ValueError("group_specs must name at least one cache group, got ()")
-    if len(paged_specs) + len(ring_specs) != len(specs):
-        bad = [s for s in specs if not isinstance(s, PagedGroupSpec | RingGroupSpec)]
-        raise ValueError(f"group_specs must be PagedGroupSpec or RingGroupSpec, got {bad!r}")
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"cache group names must be unique, got {names!r}")

@@ -125,6 +125,7 @@ class LLMEngine:
         persist = self.kv_manager.take_persist()
         if persist:
             self.runner.execute(StepPlan([], persist=persist))
+        self.kv_manager.close_disk()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

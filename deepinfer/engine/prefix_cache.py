@@ -123,6 +123,11 @@ class PrefixCacheStats:
         self.hits += num_hit
         self.disk_hits += num_disk
 
+    def retract(self, num_hit: int) -> None:
+        """A disk hit of `num_hit` tokens that failed to load (the request started over)."""
+        self.hits -= num_hit
+        self.disk_hits -= num_hit
+
     def as_dict(self) -> dict:
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
                 "prefix_cache_disk_hits": self.disk_hits,
@@ -198,5 +203,24 @@ def snapshot_boundaries(num_tokens: int, num_prompt: int, unit: int, interval: i
     return sorted(p for p in points if hit < p <= last)
 
 
-__all__ = ["SNAPSHOT", "DiskIndex", "KnownPrefixes", "PrefixCacheStats", "PrefixSettings", "Snapshot",
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest cached prefix of a request: `num_tokens` tokens (a unit boundary, 0 for none),
+    per paged group the full blocks below it (a cached `KVBlock`, or the path of a saved block),
+    and the snapshot at the boundary (in memory, a saved file's path, or None when the model
+    needs none). `key` is the boundary's unit hash."""
+
+    num_tokens: int = 0
+    blocks: tuple[list, ...] = ()
+    snapshot: Snapshot | str | None = None
+    key: bytes | None = None
+
+    @property
+    def num_disk_tokens(self) -> int:
+        """Tokens of the hit whose rows come from the cache directory (0 or all of them)."""
+        on_disk = isinstance(self.snapshot, str) or any(isinstance(b, str) for g in self.blocks for b in g)
+        return self.num_tokens if on_disk else 0
+
+
+__all__ = ["SNAPSHOT", "DiskIndex", "KnownPrefixes", "PrefixCacheStats", "PrefixHit", "PrefixSettings", "Snapshot",
            "SnapshotPool", "chain_hash", "chain_root", "snapshot_boundaries"]

@@ -207,7 +207,7 @@ class Scheduler:
             req.num_computed_tokens = hit.num_tokens
             if self.kv_manager.caching:
                 self.kv_manager.stats.observe(req.num_tokens, hit.num_tokens, hit.num_disk_tokens)
-            if req.num_cached_tokens is None:
+            if not req.num_output_tokens and not req.num_preemptions:  # first admission (or a start-over)
                 req.num_cached_tokens = hit.num_tokens
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -273,7 +273,7 @@ class Scheduler:
     def _start_over(self, req: Request, paths: list[str]) -> None:
         """Saved-cache files of req's step could not be read (it was left out of the step): forget
         them, free its cache and queue it first in line to start again."""
-        self.kv_manager.forget_paths(paths)
+        self.kv_manager.forget_paths(paths, req.num_computed_tokens)
         self.kv_manager.free(req.request_id)
         self.running.remove(req)
         req.num_computed_tokens, req.draft_token_ids, req.snapshot_at = 0, [], []

@@ -10,10 +10,14 @@ Workloads (same requests for every engine):
   copy    8 requests whose answers repeat or edit text of the prompt, run with plain and with
           speculative decoding (--speculative-method, default ngram) at batch 1 and 8; reports
           tokens/s of each, the ratio, the acceptance and whether the outputs agree (bench_copy).
+  prefix  --num-requests (16) requests behind one shared ~--prefix-len (1500) token system prompt,
+          --max-tokens (16) outputs, run cold (no prefix cache), with the prefix cached in memory
+          and after a restart on a --kv-cache-dir (a fresh process); reports TTFT p50/p90 one
+          request at a time, mean cached tokens, batch tokens/s and the TTFT ratios (bench_prefix).
 
 Prompts are token ids, so a model without tokenizer files runs too (`--load-format dummy` on a
 bare config.json). `--max-tokens N` caps each request's output length (default: as drawn) and
-`--num-requests` sets cpu32's request count; the prompts stay the same.
+`--num-requests` sets cpu32's request count (default 32; prefix: 16); the prompts stay the same.
 
 With `--speculative-method`, every workload runs with it (engine `deepinfer+ngram` or
 `deepinfer+mtp`) and prints its acceptance rate and mean accepted length over the measured run.
@@ -42,17 +46,21 @@ from deepinfer.entrypoints.bench_common import (
 )
 from deepinfer.entrypoints.bench_kv import has_compressed_groups, kv_lines, workload_kv_line
 from deepinfer.entrypoints.bench_long import run_long
+from deepinfer.entrypoints.bench_prefix import add_prefix_args
 from deepinfer.entrypoints.engine_args import make_llm
+
+BENCH_WORKLOADS = (*WORKLOADS, "prefix")
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("--workload", action="append", choices=WORKLOADS, default=None,
+    p.add_argument("--workload", action="append", choices=BENCH_WORKLOADS, default=None,
                    help="workload to run (repeatable; default: all)")
-    p.add_argument("--num-requests", type=int, default=32, help="requests in cpu32")
+    p.add_argument("--num-requests", type=int, default=None, help="requests in cpu32 (32) and prefix (16)")
     p.add_argument("--peer", action="append", choices=["hf", "llama.cpp"], default=[],
                    help="also run a peer on the same requests (repeatable)")
     p.add_argument("--window", type=int, default=128, help="sliding window W of the long workload")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    add_prefix_args(p)
 
 
 def run_bench(args) -> int:
@@ -73,13 +81,18 @@ def run_bench(args) -> int:
 
         results += run_copy(args)
         names = [n for n in names if n != "copy"]
+    if "prefix" in names:
+        from deepinfer.entrypoints.bench_prefix import run_prefix
+
+        results += run_prefix(args)
+        names = [n for n in names if n != "prefix"]
     llm = make_llm(args) if names else None
     if llm is not None:
         for line in kv_lines(llm):
             print(line, flush=True)
     workloads = []
     for name in names:
-        workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests,
+        workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests or 32,
                                  max_output_len=max_tokens)
         results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
         _print(results[-1])
@@ -128,6 +141,7 @@ def run_dummy_v4_peer(llm, workloads: list[Workload]) -> list[BenchResult]:
 
     hf_config = llm.engine.source.hf_config
     state = hf_v4_state_dict(llm.engine.runner.model)
+    llm.close()
     llm.engine = None  # the caller's reference keeps only an empty shell
     gc.collect()
     model = hf_v4_model(hf_config, state)

@@ -9,29 +9,32 @@ from deepinfer.entrypoints.engine_args import add_engine_args, add_sampling_args
 
 
 def cmd_generate(args) -> int:
-    llm = make_llm(args)
     params = sampling_params(args)
-    prompt = args.prompt
-    if not args.raw:
-        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) \
-            if llm.get_tokenizer().chat_template else args.prompt
-    for out in llm.stream(prompt, params):
-        sys.stdout.write(out.outputs[0].delta_text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    with make_llm(args) as llm:  # closing saves what --kv-cache-dir still lacks
+        prompt = args.prompt
+        if not args.raw:
+            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) \
+                if llm.get_tokenizer().chat_template else args.prompt
+        for out in llm.stream(prompt, params):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     return 0
 
 
 def cmd_chat(args) -> int:
     from deepinfer.entrypoints.chat import run_chat
 
-    return run_chat(make_llm(args), sampling_params(args), system=args.system)
+    params = sampling_params(args)
+    with make_llm(args) as llm:
+        return run_chat(llm, params, system=args.system)
 
 
 def cmd_info(args) -> int:
     from deepinfer.entrypoints.info import print_info
 
-    print_info(make_llm(args))
+    with make_llm(args) as llm:
+        print_info(llm)
     return 0
 
 
@@ -55,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send PROMPT as is (no chat template)")
     chat = sub.add_parser("chat", help="interactive chat with history (the model's chat template)")
     chat.add_argument("--system", default=None, help="system message")
-    info = sub.add_parser("info", help="architecture, layers, KV bytes per token, cache capacity")
+    info = sub.add_parser("info", help="architecture, layers, KV bytes per token, cache capacity "
+                          "(and the saved cache in --kv-cache-dir)")
     bench = sub.add_parser("bench", help="throughput benchmark (cpu32 and batch-1 decode workloads)")
     from deepinfer.entrypoints.bench import add_bench_args
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, SPECULATIVE_METHODS
+from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, SPECULATIVE_METHODS, CacheConfig
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -38,6 +38,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                    help="auto: the checkpoint's weights; dummy: config.json only, seeded random weights "
                         "(benchmarks and memory figures without weight files)")
+    add_prefix_cache_args(p)
+
+
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefix caching")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of a prompt prefix computed before (requests share them only "
+                        "when their cache_salt is equal)")
+    g.add_argument("--kv-cache-dir", default=None, metavar="PATH",
+                   help="save computed KV blocks in this directory; a later start-up of the same model "
+                        "reads them (default: none, the cache lives in memory only; `bench --workload "
+                        "prefix`: the restart run's directory, default a temporary one)")
+    g.add_argument("--kv-cache-dir-size", default="4GiB", metavar="SIZE",
+                   help="most bytes --kv-cache-dir may hold, e.g. 512MiB, 4GiB; the least recently used "
+                        "files go first")
+    g.add_argument("--prefix-snapshot-interval", type=int, default=512, metavar="N",
+                   help="ring models (sliding window, DeepSeek-V4): tokens between snapshots of a long prefill")
+    g.add_argument("--num-prefix-snapshots", type=int, default=None, metavar="N",
+                   help="ring models: snapshot slots kept for prefix hits (default: min(16, --max-num-seqs))")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +74,21 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
+def prefix_cache_kwargs(args) -> dict:
+    """The prefix-caching flags as `LLM` / `CacheConfig` keyword arguments."""
+    return dict(enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+                kv_cache_dir=getattr(args, "kv_cache_dir", None),
+                kv_cache_dir_size=getattr(args, "kv_cache_dir_size", "4GiB"),
+                prefix_snapshot_interval=getattr(args, "prefix_snapshot_interval", 512),
+                num_prefix_snapshots=getattr(args, "num_prefix_snapshots", None))
+
+
+def cache_config(args) -> CacheConfig:
+    """The CacheConfig the flags describe (ValueError naming the field and value when one is bad)."""
+    return CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+                       kv_cache_dtype=args.kv_cache_dtype, **prefix_cache_kwargs(args))
+
+
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
@@ -62,7 +96,7 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 speculative_method=getattr(args, "speculative_method", None),
                 num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides,
-                load_format=getattr(args, "load_format", "auto"))
+                load_format=getattr(args, "load_format", "auto"), **prefix_cache_kwargs(args))
 
 
 def sampling_params(args) -> SamplingParams:
@@ -73,6 +107,8 @@ def sampling_params(args) -> SamplingParams:
 
 
 def make_llm(args):
+    """The LLM the flags describe; bad cache flags are refused before the model loads."""
     from deepinfer.llm import LLM
 
+    cache_config(args)
     return LLM(args.model, **engine_kwargs(args))

@@ -6,6 +6,9 @@ latent rows (head_dim wide; MXFP8: 512 e4m3 + 16 UE8M0 = 528 B) and its index ke
 tokens, so a block of R rows covers R * m tokens and a layer costs row_bytes / m per token.
 Models with such groups (or per-group codecs) also get per-layer lines: the fixed ring bytes and
 compressor state per request, and the bytes each further token adds.
+
+With `--kv-cache-dir`, the saved cache there is listed too: its files and bytes in all and per
+model folder (`worker.kv_disk.scan_kv_dir`), the folder of the model just built marked.
 """
 
 from __future__ import annotations
@@ -13,6 +16,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
+from deepinfer.worker.kv_disk import scan_kv_dir
+
+
+def human_bytes(num: int) -> str:
+    """1536 -> '1.5 KiB', 100 -> '100 B'."""
+    value = float(num)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _entries(n: int) -> str:
+    return f"{n:,} {'entry' if n == 1 else 'entries'}"
+
+
+def kv_dir_lines(directory: str, budget: int | None = None, this_model: str | None = None) -> list[str]:
+    """The saved cache under `directory`: entries and bytes in all and per model folder (the
+    folder named `this_model`, the first 16 hex digits of a cache identity, is marked)."""
+    report = scan_kv_dir(directory)
+    limit = f" of {human_bytes(budget)} (--kv-cache-dir-size)" if budget else ""
+    lines = [f"kv cache dir: {report['path']}: {_entries(report['entries'])}, "
+             f"{human_bytes(report['bytes'])}{limit}"]
+    models = sorted(report["models"].items(), key=lambda kv: (kv[0] != this_model, -kv[1]["bytes"], kv[0]))
+    for folder, entry in models:
+        mark = " (this model)" if folder == this_model else ""
+        lines.append(f"  model {folder}{mark}: {_entries(entry['entries'])}, {human_bytes(entry['bytes'])}")
+    if this_model is not None and this_model not in report["models"]:
+        lines.append(f"  model {this_model} (this model): nothing saved yet")
+    return lines
 
 
 def fmt_bytes(value: float) -> str:
@@ -172,11 +206,24 @@ def info_lines(llm) -> list[str]:
         *group_lines(llm),
     ]
     if is_multi_format(runner):
-        return lines + multi_format_lines(llm)
-    return lines + [
-        f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
-        f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)",
-    ]
+        lines += multi_format_lines(llm)
+    else:
+        lines.append(f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
+                     f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)")
+    return lines + prefix_cache_lines(llm)
+
+
+def prefix_cache_lines(llm) -> list[str]:
+    """Whether prefix caching is on and, with a cache directory, what it holds."""
+    engine = llm.engine
+    cache = engine.config.cache
+    caching = engine.kv_manager.caching
+    lines = [f"prefix caching: {'on' if caching else 'off'}"
+             + ("" if caching or not cache.enable_prefix_caching else " (this model has no snapshot slots)")]
+    if cache.kv_cache_dir:
+        identity = getattr(engine.runner, "cache_identity", None)
+        lines += kv_dir_lines(cache.kv_cache_dir, cache.kv_cache_dir_size, identity[:16] if identity else None)
+    return lines
 
 
 def print_info(llm) -> None:

@@ -102,9 +102,10 @@ class KvDiskStore:
     # ---- public interface ----------------------------------------------------------------
 
     def save(self, path: str, kind: str, key: str, tensors: dict[str, torch.Tensor],
-             meta: dict[str, str] | None = None) -> None:
+             meta: dict[str, str] | None = None, mtime_ns: int | None = None) -> None:
         """Queue a write and return at once. `tensors` are CPU tensors the store now owns (the
-        caller made copies). Writing a path that exists (or is already queued) is a no-op."""
+        caller made copies). Writing a path that exists (or is already queued) is a no-op.
+        `mtime_ns` sets the file's recency for eviction (default: when it is written)."""
         extra = dict(meta or {})
         for name, value in extra.items():
             if name in _RESERVED_META or not isinstance(value, str):
@@ -115,11 +116,12 @@ class KvDiskStore:
             if path in self._pending:
                 return
             self._pending.add(path)
-            self._queue.put((path, kind, key, tensors, extra))
+            self._queue.put((path, kind, key, tensors, extra, mtime_ns))
 
-    def load(self, path: str, kind: str, key: str) -> dict[str, torch.Tensor] | None:
+    def load(self, path: str, kind: str, key: str, touch_ns: int | None = None) -> dict[str, torch.Tensor] | None:
         """Read and verify one file; None when missing (silently) or damaged, truncated or foreign
-        (logged; a damaged file of ours is deleted). A hit touches the file's mtime (LRU)."""
+        (logged; a damaged file of ours is deleted). A hit touches the file's mtime (LRU): now,
+        or `touch_ns`."""
         try:
             with open(path, "rb") as f:
                 inode = os.fstat(f.fileno()).st_ino
@@ -136,7 +138,7 @@ class KvDiskStore:
             self._reject(path, inode, e)
             return None
         self._count(bytes_read=len(data), files_read=1)
-        _touch(path)
+        _touch(path, touch_ns)
         return tensors
 
     def flush(self) -> None:
@@ -203,7 +205,7 @@ class KvDiskStore:
                 self._queue.task_done()
 
     def _write(self, path: str, kind: str, key: str, tensors: dict[str, torch.Tensor],
-               extra: dict[str, str]) -> None:
+               extra: dict[str, str], mtime_ns: int | None = None) -> None:
         """Serialize to a temporary file next to `path`, make room under the lock, rename in."""
         if os.path.exists(path):
             return
@@ -223,17 +225,24 @@ class KvDiskStore:
             with _dir_lock(self.directory):
                 if os.path.exists(path):
                     return
-                self._make_room(len(data))
+                if not self._make_room(len(data), mtime_ns):
+                    return  # it would be the first to go: keep what is there
+                if mtime_ns is not None:
+                    os.utime(tmp, ns=(mtime_ns, mtime_ns))
                 os.replace(tmp, path)
         finally:
             _remove_quietly(tmp)
         self._count(bytes_written=len(data), files_written=1)
 
-    def _make_room(self, new_bytes: int) -> None:
-        """Delete the least recently used files until the directory holds `new_bytes` more.
-        Call with the directory lock held."""
+    def _make_room(self, new_bytes: int, new_mtime_ns: int | None = None) -> bool:
+        """Delete the least recently used files until the directory holds `new_bytes` more;
+        False (nothing deleted) when the new file, of recency `new_mtime_ns`, would be the least
+        recently used itself. Call with the directory lock held."""
         files = sorted(_scan_files(self.directory, clean_tmp=True))  # (mtime_ns, size, path)
         total = sum(size for _, size, _ in files)
+        over = total + new_bytes - self.max_bytes
+        if over > 0 and new_mtime_ns is not None and files and new_mtime_ns < files[0][0]:
+            return False
         for _, size, old in files:
             if total + new_bytes <= self.max_bytes:
                 break
@@ -243,6 +252,7 @@ class KvDiskStore:
             except FileNotFoundError:
                 pass  # another process deleted it; it no longer counts either way
             total -= size
+        return True
 
     def _warn_oversize(self, path: str, num_bytes: int) -> None:
         if not self._warned_oversize:
@@ -349,9 +359,12 @@ def _scan_files(directory: str, clean_tmp: bool = False) -> list[tuple[int, int,
     return files
 
 
-def _touch(path: str) -> None:
+def _touch(path: str, mtime_ns: int | None = None) -> None:
     try:
-        os.utime(path)
+        if mtime_ns is None:
+            os.utime(path)
+        else:
+            os.utime(path, ns=(mtime_ns, mtime_ns))
     except OSError:
         pass  # evicted meanwhile, or a read-only directory: the hit still counts
 

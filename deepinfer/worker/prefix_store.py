@@ -145,11 +145,11 @@ class PrefixStore:
         if op.group < 0:
             state = self.model.read_state(self.first_snapshot_unit + op.unit)
             tensors.update({f"state.{name}": t.to("cpu", copy=True) for name, t in state.items()})
-        self.disk.save(op.path, self._kind(op), op.key, tensors)
+        self.disk.save(op.path, self._kind(op), op.key, tensors, mtime_ns=op.mtime_ns)
 
     def load(self, op: CacheLoad) -> bool:
         """Read one saved unit into its place; False (with a warning) if it cannot be used."""
-        loaded = self.disk.load(op.path, self._kind(op), op.key) if self.disk is not None else None
+        loaded = self.disk.load(op.path, self._kind(op), op.key, op.mtime_ns) if self.disk is not None else None
         if loaded is None:
             return False
         targets = self._unit_tensors(op)
@@ -166,8 +166,10 @@ class PrefixStore:
         return True
 
     def close(self) -> None:
+        """Flush and stop the directory's writer; later steps neither save nor load."""
         if self.disk is not None:
             self.disk.close()
+            self.disk = None
 
 
 def _mismatch(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str | None:

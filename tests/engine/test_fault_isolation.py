@@ -43,8 +43,9 @@ def _requests() -> dict[str, tuple[list[int], SamplingParams]]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
+    # no prefix caching: every test here must recompute the poisoned prompt the clean run computed
     return LLM(tiny_checkpoint("llama"), num_blocks=64, block_size=4, max_num_seqs=8,
-               max_num_batched_tokens=128, max_model_len=128)
+               max_num_batched_tokens=128, max_model_len=128, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,8 @@ def test_harmless_unknown_fields_are_ignored(tiny_server):
             "ignore_eos": True, "temperature": 0}
     resp = httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=_AUTH, timeout=30)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert resp.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 # -- full queue and graceful shutdown ------------------------------------------------------------------

@@ -49,6 +49,7 @@ class _Add:
     queue: asyncio.Queue
     future: asyncio.Future
     arrival_time: float
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -116,6 +117,7 @@ class EngineLoop:
         self._accepting = True
         self._stopping = False
         self._closed = False
+        self._engine_closed = False
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -136,6 +138,25 @@ class EngineLoop:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def close_engine(self) -> None:
+        """After `stop()`: close the engine once (save what the KV cache directory lacks, stop its
+        writer), on the calling thread. Skipped while the engine thread still runs a step: the
+        engine is not thread-safe (the log says so)."""
+        if self._engine_closed:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("the engine thread has not stopped; the engine is not closed (the KV cache "
+                           "directory may miss the latest blocks)")
+            return
+        self._engine_closed = True
+        close = getattr(self.engine, "close", None)
+        if close is None:
+            return
+        try:
+            close()
+        except Exception:
+            logger.exception("closing the engine failed (the KV cache directory may miss the latest blocks)")
 
     def stop_accepting(self) -> None:
         """New requests are refused from now on; those in flight go on."""
@@ -162,14 +183,15 @@ class EngineLoop:
     # -- requests (event loop thread) ------------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  arrival_time: float | None = None) -> RequestHandle:
-        """Hand a request to the engine; raises the engine's ValueError if it refuses it."""
+                  arrival_time: float | None = None, cache_salt: str | None = None) -> RequestHandle:
+        """Hand a request to the engine; raises the engine's ValueError if it refuses it.
+        Requests share cached prefixes only when their `cache_salt` is equal."""
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         future = self._loop.create_future()
         self._submit(_Add(request_id, prompt_ids, params, queue, future,
-                          arrival_time if arrival_time is not None else time.monotonic()))
+                          arrival_time if arrival_time is not None else time.monotonic(), cache_salt))
         try:
             await future
         except asyncio.CancelledError:
@@ -255,8 +277,9 @@ class EngineLoop:
         return aborted
 
     def _add(self, command: _Add) -> None:
+        salt = {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
         try:
-            self.engine.add_request(command.prompt_ids, command.params, command.request_id)
+            self.engine.add_request(command.prompt_ids, command.params, command.request_id, **salt)
         except Exception as exc:  # a refusal (ValueError) goes back to the caller
             self._count_closed(1)
             self._post(_resolve, command.future, exc)
@@ -312,9 +335,24 @@ class EngineLoop:
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_active=len(self._tracked), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_total_blocks, num_preemptions_total=scheduler.num_preemptions_total,
-            **spec_fields)
+            **spec_fields, **self._prefix_fields())
         if self.metrics is not None:
             self.metrics.record_engine(self.stats)
+
+    def _prefix_fields(self) -> dict:
+        """The prefix cache's counters (`PrefixCacheStats`) and the cache directory's bytes, when
+        the engine has them (a stand-in engine in a test may not)."""
+        kv = self.engine.kv_manager
+        stats = getattr(kv, "stats", None)
+        disk_stats = getattr(getattr(self.engine, "runner", None), "disk_stats", None)
+        disk = disk_stats() if disk_stats is not None else {}
+        fields = dict(num_cached_blocks=getattr(kv, "num_cached_blocks", 0),
+                      kv_dir_bytes_read=disk.get("kv_cache_dir_bytes_read", 0),
+                      kv_dir_bytes_written=disk.get("kv_cache_dir_bytes_written", 0))
+        if stats is not None:
+            fields.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_disk_hits=stats.disk_hits,
+                          prefix_load_failures=stats.num_load_failures)
+        return fields
 
     def _close(self) -> None:
         """Refuse further commands; fail pending adds and open requests."""

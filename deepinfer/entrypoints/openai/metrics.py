@@ -32,6 +32,14 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # [i]: how often draft i of a step was accepted
+    # prefix caching since start (`engine.prefix_cache.PrefixCacheStats`), in prompt tokens
+    prefix_queries: int = 0  # looked up at admission
+    prefix_hits: int = 0  # found cached (not recomputed)
+    prefix_disk_hits: int = 0  # of those, read from the KV cache directory
+    prefix_load_failures: int = 0  # admissions whose saved cache could not be read (recomputed)
+    num_cached_blocks: int = 0  # blocks holding a cached prefix, in use or free
+    kv_dir_bytes_read: int = 0  # the KV cache directory's bytes read and written since start
+    kv_dir_bytes_written: int = 0
 
 
 class ServerMetrics:
@@ -69,6 +77,20 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter("deepinfer_spec_decode_num_accepted_tokens_per_pos", "Draft "
                                              "tokens accepted at each draft position (0-based)", ["position"],
                                              registry=r)
+        self.prefix_queries = Counter("deepinfer_prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache at admission", registry=r)
+        self.prefix_hits = Counter("deepinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(not recomputed)", registry=r)
+        self.prefix_disk_hits = Counter("deepinfer_prefix_cache_disk_hits", "Prompt tokens of prefix-cache hits "
+                                        "read from the KV cache directory", registry=r)
+        self.prefix_load_failures = Counter("deepinfer_prefix_cache_load_failures", "Admissions whose saved "
+                                            "cache could not be read (their prompt was recomputed)", registry=r)
+        self.kv_dir_bytes_read = Counter("deepinfer_kv_cache_dir_bytes_read", "Bytes read from the KV cache "
+                                         "directory", registry=r)
+        self.kv_dir_bytes_written = Counter("deepinfer_kv_cache_dir_bytes_written", "Bytes written to the KV "
+                                            "cache directory", registry=r)
+        self.cached_blocks = Gauge("deepinfer_num_cached_blocks", "KV cache blocks holding a cached prefix "
+                                   "(in use or free)", registry=r)
         self._seen: dict[object, int] = {}  # counter (or labelled child) -> the engine total it has reached
 
     # -- per request ------------------------------------------------------------------------------
@@ -107,6 +129,13 @@ class ServerMetrics:
         self._advance(self.spec_accepted_tokens, stats.spec_num_accepted_tokens)
         for position, total in enumerate(stats.spec_accepted_per_position):
             self._advance(self.spec_accepted_per_pos.labels(str(position)), total)
+        self.cached_blocks.set(stats.num_cached_blocks)
+        self._advance(self.prefix_queries, stats.prefix_queries)
+        self._advance(self.prefix_hits, stats.prefix_hits)
+        self._advance(self.prefix_disk_hits, stats.prefix_disk_hits)
+        self._advance(self.prefix_load_failures, stats.prefix_load_failures)
+        self._advance(self.kv_dir_bytes_read, stats.kv_dir_bytes_read)
+        self._advance(self.kv_dir_bytes_written, stats.kv_dir_bytes_written)
 
     def _advance(self, counter, total: int) -> None:
         """Move `counter` up to the engine's running `total` (counters only grow: a total below

@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI API as pydantic models, and their mapping to SamplingParams.
 
-Unknown fields are ignored. Fields that would change the meaning of a request but that the
+Unknown fields are ignored. `cache_salt` (an extension, as in vLLM) keeps a request's prefix
+cache apart from requests with another salt. Fields that would change the meaning of a request but that the
 server does not implement (n > 1, tools, echo, ...) are parsed loosely and refused by
 `check_supported()` with a 400 that names them, so a client never gets a silently different
 answer.
@@ -49,6 +50,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
+    cache_salt: str | None = None  # extension (as in vLLM): only requests with an equal salt share cached prefixes
     logit_bias: dict[str, Any] | None = None  # refused when non-empty
 
     @property

@@ -10,6 +10,11 @@ Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exact
 header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
 a small worker pool (`TokenizerPool`), never on the event loop, so `/health` and streams stay
 responsive while a large prompt is tokenized; the token ids then go to the engine thread.
+
+A generation body may carry `cache_salt` (a string, as in vLLM): only requests with an equal
+salt share cached prefixes; `usage.prompt_tokens_details.cached_tokens` reports the prompt
+tokens found cached. When the app's lifespan ends, the engine thread is stopped and then the
+engine closed (the KV cache directory gets what it still lacks).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from deepinfer.sampling_params import SamplingParams
 logger = logging.getLogger("deepinfer.server")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt"}
+_PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt", "cache_salt"}
 
 
 @dataclass
@@ -161,6 +166,9 @@ def build_app(engine, settings: ServerSettings,
         finally:
             await asyncio.to_thread(state.engine_loop.stop)
             state.pool.shutdown()
+            # once the engine thread is gone: save what the KV cache directory lacks (the launcher
+            # ends the process with os._exit, so no atexit handler would)
+            await asyncio.to_thread(state.engine_loop.close_engine)
 
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
@@ -291,7 +299,7 @@ async def _generate(state: ServerState, request: Request, body, prompt_ids: list
     arrival = time.monotonic()
     params = _sampling_params(state, body, len(prompt_ids), param)
     try:
-        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival)
+        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt)
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
     except EngineClosedError as exc:

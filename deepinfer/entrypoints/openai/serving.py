@@ -24,9 +24,11 @@ from deepinfer.outputs import RequestOutput
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens found in the prefix cache."""
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 class _Formatter(abc.ABC):
@@ -43,6 +45,7 @@ class _Formatter(abc.ABC):
         self.num_prompt_tokens = num_prompt_tokens
         self.num_logprobs = num_logprobs
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at admission
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -53,8 +56,11 @@ class _Formatter(abc.ABC):
 
     def usage_chunk(self) -> dict:
         body = self.envelope([], chunk=True)
-        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        body["usage"] = self.usage()
         return body
+
+    def usage(self) -> dict:
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
     def start_chunks(self) -> list[dict]:
         return []
@@ -63,6 +69,7 @@ class _Formatter(abc.ABC):
         """The SSE chunk for this step's delta; None when the step added nothing to show."""
         c = out.outputs[0]
         self.num_completion_tokens = len(c.token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
         if not c.delta_token_ids and not c.delta_text and not out.finished:
             return None
         return self.envelope([self.chunk_choice(out)], chunk=True)
@@ -70,8 +77,9 @@ class _Formatter(abc.ABC):
     def final(self, out: RequestOutput) -> dict:
         """The whole response of a finished request, with usage."""
         self.num_completion_tokens = len(out.outputs[0].token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
         body = self.envelope([self.final_choice(out)], chunk=False)
-        body["usage"] = usage(self.num_prompt_tokens, self.num_completion_tokens)
+        body["usage"] = self.usage()
         return body
 
     @abc.abstractmethod

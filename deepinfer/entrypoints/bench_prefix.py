@@ -1,0 +1,611 @@
+"""The prefix workload: many requests behind one long shared system prompt, with and without the cache.
+
+Every request is the same system prompt (about --prefix-len tokens, default 1500: the support
+policies of a made-up outdoor shop) followed by a short distinct question (20-40 tokens, opened by
+a customer's name so that no two share a first token, hence no cache block past the prefix),
+wrapped in the model's chat template when it has one. The text is drawn from fixed sentence templates
+with a seeded generator (--prefix-seed), so every run and every configuration sees the same token
+ids; a model without a tokenizer (`--load-format dummy`) gets random token ids instead. Greedy,
+ignore_eos, --max-tokens output tokens per request (default 16).
+
+One invocation runs the same requests under three configurations of the same model:
+
+    cold           enable_prefix_caching=False
+    memory hit     caching on; one warm-up request carrying the shared prefix first (its TTFT is
+                   the cold TTFT with caching on), then the workload: each request finds the
+                   prefix in memory
+    after restart  a first engine (this process) runs that warm-up with kv_cache_dir set and
+                   closes (flushing the directory); then a fresh process (`python -m
+                   deepinfer.entrypoints.bench_prefix --child SPEC`) builds a new engine on the
+                   same directory and runs the workload: its first request reads the prefix
+                   from disk, the later ones find it in memory
+
+Each engine first runs a short unrelated request (kernels and allocations warm, nothing of the
+shared prefix cached). Then, per configuration:
+
+  * one at a time: --num-requests requests (default 16), each submitted alone and stepped until
+    its first output token (TTFT: submit to first token, no queueing) and then to its end;
+    TTFT p50 / p90 and the mean `num_cached_tokens`;
+  * all at once: --num-requests *other* questions behind the same prefix (so a configuration
+    with caching hits the shared prefix only, not the prompts it has just run), in one
+    `generate`: output tokens / s and all (prompt + output) tokens / s.
+
+Reported: a table of those figures, the first request of each configuration (for "after
+restart", the disk hit), the TTFT p50 ratios cold / memory hit and cold / after restart, and
+whether the three configurations produced the same tokens (greedy: they should). The header
+names the CPU (/proc/cpuinfo), the model, the device and the load average (another job on the
+machine makes timings noisy). The cache directory is a temporary one unless --kv-cache-dir is
+given (a directory that already holds this model's cache from other prompts may give the restart
+run more hits than the shared prefix). The default KV cache (1GiB) is raised to 2GiB so that the
+cold batch of 16 full prompts fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.entrypoints.bench_common import BenchResult, engine_label
+from deepinfer.entrypoints.engine_args import engine_kwargs
+from deepinfer.sampling_params import SamplingParams
+
+DEFAULT_PREFIX_LEN = 1500
+DEFAULT_NUM_REQUESTS = 16
+DEFAULT_MAX_TOKENS = 16
+QUESTION_TOKENS = (20, 40)  # the question's own text, before the chat template's wrapping
+ENGINE_WARMUP_TOKENS = 256  # the unrelated first request of every engine (at most this, at most the prefix)
+CONFIGS = ("cold", "memory hit", "after restart")
+
+
+def add_prefix_args(p) -> None:
+    """The prefix workload's own flags (`--num-requests` and `--max-tokens` are shared)."""
+    p.add_argument("--prefix-len", type=int, default=DEFAULT_PREFIX_LEN,
+                   help=f"prefix workload: tokens of the shared system prompt (default {DEFAULT_PREFIX_LEN})")
+    p.add_argument("--prefix-seed", type=int, default=0, help="prefix workload: seed of its text")
+    # the restart run's cache directory is the engine's --kv-cache-dir (default: a temporary one)
+
+
+# -- the requests -------------------------------------------------------------------------------
+
+PRODUCTS = (("tent", "tents"), ("sleeping bag", "sleeping bags"), ("rain jacket", "rain jackets"),
+            ("backpack", "backpacks"), ("camping stove", "camping stoves"), ("down jacket", "down jackets"),
+            ("headlamp", "headlamps"), ("water filter", "water filters"), ("kayak paddle", "kayak paddles"),
+            ("fleece sweater", "fleece sweaters"), ("trekking pole set", "trekking pole sets"),
+            ("climbing harness", "climbing harnesses"))
+REGIONS = ("Germany", "France", "the Netherlands", "Austria", "Denmark", "Spain", "Italy", "Sweden", "Ireland",
+           "Portugal", "Belgium", "Poland")
+CITIES = ("Hamburg", "Lyon", "Utrecht", "Graz", "Aarhus", "Valencia", "Turin", "Uppsala", "Cork", "Porto")
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday")
+CONDITIONS = ("unused and in its original packaging", "unworn with the labels still attached",
+              "in the condition it was delivered in", "complete with all its parts")
+DAMAGES = ("with a torn seam", "with a broken zip", "scratched", "wet from the rain", "with a missing part",
+           "in the wrong colour", "in the wrong size")
+CHANNELS = ("phone", "email", "the chat on our website", "the contact form")
+MEMBERS = ("Members of the Northwind Club", "Customers with a loyalty card", "Students with a valid card",
+           "Mountain guides")
+NAMES = ("Anna", "Ben", "Clara", "David", "Emma", "Felix", "Greta", "Hugo", "Ida", "Jonas", "Karin", "Lukas",
+         "Maria", "Nils", "Olga", "Paul", "Rosa", "Simon", "Tina", "Ulrich", "Vera", "Walter", "Yara", "Zoe",
+         "Alice", "Bruno", "Carla", "Daniel", "Eva", "Frank", "Gina", "Henrik", "Irene", "Jan", "Kurt", "Lena",
+         "Moritz", "Nora", "Oscar", "Petra", "Quentin", "Rita", "Stefan", "Tobias", "Ursula", "Viktor", "Wanda",
+         "Xavier", "Yusuf", "Zora", "Adam", "Bianca", "Chris", "Dora", "Erik", "Fiona", "George", "Helen",
+         "Igor", "Julia", "Mehmet", "Sofia", "Omar", "Leila", "Pablo", "Ines", "Kenji", "Amara", "Ravi", "Lucia")
+SECTIONS = ("Orders", "Shipping", "Returns", "Refunds", "Warranty", "Repairs", "Gift cards", "Loyalty points",
+            "Rentals", "Store pickup", "Damaged deliveries", "Contact")
+
+INTRO = ("You are the customer support assistant of Northwind Outfitters, an online shop for outdoor clothing "
+         "and camping gear with stores in several European cities. Answer the customer's question briefly and "
+         "politely, using only the policies below. If the policies do not cover a question, say so and offer "
+         "to pass it on to a human colleague.\n\n")
+
+POLICY_TEMPLATES = (
+    "Customers in {region} can return a {product} within {days} days of delivery if it is {condition}.",
+    "Orders placed before {hour} o'clock on a {weekday} usually leave our warehouse on the same day.",
+    "Standard shipping to {region} takes {low} to {high} working days, and express shipping takes {low} days "
+    "at most.",
+    "A {product} that is returned {condition} is refunded in full, minus a handling fee of {amount} euros.",
+    "{members} receive {percent} percent off {products} and free shipping on orders above {amount} euros.",
+    "Refunds are paid to the original payment method within {days} days after the returned item reaches us.",
+    "The warranty on a {product} covers manufacturing faults for {years} years but not normal wear and tear.",
+    "Repairs of a {product} are free during the first {years} years; after that we charge {amount} euros plus "
+    "parts.",
+    "Gift cards are valid for {years} years and can be used online and in all {count} of our stores.",
+    "Customers can reach a human colleague by {channel} between {hour} and {close} o'clock on working days.",
+    "We do not send {products} with gas cartridges to {region}, because the carriers there refuse them.",
+    "Rented {products} must come back clean and dry within {days} days, or a late fee of {amount} euros per "
+    "day applies.",
+    "Loyalty points expire after {months} months and are worth {cents} cents each at checkout.",
+    "Store pickup is available in {city}, where orders are ready {low} hours after payment.",
+    "If a {product} arrives {damage}, the customer should send a photo by {channel} within {days} days.",
+    "An exchange for another size or colour of a {product} is free once per order if it is {condition}.",
+)
+
+QUESTION_TEMPLATES = (
+    "I bought a {product} {days} days ago and it arrived {damage}. Can I still return it, and how long will "
+    "the refund take?",
+    "How long does express shipping to {region} take if I order a {product} on a {weekday} afternoon?",
+    "My {product} broke after {years} years of normal use. Is the repair free, or do I have to pay for it?",
+    "Do {members_lower} get free shipping on a {product} that costs {amount} euros, and can I pick it up in "
+    "{city}?",
+    "I want to rent a {product} for a {days}-day trip. What happens if I bring it back two days late?",
+    "Can I pay for a {product} with a gift card I received {years} years ago, and does it also work in "
+    "{city}?",
+    "How many loyalty points do I need for a discount of {amount} euros on a new {product}?",
+    "The {product} I ordered to {region} has not arrived after {days} days. Whom can I contact, and when?",
+    "I received a {product} {damage}. Should I send it back right away, or do you need a photo first?",
+    "Can I exchange the {product} I ordered last {weekday} for another colour if it is {condition}?",
+)
+
+
+def _fill(rng: random.Random, template: str) -> str:
+    product, products = rng.choice(PRODUCTS)
+    members = rng.choice(MEMBERS)
+    low = rng.randint(1, 4)
+    hour = rng.randint(8, 11)
+    return template.format(
+        product=product, products=products, region=rng.choice(REGIONS), city=rng.choice(CITIES),
+        weekday=rng.choice(WEEKDAYS), condition=rng.choice(CONDITIONS), damage=rng.choice(DAMAGES),
+        channel=rng.choice(CHANNELS), members=members, members_lower=members[0].lower() + members[1:],
+        days=rng.choice((7, 14, 21, 30, 60, 90)), hour=hour, close=hour + rng.randint(7, 10), low=low,
+        high=low + rng.randint(1, 4), amount=rng.choice((5, 10, 15, 25, 50, 80, 100, 150)),
+        percent=rng.choice((5, 10, 15, 20)), years=rng.randint(1, 5), count=rng.randint(6, 40),
+        months=rng.choice((6, 12, 18, 24, 36)), cents=rng.choice((1, 2, 5, 10)))
+
+
+@dataclass
+class PrefixPrompts:
+    """The token ids of every request of the workload (the same for every configuration)."""
+
+    shared: int  # tokens every prompt (and the prefix warm-up) starts with
+    serial: list[list[int]]  # run one at a time (TTFT)
+    batch: list[list[int]]  # other questions, run all at once (throughput)
+    prefix_warmup: list[int]  # the shared prefix and a question of its own
+    engine_warmup: list[int]  # unrelated: shares no block with the rest
+
+    @property
+    def question_lens(self) -> list[int]:
+        return [len(p) - self.shared for p in self.serial + self.batch]
+
+
+def shared_len(prompts: list[list[int]]) -> int:
+    """Tokens the prompts have in common at their start."""
+    first, n = prompts[0], min(map(len, prompts))
+    return next((i for i in range(n) if any(p[i] != first[i] for p in prompts)), n)
+
+
+def prefix_prompts(llm, prefix_len: int, num_requests: int, seed: int = 0) -> PrefixPrompts:
+    """The workload for `llm`'s model: text through its tokenizer (and chat template when it has
+    one), else random token ids."""
+    if prefix_len < 1 or num_requests < 1:
+        raise ValueError(f"--prefix-len and --num-requests must be positive, got {prefix_len} and {num_requests}")
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        return random_prompts(llm.engine.source.hf_config.vocab_size, prefix_len, num_requests, seed)
+    return text_prompts(tokenizer, prefix_len, num_requests, seed)
+
+
+def random_prompts(vocab_size: int, prefix_len: int, num_requests: int, seed: int = 0) -> PrefixPrompts:
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(100, vocab_size) for _ in range(n)]
+
+    prefix = draw(prefix_len)
+    questions = [draw(rng.randint(*QUESTION_TOKENS)) for _ in range(2 * num_requests + 1)]
+    prompts = [prefix + q for q in questions]
+    return PrefixPrompts(prefix_len, prompts[:num_requests], prompts[num_requests:-1], prompts[-1],
+                         draw(min(prefix_len, ENGINE_WARMUP_TOKENS)))
+
+
+def text_prompts(tokenizer, prefix_len: int, num_requests: int, seed: int = 0) -> PrefixPrompts:
+    rng = random.Random(seed)
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def count(text: str) -> int:
+        return len(encode(text))
+
+    if tokenizer.chat_template:
+        def render(system: str, question: str) -> list[int]:
+            ids = tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                 {"role": "user", "content": question}],
+                                                add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:
+        def render(system: str, question: str) -> list[int]:
+            return list(tokenizer(f"{system}\n\nQuestion: {question}\nAnswer:", add_special_tokens=True)["input_ids"])
+
+    questions = _questions(rng, encode, 2 * num_requests + 1)
+    probe = INTRO.strip()
+    overhead = shared_len([render(probe, q) for q in questions[:2]]) - count(probe)
+    system = _system_prompt(rng, count, max(1, prefix_len - overhead))
+    prompts = [render(system, q) for q in questions]
+    warmup_text = " ".join(_questions(random.Random(seed + 1), encode, 40))
+    warmup = tokenizer(warmup_text, add_special_tokens=True)["input_ids"][:min(prefix_len, ENGINE_WARMUP_TOKENS)]
+    return PrefixPrompts(shared_len(prompts), prompts[:num_requests], prompts[num_requests:-1], prompts[-1],
+                         list(warmup))
+
+
+def _questions(rng: random.Random, encode, n: int) -> list[str]:
+    """`n` distinct questions of QUESTION_TOKENS tokens (as far as the templates allow), each
+    opened by a customer's name whose first token no other question starts with (while NAMES
+    last): questions drawn from the same templates often begin alike, and a question's first
+    block after the prefix would then be a cache hit beyond the shared prefix."""
+    out: list[str] = []
+    for name in _names(rng, encode, n):
+        for attempt in range(100):
+            q = f"{name} here. {_fill(rng, rng.choice(QUESTION_TEMPLATES))}"
+            if q not in out and (QUESTION_TOKENS[0] <= len(encode(q)) <= QUESTION_TOKENS[1] or attempt == 99):
+                out.append(q)
+                break
+    return out
+
+
+def _names(rng: random.Random, encode, n: int) -> list[str]:
+    """`n` names in a seeded order: first those with distinct first tokens, then any."""
+    pool = list(NAMES)
+    rng.shuffle(pool)
+    firsts, unique, rest = set(), [], []
+    for name in pool:
+        first = encode(name)[0]
+        (rest if first in firsts else unique).append(name)
+        firsts.add(first)
+    names = unique + rest
+    return [names[i % len(names)] for i in range(n)]
+
+
+def _system_prompt(rng: random.Random, count, target: int) -> str:
+    """The intro and numbered policy sections, cut to `target` tokens at most (whole sentences,
+    then whole words of the next one, then letters of the word that does not fit)."""
+    text, section = INTRO.strip(), 0
+    if count(text) > target:
+        text = ""
+    while True:
+        section += 1
+        heading = ("\n\n" if text else "") + f"Policy {section}: {SECTIONS[(section - 1) % len(SECTIONS)]}."
+        sentences = [_fill(rng, rng.choice(POLICY_TEMPLATES)) for _ in range(rng.randint(3, 5))]
+        for i, sentence in enumerate(sentences):
+            piece = (heading + " " if i == 0 else " ") + sentence
+            if count(text + piece) <= target:
+                text += piece
+                continue
+            for word in piece.split(" "):  # fill the rest word by word, then letter by letter
+                if not word:
+                    continue
+                joined = text + ("" if not text or word.startswith("\n") else " ") + word
+                if count(joined) <= target:
+                    text = joined
+                    continue
+                for end in range(len(joined) - len(word), len(joined)):
+                    if count(joined[:end]) > target:
+                        break
+                    if joined[:end].strip():
+                        text = joined[:end]
+                break
+            return text
+
+
+# -- running one configuration ------------------------------------------------------------------
+
+def _params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _checked(out):
+    if out.error is not None:
+        raise RuntimeError(f"deepinfer failed request {out.request_id}: {out.error}")
+    return out
+
+
+def run_alone(engine, prompt: list[int], params: SamplingParams) -> tuple[float, object]:
+    """Submit one request to an idle engine, step it to its first token (TTFT) and to its end."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine must be idle to time one request alone")
+    start = time.perf_counter()
+    request_id = engine.add_request(prompt, params)
+    ttft = None
+    while True:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            _checked(out)
+            if ttft is None and out.outputs and out.outputs[0].token_ids:
+                ttft = time.perf_counter() - start
+            if out.finished:
+                return ttft if ttft is not None else time.perf_counter() - start, out
+
+
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_disk_hits", "kv_cache_dir_files_read",
+             "kv_cache_dir_bytes_read", "num_preemptions")
+
+
+def _deltas(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in _COUNTERS if k in before and k in after}
+
+
+def run_config(llm, prompts: PrefixPrompts, max_tokens: int, prefix_warmup: bool) -> dict:
+    """The engine warm-up, the prefix warm-up (if asked), the requests one at a time, then the
+    batch; figures and token ids as a JSON-able dict."""
+    params = _params(max_tokens)
+    engine = llm.engine
+    run_alone(engine, prompts.engine_warmup, _params(2))
+    result: dict = {}
+    if prefix_warmup:
+        ttft, out = run_alone(engine, prompts.prefix_warmup, params)
+        result["prefix_warmup"] = {"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens}
+    before = llm.get_metrics()
+    ttfts, cached, tokens = [], [], []
+    for i, prompt in enumerate(prompts.serial):
+        ttft, out = run_alone(engine, prompt, params)
+        ttfts.append(ttft)
+        cached.append(out.num_cached_tokens)
+        tokens.append(list(out.outputs[0].token_ids))
+        if i == 0:
+            result["first_request"] = {"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens,
+                                       **_deltas(before, llm.get_metrics())}
+    middle = llm.get_metrics()
+    start = time.perf_counter()
+    outs = [_checked(o) for o in llm.generate(prompts.batch, params, use_tqdm=False)]
+    seconds = time.perf_counter() - start
+    return result | {
+        "ttfts_s": ttfts, "num_cached_tokens": cached, "serial_counters": _deltas(before, middle),
+        "batch_seconds": seconds, "batch_num_cached_tokens": [o.num_cached_tokens for o in outs],
+        "batch_prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "batch_counters": _deltas(middle, llm.get_metrics()),
+        "serial_token_ids": tokens, "batch_token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+# -- the three configurations -------------------------------------------------------------------
+
+@dataclass
+class PrefixResult(BenchResult):
+    """One configuration: the batch run's throughput (BenchResult's fields) and the TTFT figures
+    of the requests run one at a time."""
+
+    config: str = ""
+    ttft_p50_s: float = 0.0
+    ttft_p90_s: float = 0.0
+    ttfts_s: list[float] = field(default_factory=list)
+    mean_num_cached_tokens: float = 0.0  # the requests run one at a time
+    batch_mean_num_cached_tokens: float = 0.0
+    batch_prompt_tokens: int = 0
+    batch_total_tokens_per_s: float = 0.0  # prompt + output tokens of the batch per second
+    first_request: dict | None = None  # the first of the requests run one at a time
+    prefix_warmup: dict | None = None  # memory hit: the warm-up (cold with caching on)
+    writer: dict | None = None  # after restart: the first engine that filled the cache directory
+    counters: dict | None = None  # engine counter deltas over the one-at-a-time and the batch runs
+    vs_cold: dict | None = None  # TTFT p50 ratio and output agreement against the cold run
+    setup: dict | None = None
+
+
+def run_prefix(args) -> list[BenchResult]:
+    """Cold, memory hit and after restart on the same requests; prints the table and returns one
+    result per configuration."""
+    num_requests = getattr(args, "num_requests", None) or DEFAULT_NUM_REQUESTS
+    max_tokens = getattr(args, "max_tokens", None) or DEFAULT_MAX_TOKENS
+    prefix_len = getattr(args, "prefix_len", DEFAULT_PREFIX_LEN)
+    kwargs = _engine_kwargs(args, num_requests)
+    cache_dir = getattr(args, "kv_cache_dir", None)
+    own_dir = cache_dir is None
+    cache_dir = cache_dir or tempfile.mkdtemp(prefix="deepinfer-bench-prefix-")
+    load_before = _load_average()
+    try:
+        runs, prompts, info = {}, None, {}
+        for name, caching in (("cold", False), ("memory hit", True)):
+            start = time.perf_counter()
+            llm = _build(args.model, kwargs, enable_prefix_caching=caching, kv_cache_dir=None)
+            if prompts is None:
+                prompts = prefix_prompts(llm, prefix_len, num_requests, getattr(args, "prefix_seed", 0))
+                info = _describe(llm)
+            runs[name] = run_config(llm, prompts, max_tokens, prefix_warmup=caching)
+            llm.close()
+            del llm  # before the next engine is built
+            gc.collect()
+            _progress(name, start)
+        start = time.perf_counter()
+        writer = _fill_cache_dir(args.model, kwargs, cache_dir, prompts, max_tokens)
+        gc.collect()  # its engine is gone before the fresh process builds one
+        runs["after restart"] = run_child(args.model, kwargs, cache_dir, prompts, max_tokens)
+        runs["after restart"]["writer"] = writer
+        _progress("after restart", start)
+    finally:
+        if own_dir:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    setup = info | {"cpu": cpu_model_name(), "num_cpus": os.cpu_count(), "load_average": [load_before,
+                    _load_average()], "num_requests": num_requests, "max_tokens": max_tokens,
+                    "prefix_len": prefix_len, "shared_prefix_tokens": prompts.shared,
+                    "question_tokens": [min(prompts.question_lens), max(prompts.question_lens)],
+                    "kv_cache_dir": None if own_dir else cache_dir,
+                    "kv_cache_memory": kwargs["kv_cache_memory"]}
+    results = _results(runs, setup, engine_label(kwargs.get("speculative_method")))
+    for line in format_table(results):
+        print(line, flush=True)
+    return results
+
+
+def _progress(config: str, start: float) -> None:
+    print(f"prefix   {config}: ran in {time.perf_counter() - start:.1f} s (engine start included)", flush=True)
+
+
+def _engine_kwargs(args, num_requests: int) -> dict:
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], num_requests)
+    if kwargs["kv_cache_memory"] == "1GiB" and kwargs["num_blocks"] is None:
+        kwargs["kv_cache_memory"] = "2GiB"  # the cold batch holds every full prompt at once
+    return kwargs
+
+
+def _build(model, kwargs: dict, **cache):
+    from deepinfer.llm import LLM
+
+    return LLM(model, **(kwargs | cache))
+
+
+def _fill_cache_dir(model, kwargs: dict, cache_dir: str, prompts: PrefixPrompts, max_tokens: int) -> dict:
+    """The first process of the restart run: an engine on `cache_dir` runs the prefix warm-up only
+    and closes, which leaves the shared prefix's blocks in the directory."""
+    llm = _build(model, kwargs, enable_prefix_caching=True, kv_cache_dir=cache_dir)
+    ttft, out = run_alone(llm.engine, prompts.prefix_warmup, _params(max_tokens))
+    llm.close()
+    from deepinfer.worker.kv_disk import scan_kv_dir
+
+    held = scan_kv_dir(cache_dir)  # what the directory holds once the writer has finished
+    return {"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens, "kv_cache_dir_files": held["entries"],
+            "kv_cache_dir_bytes": held["bytes"]}
+
+
+def run_child(model, kwargs: dict, cache_dir: str, prompts: PrefixPrompts, max_tokens: int) -> dict:
+    """The workload in a fresh process on `cache_dir` (see `child_main`)."""
+    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-prefix-child-") as tmp:
+        spec = {"model": model, "engine_kwargs": kwargs, "kv_cache_dir": cache_dir, "max_tokens": max_tokens,
+                "prompts": vars(prompts), "out": os.path.join(tmp, "result.json")}
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        proc = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.bench_prefix", "--child", spec_path],
+                              check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the restart run's process exited with status {proc.returncode}")
+        with open(spec["out"]) as f:
+            return json.load(f)
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    """`python -m deepinfer.entrypoints.bench_prefix --child SPEC`: build an engine on the spec's
+    cache directory and run the workload; the figures go to the spec's `out` file."""
+    p = argparse.ArgumentParser(prog="python -m deepinfer.entrypoints.bench_prefix")
+    p.add_argument("--child", required=True, help="JSON spec written by the parent benchmark")
+    with open(p.parse_args(argv).child) as f:
+        spec = json.load(f)
+    llm = _build(spec["model"], spec["engine_kwargs"], enable_prefix_caching=True,
+                 kv_cache_dir=spec["kv_cache_dir"])
+    result = run_config(llm, PrefixPrompts(**spec["prompts"]), spec["max_tokens"], prefix_warmup=False)
+    llm.close()
+    with open(spec["out"], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# -- figures and the table ----------------------------------------------------------------------
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _results(runs: dict, setup: dict, engine: str) -> list[PrefixResult]:
+    cold = runs["cold"]
+    results = []
+    for name in CONFIGS:
+        run = runs[name]
+        out_tokens = sum(map(len, run["batch_token_ids"]))
+        r = PrefixResult(engine, "prefix", run["batch_seconds"], out_tokens, config=name,
+                         ttft_p50_s=percentile(run["ttfts_s"], 50), ttft_p90_s=percentile(run["ttfts_s"], 90),
+                         ttfts_s=run["ttfts_s"], mean_num_cached_tokens=_mean(run["num_cached_tokens"]),
+                         batch_mean_num_cached_tokens=_mean(run["batch_num_cached_tokens"]),
+                         batch_prompt_tokens=run["batch_prompt_tokens"],
+                         batch_total_tokens_per_s=(run["batch_prompt_tokens"] + out_tokens) / run["batch_seconds"],
+                         first_request=run["first_request"], prefix_warmup=run.get("prefix_warmup"),
+                         writer=run.get("writer"),
+                         counters={"serial": run["serial_counters"], "batch": run["batch_counters"]}, setup=setup)
+        if name != "cold":
+            mismatched = [i for i, (a, b) in enumerate(zip(cold["serial_token_ids"] + cold["batch_token_ids"],
+                                                           run["serial_token_ids"] + run["batch_token_ids"],
+                                                           strict=True)) if a != b]
+            r.vs_cold = {"ttft_p50_ratio": percentile(cold["ttfts_s"], 50) / r.ttft_p50_s,
+                         "identical_outputs": not mismatched, "mismatched_requests": mismatched}
+        results.append(r)
+    return results
+
+
+def format_table(results: list[PrefixResult]) -> list[str]:
+    s = results[0].setup
+    cold, hit, restart = results
+    n, q = s["num_requests"], s["question_tokens"]
+    lines = [
+        f"prefix   cpu: {s['cpu']} ({s['num_cpus']} cpus, load average {s['load_average'][0]:.2f} at start, "
+        f"{s['load_average'][1]:.2f} at end)",
+        f"prefix   model: {s['model']} ({s['model_type']}), {s['device']} {s['dtype']}, "
+        f"{s['num_kv_blocks']} KV blocks of {s['block_size']} tokens",
+        f"prefix   {n} requests one at a time, then {n} other questions at once: shared prefix "
+        f"{s['shared_prefix_tokens']} tokens (--prefix-len {s['prefix_len']}) + {q[0]}-{q[1]} tokens each, "
+        f"{s['max_tokens']} output tokens (greedy, ignore_eos)",
+        f"prefix   {'':15s} {'one at a time':^33s} | {'all at once':^38s}",
+        f"prefix   {'configuration':15s} {'TTFT p50':>10s} {'TTFT p90':>10s} {'cached/req':>11s} | "
+        f"{'seconds':>8s} {'out tok/s':>9s} {'all tok/s':>9s} {'cached/req':>10s}",
+    ]
+    for r in results:
+        lines.append(f"prefix   {r.config:15s} {r.ttft_p50_s * 1e3:8.1f}ms {r.ttft_p90_s * 1e3:8.1f}ms "
+                     f"{r.mean_num_cached_tokens:11.1f} | {r.seconds:8.2f} {r.tokens_per_s:9.2f} "
+                     f"{r.batch_total_tokens_per_s:9.1f} {r.batch_mean_num_cached_tokens:10.1f}")
+    w = hit.prefix_warmup
+    lines.append(f"prefix   memory hit: its prefix warm-up (cold, caching on): TTFT {w['ttft_s'] * 1e3:.1f}ms, "
+                 f"{w['num_cached_tokens']} cached tokens")
+    f = restart.first_request
+    disk = f.get("prefix_cache_disk_hits", 0)
+    lines.append(f"prefix   after restart: first request TTFT {f['ttft_s'] * 1e3:.1f}ms, {f['num_cached_tokens']} "
+                 f"cached tokens, {disk} of them read from the cache directory "
+                 f"({f.get('kv_cache_dir_files_read', 0)} files)"
+                 + ("" if disk > 0 else "  WARNING: no disk hit"))
+    lines.append(f"prefix   TTFT p50 cold / memory hit: {hit.vs_cold['ttft_p50_ratio']:.2f}x; "
+                 f"cold / after restart: {restart.vs_cold['ttft_p50_ratio']:.2f}x")
+    for r in (hit, restart):
+        mism = r.vs_cold["mismatched_requests"]
+        total = 2 * n
+        lines.append(f"prefix   outputs {r.config} vs cold: " + (
+            f"identical ({total} of {total} requests)" if not mism
+            else f"MISMATCH in {len(mism)} of {total} requests ({', '.join(map(str, mism))})"))
+    return lines
+
+
+def _describe(llm) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    path = engine.source.path
+    return {"model": os.path.basename(str(path).rstrip("/")) if path else "default",
+            "model_path": str(path) if path else None,
+            "model_type": getattr(engine.source.hf_config, "model_type", "?"),
+            "device": str(getattr(runner, "device", "?")), "dtype": str(getattr(runner, "dtype", "?")).replace(
+                "torch.", ""), "num_kv_blocks": llm.get_metrics().get("num_total_blocks"),
+            "block_size": engine.config.cache.block_size}
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def _load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
