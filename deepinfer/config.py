@@ -35,6 +35,16 @@ def _positive(field: str, value) -> None:
         raise ValueError(f"{field} must be a positive integer, got {value!r}")
 
 
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+
+
+def check_quantization(value) -> str:
+    """`value` if it is one of QUANTIZATIONS; else ValueError naming quantization and the value."""
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(map(repr, QUANTIZATIONS))}, got {value!r}")
+    return value
+
+
 def check_load_format(value) -> str:
     """`value` if it is one of LOAD_FORMATS; else ValueError naming load_format and the value."""
     if value not in LOAD_FORMATS:
@@ -135,7 +145,10 @@ class EngineConfig:
     configs, and the DEEPINFER_* knobs (`env`), read once here at start-up."""
 
     model: str | None = None  # a model directory or .gguf file; None: the embedded default model
-    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    dtype: str = "auto"  # auto: on CPU fp32 or bf16 by a start-up measurement; bf16 on GPU
+    # auto: a GGUF's quantized matrices stay quantized on a CPU with the kernels; none: dequantized
+    # (the reference path); gguf: stay quantized (required); int8/int4: quantize linear layers at load
+    quantization: str = "auto"
     device: str | None = None  # None/auto: cuda if available, else cpu
     seed: int = 0
     max_model_len: int | None = None  # None: min(the model's context, 4096)
@@ -159,6 +172,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         check_load_format(self.load_format)
+        check_quantization(self.quantization)
 
     def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
         """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too."""

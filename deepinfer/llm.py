@@ -51,7 +51,8 @@ class LLM:
     the end of the process) writes what the directory still lacks.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str | None = None,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
+                 device: str | None = None,
                  max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
@@ -67,7 +68,7 @@ class LLM:
                             num_prefix_snapshots=num_prefix_snapshots)
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
-        config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed,
+        config = EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                               speculative=speculative, hf_overrides=hf_overrides, load_format=load_format)
         self.engine = build_engine(config)

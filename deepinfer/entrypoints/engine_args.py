@@ -9,14 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, SPECULATIVE_METHODS, CacheConfig
+from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, SPECULATIVE_METHODS, CacheConfig
 from deepinfer.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    g.add_argument("--dtype", default="auto",
+                   help="auto (CPU: fp32 or bf16, whichever is faster here; GPU: bf16), float32, bfloat16, float16")
+    g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
+                   help="auto: a GGUF's quantized weights stay quantized on a CPU with the kernels; none: "
+                        "dequantize them (the reference path); gguf: keep them quantized; int8/int4: "
+                        "quantize linear layers at load (groups of 32)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
     g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 2GiB")
@@ -90,7 +95,8 @@ def cache_config(args) -> CacheConfig:
 
 
 def engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    return dict(dtype=args.dtype, quantization=getattr(args, "quantization", "auto"), device=args.device,
+                max_model_len=args.max_model_len,
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,

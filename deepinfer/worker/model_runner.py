@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig, check_load_format
+from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan, describe_fault, is_fatal_fault
@@ -23,8 +23,7 @@ from deepinfer.model_executor.layers.ops.cache_common import (
 )
 from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
-from deepinfer.model_executor.loader.dummy import init_dummy_weights
-from deepinfer.model_executor.models.registry import get_model_class
+from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
 from deepinfer.worker.drafters import NgramDrafter
@@ -36,45 +35,11 @@ from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
 logger = logging.getLogger("deepinfer.worker")
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is fp32 on CPU (the fast CPU dtype without native bf16) and bf16 on a GPU."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
-    return _DTYPES[name]
-
 
 def resolve_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int,
-                speculative_method: str | None = None):
-    """The source's model on `device` in `dtype`: checkpoint weights, or seeded random values when
-    the source's load_format is "dummy" (no weight file is read). speculative_method="mtp" adds
-    the model's next-n draft module, refused for a model that has none."""
-    cfg = source.hf_config
-    model_cls = get_model_class(cfg.model_type)
-    with torch.device(device):
-        model = model_cls(cfg, max_positions)
-        if speculative_method == "mtp":
-            add_mtp = getattr(model, "add_mtp", None)
-            if add_mtp is None:
-                raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
-                                 f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
-            add_mtp()
-    if check_load_format(getattr(source, "load_format", "auto")) == "dummy":
-        init_dummy_weights(model)
-    else:
-        model.load_weights(source.iter_weights(torch.float32))
-    return model.to(dtype=dtype).eval()
 
 
 def make_drafter(config: SpeculativeConfig, model, groups, addressing):
@@ -102,11 +67,15 @@ class ModelRunner:
     def __init__(self, source, config: EngineConfig):
         cache_config = config.cache
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
             check_model_type(source.hf_config.model_type)
+        self.quantization = resolve_quantization(config.quantization, source, self.device, config.env.batch_invariant)
+        self.dtype_choice = resolve_dtype(config.dtype, self.device, source, self.quantization.value)
+        self.dtype = torch_dtype(self.dtype_choice)
+        logger.info("quantization %s (%s); dtype %s (%s)", self.quantization.value, self.quantization.reason,
+                    self.dtype_choice.value, self.dtype_choice.reason)
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
-                                              config.speculative.method)
+                                              config.speculative.method, self.quantization.value)
         self.speculative = config.speculative
         self.env = draft_environ(config.env, self.speculative.num_speculative_tokens)
         self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T

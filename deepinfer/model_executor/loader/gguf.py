@@ -1,5 +1,6 @@
 """GGUF files: one header pass (`gguf_file`) for metadata and tensors, each dequantized once
-with `gguf.quants.dequantize`, straight into the compute dtype.
+with `gguf.quants.dequantize`, straight into the compute dtype, or (`keep_quantized`) its matrices
+repacked into `QuantWeight`s that stay quantized (`gguf_repack`).
 
 Layout facts this module undoes (llama.cpp's converter applies them when it writes the file):
 
@@ -14,6 +15,8 @@ Layout facts this module undoes (llama.cpp's converter applies them when it writ
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
 from collections import deque
@@ -24,8 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
+from deepinfer.model_executor.loader.gguf_repack import repack_gguf
 from deepinfer.model_executor.loader.model_source import ModelSource, compute_identity
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor"]
@@ -62,6 +67,7 @@ _ARCH_BLOCK_NAMES = {
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed into the config, not a parameter
 _MAX_WORKERS = 4  # decoding threads
+logger = logging.getLogger("deepinfer.loader")
 
 
 def load_gguf_source(path: str) -> ModelSource:
@@ -90,7 +96,9 @@ def load_gguf_source(path: str) -> ModelSource:
         hf_config=config,
         tokenizer=load_gguf_tokenizer(path, config) if "tokenizer.ggml.model" in file.metadata else None,
         identity=compute_identity(path, [path]),
-        _weights=lambda dtype: iter_gguf_weights(file.tensors, arch, config, dtype),
+        # the file is mapped again for each pass, so no page of it stays resident after loading
+        _weights=lambda dtype, keep_quantized=False: iter_gguf_weights(
+            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
     )
 
 
@@ -132,9 +140,10 @@ def gguf_to_hf_name(arch: str, name: str) -> str:
 
 
 def iter_gguf_weights(
-    tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every parameter tensor in file order, in HF layout and `dtype`.
+    tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Yield `(hf_name, tensor)` for every parameter tensor in file order, in HF layout and `dtype`;
+    with `keep_quantized`, matrices of a repacked type come as `QuantWeight`s instead.
 
     Names are checked before any tensor is decoded; decoding runs on a few threads (numpy and
     torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
@@ -144,7 +153,7 @@ def iter_gguf_weights(
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
         pending: deque = deque()
         for hf_name, tensor in jobs:
-            pending.append((hf_name, pool.submit(to_hf_tensor, tensor, arch, config, dtype)))
+            pending.append((hf_name, pool.submit(to_hf_tensor, tensor, arch, config, dtype, keep_quantized)))
             if len(pending) > 2 * num_workers:
                 name, future = pending.popleft()
                 yield name, future.result()
@@ -153,17 +162,46 @@ def iter_gguf_weights(
             yield name, future.result()
 
 
-def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype) -> torch.Tensor:
+def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype,
+                 keep_quantized: bool = False) -> torch.Tensor | QuantWeight:
     """One tensor decoded into HF layout: Gemma norms lose their +1 (in float32), llama q/k rows
-    get their HF order back."""
+    get their HF order back (in a QuantWeight, its rows of values, scales and mins alike)."""
     part = tensor.name.split(".")[-2]
     if arch == "gemma3" and part.endswith("norm"):
         return (dequantize_tensor(tensor, torch.float32) - 1.0).to(dtype)
-    weight = dequantize_tensor(tensor, dtype)
+    weight = _quantized(tensor) if keep_quantized else None
+    if weight is None:
+        weight = dequantize_tensor(tensor, dtype)
     if arch == "llama" and part in ("attn_q", "attn_k"):
         num_heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
-        weight = unpermute_qk(weight, num_heads)
+        weight = _map_rows(weight, lambda rows: unpermute_qk(rows, num_heads))
     return weight
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _quantized(tensor: GGUFTensor) -> QuantWeight | None:
+    """The tensor kept quantized, or None: a float tensor, or a type without a packed layout (then
+    dequantized, with one log line per type)."""
+    kind = tensor.tensor_type.name
+    if kind in _FLOAT_TYPES or len(tensor.shape) != 2:
+        return None
+    weight = repack_gguf(kind, tensor.data, tensor.shape)
+    if weight is None and kind not in _UNPACKED_LOGGED:
+        _UNPACKED_LOGGED.add(kind)
+        logger.warning("GGUF type %s has no quantized kernel: its tensors (e.g. %s) are dequantized", kind, tensor.name)
+    return weight
+
+
+_UNPACKED_LOGGED: set[str] = set()
+
+
+def _map_rows(weight: torch.Tensor | QuantWeight, fn) -> torch.Tensor | QuantWeight:
+    """Apply a row permutation to a dense weight, or to every row-indexed part of a QuantWeight."""
+    if isinstance(weight, torch.Tensor):
+        return fn(weight)
+    return dataclasses.replace(weight, q=fn(weight.q), scale=fn(weight.scale), minv=fn(weight.minv))
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

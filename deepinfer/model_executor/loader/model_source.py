@@ -39,8 +39,10 @@ class ModelSource:
     _weights: Any = field(default=None, repr=False, compare=False)
     load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.
+
+        `keep_quantized` (GGUF only): quantized matrices come as `QuantWeight`s, not dequantized.
 
         Names are those of transformers' `*ForCausalLM` state dict, e.g.
         `model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` appears only when the checkpoint
@@ -48,6 +50,10 @@ class ModelSource:
         """
         if self._weights is None:
             raise ValueError(f"model source {self.path!r} has no weight reader")
+        if keep_quantized:
+            if self.format != "gguf":
+                raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
+            return self._weights(dtype, keep_quantized=True)
         return self._weights(dtype)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from deepinfer.model_executor.layers.activation import silu_and_mul
 from deepinfer.model_executor.layers.attention.layer import Attention, attention_cache_groups, bind_attention_caches
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.quant_linear import head_logits
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
 from deepinfer.model_executor.models.utils import MergedLinear, load_weights
 
@@ -116,8 +117,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)  # [N, V]
+        return head_logits(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head, hidden)  # [N, V]
 
     # ---- caches (the CachedModel protocol) -------------------------------------------------
     def cache_groups(self) -> list:

@@ -1,4 +1,4 @@
-"""Weight loading into merged projections (q|k|v, gate|up)."""
+"""Weight loading into merged projections (q|k|v, gate|up); quantized weights swap their module."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
+from deepinfer.model_executor.layers.quant_linear import install_quantized
 
 # HF name fragment -> (our merged parameter fragment, shard index)
 STACKED_PARAMS = (
@@ -21,10 +24,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  skip_prefixes: tuple[str, ...] = ()) -> set[str]:
     """Copy HF-named tensors into `model`; returns the names of parameters that were loaded.
 
-    A merged parameter must expose `shard_sizes` (rows per shard) on its module.
+    A merged parameter must expose `shard_sizes` (rows per shard) on its module. A `QuantWeight`
+    (a weight kept quantized) replaces its module by the quantized twin once all shards arrived.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    quantized: dict[str, list[tuple[int | None, QuantWeight]]] = {}
     for name, tensor in weights:
         if name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
             continue
@@ -32,13 +37,16 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         param = params[target]
-        if shard is None:
+        if isinstance(tensor, QuantWeight):
+            quantized.setdefault(target, []).append((shard, tensor))
+        elif shard is None:
             _copy(param.data, tensor, name)
         else:
             sizes = _owner(model, target).shard_sizes
             start = sum(sizes[:shard])
             _copy(param.data[start:start + sizes[shard]], tensor, name)
         loaded.add(target)
+    install_quantized(model, quantized)
     return loaded
 
 

@@ -1,0 +1,160 @@
+"""Quantized weights and their matmul: `QuantWeight` (the one packed layout every source format is
+repacked into) and `qmatmul(x, w)`, which runs the CPU kernel (`qmatmul_cpu.cpp`) or, without one,
+the plain-torch reference that computes the same function (dequantize, then F.linear).
+
+    bits 4   q uint8 [N, K/2]  per group of 32: low nibbles hold values 0..15, high nibbles 16..31
+    bits 8   q int8  [N, K]    groups of 16 or 32
+    scale, minv  fp32 [N, K/G] w = q * scale + minv
+
+Sources (`loader/gguf_repack.py`, `quantize_weight` here): GGUF Q4_0, Q4_1, Q4_K -> 4 bits;
+Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits in groups of 32; Q6_K (16-value sub-blocks) -> 8 bits in groups
+of 16; an fp checkpoint quantized at load -> int8 (symmetric) or int4 (asymmetric), groups of 32.
+Every repacking is exact: scales and mins are the products GGUF's own dequantization forms, in fp32.
+
+Rows of M above `dequant_rows()` (prefill chunks) dequantize the weight once and use torch's GEMM,
+which is faster there than re-widening each group per row tile; the threshold is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
+
+GROUP_SIZES = {4: (32,), 8: (16, 32)}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A [N, K] weight kept quantized; `kind` names the source format (e.g. "Q4_1", "int8")."""
+
+    q: torch.Tensor  # uint8 [N, K/2] (4 bits) or int8 [N, K] (8 bits)
+    scale: torch.Tensor  # fp32 [N, K/G]
+    minv: torch.Tensor  # fp32 [N, K/G]
+    bits: int
+    group: int
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.group not in GROUP_SIZES.get(self.bits, ()):
+            raise ValueError(f"QuantWeight: bits={self.bits} group={self.group} is not a packed layout; "
+                             f"have {GROUP_SIZES}")
+        n, k = self.shape
+        if self.scale.shape != (n, k // self.group) or self.minv.shape != self.scale.shape:
+            raise ValueError(f"QuantWeight {self.kind}: scale {tuple(self.scale.shape)} / minv "
+                             f"{tuple(self.minv.shape)} do not match [{n}, {k // self.group}]")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The weight rows `index` (an embedding lookup), still packed."""
+        return QuantWeight(self.q[index], self.scale[index], self.minv[index], self.bits, self.group, self.kind)
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight as a dense [N, K] tensor of `dtype` (kernel when available, else torch)."""
+    isa = kernel_isa()
+    if isa and w.q.device.type == "cpu":
+        out = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, w.bits, w.group, isa)  # [N, K] fp32
+    else:
+        out = dequantize_ref(w)
+    return out.to(dtype)
+
+
+def dequantize_ref(w: QuantWeight) -> torch.Tensor:
+    """Plain torch: the same values as the kernel's, fp32 [N, K]."""
+    n, k = w.shape
+    if w.bits == 4:
+        packed = w.q.view(n, k // 32, 16)  # [N, groups, 16]
+        values = torch.cat([packed & 0xF, packed >> 4], dim=-1)  # [N, groups, 32]
+    else:
+        values = w.q.view(n, k // w.group, w.group)  # [N, groups, G]
+    out = values.float() * w.scale[..., None] + w.minv[..., None]  # [N, groups, G]
+    return out.reshape(n, k)
+
+
+def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)  # [M, K]
+    isa = kernel_isa()
+    if isa and x.device.type == "cpu" and x2.shape[0] <= dequant_rows():
+        y = torch.ops.deepinfer_cpu.qmatmul(x2.float(), w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
+    else:
+        y = F.linear(x2.float(), dequantize(w))  # [M, N]
+    return y.to(x.dtype).reshape(*lead, w.shape[0])
+
+
+def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """The reference: dequantize in plain torch, then F.linear (fp32)."""
+    return F.linear(x.float(), dequantize_ref(w))  # [..., N]
+
+
+_DEQUANT_ROWS: list[int] = []  # measured once per process
+
+
+def dequant_rows() -> int:
+    """Above this many rows, dequantize + GEMM beats the row-tile kernel (measured once)."""
+    if not _DEQUANT_ROWS:
+        _DEQUANT_ROWS.append(_measure_dequant_rows())
+    return _DEQUANT_ROWS[0]
+
+
+@torch.inference_mode()
+def _measure_dequant_rows(n: int = 1536, k: int = 576) -> int:
+    """The smallest probed row count at which dequantize + F.linear wins on an [n, k] 4-bit weight."""
+    isa = kernel_isa()
+    if not isa:
+        return 0
+    w = quantize_weight(torch.randn(n, k), "int4")
+    for rows in (16, 32, 64, 128):
+        x = torch.randn(rows, k)  # [rows, k]
+        kernel = _best_time(lambda: torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, 4, 32, isa))  # noqa: B023
+        dense = _best_time(lambda: F.linear(x, dequantize(w)))  # noqa: B023
+        if dense < kernel:
+            return rows - 1
+    return 128
+
+
+def _best_time(fn, repeats: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str, group: int = 32) -> QuantWeight:
+    """An fp weight [N, K] quantized at load: "int8" symmetric (absmax / 127 per group) or "int4"
+    asymmetric (min..max over 15 steps per group). K must be a multiple of `group`."""
+    n, k = weight.shape
+    if k % group:
+        raise ValueError(f"cannot quantize a weight with K={k} in groups of {group}")
+    w = weight.detach().float().reshape(n, k // group, group)  # [N, groups, G]
+    if scheme == "int8":
+        scale = w.abs().amax(-1) / 127.0  # [N, groups]
+        q = torch.round(w / _nonzero(scale)[..., None]).clamp_(-127, 127).to(torch.int8)  # [N, groups, G]
+        return QuantWeight(q.reshape(n, k), scale, torch.zeros_like(scale), 8, group, "int8")
+    if scheme == "int4":
+        lo, hi = w.amin(-1), w.amax(-1)  # [N, groups]
+        scale = (hi - lo) / 15.0
+        q = torch.round((w - lo[..., None]) / _nonzero(scale)[..., None]).clamp_(0, 15).to(torch.uint8)
+        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, groups, 16]
+        return QuantWeight(packed.reshape(n, k // 2), scale, lo.contiguous(), 4, 32, "int4")
+    raise ValueError(f"quantization scheme must be 'int8' or 'int4', got {scheme!r}")
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale == 0, torch.ones_like(scale), scale)

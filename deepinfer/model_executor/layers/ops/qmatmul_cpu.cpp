@@ -1,0 +1,243 @@
+// Quantized-weight matmul on the CPU: y[M, N] = x[M, K] @ W[N, K]^T, W kept as packed integers.
+//
+// One packed layout for every source format (repacked once at load, see qmatmul.py):
+//
+//   bits 4   q uint8 [N, K/2]   group g (32 values): bytes g*16 .. g*16+15,
+//                               low nibble of byte j = value g*32 + j, high nibble = g*32 + 16 + j
+//   bits 8   q int8  [N, K]     natural order, groups of 16 or 32 values
+//   scale, minv  float [N, K/G] w = q * scale + minv  (q unsigned for 4 bits, signed for 8)
+//
+// Each group is widened to fp32 in registers and multiplied with fp32 activations; nothing of W
+// is materialized. A weight row is dequantized once per tile of MR activation rows, so a batch
+// of M rows costs one read of W per tile. Threads split the N output rows (at::parallel_for,
+// torch's own pool). Two instruction sets are compiled into one library (function-level target
+// attributes) and chosen per call: `isa` 2 = AVX-512, 1 = AVX2 + FMA. Per output, the products
+// are summed lane-wise in group order and then across lanes, whatever M or the thread count is.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kGrainRows = 16;  // output rows per parallel task, at least
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+// ---- AVX-512: 16 lanes --------------------------------------------------------------------
+
+// Values 16c .. 16c+15 of group g as fp32.
+template <int BITS, int G>
+AVX512_TARGET inline __m512 deq16(const uint8_t* q, int64_t g, int c, __m512 s, __m512 m) {
+  __m512i v;
+  if constexpr (BITS == 4) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * 16)));
+    v = c == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(b, 4);
+  } else {
+    v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + g * G + c * 16)));
+  }
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, m);
+}
+
+// MR activation rows times one weight row: y[r * ldy] for r < MR.
+template <int BITS, int G, int MR>
+AVX512_TARGET void tile512(const float* x, int64_t ldx, const uint8_t* q, const float* scale, const float* minv,
+                           int64_t K, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m512 s = _mm512_set1_ps(scale[g]), m = _mm512_set1_ps(minv[g]);
+    for (int c = 0; c < G / 16; ++c) {
+      const __m512 w = deq16<BITS, G>(q, g, c, s, m);
+      const float* xc = x + g * G + c * 16;
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + r * ldx), w, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int BITS, int G>
+AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
+                           const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * ldq;
+    const float *sn = scale + n * ngroups, *mn = minv + n * ngroups;
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) tile512<BITS, G, 8>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+    if (m + 4 <= M) tile512<BITS, G, 4>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 4;
+    if (m + 2 <= M) tile512<BITS, G, 2>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 2;
+    if (m < M) tile512<BITS, G, 1>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+  }
+}
+
+template <int BITS, int G>
+AVX512_TARGET void dequant512(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
+                              float* out, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const __m512 s = _mm512_set1_ps(scale[n * ngroups + g]), m = _mm512_set1_ps(minv[n * ngroups + g]);
+      for (int c = 0; c < G / 16; ++c) _mm512_storeu_ps(out + n * K + g * G + c * 16, deq16<BITS, G>(q + n * ldq, g, c, s, m));
+    }
+  }
+}
+
+// ---- AVX2: 8 lanes ------------------------------------------------------------------------
+
+// Values 8c .. 8c+7 of group g as fp32.
+template <int BITS, int G>
+AVX2_TARGET inline __m256 deq8(const uint8_t* q, int64_t g, int c, __m256 s, __m256 m) {
+  __m256i v;
+  if constexpr (BITS == 4) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * 16 + (c & 1) * 8));
+    const __m256i b = _mm256_cvtepu8_epi32(raw);
+    v = c < 2 ? _mm256_and_si256(b, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(b, 4);
+  } else {
+    v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + g * G + c * 8)));
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, m);
+}
+
+AVX2_TARGET inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int BITS, int G, int MR>
+AVX2_TARGET void tile256(const float* x, int64_t ldx, const uint8_t* q, const float* scale, const float* minv,
+                         int64_t K, float* y, int64_t ldy) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    const __m256 s = _mm256_set1_ps(scale[g]), m = _mm256_set1_ps(minv[g]);
+    for (int c = 0; c < G / 8; ++c) {
+      const __m256 w = deq8<BITS, G>(q, g, c, s, m);
+      // 4-bit chunk c holds values 8c .. 8c+7 too: low nibbles of bytes 0..15, then high nibbles.
+      const float* xc = x + g * G + c * 8;
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xc + r * ldx), w, acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * ldy] = hsum256(acc[r]);
+}
+
+template <int BITS, int G>
+AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
+                         const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qn = q + n * ldq;
+    const float *sn = scale + n * ngroups, *mn = minv + n * ngroups;
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) tile256<BITS, G, 8>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+    if (m + 4 <= M) tile256<BITS, G, 4>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 4;
+    if (m + 2 <= M) tile256<BITS, G, 2>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 2;
+    if (m < M) tile256<BITS, G, 1>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+  }
+}
+
+template <int BITS, int G>
+AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
+                            float* out, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const __m256 s = _mm256_set1_ps(scale[n * ngroups + g]), m = _mm256_set1_ps(minv[n * ngroups + g]);
+      for (int c = 0; c < G / 8; ++c) _mm256_storeu_ps(out + n * K + g * G + c * 8, deq8<BITS, G>(q + n * ldq, g, c, s, m));
+    }
+  }
+}
+
+// ---- dispatch -----------------------------------------------------------------------------
+
+using RowsFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, const float*, float*,
+                        int64_t, int64_t, int64_t);
+using DequantFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int BITS, int G>
+std::pair<RowsFn, DequantFn> kernels_for(int64_t isa) {
+  if (isa == 2) return {rows512<BITS, G>, dequant512<BITS, G>};
+  return {rows256<BITS, G>, dequant256<BITS, G>};
+}
+
+std::pair<RowsFn, DequantFn> select(int64_t bits, int64_t group, int64_t isa) {
+  TORCH_CHECK(isa == 1 || isa == 2, "qmatmul: isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
+  TORCH_CHECK(isa != 2 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")),
+              "qmatmul: this CPU has no AVX-512 (F, BW, VL, DQ)");
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "qmatmul: this CPU has no AVX2 + FMA");
+  if (bits == 4 && group == 32) return kernels_for<4, 32>(isa);
+  if (bits == 8 && group == 32) return kernels_for<8, 32>(isa);
+  if (bits == 8 && group == 16) return kernels_for<8, 16>(isa);
+  TORCH_CHECK(false, "qmatmul: no kernel for bits=", bits, " group=", group, " (have 4/32, 8/32, 8/16)");
+}
+
+void check_weight(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv, int64_t bits, int64_t group,
+                  int64_t K) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.element_size() == 1, "qmatmul: q must be a contiguous 2-D byte tensor");
+  TORCH_CHECK(K % group == 0, "qmatmul: K=", K, " is not a multiple of group=", group);
+  TORCH_CHECK(q.size(1) * (bits == 4 ? 2 : 1) == K, "qmatmul: q has ", q.size(1), " bytes per row for K=", K);
+  for (const at::Tensor* t : {&scale, &minv}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "qmatmul: scale/minv must be contiguous float32");
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == K / group, "qmatmul: scale/minv must be [N, K/group]");
+  }
+}
+
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv,
+                   int64_t bits, int64_t group, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = q.size(0);
+  check_weight(q, scale, minv, bits, group, K);
+  const RowsFn rows = select(bits, group, isa).first;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float *xp = xc.data_ptr<float>(), *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  float* yp = y.data_ptr<float>();
+  const int64_t ldq = q.size(1);
+  if (M == 0) return y;
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { rows(xp, M, K, qp, ldq, sp, mp, yp, N, n0, n1); });
+  return y;
+}
+
+at::Tensor qdequant(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv, int64_t bits, int64_t group,
+                    int64_t isa) {
+  const int64_t N = q.size(0), K = q.size(1) * (bits == 4 ? 2 : 1);
+  check_weight(q, scale, minv, bits, group, K);
+  const DequantFn dequant = select(bits, group, isa).second;
+  at::Tensor out = at::empty({N, K}, scale.options());
+  const float *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t ldq = q.size(1);
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { dequant(qp, ldq, sp, mp, K, op, n0, n1); });
+  return out;
+}
+
+// Instruction sets this CPU can run: 2 = AVX-512 (F, BW, VL, DQ), 1 = AVX2 + FMA, 0 = neither.
+int64_t cpu_isa() {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return avx512 ? 2 : 1;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(deepinfer_cpu, m) {
+  m.def("qmatmul(Tensor x, Tensor q, Tensor scale, Tensor minv, int bits, int group, int isa) -> Tensor");
+  m.def("qdequant(Tensor q, Tensor scale, Tensor minv, int bits, int group, int isa) -> Tensor");
+  m.def("cpu_isa() -> int", cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("qmatmul", qmatmul);
+  m.impl("qdequant", qdequant);
+}

@@ -1,0 +1,194 @@
+"""From a model source to modules: which weights stay quantized, which dtype computes, the model.
+
+    resolve_quantization   auto | none | gguf | int8 | int4  ->  what loading does, and why
+    resolve_cpu_dtype      auto on a CPU                     ->  fp32 or bf16, and why
+    build_model            modules (weights not initialized), checkpoint or dummy weights, swaps
+
+`--dtype auto` on a CPU, by rule and measurement:
+    quantized weights         fp32: the kernels take fp32 activations; attention and norms are a
+                              small share of the step and stay exact
+    < 32M matmul weights      fp32: a step of a small model is mostly overhead, not matmul
+    otherwise                 a start-up probe (~0.1 s) times the model's MLP shape for 1 and 16
+                              rows in fp32 and bf16; bf16 is chosen if it takes < 90% of fp32's time
+(On an AMD EPYC with AVX-512 BF16, bf16 matmuls were 2-3x faster than fp32; on an Intel AMX machine
+batch-1 bf16 decode was slower than fp32: hence a measurement, not a table.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config import check_load_format, check_quantization
+from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
+from deepinfer.model_executor.layers.quant_linear import quantize_linears
+from deepinfer.model_executor.loader.dummy import init_dummy_weights
+from deepinfer.model_executor.models.registry import get_model_class
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+SMALL_MODEL_WEIGHTS = 1 << 25  # matmul weight elements below which `auto` stays fp32
+_BF16_WIN = 0.9
+_LOAD_QUANTIZE = ("int8", "int4")
+_QUANTIZABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A resolved setting and the reason, for `deepinfer info` and the start-up log."""
+
+    value: str
+    reason: str
+
+
+def resolve_quantization(requested: str, source, device: torch.device, batch_invariant: bool = False) -> Choice:
+    """What `--quantization` does for this source on this device (ValueError for an impossible request)."""
+    check_quantization(requested)
+    if requested == "none":
+        return Choice("none", "requested: quantized weights are dequantized (the reference path)")
+    if requested == "auto":
+        return _auto_quantization(source, device, batch_invariant)
+    _check_quantization_request(requested, source, device, batch_invariant)
+    if requested == "gguf":
+        return Choice("gguf", f"requested; {kernel_status()}")
+    return Choice(requested, f"requested: linear layers quantized at load ({requested}, groups of 32); "
+                             f"{kernel_status()}")
+
+
+def _auto_quantization(source, device: torch.device, batch_invariant: bool) -> Choice:
+    if source.format != "gguf" or source.load_format == "dummy":
+        return Choice("none", "auto: not a GGUF checkpoint with weights")
+    if device.type != "cpu":
+        return Choice("none", f"auto: the quantized kernels are CPU kernels; on {device.type} weights are dequantized")
+    if batch_invariant:
+        return Choice("none", "auto: batch-invariant mode uses dequantized weights")
+    if not kernel_isa():
+        return Choice("none", f"auto: {kernel_status()}; weights are dequantized")
+    return Choice("gguf", f"auto: GGUF weights stay quantized, {kernel_isa_name()} kernels")
+
+
+def _check_quantization_request(requested: str, source, device: torch.device, batch_invariant: bool) -> None:
+    where = f"quantization={requested!r}"
+    if device.type != "cpu":
+        raise ValueError(f"{where} runs on the CPU only; device is {device.type!r} (use quantization='none')")
+    if batch_invariant:
+        raise ValueError(f"{where} is not available in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1)")
+    if source.load_format == "dummy":
+        raise ValueError(f"{where} needs real weights; load_format is 'dummy'")
+    if requested == "gguf" and source.format != "gguf":
+        raise ValueError(f"{where} needs a .gguf model; {source.path!r} is a {source.format} checkpoint")
+    model_type = source.hf_config.model_type
+    if requested in _LOAD_QUANTIZE and model_type not in _QUANTIZABLE_TYPES:
+        raise ValueError(f"{where} supports model types {', '.join(_QUANTIZABLE_TYPES)}; got {model_type!r}")
+
+
+def resolve_dtype(name: str, device: torch.device, source=None, quantization: str = "none") -> Choice:
+    """The compute dtype (`Choice.value` a key of _DTYPES); 'auto' is bf16 on a GPU and measured on a CPU."""
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+        return Choice(name, "requested")
+    if device.type != "cpu":
+        return Choice("bfloat16", f"auto: bf16 on {device.type}")
+    return resolve_cpu_dtype(source, quantization)
+
+
+def torch_dtype(choice: Choice) -> torch.dtype:
+    return _DTYPES[choice.value]
+
+
+def resolve_cpu_dtype(source, quantization: str) -> Choice:
+    if quantization != "none":
+        return Choice("float32", "auto: quantized matmuls take fp32 activations")
+    cfg = getattr(source, "hf_config", None)
+    hidden, inter = getattr(cfg, "hidden_size", 0), getattr(cfg, "intermediate_size", 0)
+    layers = getattr(cfg, "num_hidden_layers", 0)
+    if not hidden or not inter or 3 * hidden * inter * layers < SMALL_MODEL_WEIGHTS:
+        return Choice("float32", "auto: a small model (< 32M matmul weights) stays fp32")
+    fp32, bf16 = _probe_matmul(hidden, inter)
+    faster = bf16 < _BF16_WIN * fp32
+    return Choice("bfloat16" if faster else "float32",
+                  f"auto: measured [{inter}x{hidden}] matmuls, fp32 {fp32 * 1e3:.2f} ms vs bf16 {bf16 * 1e3:.2f} ms")
+
+
+_PROBES: dict[tuple[int, int], tuple[float, float]] = {}
+
+
+@torch.inference_mode()
+def _probe_matmul(hidden: int, inter: int) -> tuple[float, float]:
+    """Seconds for an [inter, hidden] matmul of 1 and of 16 rows, in fp32 and in bf16 (once per shape)."""
+    if (hidden, inter) not in _PROBES:
+        w = torch.randn(inter, hidden)  # [inter, hidden]
+        xs = [torch.randn(rows, hidden) for rows in (1, 16)]
+        times = []
+        for dtype in (torch.float32, torch.bfloat16):
+            wd, xd = w.to(dtype), [x.to(dtype) for x in xs]
+            times.append(sum(_best_time(lambda x=x: F.linear(x, wd)) for x in xd))  # noqa: B023
+        _PROBES[(hidden, inter)] = (times[0], times[1])
+    return _PROBES[(hidden, inter)]
+
+
+def _best_time(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@contextlib.contextmanager
+def skip_weight_init():
+    """Build Linear and Embedding modules without drawing random weights: loading overwrites them,
+    and an fp32 weight that a quantized one replaces is then never written (nor resident)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
+def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int,
+                speculative_method: str | None = None, quantization: str = "none"):
+    """The source's model on `device` in `dtype`: checkpoint weights (`quantization` 'gguf': its
+    quantized matrices kept quantized; 'int8'/'int4': linear layers quantized after loading), or
+    seeded random values when the source's load_format is "dummy" (no weight file is read).
+    speculative_method="mtp" adds the model's next-n draft module, refused for a model without one."""
+    cfg = source.hf_config
+    model_cls = get_model_class(cfg.model_type)
+    with torch.device(device), skip_weight_init():
+        model = model_cls(cfg, max_positions)
+        if speculative_method == "mtp":
+            add_mtp = getattr(model, "add_mtp", None)
+            if add_mtp is None:
+                raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
+                                 f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
+            add_mtp()
+    if check_load_format(getattr(source, "load_format", "auto")) == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(source.iter_weights(torch.float32, keep_quantized=quantization == "gguf"))
+    if quantization in _LOAD_QUANTIZE:
+        quantize_linears(model, quantization)
+    model = model.to(dtype=dtype).eval()
+    release_free_memory()
+    return model
+
+
+def release_free_memory() -> None:
+    """Hand the heap pages that loading's temporaries left free back to the OS (glibc malloc_trim;
+    nothing elsewhere), so the resident set after loading is the model's own."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
