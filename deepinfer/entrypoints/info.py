@@ -203,6 +203,7 @@ def info_lines(llm) -> list[str]:
         f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
         f"dtype: {runner.dtype}, kv cache dtype: {engine.config.cache.kv_cache_dtype}, device: {runner.device}, "
         f"max_model_len: {engine.max_model_len}, max_num_seqs: {engine.config.scheduler.max_num_seqs}",
+        *weight_lines(runner),
         *group_lines(llm),
     ]
     if is_multi_format(runner):
@@ -211,6 +212,22 @@ def info_lines(llm) -> list[str]:
         lines.append(f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
                      f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)")
     return lines + prefix_cache_lines(llm)
+
+
+def weight_lines(runner) -> list[str]:
+    """What `--dtype` and `--quantization` resolved to and why, and the weights' formats and bytes."""
+    lines = [f"dtype choice: {runner.dtype_choice.value} ({runner.dtype_choice.reason})",
+             f"quantization: {runner.quantization.value} ({runner.quantization.reason})"]
+    packed = [m.qweight for m in runner.model.modules() if hasattr(m, "qweight")]
+    if packed:
+        kinds: dict[str, int] = {}
+        for w in packed:
+            kinds[w.kind] = kinds.get(w.kind, 0) + 1
+        layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+        lines.append(f"  quantized matrices: {len(packed)} ({layout}), {sum(w.nbytes for w in packed) / 2**20:,.1f} MiB")
+    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    lines.append(f"  dense parameters: {dense / 2**20:,.1f} MiB")
+    return lines
 
 
 def prefix_cache_lines(llm) -> list[str]:

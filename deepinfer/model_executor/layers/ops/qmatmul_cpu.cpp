@@ -20,11 +20,15 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
 
 constexpr int64_t kGrainRows = 16;  // output rows per parallel task, at least
+constexpr int64_t kBlockBytes = 16 * 1024;  // weight bytes a row block keeps in cache
+
+inline int64_t rows_per_block(int64_t row_bytes) { return std::max<int64_t>(1, kBlockBytes / row_bytes); }
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
@@ -61,18 +65,27 @@ AVX512_TARGET void tile512(const float* x, int64_t ldx, const uint8_t* q, const 
   for (int r = 0; r < MR; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
 }
 
+// Output rows in blocks of `rows_per_block(ldq)` weight rows (about 16 KB of weight): each tile
+// of 8 activation rows (in L1) runs over the whole block (in L1/L2) before the next tile starts.
 template <int BITS, int G>
 AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
                            const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t ngroups = K / G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * ldq;
-    const float *sn = scale + n * ngroups, *mn = minv + n * ngroups;
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) tile512<BITS, G, 8>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
-    if (m + 4 <= M) tile512<BITS, G, 4>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 4;
-    if (m + 2 <= M) tile512<BITS, G, 2>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 2;
-    if (m < M) tile512<BITS, G, 1>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+  const int64_t ngroups = K / G, block = rows_per_block(ldq);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(b0 + block, n1);
+    for (int64_t m = 0; m < M;) {
+      const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      for (int64_t n = b0; n < b1; ++n) {
+        const uint8_t* qn = q + n * ldq;
+        const float *sn = scale + n * ngroups, *mn = minv + n * ngroups, *xm = x + m * K;
+        float* yn = y + m * N + n;
+        if (mr == 8) tile512<BITS, G, 8>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 4) tile512<BITS, G, 4>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 2) tile512<BITS, G, 2>(xm, K, qn, sn, mn, K, yn, N);
+        else tile512<BITS, G, 1>(xm, K, qn, sn, mn, K, yn, N);
+      }
+      m += mr;
+    }
   }
 }
 
@@ -130,16 +143,23 @@ AVX2_TARGET void tile256(const float* x, int64_t ldx, const uint8_t* q, const fl
 
 template <int BITS, int G>
 AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
-                         const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t ngroups = K / G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qn = q + n * ldq;
-    const float *sn = scale + n * ngroups, *mn = minv + n * ngroups;
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) tile256<BITS, G, 8>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
-    if (m + 4 <= M) tile256<BITS, G, 4>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 4;
-    if (m + 2 <= M) tile256<BITS, G, 2>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N), m += 2;
-    if (m < M) tile256<BITS, G, 1>(x + m * K, K, qn, sn, mn, K, y + m * N + n, N);
+                           const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t ngroups = K / G, block = rows_per_block(ldq);
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = std::min(b0 + block, n1);
+    for (int64_t m = 0; m < M;) {
+      const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
+      for (int64_t n = b0; n < b1; ++n) {
+        const uint8_t* qn = q + n * ldq;
+        const float *sn = scale + n * ngroups, *mn = minv + n * ngroups, *xm = x + m * K;
+        float* yn = y + m * N + n;
+        if (mr == 8) tile256<BITS, G, 8>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 4) tile256<BITS, G, 4>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 2) tile256<BITS, G, 2>(xm, K, qn, sn, mn, K, yn, N);
+        else tile256<BITS, G, 1>(xm, K, qn, sn, mn, K, yn, N);
+      }
+      m += mr;
+    }
   }
 }
 

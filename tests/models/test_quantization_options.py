@@ -1,0 +1,95 @@
+"""`--quantization` on HF checkpoints (int8 / int4 at load) and its refusals; `--dtype auto`'s rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import run_steps
+
+from deepinfer import LLM
+from deepinfer.contracts.plan import ScheduledRequest
+from deepinfer.model_executor.layers.quant_linear import QuantLinear
+
+
+def prompt_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    table = list(range(8))
+    return run_steps(llm, [ScheduledRequest("r", tokens, 0, (table,), (0,))])[0]  # [T, V]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("scheme,bound", [("int8", 0.05), ("int4", 0.6)])
+def test_quantized_at_load_stays_close(tiny_checkpoint, arch, scheme, bound):
+    """Every linear layer quantized (groups of 32); logits within the scheme's error of fp32's.
+
+    Tiny random models amplify rounding (gemma3 int4: ~47% relative error over 5 layers); a wrong
+    layout or scale gives uncorrelated logits, a relative error of 1 or more."""
+    path = tiny_checkpoint(arch)
+    kw = dict(num_blocks=16, block_size=8, max_model_len=64, max_num_seqs=2)
+    ref, quant = LLM(path, quantization="none", **kw), LLM(path, quantization=scheme, **kw)
+    runner = quant.engine.runner
+    assert runner.quantization.value == scheme
+    assert any(isinstance(m, QuantLinear) for m in runner.model.modules())
+    plain = [m for m in runner.model.modules() if type(m) is torch.nn.Linear and m.in_features % 32 == 0]
+    assert not plain
+    tokens = [random.Random(1).randrange(3, 1000) for _ in range(20)]
+    want, got = prompt_logits(ref, tokens), prompt_logits(quant, tokens)
+    assert (got - want).norm() / want.norm() < bound
+
+
+def test_quantized_generation_is_coherent_with_fp32(tiny_checkpoint):
+    from deepinfer import SamplingParams
+
+    path = tiny_checkpoint("llama")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = LLM(path, quantization="int8", num_blocks=32, block_size=8).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(quantization="int3"), "quantization must be one of .*'int3'"),
+    (dict(quantization="gguf"), "quantization='gguf' needs a .gguf model"),
+    (dict(quantization="int8", load_format="dummy"), "needs real weights"),
+])
+def test_bad_quantization_requests_are_named(tiny_checkpoint, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_checkpoint("llama"), num_blocks=8, **kwargs)
+
+
+def test_quantization_refused_for_a_model_type_without_support(monkeypatch, tiny_checkpoint):
+    from deepinfer.model_executor import model_loader
+    from deepinfer.model_executor.loader.source import load_model_source
+
+    source = load_model_source(tiny_checkpoint("llama"))
+    monkeypatch.setattr(model_loader, "_QUANTIZABLE_TYPES", ("qwen3",))
+    with pytest.raises(ValueError, match="supports model types qwen3; got 'llama'"):
+        model_loader.resolve_quantization("int4", source, torch.device("cpu"))
+
+
+def test_auto_dtype_rules(tiny_checkpoint):
+    from deepinfer.model_executor.model_loader import resolve_dtype
+    from deepinfer.model_executor.loader.source import load_model_source
+
+    source = load_model_source(tiny_checkpoint("llama"))
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, source, "gguf").value == "float32"
+    small = resolve_dtype("auto", cpu, source, "none")
+    assert small.value == "float32" and "small model" in small.reason
+    assert resolve_dtype("auto", torch.device("cuda"), source, "none").value == "bfloat16"
+    assert resolve_dtype("bf16", cpu, source, "none").value == "bf16"
+    with pytest.raises(ValueError, match="dtype must be one of .*'fp64'"):
+        resolve_dtype("fp64", cpu, source, "none")
+
+
+def test_auto_dtype_measures_a_large_model(monkeypatch):
+    """Above the small-model rule, the faster of the two probes wins and the reason carries the times."""
+    from types import SimpleNamespace
+
+    from deepinfer.model_executor import model_loader
+
+    source = SimpleNamespace(hf_config=SimpleNamespace(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16))
+    for times, want in (((1.0, 0.5), "bfloat16"), ((1.0, 0.95), "float32")):
+        monkeypatch.setattr(model_loader, "_probe_matmul", lambda h, i, t=times: t)
+        choice = model_loader.resolve_cpu_dtype(source, "none")
+        assert choice.value == want and "measured" in choice.reason
