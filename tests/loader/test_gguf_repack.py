@@ -46,3 +46,37 @@ def test_repacked_sizes_stay_small():
 @pytest.mark.parametrize("kind", ["F16", "Q2_K", "IQ4_NL"])
 def test_types_without_layout_return_none(kind):
     assert repack_gguf(kind, np.zeros((2, 64), np.uint8), (2, 64)) is None
+
+
+def test_a_type_without_kernel_is_dequantized_with_one_log_line(caplog):
+    """Q2_K has no packed layout: the loader dequantizes it (the same values as gguf's) and says so once."""
+    from deepinfer.model_executor.loader import gguf as gguf_loader
+    from deepinfer.model_executor.loader.gguf_file import GGUFTensor
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]
+    data = np.random.default_rng(0).integers(0, 256, size=(4, size), dtype=np.uint8)
+    data[:, -4:] = np.array([0.01, 0.01], dtype=np.float16).view(np.uint8)  # d, dmin: finite
+    tensor = GGUFTensor("blk.0.ffn_up.weight", GGMLQuantizationType.Q2_K, (4, block), data)
+    gguf_loader._UNPACKED_LOGGED.discard("Q2_K")
+    with caplog.at_level("WARNING", logger="deepinfer.loader"):
+        first = gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
+        gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
+    assert isinstance(first, torch.Tensor)
+    torch.testing.assert_close(first, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.Q2_K)))
+    assert [r.getMessage() for r in caplog.records].count(
+        "GGUF type Q2_K has no quantized kernel: its tensors (e.g. blk.0.ffn_up.weight) are dequantized") == 1
+
+
+def test_llama_qk_rows_are_unpermuted_in_packed_weights():
+    """llama.cpp's per-head row order is undone on the packed rows exactly as on dense ones."""
+    from types import SimpleNamespace
+
+    from deepinfer.model_executor.loader import gguf as gguf_loader
+    from deepinfer.model_executor.loader.gguf_file import GGUFTensor
+
+    data = random_blocks("Q4_1", 8, 64)
+    tensor = GGUFTensor("blk.0.attn_q.weight", GGMLQuantizationType.Q4_1, (8, 64), data)
+    cfg = SimpleNamespace(num_attention_heads=2, num_key_value_heads=1)
+    packed = gguf_loader.to_hf_tensor(tensor, "llama", cfg, torch.float32, keep_quantized=True)
+    dense = gguf_loader.to_hf_tensor(tensor, "llama", cfg, torch.float32)
+    torch.testing.assert_close(dequantize_ref(packed), dense)

@@ -93,3 +93,26 @@ def test_auto_dtype_measures_a_large_model(monkeypatch):
         monkeypatch.setattr(model_loader, "_probe_matmul", lambda h, i, t=times: t)
         choice = model_loader.resolve_cpu_dtype(source, "none")
         assert choice.value == want and "measured" in choice.reason
+
+
+def test_auto_quantization_follows_source_device_and_kernels(monkeypatch):
+    from types import SimpleNamespace
+
+    from deepinfer.model_executor.layers.ops import cpu_kernels
+    from deepinfer.model_executor.model_loader import resolve_quantization
+
+    gguf = SimpleNamespace(format="gguf", load_format="auto")
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", gguf, cpu).value == "gguf"
+    assert resolve_quantization("auto", gguf, torch.device("cuda")).value == "none"
+    assert resolve_quantization("auto", gguf, cpu, batch_invariant=True).value == "none"
+    assert resolve_quantization("auto", SimpleNamespace(format="gguf", load_format="dummy"), cpu).value == "none"
+    assert resolve_quantization("auto", SimpleNamespace(format="hf", load_format="auto"), cpu).value == "none"
+    monkeypatch.setenv("DEEPINFER_CPU_ISA", "none")
+    cpu_kernels.kernel_isa.cache_clear()
+    try:
+        off = resolve_quantization("auto", gguf, cpu)
+        assert off.value == "none" and "DEEPINFER_CPU_ISA=none" in off.reason
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.kernel_isa.cache_clear()

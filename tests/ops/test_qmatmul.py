@@ -17,6 +17,18 @@ from deepinfer.model_executor.layers.ops.qmatmul import (
 ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 
 
+@pytest.fixture
+def isa_env(monkeypatch):
+    """Set DEEPINFER_CPU_ISA for one test; the process's choice is read again before and after."""
+    def set_isa(value: str) -> None:
+        monkeypatch.setenv("DEEPINFER_CPU_ISA", value)
+        kernel_isa.cache_clear()
+
+    yield set_isa
+    monkeypatch.undo()
+    kernel_isa.cache_clear()
+
+
 def random_weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
@@ -68,17 +80,17 @@ def test_results_do_not_depend_on_batch_rows():
     assert torch.equal(alone, qmatmul(x, w))
 
 
-def test_torch_fallback_without_kernels(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_CPU_ISA", "none")
+def test_torch_fallback_without_kernels(isa_env):
+    isa_env("none")
     w = random_weight(10, 64, 8, 16)
     x = torch.randn(3, 64)
     torch.testing.assert_close(qmatmul(x, w), qmatmul_ref(x, w))
     torch.testing.assert_close(dequantize(w), dequantize_ref(w))
 
 
-def test_bad_isa_name_is_named(monkeypatch):
-    monkeypatch.setenv("DEEPINFER_CPU_ISA", "sse9")
+def test_bad_isa_name_is_named(isa_env):
     with pytest.raises(ValueError, match="DEEPINFER_CPU_ISA.*sse9"):
+        isa_env("sse9")
         kernel_isa()
 
 

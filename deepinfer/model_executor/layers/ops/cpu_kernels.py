@@ -7,8 +7,8 @@ a process that finds no build builds it then (tens of seconds). Where it cannot 
 compiler, no AVX2) `kernel_isa()` is 0 and callers use their plain-torch paths; the reason is
 logged once and kept in `kernel_status()`.
 
-`DEEPINFER_CPU_ISA` (`avx512`, `avx2`, `none`) caps the instruction set the kernels use, e.g. to
-run the AVX2 path on an AVX-512 machine, or none at all.
+`DEEPINFER_CPU_ISA` (`avx512`, `avx2`, `none`; read once per process) caps the instruction set the
+kernels use, e.g. to run the AVX2 path on an AVX-512 machine, or none at all.
 """
 
 from __future__ import annotations
@@ -54,8 +54,12 @@ def _isa_cap() -> int:
     return caps[name]
 
 
+@functools.cache
 def kernel_isa() -> int:
-    """The instruction set the quantized kernels use: 2 AVX-512, 1 AVX2, 0 none (plain torch)."""
+    """The instruction set the quantized kernels use: 2 AVX-512, 1 AVX2, 0 none (plain torch).
+
+    Decided once per process (`kernel_isa.cache_clear()` makes the next call read
+    DEEPINFER_CPU_ISA again)."""
     cap = _isa_cap()
     return 0 if cap == 0 else min(_load()[0], cap)
 

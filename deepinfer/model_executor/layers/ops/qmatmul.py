@@ -85,14 +85,13 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
 
 def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)  # [M, K]
+    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     isa = kernel_isa()
-    if isa and x.device.type == "cpu" and x2.shape[0] <= dequant_rows():
-        y = torch.ops.deepinfer_cpu.qmatmul(x2.float(), w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
+    if isa and x2.shape[0] <= dequant_rows() and x.device.type == "cpu":
+        y = torch.ops.deepinfer_cpu.qmatmul.default(x2, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
     else:
-        y = F.linear(x2.float(), dequantize(w))  # [M, N]
-    return y.to(x.dtype).reshape(*lead, w.shape[0])
+        y = F.linear(x2, dequantize(w))  # [M, N]
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
 
 
 def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -101,6 +100,7 @@ def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 _DEQUANT_ROWS: list[int] = []  # measured once per process
+_DENSE_WIN = 0.9  # dequantize + GEMM only where clearly faster
 
 
 def dequant_rows() -> int:
@@ -121,12 +121,12 @@ def _measure_dequant_rows(n: int = 1536, k: int = 576) -> int:
         x = torch.randn(rows, k)  # [rows, k]
         kernel = _best_time(lambda: torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, 4, 32, isa))  # noqa: B023
         dense = _best_time(lambda: F.linear(x, dequantize(w)))  # noqa: B023
-        if dense < kernel:
+        if dense < _DENSE_WIN * kernel:
             return rows - 1
     return 128
 
 
-def _best_time(fn, repeats: int = 3) -> float:
+def _best_time(fn, repeats: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
