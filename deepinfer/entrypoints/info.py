@@ -224,7 +224,8 @@ def weight_lines(runner) -> list[str]:
         for w in packed:
             kinds[w.kind] = kinds.get(w.kind, 0) + 1
         layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
-        lines.append(f"  quantized matrices: {len(packed)} ({layout}), {sum(w.nbytes for w in packed) / 2**20:,.1f} MiB")
+        mib = sum(w.nbytes for w in packed) / 2**20
+        lines.append(f"  quantized matrices: {len(packed)} ({layout}), {mib:,.1f} MiB")
     dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     lines.append(f"  dense parameters: {dense / 2**20:,.1f} MiB")
     return lines

@@ -68,8 +68,8 @@ def test_quantization_refused_for_a_model_type_without_support(monkeypatch, tiny
 
 
 def test_auto_dtype_rules(tiny_checkpoint):
-    from deepinfer.model_executor.model_loader import resolve_dtype
     from deepinfer.model_executor.loader.source import load_model_source
+    from deepinfer.model_executor.model_loader import resolve_dtype
 
     source = load_model_source(tiny_checkpoint("llama"))
     cpu = torch.device("cpu")
