@@ -24,6 +24,17 @@ PROMPTS = [
     "The three primary colors are",
     "To make a cup of tea, first",
     "import numpy as np\nx = np.",
+    # long prompts: a prefill step of > 128 rows takes the dense path (dequantize + GEMM, bf16
+    # where faster); decode steps of 8 rows take the kernel
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from those used for wine. "
+    "Within fifty years presses operated in more than two hundred cities across Europe, and the price "
+    "of books fell sharply. Scholars could compare identical copies, errors were corrected in later "
+    "editions, and vernacular languages gained standard spellings. Historians still debate",
+    "Photosynthesis converts light energy into chemical energy. In the light-dependent reactions, "
+    "water is split, oxygen is released, and ATP and NADPH are produced in the thylakoid membranes. "
+    "In the Calvin cycle, which takes place in the stroma, carbon dioxide is fixed by the enzyme "
+    "RuBisCO and reduced to sugars using the ATP and NADPH. The overall efficiency of the process",
 ]
 MIN_AGREEMENT = 0.97
 

@@ -11,12 +11,15 @@ Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits in groups of 32; Q6_K (16-value sub-blocks) -> 
 of 16; an fp checkpoint quantized at load -> int8 (symmetric) or int4 (asymmetric), groups of 32.
 Every repacking is exact: scales and mins are the products GGUF's own dequantization forms, in fp32.
 
-Rows of M above `dequant_rows()` (prefill chunks) dequantize the weight once and use torch's GEMM,
-which is faster there than re-widening each group per row tile; the threshold is measured.
+From `dense_path().min_rows` rows on (prefill chunks) the weight is dequantized once and torch's
+GEMM multiplies, faster there than re-widening each group per row tile; the threshold, and whether
+that GEMM runs in bf16 (2x fp32's speed with AVX-512 BF16), are measured once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -87,10 +90,11 @@ def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
     x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     isa = kernel_isa()
-    if isa and x2.shape[0] <= dequant_rows() and x.device.type == "cpu":
+    dense = dense_path()
+    if isa and x2.shape[0] < dense.min_rows and x.device.type == "cpu":
         y = torch.ops.deepinfer_cpu.qmatmul.default(x2, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
     else:
-        y = F.linear(x2, dequantize(w))  # [M, N]
+        y = F.linear(x2.to(dense.dtype), dequantize(w, dense.dtype)).float()  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
 
 
@@ -99,31 +103,55 @@ def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return F.linear(x.float(), dequantize_ref(w))  # [..., N]
 
 
-_DEQUANT_ROWS: list[int] = []  # measured once per process
-_DENSE_WIN = 0.9  # dequantize + GEMM only where clearly faster
+@dataclass(frozen=True)
+class DensePath:
+    """Where many rows go: from `min_rows` rows on, dequantize the weight and multiply with torch's
+    GEMM in `dtype` (bf16 only where it is clearly faster than fp32, e.g. AVX-512 BF16 or AMX)."""
+
+    min_rows: int
+    dtype: torch.dtype
 
 
-def dequant_rows() -> int:
-    """Above this many rows, dequantize + GEMM beats the row-tile kernel (measured once)."""
-    if not _DEQUANT_ROWS:
-        _DEQUANT_ROWS.append(_measure_dequant_rows())
-    return _DEQUANT_ROWS[0]
+_BF16_WIN = 0.75  # bf16 GEMM for many rows only when it takes under 75% of fp32's time
+_DENSE_WIN = 0.9  # dequantize + GEMM only where clearly faster than the kernel
 
 
-@torch.inference_mode()
-def _measure_dequant_rows(n: int = 1536, k: int = 576) -> int:
-    """The smallest probed row count at which dequantize + F.linear wins on an [n, k] 4-bit weight."""
+@functools.cache
+def dense_path() -> DensePath:
+    """Measured once per process on an [1536, 576] 4-bit weight (a small model's MLP shape), on one
+    thread: the ratios carry over to more threads, and one thread is not stalled by a busy core."""
     isa = kernel_isa()
     if not isa:
-        return 0
-    w = quantize_weight(torch.randn(n, k), "int4")
+        return DensePath(0, torch.float32)
+    with torch.inference_mode(), one_thread():
+        w = quantize_weight(torch.randn(1536, 576), "int4")
+        x = torch.randn(256, 576)  # [256, k]: a prefill chunk
+        fp32 = _best_time(lambda: F.linear(x, dequantize(w)))
+        bf16 = _best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
+        dtype = torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32
+        return DensePath(_kernel_rows(w, isa, dtype), dtype)
+
+
+def _kernel_rows(w: QuantWeight, isa: int, dtype: torch.dtype) -> int:
+    """The smallest probed row count at which dequantize + GEMM (in `dtype`) beats the kernel."""
     for rows in (16, 32, 64, 128):
-        x = torch.randn(rows, k)  # [rows, k]
+        x = torch.randn(rows, w.shape[1])  # [rows, k]
         kernel = _best_time(lambda: torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, 4, 32, isa))  # noqa: B023
-        dense = _best_time(lambda: F.linear(x, dequantize(w)))  # noqa: B023
+        dense = _best_time(lambda: F.linear(x.to(dtype), dequantize(w, dtype)))  # noqa: B023
         if dense < _DENSE_WIN * kernel:
-            return rows - 1
-    return 128
+            return rows
+    return 129
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a timing probe on one intra-op thread, then restore the count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _best_time(fn, repeats: int = 5) -> float:
