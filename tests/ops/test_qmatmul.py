@@ -61,6 +61,8 @@ def test_kernel_dequantize_is_exact(isa, bits, group):
     w = random_weight(45, 224, bits, group)
     out = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, bits, group, isa)
     torch.testing.assert_close(out, dequantize_ref(w), rtol=1e-6, atol=1e-7)
+    bf16 = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, bits, group, isa, True)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, dequantize_ref(w).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 300])
@@ -69,7 +71,8 @@ def test_qmatmul_keeps_shape_and_dtype(rows):
     x = torch.randn(2, rows, 64, dtype=torch.bfloat16)
     y = qmatmul(x, w)
     assert y.shape == (2, rows, 24) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), qmatmul_ref(x, w).to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+    ref = qmatmul_ref(x, w)
+    assert (y.float() - ref).norm() / ref.norm() < 1e-2  # bf16 output (and a bf16 GEMM for many rows)
 
 
 def test_results_do_not_depend_on_batch_rows():

@@ -67,11 +67,10 @@ class QuantWeight:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The weight as a dense [N, K] tensor of `dtype` (kernel when available, else torch)."""
     isa = kernel_isa()
-    if isa and w.q.device.type == "cpu":
-        out = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, w.bits, w.group, isa)  # [N, K] fp32
-    else:
-        out = dequantize_ref(w)
-    return out.to(dtype)
+    if isa and w.q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        bf16 = dtype == torch.bfloat16
+        return torch.ops.deepinfer_cpu.qdequant.default(w.q, w.scale, w.minv, w.bits, w.group, isa, bf16)  # [N, K]
+    return dequantize_ref(w).to(dtype)
 
 
 def dequantize_ref(w: QuantWeight) -> torch.Tensor:
@@ -90,11 +89,13 @@ def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
     x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     isa = kernel_isa()
-    dense = dense_path()
-    if isa and x2.shape[0] < dense.min_rows and x.device.type == "cpu":
+    if not isa or x.device.type != "cpu":
+        y = F.linear(x2, dequantize(w))  # [M, N]: the plain-torch path, fp32
+    elif x2.shape[0] < dense_path().min_rows:
         y = torch.ops.deepinfer_cpu.qmatmul.default(x2, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
     else:
-        y = F.linear(x2.to(dense.dtype), dequantize(w, dense.dtype)).float()  # [M, N]
+        dtype = dense_path().dtype
+        y = F.linear(x2.to(dtype), dequantize(w, dtype)).float()  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
 
 
@@ -116,16 +117,19 @@ _BF16_WIN = 0.75  # bf16 GEMM for many rows only when it takes under 75% of fp32
 _DENSE_WIN = 0.9  # dequantize + GEMM only where clearly faster than the kernel
 
 
+_PROBE_SHAPE = (2048, 2048)  # 2 MiB packed, 8 MiB as bf16: dequantizing it leaves the caches, as a model's does
+
+
 @functools.cache
 def dense_path() -> DensePath:
-    """Measured once per process on an [1536, 576] 4-bit weight (a small model's MLP shape), on one
-    thread: the ratios carry over to more threads, and one thread is not stalled by a busy core."""
+    """Measured once per process (~0.3 s) on a 4-bit weight of _PROBE_SHAPE, on one thread: the
+    ratios carry over to more threads, and one thread is not stalled by a busy core."""
     isa = kernel_isa()
     if not isa:
         return DensePath(0, torch.float32)
     with torch.inference_mode(), one_thread():
-        w = quantize_weight(torch.randn(1536, 576), "int4")
-        x = torch.randn(256, 576)  # [256, k]: a prefill chunk
+        w = quantize_weight(torch.randn(*_PROBE_SHAPE), "int4")
+        x = torch.randn(256, _PROBE_SHAPE[1])  # [256, k]: a prefill chunk
         fp32 = _best_time(lambda: F.linear(x, dequantize(w)))
         bf16 = _best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
         dtype = torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32
@@ -134,7 +138,7 @@ def dense_path() -> DensePath:
 
 def _kernel_rows(w: QuantWeight, isa: int, dtype: torch.dtype) -> int:
     """The smallest probed row count at which dequantize + GEMM (in `dtype`) beats the kernel."""
-    for rows in (16, 32, 64, 128):
+    for rows in (32, 64, 128):
         x = torch.randn(rows, w.shape[1])  # [rows, k]
         kernel = _best_time(lambda: torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, 4, 32, isa))  # noqa: B023
         dense = _best_time(lambda: F.linear(x.to(dtype), dequantize(w, dtype)))  # noqa: B023
@@ -154,7 +158,7 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _best_time(fn, repeats: int = 5) -> float:
+def _best_time(fn, repeats: int = 3) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):

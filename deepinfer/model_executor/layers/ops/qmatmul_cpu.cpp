@@ -89,14 +89,24 @@ AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* 
   }
 }
 
-template <int BITS, int G>
+// fp32 out, or bf16 (round to nearest even, as torch's .to(bfloat16) rounds finite values).
+AVX512_TARGET inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+
+AVX512_TARGET inline void store16(uint16_t* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i top = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(top));
+}
+
+template <int BITS, int G, typename OUT>
 AVX512_TARGET void dequant512(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
-                              float* out, int64_t n0, int64_t n1) {
+                              OUT* out, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < ngroups; ++g) {
       const __m512 s = _mm512_set1_ps(scale[n * ngroups + g]), m = _mm512_set1_ps(minv[n * ngroups + g]);
-      for (int c = 0; c < G / 16; ++c) _mm512_storeu_ps(out + n * K + g * G + c * 16, deq16<BITS, G>(q + n * ldq, g, c, s, m));
+      for (int c = 0; c < G / 16; ++c) store16(out + n * K + g * G + c * 16, deq16<BITS, G>(q + n * ldq, g, c, s, m));
     }
   }
 }
@@ -163,14 +173,24 @@ AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q,
   }
 }
 
-template <int BITS, int G>
+AVX2_TARGET inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+
+AVX2_TARGET inline void store8(uint16_t* out, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+}
+
+template <int BITS, int G, typename OUT>
 AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
-                            float* out, int64_t n0, int64_t n1) {
+                            OUT* out, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < ngroups; ++g) {
       const __m256 s = _mm256_set1_ps(scale[n * ngroups + g]), m = _mm256_set1_ps(minv[n * ngroups + g]);
-      for (int c = 0; c < G / 8; ++c) _mm256_storeu_ps(out + n * K + g * G + c * 8, deq8<BITS, G>(q + n * ldq, g, c, s, m));
+      for (int c = 0; c < G / 8; ++c) store8(out + n * K + g * G + c * 8, deq8<BITS, G>(q + n * ldq, g, c, s, m));
     }
   }
 }
@@ -179,15 +199,22 @@ AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const float* scale, c
 
 using RowsFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, const float*, float*,
                         int64_t, int64_t, int64_t);
-using DequantFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t);
+template <typename OUT>
+using DequantFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, OUT*, int64_t, int64_t);
+
+struct Kernels {
+  RowsFn rows;
+  DequantFn<float> dequant_f32;
+  DequantFn<uint16_t> dequant_bf16;
+};
 
 template <int BITS, int G>
-std::pair<RowsFn, DequantFn> kernels_for(int64_t isa) {
-  if (isa == 2) return {rows512<BITS, G>, dequant512<BITS, G>};
-  return {rows256<BITS, G>, dequant256<BITS, G>};
+Kernels kernels_for(int64_t isa) {
+  if (isa == 2) return {rows512<BITS, G>, dequant512<BITS, G, float>, dequant512<BITS, G, uint16_t>};
+  return {rows256<BITS, G>, dequant256<BITS, G, float>, dequant256<BITS, G, uint16_t>};
 }
 
-std::pair<RowsFn, DequantFn> select(int64_t bits, int64_t group, int64_t isa) {
+Kernels select(int64_t bits, int64_t group, int64_t isa) {
   TORCH_CHECK(isa == 1 || isa == 2, "qmatmul: isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
   TORCH_CHECK(isa != 2 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")),
@@ -216,7 +243,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), N = q.size(0);
   check_weight(q, scale, minv, bits, group, K);
-  const RowsFn rows = select(bits, group, isa).first;
+  const RowsFn rows = select(bits, group, isa).rows;
   at::Tensor y = at::empty({M, N}, xc.options());
   const float *xp = xc.data_ptr<float>(), *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
@@ -227,17 +254,21 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
+// The dense weight [N, K] in float32 or (bf16 = true) bfloat16.
 at::Tensor qdequant(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv, int64_t bits, int64_t group,
-                    int64_t isa) {
+                    int64_t isa, bool bf16) {
   const int64_t N = q.size(0), K = q.size(1) * (bits == 4 ? 2 : 1);
   check_weight(q, scale, minv, bits, group, K);
-  const DequantFn dequant = select(bits, group, isa).second;
-  at::Tensor out = at::empty({N, K}, scale.options());
+  const Kernels kernels = select(bits, group, isa);
+  at::Tensor out = at::empty({N, K}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const float *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
-  float* op = out.data_ptr<float>();
   const int64_t ldq = q.size(1);
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { dequant(qp, ldq, sp, mp, K, op, n0, n1); });
+  void* op = out.data_ptr();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+    if (bf16) kernels.dequant_bf16(qp, ldq, sp, mp, K, static_cast<uint16_t*>(op), n0, n1);
+    else kernels.dequant_f32(qp, ldq, sp, mp, K, static_cast<float*>(op), n0, n1);
+  });
   return out;
 }
 
@@ -253,7 +284,7 @@ int64_t cpu_isa() {
 
 TORCH_LIBRARY(deepinfer_cpu, m) {
   m.def("qmatmul(Tensor x, Tensor q, Tensor scale, Tensor minv, int bits, int group, int isa) -> Tensor");
-  m.def("qdequant(Tensor q, Tensor scale, Tensor minv, int bits, int group, int isa) -> Tensor");
+  m.def("qdequant(Tensor q, Tensor scale, Tensor minv, int bits, int group, int isa, bool bf16=False) -> Tensor");
   m.def("cpu_isa() -> int", cpu_isa);
 }
 
