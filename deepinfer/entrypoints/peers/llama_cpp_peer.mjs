@@ -1,0 +1,147 @@
+// The llama.cpp peer of `deepinfer bench`: node-llama-cpp's prebuilt llama.cpp on token-id requests.
+//
+// Usage: node llama_cpp_peer.mjs INSTALL_DIR < job.json
+//   INSTALL_DIR  a directory holding node_modules/node-llama-cpp (`npm i -E --prefix INSTALL_DIR node-llama-cpp@3.21.1`)
+//   job.json     {model_path, threads, prompts: [[token id, ...], ...], output_lens: [n, ...], parallel, ctx_size}
+//
+// The GGUF is loaded on the CPU with a prebuilt binary only (never a source build, never a download).
+// Every request is fed as its token ids (no tokenization) and generates greedily exactly
+// output_lens[i] tokens, EOS included and ignored. `parallel` sequences share one context
+// (ctx_size tokens each) and take requests from one queue, so llama.cpp batches their decode
+// steps together (like `llama-server -np N`); parallel 1 runs the requests one at a time.
+// Only the generation is timed, after the model load and a short warm-up on every sequence.
+//
+// Prints one JSON line on stdout: {seconds, output_tokens, threads, parallel, ctx_size,
+// node_llama_cpp_version, llama_cpp_release, build_type, cpu_variant}; llama.cpp's logs go to stderr.
+
+import { readFileSync } from "node:fs";
+import { createRequire } from "node:module";
+import { join } from "node:path";
+import { pathToFileURL } from "node:url";
+
+const WARMUP_PROMPT = [1, 2, 3];
+const WARMUP_TOKENS = 2;
+
+/** Throw unless `value` is an integer >= `min`, naming the field and the value. */
+function checkInt(field, value, min) {
+    if (!Number.isInteger(value) || value < min)
+        throw new Error(`job field ${field} must be an integer >= ${min}, got ${JSON.stringify(value)}`);
+}
+
+/** Check a job's fields; each request must fit in one sequence's context (no context shift). */
+function validateJob(job) {
+    if (typeof job.model_path !== "string" || job.model_path === "")
+        throw new Error(`job field model_path must be a path to a .gguf file, got ${JSON.stringify(job.model_path)}`);
+    checkInt("threads", job.threads, 1);
+    checkInt("parallel", job.parallel, 1);
+    checkInt("ctx_size", job.ctx_size, 1);
+    if (!Array.isArray(job.prompts) || !Array.isArray(job.output_lens) || job.prompts.length !== job.output_lens.length)
+        throw new Error(`job fields prompts and output_lens must be arrays of the same length, got ` +
+            `${job.prompts?.length} and ${job.output_lens?.length}`);
+    job.prompts.forEach((prompt, i) => {
+        if (!Array.isArray(prompt) || prompt.length === 0)
+            throw new Error(`job field prompts[${i}] must be a non-empty array of token ids`);
+        prompt.forEach((token, j) => checkInt(`prompts[${i}][${j}]`, token, 0));
+        checkInt(`output_lens[${i}]`, job.output_lens[i], 1);
+        if (prompt.length + job.output_lens[i] > job.ctx_size)
+            throw new Error(`job field ctx_size = ${job.ctx_size} is too small for request ${i}: ` +
+                `${prompt.length} prompt + ${job.output_lens[i]} output tokens`);
+    });
+}
+
+/** node-llama-cpp's module, resolved from INSTALL_DIR/node_modules. */
+async function importNodeLlamaCpp(installDir) {
+    const require = createRequire(join(installDir, "package.json"));
+    let entry;
+    try {
+        entry = require.resolve("node-llama-cpp");
+    } catch {
+        throw new Error(`node-llama-cpp is not installed under ${installDir}: ` +
+            `run npm i -E --prefix ${installDir} node-llama-cpp@3.21.1`);
+    }
+    const packageJson = join(installDir, "node_modules", "node-llama-cpp", "package.json");
+    const version = JSON.parse(readFileSync(packageJson, "utf8")).version;
+    return { lib: await import(pathToFileURL(entry).href), version };
+}
+
+/** The CPU variant of ggml this process loaded (e.g. "zen4" for libggml-cpu-zen4.so), if visible. */
+function loadedCpuVariant() {
+    try {
+        const match = readFileSync("/proc/self/maps", "utf8").match(/libggml-cpu-([\w-]+)\.so/);
+        return match ? match[1] : null;
+    } catch {
+        return null;
+    }
+}
+
+/** Greedy generation of exactly `count` tokens after `prompt` on a cleared sequence; EOS does not stop it. */
+async function generate(sequence, prompt, count) {
+    await sequence.clearHistory();
+    let produced = 0;
+    for await (const _token of sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true })) {
+        produced += 1;
+        if (produced === count)
+            break;
+    }
+    return produced;
+}
+
+/** Run every request on `sequences`, each sequence taking the next request from a shared queue. */
+async function runQueue(sequences, prompts, outputLens) {
+    let next = 0;
+    const worker = async (sequence) => {
+        let produced = 0;
+        while (next < prompts.length) {
+            const i = next++;
+            produced += await generate(sequence, prompts[i], outputLens[i]);
+        }
+        return produced;
+    };
+    const counts = await Promise.all(sequences.map(worker));
+    return counts.reduce((a, b) => a + b, 0);
+}
+
+/** Load the model, warm up, time the job's requests; returns the result object. */
+async function runJob(job, installDir) {
+    validateJob(job);
+    const { lib, version } = await importNodeLlamaCpp(installDir);
+    const llama = await lib.getLlama({
+        gpu: false, build: "never", skipDownload: true, usePrebuiltBinaries: true, progressLogs: false,
+        maxThreads: job.threads, logLevel: lib.LlamaLogLevel.error,
+        logger: (level, message) => process.stderr.write(`llama.cpp ${level}: ${message}\n`),
+    });
+    try {
+        const model = await llama.loadModel({ modelPath: job.model_path, gpuLayers: 0 });
+        const context = await model.createContext({
+            sequences: job.parallel, contextSize: job.ctx_size, threads: { ideal: job.threads, min: job.threads },
+            failedCreationRemedy: false,
+        });
+        const sequences = Array.from({ length: job.parallel }, () => context.getSequence());
+        await runQueue(sequences, sequences.map(() => WARMUP_PROMPT), sequences.map(() => WARMUP_TOKENS));
+        const start = process.hrtime.bigint();
+        const outputTokens = await runQueue(sequences, job.prompts, job.output_lens);
+        const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+        return {
+            seconds, output_tokens: outputTokens, threads: job.threads, parallel: job.parallel,
+            ctx_size: context.contextSize, node_llama_cpp_version: version,
+            llama_cpp_release: llama.llamaCppRelease?.release ?? null, build_type: llama.buildType,
+            cpu_variant: loadedCpuVariant(),
+        };
+    } finally {
+        await llama.dispose();
+    }
+}
+
+async function main() {
+    const installDir = process.argv[2];
+    if (!installDir)
+        throw new Error("usage: node llama_cpp_peer.mjs INSTALL_DIR < job.json");
+    const job = JSON.parse(readFileSync(0, "utf8"));
+    const result = await runJob(job, installDir);
+    process.stdout.write(JSON.stringify(result) + "\n");
+}
+
+main().catch((error) => {
+    process.stderr.write(`llama_cpp_peer: ${error?.stack ?? error}\n`);
+    process.exit(1);
+});
