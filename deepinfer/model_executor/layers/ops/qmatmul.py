@@ -11,9 +11,9 @@ Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits in groups of 32; Q6_K (16-value sub-blocks) -> 
 of 16; an fp checkpoint quantized at load -> int8 (symmetric) or int4 (asymmetric), groups of 32.
 Every repacking is exact: scales and mins are the products GGUF's own dequantization forms, in fp32.
 
-From `dense_path().min_rows` rows on (prefill chunks) the weight is dequantized once and torch's
-GEMM multiplies, faster there than re-widening each group per row tile; the threshold, and whether
-that GEMM runs in bf16 (2x fp32's speed with AVX-512 BF16), are measured once per process.
+From DENSE_MIN_ROWS (128) rows on (prefill chunks) the weight is dequantized once and torch's GEMM
+multiplies, faster there than re-widening each group per row tile; whether that GEMM runs in bf16
+(2x fp32's speed with AVX-512 BF16) is measured once per process.
 """
 
 from __future__ import annotations
@@ -113,38 +113,28 @@ class DensePath:
     dtype: torch.dtype
 
 
+# From this many rows (prefill chunks) the dense path runs; a decode batch of up to 64 requests
+# stays on the kernel. Measured end to end (cpu32, AMD EPYC): the kernel for 32-row decode steps
+# gave 152 tok/s, dequantizing every weight for them 129 tok/s, although an isolated [2048, 2048]
+# probe favoured the dense path from 32 rows: per-shape probes miss the whole model's traffic.
+DENSE_MIN_ROWS = 128
 _BF16_WIN = 0.75  # bf16 GEMM for many rows only when it takes under 75% of fp32's time
-_DENSE_WIN = 0.9  # dequantize + GEMM only where clearly faster than the kernel
-
-
-_PROBE_SHAPE = (2048, 2048)  # 2 MiB packed, 8 MiB as bf16: dequantizing it leaves the caches, as a model's does
+_PROBE_SHAPE = (2048, 2048)  # 2 MiB packed, 8 MiB as bf16
 
 
 @functools.cache
 def dense_path() -> DensePath:
-    """Measured once per process (~0.3 s) on a 4-bit weight of _PROBE_SHAPE, on one thread: the
-    ratios carry over to more threads, and one thread is not stalled by a busy core."""
-    isa = kernel_isa()
-    if not isa:
+    """The GEMM dtype measured once per process (~0.1 s) on a 4-bit weight of _PROBE_SHAPE and a
+    256-row chunk, on one thread: the ratio carries over to more threads, and one thread is not
+    stalled by a busy core."""
+    if not kernel_isa():
         return DensePath(0, torch.float32)
     with torch.inference_mode(), one_thread():
         w = quantize_weight(torch.randn(*_PROBE_SHAPE), "int4")
         x = torch.randn(256, _PROBE_SHAPE[1])  # [256, k]: a prefill chunk
         fp32 = _best_time(lambda: F.linear(x, dequantize(w)))
         bf16 = _best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
-        dtype = torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32
-        return DensePath(_kernel_rows(w, isa, dtype), dtype)
-
-
-def _kernel_rows(w: QuantWeight, isa: int, dtype: torch.dtype) -> int:
-    """The smallest probed row count at which dequantize + GEMM (in `dtype`) beats the kernel."""
-    for rows in (32, 64, 128):
-        x = torch.randn(rows, w.shape[1])  # [rows, k]
-        kernel = _best_time(lambda: torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, 4, 32, isa))  # noqa: B023
-        dense = _best_time(lambda: F.linear(x.to(dtype), dequantize(w, dtype)))  # noqa: B023
-        if dense < _DENSE_WIN * kernel:
-            return rows
-    return 129
+    return DensePath(DENSE_MIN_ROWS, torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32)
 
 
 @contextlib.contextmanager
