@@ -4,10 +4,15 @@ Rows on the packed token axis: decode queries first, then one segment per prefil
 address comes from `ops/addressing.py`: a token group's store slots and read indices (paged or
 ring), and a compressed group's row slots and read indices (one row per m tokens). Models and
 attention layers only read what is built here.
+
+Built on the CPU from one pass over the plan's Python ints, with whole-batch tensor ops: no
+tensor per request (except each prefill chunk's loads and DeepSeek-V4's per-span rows, which the
+contract lists per request) and no host sync; then moved to the device at once.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +31,7 @@ from deepinfer.model_executor.layers.ops.addressing import (
     padded_tables,
     paged_read_index,
     paged_slot,
+    paged_slots,
     ring_slot,
 )
 from deepinfer.model_executor.layers.ops.decode_metadata import get_kv_index, prepare_decode_metadata
@@ -57,41 +63,65 @@ def is_decode(s) -> bool:
     return s.start_pos > 0 and (s.num_tokens == 1 or s.verify)
 
 
-def _positions(s) -> torch.Tensor:
-    return torch.arange(s.start_pos, s.start_pos + s.num_tokens, **_LONG)  # [n]
-
-
 @dataclass
 class _Batch:
-    """The plan in packed order: decodes first, then prefill segments, with their offsets."""
+    """The plan in packed order: decodes first, then prefill segments. The per-row tensors are
+    built once, with whole-batch ops, from one pass over the plan's Python ints.
+
+        ordered   d0   d1   d2   | seg0 (n=4)      | seg1 (n=2)
+        starts    0    1    2      3                 7              (then T = 9)
+        owner     0    1    2      3   3   3   3     4   4
+        positions p0   p1   p2     s0 s0+1 ..        s1 s1+1
+    """
 
     decodes: list
     segments: list
-    starts: list[int]  # first packed row of each request (packed order)
-    q_pos: torch.Tensor  # [N] decode query positions
-    q_req: torch.Tensor  # [N] which decode request each decode query belongs to
+    starts: list[int]  # first packed row of each request (packed order), then T
+    owner: torch.Tensor  # [T] which request (index into `ordered`) each packed row belongs to
+    positions: torch.Tensor  # [T] position of each packed row
+    num_decode_tokens: int  # rows [0, N) are decode queries
 
     @property
     def ordered(self) -> list:
         return self.decodes + self.segments
 
     @property
+    def q_pos(self) -> torch.Tensor:
+        return self.positions[:self.num_decode_tokens]  # [N] decode query positions
+
+    @property
+    def q_req(self) -> torch.Tensor:
+        return self.owner[:self.num_decode_tokens]  # [N] which decode request each query belongs to
+
+    @property
     def segment_starts(self) -> list[int]:
-        return self.starts[len(self.decodes):]
+        return self.starts[len(self.decodes):-1]
+
+
+def _owners(starts: list[int]) -> torch.Tensor:
+    """[T] the request of each packed row: a 1 where each later request starts, summed.
+    (torch.repeat_interleave does the same but takes ~8 ms on this CPU build, even for T = 32.)"""
+    num_tokens = starts[-1]
+    marks = torch.zeros(num_tokens, **_LONG)  # [T]
+    later = torch.tensor([st for st in starts[1:-1] if st < num_tokens], **_LONG)  # [n - 1]
+    return marks.index_add_(0, later, torch.ones_like(later)).cumsum_(0)  # [T]
 
 
 def _batch(plan) -> _Batch:
     decodes = [s for s in plan.scheduled if is_decode(s)]
     segments = [s for s in plan.scheduled if not is_decode(s)]
-    ends = torch.tensor([s.num_tokens for s in decodes + segments], **_LONG).cumsum(0).tolist()
-    q_pos = torch.cat([_positions(s) for s in decodes]) if decodes else torch.empty(0, **_LONG)
-    q_req = torch.cat([torch.full((s.num_tokens,), i, **_LONG) for i, s in enumerate(decodes)]) \
-        if decodes else torch.empty(0, **_LONG)
-    return _Batch(decodes, segments, [0] + ends[:-1], q_pos, q_req)
+    ordered = decodes + segments
+    counts = [s.num_tokens for s in ordered]
+    starts = list(itertools.accumulate(counts, initial=0))
+    num_tokens = starts[-1]
+    owner = _owners(starts)  # [T]
+    shift = torch.tensor([s.start_pos - start for s, start in zip(ordered, starts, strict=False)], **_LONG)  # [n]
+    positions = shift[owner] + torch.arange(num_tokens)  # [T]
+    return _Batch(decodes, segments, starts, owner, positions, sum(counts[:len(decodes)]))
 
 
 class _GroupAddressing:
-    """One group's addresses for one request (its table = block ids, or its state id)."""
+    """One group's addresses (its table = block ids, or its state id) for the requests of a batch."""
 
     def __init__(self, group: CacheGroupSpec, unit_index: int):
         self.group, self.unit_index = group, unit_index
@@ -101,11 +131,23 @@ class _GroupAddressing:
     def unit(self, s):
         return s.state_ids[self.unit_index] if self.ring else s.block_ids[self.unit_index]
 
-    def slots(self, s, rows: torch.Tensor) -> torch.Tensor:
-        """Flat slots of rows [n] of request s (token positions, or compressed row ids)."""
+    def units(self, requests) -> torch.Tensor:
+        """[n] state ids (ring) or [n, B] 0-padded block tables (paged) of `requests`."""
         if self.ring:
-            return ring_slot(self.unit(s), rows, self.R)
-        return paged_slot(torch.tensor(self.unit(s), **_LONG), rows, self.R)
+            return torch.tensor([self.unit(s) for s in requests], **_LONG)  # [n]
+        return padded_tables([self.unit(s) for s in requests])  # [n, B]
+
+    def slots(self, s, rows: torch.Tensor) -> torch.Tensor:
+        """Flat slots of rows [n] of one request s (token positions, or compressed row ids)."""
+        if self.ring:
+            return ring_slot(self.unit(s), rows, self.R)  # [n]
+        return paged_slot(torch.tensor(self.unit(s), **_LONG), rows, self.R)  # [n]
+
+    def packed_slots(self, units: torch.Tensor, owner: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Flat slots of rows [m] of requests owner [m] (indices into `units`, from `units()`)."""
+        if self.ring:
+            return ring_slot(units[owner], rows, self.R)  # [m]
+        return paged_slots(units, owner, rows, self.R)  # [m]
 
     def load_positions(self, s) -> torch.Tensor:
         first = max(0, s.start_pos - self.group.window + 1) if self.ring else 0
@@ -116,55 +158,68 @@ class _GroupAddressing:
         end = s.start_pos + s.num_tokens
         return max(s.start_pos, end - self.R) if self.ring else s.start_pos
 
-    def tables(self, requests) -> torch.Tensor:
-        return padded_tables([self.unit(s) for s in requests])  # [n, B]
 
-
-def _decode_index(addr: _GroupAddressing, batch: _Batch) -> torch.Tensor:
+def _decode_index(addr: _GroupAddressing, batch: _Batch, units: torch.Tensor) -> torch.Tensor:
     """Read index rows [N, L] of every decode query, -1 past its visible rows."""
     g = addr.group
     if addr.ring:
-        sids = torch.tensor([addr.unit(s) for s in batch.decodes], **_LONG)[batch.q_req]  # [N]
-        meta = prepare_decode_metadata(batch.q_pos, sids, g.window, g.rows_per_unit)
+        meta = prepare_decode_metadata(batch.q_pos, units[batch.q_req], g.window, g.rows_per_unit)
         return get_kv_index(meta.offset, meta.swa_len, g.window, g.rows_per_unit)  # [N, W]
-    return paged_read_index(addr.tables(batch.decodes)[batch.q_req], batch.q_pos, addr.R)  # [N, L]
+    width = max(s.start_pos + s.num_tokens for s in batch.decodes)  # rows the last query sees
+    return paged_read_index(units[batch.q_req], batch.q_pos, addr.R, width=width)  # [N, L]
+
+
+def _store_rows(addr: _GroupAddressing, batch: _Batch) -> torch.Tensor | None:
+    """Packed rows a ring group stores when some chunk is longer than its ring (None: all rows)."""
+    skipped = [addr.stored_from(s) - s.start_pos for s in batch.segments]
+    if not any(skipped):
+        return None
+    first = torch.tensor([0] * len(batch.decodes) + skipped, **_LONG)  # [n] rows skipped per request
+    offset = torch.arange(batch.starts[-1]) - torch.tensor(batch.starts[:-1], **_LONG)[batch.owner]  # [T]
+    return (offset >= first[batch.owner]).nonzero()[:, 0]  # [M]
+
+
+def _prefill_segment(addr: _GroupAddressing, s, start: int, units: torch.Tensor, i: int) -> PrefillSegment:
+    """One chunk's packed rows and the cached rows it attends to (read before its store)."""
+    old = addr.load_positions(s)  # [n_old]
+    slots = ring_slot(addr.unit(s), old, addr.R) if addr.ring else paged_slot(units[i], old, addr.R)  # [n_old]
+    return PrefillSegment(start, start + s.num_tokens, slots, old)
 
 
 def _token_group(addr: _GroupAddressing, batch: _Batch) -> GroupMetadata:
     """Store slots, decode read indices and prefill loads of a full-attention or ring group."""
-    store_rows, store_slots, prefills = [], [], []
-    if batch.decodes:
-        store_rows.append(torch.arange(len(batch.q_pos), **_LONG))
-        store_slots.append(torch.cat([addr.slots(s, _positions(s)) for s in batch.decodes]))
-    for s, start in zip(batch.segments, batch.segment_starts, strict=True):
-        stored = torch.arange(addr.stored_from(s), s.start_pos + s.num_tokens, **_LONG)  # [m]
-        store_rows.append(start + stored - s.start_pos)
-        store_slots.append(addr.slots(s, stored))
-        old = addr.load_positions(s)
-        prefills.append(PrefillSegment(start, start + s.num_tokens, addr.slots(s, old), old))
-    rows = torch.cat(store_rows)
-    all_rows = rows.numel() == sum(s.num_tokens for s in batch.ordered)
-    return GroupMetadata(window=addr.group.window if addr.ring else None, store_slots=torch.cat(store_slots),
-                         store_rows=None if all_rows else rows,
-                         decode_index=_decode_index(addr, batch) if batch.decodes else None, prefills=prefills)
+    units = addr.units(batch.ordered)  # [n] or [n, B]
+    rows = _store_rows(addr, batch) if addr.ring else None
+    owner, positions = (batch.owner, batch.positions) if rows is None else (batch.owner[rows], batch.positions[rows])
+    first = len(batch.decodes)
+    prefills = [_prefill_segment(addr, s, start, units, first + j)
+                for j, (s, start) in enumerate(zip(batch.segments, batch.segment_starts, strict=True))]
+    return GroupMetadata(window=addr.group.window if addr.ring else None,
+                         store_slots=addr.packed_slots(units, owner, positions), store_rows=rows,
+                         decode_index=_decode_index(addr, batch, units) if batch.decodes else None,
+                         prefills=prefills)
 
 
 def _compressed_group(addr: _GroupAddressing, batch: _Batch, num_decode_spans: int) -> CompressedGroupMetadata:
     """Row slots, the slots of rows completed this step, and per-query read indices of a paged
-    group with one row per m tokens (query p reads rows 0 .. (p+1)//m - 1)."""
+    group with one row per m tokens (query p reads rows 0 .. (p+1)//m - 1). The contract is
+    per span, so this loops over the requests (DeepSeek-V4 only)."""
     m = addr.group.compress_ratio
+    tables = addr.units(batch.ordered)  # [n, B]
     span_rows, store_slots, span_index = [], [], []
-    for s in batch.ordered:
+    for i, (s, start) in enumerate(zip(batch.ordered, batch.starts, strict=False)):
         end = s.start_pos + s.num_tokens
-        rows = addr.slots(s, torch.arange(num_rows(end, m), **_LONG))  # [R]
+        rows = paged_slot(tables[i], torch.arange(num_rows(end, m), **_LONG), addr.R)  # [R]
         span_rows.append(rows)
         store_slots.append(rows[num_rows(s.start_pos, m):])  # [r]
-        table = addr.tables([s]).expand(s.num_tokens, -1)  # [n, B]
-        span_index.append(paged_read_index(table, _positions(s), addr.R, m))  # [n, R]
+        table = tables[i:i + 1].expand(s.num_tokens, -1)  # [n, B]
+        span_index.append(paged_read_index(table, batch.positions[start:start + s.num_tokens], addr.R, m,
+                                           width=num_rows(end, m)))  # [n, R]
     decode_rows = None
     if num_decode_spans:
-        decodes = batch.decodes[:num_decode_spans]
-        decode_rows = paged_read_index(addr.tables(decodes), batch.q_pos[:num_decode_spans], addr.R, m)  # [N, L]
+        width = max(num_rows(s.start_pos + 1, m) for s in batch.decodes[:num_decode_spans])
+        decode_rows = paged_read_index(tables[:num_decode_spans], batch.q_pos[:num_decode_spans], addr.R, m,
+                                       width=width)  # [N, L]
     return CompressedGroupMetadata(m, span_rows, store_slots, span_index, decode_rows)
 
 
@@ -189,9 +244,8 @@ def build_attention_metadata(batch: _Batch, addressing: list[_GroupAddressing]) 
     groups = [_compressed_group(a, batch, nb) if a.group.compress_ratio > 1 else _token_group(a, batch)
               for a in addressing]
     spans = [RequestSpan(start, start + s.num_tokens, s.start_pos, tuple(s.state_ids), s.verify)
-             for s, start in zip(batch.ordered, batch.starts, strict=True)]
-    positions = torch.cat([_positions(s) for s in batch.ordered])  # [T]
-    return AttentionMetadata(positions=positions, num_decode_tokens=int(batch.q_pos.numel()), groups=groups,
+             for s, start in zip(batch.ordered, batch.starts, strict=False)]
+    return AttentionMetadata(positions=batch.positions, num_decode_tokens=batch.num_decode_tokens, groups=groups,
                              spans=spans, num_decode_spans=nb)
 
 
@@ -199,7 +253,7 @@ def build_group_metadata(scheduled: list, addressing: list[_GroupAddressing]) ->
     """Metadata of `addressing`'s groups alone for requests `scheduled` (e.g. a draft module's
     own ring), and the order the requests take on the packed axis (decodes first)."""
     batch = _batch(StepPlan(list(scheduled)))
-    return build_attention_metadata(batch, addressing), list(zip(batch.ordered, batch.starts, strict=True))
+    return build_attention_metadata(batch, addressing), list(zip(batch.ordered, batch.starts, strict=False))
 
 
 def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device) -> StepInputs:
@@ -207,10 +261,10 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
     batch = _batch(plan)
     md = build_attention_metadata(batch, addressing)
     ids = [t for s in batch.ordered for t in s.token_ids]
-    spans = list(zip(batch.ordered, batch.starts, strict=True))
+    spans = list(zip(batch.ordered, batch.starts, strict=False))
     rows = [s for s, _ in spans if s.do_sample]
-    end = {id(s): start + s.num_tokens for s, start in spans}
-    sample_index = torch.tensor([i for s in rows for i in range(end[id(s)] - num_logits_rows(s), end[id(s)])],
+    sample_index = torch.tensor([i for s, start in spans if s.do_sample
+                                 for i in range(start + s.num_tokens - num_logits_rows(s), start + s.num_tokens)],
                                 **_LONG)  # [M]
     if device.type != "cpu":
         md, sample_index = md.to(device), sample_index.to(device, non_blocking=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -260,17 +261,17 @@ class ModelRunner:
         order -> their samples (plain rows through the sampler, verifications through the
         rejection sampler)."""
         sizes = [num_logits_rows(s) for s in rows]
-        offsets = [sum(sizes[:i]) for i in range(len(rows))]
+        offsets = list(itertools.accumulate(sizes, initial=0))
         plain = [i for i, s in enumerate(rows) if not s.verify]
         verify = [i for i, s in enumerate(rows) if s.verify]
         output = ModelOutput()
         if plain:
-            index = torch.tensor([offsets[i] for i in plain], device=logits.device)  # [N]
             sampling = build_sampling_metadata([rows[i] for i in plain], self.device)
-            results = self.sampler(logits.index_select(0, index), sampling)  # [N, V] in
+            results = self.sampler(_rows_at(logits, [offsets[i] for i in plain]), sampling)  # [N, V] in
             output.samples.update((rid, [r]) for rid, r in zip(sampling.request_ids, results, strict=True))
         if verify:
-            index = torch.cat([torch.arange(offsets[i], offsets[i] + sizes[i]) for i in verify]).to(logits.device)
+            index = torch.tensor([r for i in verify for r in range(offsets[i], offsets[i + 1])],
+                                 device=logits.device)  # [M']
             checks = [self._verify_row(rows[i]) for i in verify]
             results = self.rejection_sampler(logits.index_select(0, index), checks)  # [M', V] in
             output.samples.update((c.request_id, r) for c, r in zip(checks, results, strict=True))
@@ -282,3 +283,11 @@ class ModelRunner:
         probs = self.drafter.draft_probs(s.request_id, s.draft_token_ids) if self.drafter is not None else None
         return VerifyRow(s.request_id, s.sampling_params, s.prompt_token_ids, s.output_token_ids,
                          s.draft_token_ids, probs)
+
+
+def _rows_at(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits [M, V] -> its rows `rows` [N, V]; the tensor itself (no copy) when that is all of
+    them in order, as in a step of plain decodes."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, device=logits.device))  # [N, V]

@@ -37,6 +37,12 @@ def paged_slot(block_table, row, block_size: int):
     return block_table[row // block_size] * block_size + row % block_size
 
 
+def paged_slots(tables: torch.Tensor, owner: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat slots of rows [T] (each >= 0) of requests owner [T] (row indices of tables [n, B]):
+    `paged_slot` for a whole packed batch in one gather."""
+    return tables[owner, rows // block_size] * block_size + rows % block_size  # [T]
+
+
 def table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
     """Flat slots of row ids rows [n, L] in each one's block table tables [n, B]; -1 stays -1."""
     safe = rows.clamp(min=0)  # [n, L]
@@ -55,8 +61,10 @@ def visible_rows(pos, ratio: int):
 
 
 def cache_line(slot, rows_per_unit: int, lines_per_unit: int, layer_offset: int):
-    """Line of flat slot u*R + r in a unit-major allocation whose units hold several layers."""
-    return slot // rows_per_unit * lines_per_unit + slot % rows_per_unit + layer_offset
+    """Line of flat slot u*R + r in a unit-major allocation whose units hold several layers:
+    u*(L*R) + r + offset, computed as slot + u*(L*R - R) + offset (one tensor op fewer)."""
+    line = slot + slot // rows_per_unit * (lines_per_unit - rows_per_unit)
+    return line + layer_offset if layer_offset else line
 
 
 def ring_read_index(offset: torch.Tensor, length: torch.Tensor, window_size: int, ring_rows: int) -> torch.Tensor:
@@ -72,15 +80,27 @@ def ring_read_index(offset: torch.Tensor, length: torch.Tensor, window_size: int
 
 
 def paged_read_index(tables: torch.Tensor, positions: torch.Tensor, block_size: int,
-                     ratio: int = 1) -> torch.Tensor:
+                     ratio: int = 1, width: int | None = None) -> torch.Tensor:
     """Read indices [N, L] of queries at positions [N] over their tables [N, B]: the slots of
-    rows 0 .. visible - 1, then -1. L is the largest visible count (at least 0)."""
+    rows 0 .. visible - 1, then -1. L = `width` when the caller knows the largest visible count
+    (no host sync), else that count is read from `positions`.
+
+    Rows of one block are consecutive slots, so each table entry t expands to t*B .. t*B + B-1:
+
+        table [3, 7]  B = 4  ->  12 13 14 15 | 28 29 30 31  -> cut to L columns, -1 from `visible`
+    """
     import torch
 
     seen = visible_rows(positions, ratio)  # [N]
-    width = int(seen.max()) if seen.numel() else 0
-    cols = torch.arange(width, device=positions.device).expand(positions.shape[0], -1)  # [N, L]
-    return table_slots(tables, cols.masked_fill(cols >= seen[:, None], -1), block_size)  # [N, L]
+    if width is None:
+        width = int(seen.max()) if seen.numel() else 0
+    num_blocks = -(-width // block_size)
+    if tables.shape[1] < num_blocks:  # a table narrower than the widest row (padding only)
+        tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))  # [N, B']
+    first = tables[:, :num_blocks, None] * block_size  # [N, b, 1]
+    rows = (first + torch.arange(block_size, device=tables.device)).flatten(1)[:, :width]  # [N, L]
+    cols = torch.arange(width, device=positions.device)  # [L]
+    return rows.masked_fill(cols >= seen[:, None], -1)  # [N, L]
 
 
 def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
