@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import time
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 
 from deepinfer.config import check_load_format, check_quantization
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
-from deepinfer.model_executor.layers.ops.qmatmul import one_thread
+from deepinfer.model_executor.layers.ops.qmatmul import best_time, one_thread
 from deepinfer.model_executor.layers.quant_linear import quantize_linears
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
 from deepinfer.model_executor.models.registry import get_model_class
@@ -138,18 +137,9 @@ def _probe_times(hidden: int, inter: int) -> tuple[float, float]:
     times = []
     for dtype in (torch.float32, torch.bfloat16):
         wd, xd = w.to(dtype), [x.to(dtype) for x in xs]
-        times.append(sum(_best_time(lambda x=x: F.linear(x, wd)) for x in xd))  # noqa: B023
+        times.append(sum(best_time(lambda x=x: F.linear(x, wd)) for x in xd))  # noqa: B023
     return times[0], times[1]
 
-
-def _best_time(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @contextlib.contextmanager

@@ -12,11 +12,11 @@ from F.linear's only by float rounding (the sum order of each dot product).
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deepinfer.model_executor.layers.ops.qmatmul import best_time
 
 MAX_FEW_ROWS = 16  # above this F.linear's blocked GEMM is efficient again
 LARGE_WEIGHT = 1 << 22  # elements: smaller weights stay on F.linear
@@ -53,16 +53,6 @@ def use_few_row_linear(model: nn.Module) -> int:
 @torch.inference_mode()
 def _few_rows_faster(weight: torch.Tensor) -> bool:
     x = torch.randn(_PROBE_ROWS, weight.shape[1], dtype=weight.dtype)  # [4, in]
-    linear = _best_time(lambda: F.linear(x, weight))
-    transposed = _best_time(lambda: torch.mm(weight, x.t()))
+    linear = best_time(lambda: F.linear(x, weight))
+    transposed = best_time(lambda: torch.mm(weight, x.t()))
     return transposed < _WIN * linear
-
-
-def _best_time(fn, repeats: int = 2) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best

@@ -132,8 +132,8 @@ def dense_path() -> DensePath:
     with torch.inference_mode(), one_thread():
         w = quantize_weight(torch.randn(*_PROBE_SHAPE), "int4")
         x = torch.randn(256, _PROBE_SHAPE[1])  # [256, k]: a prefill chunk
-        fp32 = _best_time(lambda: F.linear(x, dequantize(w)))
-        bf16 = _best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
+        fp32 = best_time(lambda: F.linear(x, dequantize(w)))
+        bf16 = best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
     return DensePath(DENSE_MIN_ROWS, torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32)
 
 
@@ -148,7 +148,8 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def _best_time(fn, repeats: int = 3) -> float:
+def best_time(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` timed calls of `fn` (after one warm-up call), in seconds."""
     fn()
     best = float("inf")
     for _ in range(repeats):
