@@ -5,6 +5,7 @@
     build_model            modules (weights not initialized), checkpoint or dummy weights, swaps
 
 `--dtype auto` on a CPU, by rule and measurement:
+    batch-invariant mode      fp32
     quantized weights         fp32: the kernels take fp32 activations; attention and norms are a
                               small share of the step and stay exact
     < 32M matmul weights      fp32: a step of a small model is mostly overhead, not matmul
@@ -89,7 +90,8 @@ def _check_quantization_request(requested: str, source, device: torch.device, ba
         raise ValueError(f"{where} supports model types {', '.join(_QUANTIZABLE_TYPES)}; got {model_type!r}")
 
 
-def resolve_dtype(name: str, device: torch.device, source=None, quantization: str = "none") -> Choice:
+def resolve_dtype(name: str, device: torch.device, source=None, quantization: str = "none",
+                  batch_invariant: bool = False) -> Choice:
     """The compute dtype (`Choice.value` a key of _DTYPES); 'auto' is bf16 on a GPU and measured on a CPU."""
     if name != "auto":
         if name not in _DTYPES:
@@ -97,6 +99,8 @@ def resolve_dtype(name: str, device: torch.device, source=None, quantization: st
         return Choice(name, "requested")
     if device.type != "cpu":
         return Choice("bfloat16", f"auto: bf16 on {device.type}")
+    if batch_invariant:
+        return Choice("float32", "auto: batch-invariant mode computes in fp32")
     return resolve_cpu_dtype(source, quantization)
 
 

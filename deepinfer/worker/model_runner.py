@@ -71,7 +71,8 @@ class ModelRunner:
         if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
             check_model_type(source.hf_config.model_type)
         self.quantization = resolve_quantization(config.quantization, source, self.device, config.env.batch_invariant)
-        self.dtype_choice = resolve_dtype(config.dtype, self.device, source, self.quantization.value)
+        self.dtype_choice = resolve_dtype(config.dtype, self.device, source, self.quantization.value,
+                                          config.env.batch_invariant)
         self.dtype = torch_dtype(self.dtype_choice)
         logger.info("quantization %s (%s); dtype %s (%s)", self.quantization.value, self.quantization.reason,
                     self.dtype_choice.value, self.dtype_choice.reason)
