@@ -178,11 +178,13 @@ def test_the_node_script_checks_the_job_before_loading_anything(tmp_path):
 
 @pytest.fixture(scope="module")
 def node_llama_cpp_dir() -> Path:
-    """The installed package (installed now if absent); skipped only when it is absent and cannot be installed."""
-    try:
-        return nlc.ensure_installed()
-    except nlc.PeerSetupError as exc:
-        pytest.skip(f"node-llama-cpp is not installed and cannot be installed: {exc}")
+    """The package `make peers` installs. This peer is an optional benchmark tool (a 730 MB npm
+    install with its GPU variants), so the suite does not install it: without it, this test is
+    skipped with the command that installs it."""
+    directory = nlc.install_dir()
+    if nlc.installed_version(directory) is None:
+        pytest.skip(f"node-llama-cpp is not installed in {directory}: run `make peers`")
+    return nlc.ensure_installed(directory)
 
 
 @pytest.mark.slow
