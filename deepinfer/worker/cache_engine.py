@@ -20,6 +20,7 @@ import math
 import torch
 
 from deepinfer.contracts.cache import CacheGroupSpec, RowSpec
+from deepinfer.model_executor.layers.ops import fused
 from deepinfer.model_executor.layers.ops.addressing import cache_line
 from deepinfer.model_executor.layers.ops.cache_common import KVCacheFormat, mxfp8_format, unquantized_format
 from deepinfer.model_executor.layers.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
@@ -106,6 +107,8 @@ class LayerCache:
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write rows for k, v [T, H_kv, D] at distinct flat slots [T]."""
+        if fused.store_rows(self, slots, k, v):
+            return
         rows = self.codec.encode(k, v)  # [T, row_bytes] uint8
         if not self.codec.fp8:
             rows = rows.view(self.rows2d.dtype)  # [T, row]

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.model_executor.layers.ops import fused
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + w). Gemma stores w with offset 1; Llama-family with offset 0."""
@@ -15,5 +17,8 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = fused.rms_norm(x, self.weight, self.eps, self.offset)
+        if out is not None:
+            return out
         w = self.weight.float() + self.offset if self.offset else self.weight.float()
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_executor.layers.ops import fused
+
 
 def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None, layer_type: str | None = None,
                   default_theta: float | None = None) -> tuple[torch.Tensor, float]:
@@ -55,6 +57,9 @@ class RotaryEmbedding(nn.Module):
         return last[1], last[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        out = fused.rope(q, k, positions, self.cos, self.sin)
+        if out is not None:
+            return out
         cos, sin = self.cos_sin(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -16,10 +16,14 @@ from deepinfer.model_executor.layers.attention.backend import (
     GroupMetadata,
 )
 from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
+from deepinfer.model_executor.layers.ops import fused
 
 
 def decode_attention(cache, q: torch.Tensor, kv_index: torch.Tensor, scale: float) -> torch.Tensor:
     """q [N, H, D], kv_index [N, L] -> [N, H, D]; index -1 contributes nothing."""
+    out = fused.decode_attention(cache, q, kv_index, scale)  # one pass over the named rows
+    if out is not None:
+        return out
     kv = cache.load(kv_index).to(q.dtype)  # [N, L, 2, H_kv, D]
     k = kv[:, :, 0].transpose(1, 2)  # [N, H_kv, L, D]
     v = kv[:, :, 1].transpose(1, 2)  # [N, H_kv, L, D]
@@ -63,8 +67,10 @@ class TorchAttentionBackend(AttentionBackend):
         loaded = [cache.load(seg.load_slots) for seg in g.prefills]  # 1. load before store
         rows = g.store_rows
         cache.store(g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
-        out = torch.empty_like(q)  # [T, H, D]
         nd, invariant = md.num_decode_tokens, self.batch_invariant
+        if nd == q.shape[0] and not invariant:  # a decode-only step: no copy into a packed output
+            return decode_attention(cache, q, g.decode_index, scale)
+        out = torch.empty_like(q)  # [T, H, D]
         if nd:  # 3. decode reads
             out[:nd] = invariant_decode(cache, q[:nd], self.layouts.decode(md, g), scale) if invariant \
                 else decode_attention(cache, q[:nd], g.decode_index, scale)

@@ -1,4 +1,4 @@
-"""The CPU kernel library (`qmatmul_cpu.cpp`): built once with `torch.utils.cpp_extension` (the
+"""The CPU kernel library (`qmatmul_cpu.cpp`, `fused_cpu.cpp`): built once with `torch.utils.cpp_extension` (the
 system's g++ and ninja), cached under torch's extension directory (`TORCH_EXTENSIONS_DIR`, default
 `~/.cache/torch_extensions`), and loaded on first use.
 
@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger("deepinfer.kernels")
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "qmatmul_cpu.cpp")
+_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("qmatmul_cpu.cpp", "fused_cpu.cpp")]
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
 _CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 
@@ -34,9 +34,11 @@ def _load() -> tuple[int, str]:
     try:
         from torch.utils import cpp_extension
 
-        with open(_SOURCE, "rb") as f:
-            digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
-        cpp_extension.load(name=f"deepinfer_cpu_{digest}", sources=[_SOURCE], extra_cflags=_CFLAGS,
+        digest = hashlib.sha256(torch.__version__.encode())
+        for source in _SOURCES:
+            with open(source, "rb") as f:
+                digest.update(f.read())
+        cpp_extension.load(name=f"deepinfer_cpu_{digest.hexdigest()[:12]}", sources=_SOURCES, extra_cflags=_CFLAGS,
                            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         isa = int(torch.ops.deepinfer_cpu.cpu_isa())
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths still work

@@ -87,8 +87,11 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
 
 def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
-    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     isa = kernel_isa()
+    if isa and x.dim() == 2 and x.dtype is torch.float32 and x.shape[0] < dense_path().min_rows \
+            and x.device.type == "cpu":  # the decode step's case, without reshapes or casts
+        return torch.ops.deepinfer_cpu.qmatmul.default(x, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
+    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     if not isa or x.device.type != "cpu":
         y = F.linear(x2, dequantize(w))  # [M, N]: the plain-torch path, fp32
     elif x2.shape[0] < dense_path().min_rows:

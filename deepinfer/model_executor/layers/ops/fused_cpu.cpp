@@ -1,0 +1,364 @@
+// The small ops of a CPU decode step, one call each instead of five to ten torch ops:
+//
+//   rms_norm      x [T, E] fp32 -> x / rms(x) * (offset + w)                      one row per task
+//   silu_mul      x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]
+//   rope          q [T, H, D], k [T, H_kv, D] fp32 -> rotated copies (rotate-half layout),
+//                 cos/sin read from [P, D] tables at `positions` [T]
+//   store_rows    k, v [T, H_kv, D] -> K|V rows of a layer's cache at flat slots [T]
+//   decode_attn   q [N, H, D] over the rows each query's index row [N, L] names (-1: none)
+//
+// Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, one line per (unit, layer, row):
+// flat slot u * R + r of the layer at `offset` is line u * LPU + offset + r (LPU = lines per unit).
+// A shared K = V row (parts = 1) serves as both K and V.
+//
+// Every output element is computed by one thread with a fixed order of operations that depends
+// on its own row alone (the row count and thread count never change a result). The same loops
+// are compiled for AVX-512 and AVX2 + FMA: generic bodies are inlined into wrappers with
+// function-level target attributes (the compiler vectorizes them for that set), and `isa`
+// (2 or 1, as in qmatmul_cpu.cpp) picks one per call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#define INLINE inline __attribute__((always_inline))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+INLINE float as_float(float v) { return v; }
+INLINE float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <class T>
+INLINE T from_float(float v) { return static_cast<T>(v); }
+
+template <class T>
+INLINE float dot(const float* a, const T* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * as_float(b[i]);
+  return s;
+}
+
+template <class T>
+INLINE void axpy(float* y, float a, const T* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * as_float(x[i]);
+}
+
+INLINE int64_t line_of(int64_t slot, int64_t R, int64_t lpu, int64_t offset) {
+  return slot + slot / R * (lpu - R) + offset;
+}
+
+// ---- generic bodies -----------------------------------------------------------------------
+
+INLINE void rms_norm_row(const float* x, const float* w, float eps, float offset, int64_t E, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < E; ++i) ss += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(E) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < E; ++i) y[i] = x[i] * inv * (offset + w[i]);
+}
+
+// One head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+INLINE void rope_head(const float* x, const float* c, const float* s, int64_t D, float* y) {
+  const int64_t h = D / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[i] * c[i] - x[i + h] * s[i];
+    y[i + h] = x[i + h] * c[i + h] + x[i] * s[i + h];
+  }
+}
+
+// e^x for x <= 0 (an exact 0 below -87), within 2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
+// p Cephes' degree-6 polynomial. Plain arithmetic, so a loop over it vectorizes.
+INLINE float exp_nonpositive(float x) {
+  const float t = std::floor(x * 1.44269504f + 0.5f);  // n
+  const float r = x - t * 0.693359375f + t * 2.12194440e-4f;  // x - n ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t n = static_cast<int32_t>(std::max(t, -127.f));
+  const int32_t bits = (n + 127) << 23;  // 2^n as a float's bits; n = -127 gives 0
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+// silu(g) * u over one row: silu(g) = g * sigmoid(g), sigmoid from e^-|g| (never overflows).
+INLINE void silu_mul_row(const float* gate, const float* up, int64_t I, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float e = exp_nonpositive(-std::fabs(gate[i]));
+    const float sigmoid = gate[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    y[i] = gate[i] * sigmoid * up[i];
+  }
+}
+
+// One query's KV-head group: the `G` heads at q (stride qs) over the rows idx[0 .. L-1] names
+// (-1 entries skipped). keys [L] and scores [G, L] are scratch; out [G, D] (stride os).
+template <int DC, class T>
+INLINE void attend(const float* q, int64_t qs, const T* rows, int64_t ld, int64_t k_off, int64_t v_off,
+                   const int64_t* idx, int64_t L, int64_t R, int64_t lpu, int64_t offset, int64_t G,
+                   int64_t head_dim, float scale, const T** keys, float* scores, float* out, int64_t os) {
+  const int64_t D = DC ? DC : head_dim;  // a compile-time head size unrolls the loops over it
+  int64_t n = 0;
+  for (int64_t l = 0; l < L; ++l)
+    if (idx[l] >= 0) keys[n++] = rows + line_of(idx[l], R, lpu, offset) * ld;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * os + d] = 0.f;
+  if (n == 0) return;  // a query that sees nothing gets zeros
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < G; ++h) scores[h * n + j] = dot(q + h * qs, keys[j] + k_off, D) * scale;
+  for (int64_t h = 0; h < G; ++h) {
+    float* s = scores + h * n;
+    float m = s[0], sum = 0.f;
+    for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = exp_nonpositive(s[j] - m);
+      sum += s[j];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < G; ++h) axpy(out + h * os, scores[h * n + j], keys[j] + v_off, D);
+}
+
+// ---- one wrapper per instruction set ------------------------------------------------------
+
+#define DEFINE_FOR(SUFFIX, TARGET)                                                                               \
+  TARGET void rms_norm_##SUFFIX(const float* x, const float* w, float eps, float offset, int64_t E, float* y) {   \
+    rms_norm_row(x, w, eps, offset, E, y);                                                                       \
+  }                                                                                                              \
+  TARGET void silu_mul_##SUFFIX(const float* g, const float* u, int64_t I, float* y) { silu_mul_row(g, u, I, y); } \
+  TARGET void rope_##SUFFIX(const float* x, const float* c, const float* s, int64_t D, float* y) {               \
+    rope_head(x, c, s, D, y);                                                                                    \
+  }                                                                                                              \
+  template <int DC, class T>                                                                                     \
+  TARGET void attend_##SUFFIX(const float* q, int64_t qs, const T* rows, int64_t ld, int64_t k_off,              \
+                              int64_t v_off, const int64_t* idx, int64_t L, int64_t R, int64_t lpu,              \
+                              int64_t offset, int64_t G, int64_t D, float scale, const T** keys, float* scores,  \
+                              float* out, int64_t os) {                                                          \
+    attend<DC>(q, qs, rows, ld, k_off, v_off, idx, L, R, lpu, offset, G, D, scale, keys, scores, out, os);       \
+  }
+
+DEFINE_FOR(512, AVX512_TARGET)
+DEFINE_FOR(256, AVX2_TARGET)
+
+using NormFn = void (*)(const float*, const float*, float, float, int64_t, float*);
+using SiluFn = void (*)(const float*, const float*, int64_t, float*);
+using RopeFn = void (*)(const float*, const float*, const float*, int64_t, float*);
+template <class T>
+using AttendFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, const T**, float*, float*, int64_t);
+
+NormFn norm_fn(int64_t isa) { return isa >= 2 ? rms_norm_512 : rms_norm_256; }
+SiluFn silu_fn(int64_t isa) { return isa >= 2 ? silu_mul_512 : silu_mul_256; }
+RopeFn rope_fn(int64_t isa) { return isa >= 2 ? rope_512 : rope_256; }
+template <int DC, class T>
+AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
+
+// Head sizes of the supported models get unrolled code; any other runs the generic loops.
+template <class T>
+AttendFn<T> attend_fn(int64_t isa, int64_t D) {
+  return D == 64 ? attend_for<64, T>(isa) : D == 128 ? attend_for<128, T>(isa) : D == 256 ? attend_for<256, T>(isa)
+                                                                                         : attend_for<0, T>(isa);
+}
+
+// ---- ops ----------------------------------------------------------------------------------
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset, int64_t isa) {
+  check_f32(x, "x");
+  check_f32(w, "w");
+  const int64_t E = x.size(-1);
+  TORCH_CHECK(w.numel() == E, "w has ", w.numel(), " elements for rows of ", E);
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t T = E ? xc.numel() / E : 0;
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const NormFn fn = norm_fn(isa);
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(xp + t * E, wp, float(eps), float(offset), E, yp + t * E);
+  });
+  return y;
+}
+
+// x [T, 2I] = [gate | up] (last dim contiguous) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& x, int64_t isa) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2I] with contiguous rows");
+  const int64_t T = x.size(0), I = x.size(1) / 2, ld = x.stride(0);
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const SiluFn fn = silu_fn(isa);
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(xp + t * ld, xp + t * ld + I, I, yp + t * I);
+  });
+  return y;
+}
+
+// x [T, H, D] (last dim contiguous) -> rotated [T, H, D] contiguous.
+at::Tensor rope_one(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t P,
+                    RopeFn fn) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rope input must be [T, H, D] with contiguous heads");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
+  TORCH_CHECK(D % 2 == 0, "rope head_dim must be even, got ", D);
+  at::Tensor y = at::empty({T, H, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the table");
+  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) fn(xp + t * st + h * sh, cos + pos[t] * D, sin + pos[t] * D, D, yp + (t * H + h) * D);
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+                                        const at::Tensor& cos, const at::Tensor& sin, int64_t isa) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == q.size(0), "positions must be [T] for T rows of q");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == q.size(2) &&
+                  sin.sizes() == cos.sizes(), "cos and sin must be contiguous [P, D]");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const RopeFn fn = rope_fn(isa);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  return {rope_one(q, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0), fn),
+          rope_one(k, pp, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0), fn)};
+}
+
+void check_rows(const at::Tensor& rows, int64_t parts, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "cache rows must be float32 or bfloat16, got ", rows.scalar_type());
+  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) == parts * Hkv * D,
+              "cache rows must be [lines, parts * H_kv * D] with contiguous lines");
+}
+
+template <class T>
+void store_typed(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const at::Tensor& v, int64_t parts,
+                 int64_t R, int64_t lpu, int64_t offset) {
+  const int64_t n = k.size(0), Hkv = k.size(1), D = k.size(2), ld = rows.stride(0);
+  T* base = rows.data_ptr<T>();
+  for (int64_t t = 0; t < n; ++t) {
+    T* row = base + line_of(sp[t], R, lpu, offset) * ld;
+    for (int64_t p = 0; p < parts; ++p) {
+      const at::Tensor& src = p == 0 ? k : v;
+      const float* s = src.data_ptr<float>();
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t d = 0; d < D; ++d)
+          row[(p * Hkv + h) * D + d] = from_float<T>(s[t * src.stride(0) + h * src.stride(1) + d * src.stride(2)]);
+    }
+  }
+}
+
+void store_rows(at::Tensor rows, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
+                int64_t rows_per_unit, int64_t lines_per_unit, int64_t offset) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [T, H_kv, D]");
+  const int64_t parts = rows.size(1) / (k.size(1) * k.size(2));
+  check_rows(rows, parts, k.size(1), k.size(2));
+  const at::Tensor s = slots.to(at::kLong).contiguous();
+  TORCH_CHECK(s.numel() == k.size(0), "slots has ", s.numel(), " entries for ", k.size(0), " rows");
+  const int64_t* sp = s.data_ptr<int64_t>();
+  const int64_t lines = rows.size(0);
+  for (int64_t t = 0; t < s.numel(); ++t) {
+    TORCH_CHECK(sp[t] >= 0, "slot ", sp[t], " is negative");
+    TORCH_CHECK(line_of(sp[t], rows_per_unit, lines_per_unit, offset) < lines, "slot ", sp[t], " is past the cache");
+  }
+  if (rows.scalar_type() == at::kFloat)
+    store_typed<float>(rows, sp, k, v, parts, rows_per_unit, lines_per_unit, offset);
+  else
+    store_typed<c10::BFloat16>(rows, sp, k, v, parts, rows_per_unit, lines_per_unit, offset);
+}
+
+template <class T>
+void decode_typed(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index, int64_t parts, int64_t Hkv,
+                  int64_t R, int64_t lpu, int64_t offset, double scale, int64_t isa, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), L = index.size(1), G = H / Hkv;
+  const float* qp = q.data_ptr<float>();
+  const T* rp = rows.data_ptr<T>();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const AttendFn<T> fn = attend_fn<T>(isa, D);
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(G * L);
+    std::vector<const T*> keys(L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / Hkv, g = i % Hkv;
+      fn(qp + n * q.stride(0) + g * G * q.stride(1), q.stride(1), rp, rows.stride(0), g * D,
+         (parts - 1) * Hkv * D + g * D, ip + n * L, L, R, lpu, offset, G, D, float(scale), keys.data(), scores.data(),
+         op + (n * H + g * G) * D, D);
+    }
+  });
+}
+
+at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index, int64_t num_kv_heads,
+                       int64_t rows_per_unit, int64_t lines_per_unit, int64_t offset, double scale, int64_t isa) {
+  check_f32(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, D] with contiguous heads");
+  TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "H = ", q.size(1),
+              " is not a multiple of H_kv = ", num_kv_heads);
+  const int64_t D = q.size(2), parts = rows.size(1) / (num_kv_heads * D);
+  check_rows(rows, parts, num_kv_heads, D);
+  const at::Tensor idx = index.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == q.size(0), "index must be [N, L] for N queries");
+  const int64_t lines = rows.size(0), *ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i)
+    TORCH_CHECK(ip[i] < 0 || line_of(ip[i], rows_per_unit, lines_per_unit, offset) < lines, "slot ", ip[i],
+                " is past the cache");
+  at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
+  if (rows.scalar_type() == at::kFloat)
+    decode_typed<float>(q, rows, idx, parts, num_kv_heads, rows_per_unit, lines_per_unit, offset, scale, isa, out);
+  else
+    decode_typed<c10::BFloat16>(q, rows, idx, parts, num_kv_heads, rows_per_unit, lines_per_unit, offset, scale,
+                                isa, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset, int isa) -> Tensor");
+  m.def("silu_mul(Tensor x, int isa) -> Tensor");
+  m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin, int isa) -> (Tensor, Tensor)");
+  m.def("store_rows(Tensor(a!) rows, Tensor slots, Tensor k, Tensor v, int rows_per_unit, int lines_per_unit, "
+        "int offset) -> ()");
+  m.def("decode_attn(Tensor q, Tensor rows, Tensor index, int num_kv_heads, int rows_per_unit, int lines_per_unit, "
+        "int offset, float scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("silu_mul", silu_mul);
+  m.impl("rope", rope);
+  m.impl("store_rows", store_rows);
+  m.impl("decode_attn", decode_attn);
+}
