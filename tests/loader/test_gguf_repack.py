@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
-from deepinfer.model_executor.layers.ops.qmatmul import dequantize, dequantize_ref
+from deepinfer.model_executor.layers.ops.qmatmul import compact_scales, dequantize, dequantize_ref
 from deepinfer.model_executor.loader.gguf_repack import REPACKED_TYPES, repack_gguf
 
 # byte offsets of the fp16 fields (d, m, dmin) in each block: random bytes there could be inf/NaN
@@ -38,9 +38,24 @@ def test_repack_matches_gguf_dequantize(kind, shape):
 
 
 def test_repacked_sizes_stay_small():
-    """4-bit types keep 4 bits per value plus two fp32 numbers per 32 values."""
+    """Q4_1 keeps 4 bits per value plus its two fp16 numbers per 32 values, as in the file."""
     w = repack_gguf("Q4_1", random_blocks("Q4_1", 8, 256), (8, 256))
-    assert w.bits == 4 and w.nbytes == 8 * 256 // 2 + 2 * 8 * 8 * 4
+    assert w.bits == 4 and w.nbytes == 8 * 256 // 2 + 2 * 8 * 8 * 2
+
+
+@pytest.mark.parametrize("kind", REPACKED_TYPES)
+def test_scales_are_fp16_exactly_where_the_format_stores_them(kind):
+    """d and m fields (and -8 d, -16 d) fit fp16 exactly; a K-quant's d * sc generally does not."""
+    w = repack_gguf(kind, random_blocks(kind, 4, 256, seed=3), (4, 256))
+    expected = torch.float32 if kind.endswith("_K") else torch.float16
+    assert w.scale.dtype == w.minv.dtype == expected
+
+
+def test_compact_scales_keeps_fp32_unless_fp16_is_exact():
+    exact = torch.tensor([[0.5, -0.125, 3.0]]), torch.tensor([[0.0, 1.0, -2.0]])
+    assert all(t.dtype == torch.float16 for t in compact_scales(*exact))
+    inexact = torch.tensor([[0.1, 0.5, 3.0]]), torch.zeros(1, 3)
+    assert all(t.dtype == torch.float32 for t in compact_scales(*inexact))
 
 
 @pytest.mark.parametrize("kind", ["F16", "Q2_K", "IQ4_NL"])

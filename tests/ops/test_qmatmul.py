@@ -29,7 +29,7 @@ def isa_env(monkeypatch):
     kernel_isa.cache_clear()
 
 
-def random_weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> QuantWeight:
+def random_weight(n: int, k: int, bits: int, group: int, seed: int = 0, half: bool = False) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
         q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
@@ -37,6 +37,8 @@ def random_weight(n: int, k: int, bits: int, group: int, seed: int = 0) -> Quant
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, k // group, generator=g) * 0.02
     minv = torch.randn(n, k // group, generator=g) * 0.01
+    if half:  # fp16 scales, as GGUF stores them
+        scale, minv = scale.half(), minv.half()
     return QuantWeight(q, scale, minv, bits, group, "test")
 
 
@@ -48,8 +50,9 @@ def test_a_kernel_is_built_on_x86_with_avx2():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 37, 96), (3, 50, 160), (7, 129, 64), (16, 64, 256), (33, 19, 32)])
-def test_kernel_matches_dequantize_then_matmul(isa, bits, group, m, n, k):
-    w = random_weight(n, k, bits, group, seed=m * 1000 + n)
+@pytest.mark.parametrize("half", [False, True])
+def test_kernel_matches_dequantize_then_matmul(isa, bits, group, m, n, k, half):
+    w = random_weight(n, k, bits, group, seed=m * 1000 + n, half=half)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))  # [m, k]
     y = torch.ops.deepinfer_cpu.qmatmul(x, w.q, w.scale, w.minv, bits, group, isa)  # [m, n]
     torch.testing.assert_close(y, qmatmul_ref(x, w), rtol=1e-4, atol=1e-4)
@@ -57,8 +60,9 @@ def test_kernel_matches_dequantize_then_matmul(isa, bits, group, m, n, k):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, 16)])
-def test_kernel_dequantize_is_exact(isa, bits, group):
-    w = random_weight(45, 224, bits, group)
+@pytest.mark.parametrize("half", [False, True])
+def test_kernel_dequantize_is_exact(isa, bits, group, half):
+    w = random_weight(45, 224, bits, group, half=half)
     out = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, bits, group, isa)
     torch.testing.assert_close(out, dequantize_ref(w), rtol=1e-6, atol=1e-7)
     bf16 = torch.ops.deepinfer_cpu.qdequant(w.q, w.scale, w.minv, bits, group, isa, True)
@@ -108,6 +112,11 @@ def test_quantize_weight_error_is_bounded(scheme, tol):
 def test_quantize_weight_refuses_a_ragged_k():
     with pytest.raises(ValueError, match="K=30"):
         quantize_weight(torch.randn(4, 30), "int8")
+
+
+def test_scales_of_two_dtypes_are_refused():
+    with pytest.raises(ValueError, match="both be float32 or both float16"):
+        QuantWeight(torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1), torch.zeros(2, 1).half(), 4, 32, "x")
 
 
 def test_layout_errors_name_the_field():

@@ -1,7 +1,8 @@
 """GGUF block formats repacked, once at load, into `QuantWeight` (layers/ops/qmatmul.py).
 
-Every block is split into integer values q and, per group of 32 (Q6_K: 16) values, the fp32
-scale and min such that `q * scale + minv` is the value GGUF's own dequantization gives:
+Every block is split into integer values q and, per group of 32 (Q6_K: 16) values, the scale
+and min such that `q * scale + minv` is the value GGUF's own dequantization gives, in fp16 where
+fp16 holds all of a tensor's exactly (the formats whose d and m are fp16 fields), else fp32:
 
     type   block (bytes)                          q        group  scale        minv
     Q4_0   d | 16 nibbles                         0..15    32     d            -8 d
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, compact_scales
 
 REPACKED_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 _QK_K = 256
@@ -37,7 +38,8 @@ def repack_gguf(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantWei
     n, k = shape
     rows = np.asarray(data, dtype=np.uint8).reshape(n, -1)  # [N, bytes per row]
     q, scale, minv, bits, group = _UNPACK[kind](rows, k)
-    return QuantWeight(torch.from_numpy(np.ascontiguousarray(q)), _f32(scale, n), _f32(minv, n), bits, group, kind)
+    scale, minv = compact_scales(_f32(scale, n), _f32(minv, n))
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(q)), scale, minv, bits, group, kind)
 
 
 def _f32(values: np.ndarray, n: int) -> torch.Tensor:

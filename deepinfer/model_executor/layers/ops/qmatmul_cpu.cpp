@@ -5,7 +5,8 @@
 //   bits 4   q uint8 [N, K/2]   group g (32 values): bytes g*16 .. g*16+15,
 //                               low nibble of byte j = value g*32 + j, high nibble = g*32 + 16 + j
 //   bits 8   q int8  [N, K]     natural order, groups of 16 or 32 values
-//   scale, minv  float [N, K/G] w = q * scale + minv  (q unsigned for 4 bits, signed for 8)
+//   scale, minv  [N, K/G]       w = q * scale + minv  (q unsigned for 4 bits, signed for 8), both
+//                               float32, or both float16 (half the bytes; GGUF's d and m are fp16)
 //
 // Each group is widened to fp32 in registers and multiplied with fp32 activations; nothing of W
 // is materialized. A weight row is dequantized once per tile of MR activation rows, so a batch
@@ -30,8 +31,13 @@ constexpr int64_t kBlockBytes = 16 * 1024;  // weight bytes a row block keeps in
 
 inline int64_t rows_per_block(int64_t row_bytes) { return std::max<int64_t>(1, kBlockBytes / row_bytes); }
 
-#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+// A scale or min as fp32: stored as fp32, or as fp16 bits where fp16 holds it exactly (GGUF's own
+// d and m); F16C converts one in a single instruction.
+inline float f32(float v) { return v; }
+__attribute__((target("f16c"))) inline float f32(uint16_t h) { return _cvtsh_ss(h); }
 
 // ---- AVX-512: 16 lanes --------------------------------------------------------------------
 
@@ -49,13 +55,13 @@ AVX512_TARGET inline __m512 deq16(const uint8_t* q, int64_t g, int c, __m512 s, 
 }
 
 // MR activation rows times one weight row: y[r * ldy] for r < MR.
-template <int BITS, int G, int MR>
-AVX512_TARGET void tile512(const float* x, int64_t ldx, const uint8_t* q, const float* scale, const float* minv,
+template <int BITS, int G, int MR, typename S>
+AVX512_TARGET void tile512(const float* x, int64_t ldx, const uint8_t* q, const S* scale, const S* minv,
                            int64_t K, float* y, int64_t ldy) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < K / G; ++g) {
-    const __m512 s = _mm512_set1_ps(scale[g]), m = _mm512_set1_ps(minv[g]);
+    const __m512 s = _mm512_set1_ps(f32(scale[g])), m = _mm512_set1_ps(f32(minv[g]));
     for (int c = 0; c < G / 16; ++c) {
       const __m512 w = deq16<BITS, G>(q, g, c, s, m);
       const float* xc = x + g * G + c * 16;
@@ -67,9 +73,9 @@ AVX512_TARGET void tile512(const float* x, int64_t ldx, const uint8_t* q, const 
 
 // Output rows in blocks of `rows_per_block(ldq)` weight rows (about 16 KB of weight): each tile
 // of 8 activation rows (in L1) runs over the whole block (in L1/L2) before the next tile starts.
-template <int BITS, int G>
-AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
-                           const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
+template <int BITS, int G, typename S>
+AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const S* scale,
+                           const S* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G, block = rows_per_block(ldq);
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t b1 = std::min(b0 + block, n1);
@@ -77,12 +83,13 @@ AVX512_TARGET void rows512(const float* x, int64_t M, int64_t K, const uint8_t* 
       const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
       for (int64_t n = b0; n < b1; ++n) {
         const uint8_t* qn = q + n * ldq;
-        const float *sn = scale + n * ngroups, *mn = minv + n * ngroups, *xm = x + m * K;
+        const S *sn = scale + n * ngroups, *mn = minv + n * ngroups;
+        const float* xm = x + m * K;
         float* yn = y + m * N + n;
-        if (mr == 8) tile512<BITS, G, 8>(xm, K, qn, sn, mn, K, yn, N);
-        else if (mr == 4) tile512<BITS, G, 4>(xm, K, qn, sn, mn, K, yn, N);
-        else if (mr == 2) tile512<BITS, G, 2>(xm, K, qn, sn, mn, K, yn, N);
-        else tile512<BITS, G, 1>(xm, K, qn, sn, mn, K, yn, N);
+        if (mr == 8) tile512<BITS, G, 8, S>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 4) tile512<BITS, G, 4, S>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 2) tile512<BITS, G, 2, S>(xm, K, qn, sn, mn, K, yn, N);
+        else tile512<BITS, G, 1, S>(xm, K, qn, sn, mn, K, yn, N);
       }
       m += mr;
     }
@@ -99,13 +106,13 @@ AVX512_TARGET inline void store16(uint16_t* out, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(top));
 }
 
-template <int BITS, int G, typename OUT>
-AVX512_TARGET void dequant512(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
+template <int BITS, int G, typename OUT, typename S>
+AVX512_TARGET void dequant512(const uint8_t* q, int64_t ldq, const S* scale, const S* minv, int64_t K,
                               OUT* out, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < ngroups; ++g) {
-      const __m512 s = _mm512_set1_ps(scale[n * ngroups + g]), m = _mm512_set1_ps(minv[n * ngroups + g]);
+      const __m512 s = _mm512_set1_ps(f32(scale[n * ngroups + g])), m = _mm512_set1_ps(f32(minv[n * ngroups + g]));
       for (int c = 0; c < G / 16; ++c) store16(out + n * K + g * G + c * 16, deq16<BITS, G>(q + n * ldq, g, c, s, m));
     }
   }
@@ -134,13 +141,13 @@ AVX2_TARGET inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int BITS, int G, int MR>
-AVX2_TARGET void tile256(const float* x, int64_t ldx, const uint8_t* q, const float* scale, const float* minv,
+template <int BITS, int G, int MR, typename S>
+AVX2_TARGET void tile256(const float* x, int64_t ldx, const uint8_t* q, const S* scale, const S* minv,
                          int64_t K, float* y, int64_t ldy) {
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < K / G; ++g) {
-    const __m256 s = _mm256_set1_ps(scale[g]), m = _mm256_set1_ps(minv[g]);
+    const __m256 s = _mm256_set1_ps(f32(scale[g])), m = _mm256_set1_ps(f32(minv[g]));
     for (int c = 0; c < G / 8; ++c) {
       const __m256 w = deq8<BITS, G>(q, g, c, s, m);
       // 4-bit chunk c holds values 8c .. 8c+7 too: low nibbles of bytes 0..15, then high nibbles.
@@ -151,9 +158,9 @@ AVX2_TARGET void tile256(const float* x, int64_t ldx, const uint8_t* q, const fl
   for (int r = 0; r < MR; ++r) y[r * ldy] = hsum256(acc[r]);
 }
 
-template <int BITS, int G>
-AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const float* scale,
-                           const float* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
+template <int BITS, int G, typename S>
+AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q, int64_t ldq, const S* scale,
+                           const S* minv, float* y, int64_t N, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G, block = rows_per_block(ldq);
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t b1 = std::min(b0 + block, n1);
@@ -161,12 +168,13 @@ AVX2_TARGET void rows256(const float* x, int64_t M, int64_t K, const uint8_t* q,
       const int64_t mr = M - m >= 8 ? 8 : M - m >= 4 ? 4 : M - m >= 2 ? 2 : 1;
       for (int64_t n = b0; n < b1; ++n) {
         const uint8_t* qn = q + n * ldq;
-        const float *sn = scale + n * ngroups, *mn = minv + n * ngroups, *xm = x + m * K;
+        const S *sn = scale + n * ngroups, *mn = minv + n * ngroups;
+        const float* xm = x + m * K;
         float* yn = y + m * N + n;
-        if (mr == 8) tile256<BITS, G, 8>(xm, K, qn, sn, mn, K, yn, N);
-        else if (mr == 4) tile256<BITS, G, 4>(xm, K, qn, sn, mn, K, yn, N);
-        else if (mr == 2) tile256<BITS, G, 2>(xm, K, qn, sn, mn, K, yn, N);
-        else tile256<BITS, G, 1>(xm, K, qn, sn, mn, K, yn, N);
+        if (mr == 8) tile256<BITS, G, 8, S>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 4) tile256<BITS, G, 4, S>(xm, K, qn, sn, mn, K, yn, N);
+        else if (mr == 2) tile256<BITS, G, 2, S>(xm, K, qn, sn, mn, K, yn, N);
+        else tile256<BITS, G, 1, S>(xm, K, qn, sn, mn, K, yn, N);
       }
       m += mr;
     }
@@ -183,13 +191,13 @@ AVX2_TARGET inline void store8(uint16_t* out, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
 }
 
-template <int BITS, int G, typename OUT>
-AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const float* scale, const float* minv, int64_t K,
+template <int BITS, int G, typename OUT, typename S>
+AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const S* scale, const S* minv, int64_t K,
                             OUT* out, int64_t n0, int64_t n1) {
   const int64_t ngroups = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t g = 0; g < ngroups; ++g) {
-      const __m256 s = _mm256_set1_ps(scale[n * ngroups + g]), m = _mm256_set1_ps(minv[n * ngroups + g]);
+      const __m256 s = _mm256_set1_ps(f32(scale[n * ngroups + g])), m = _mm256_set1_ps(f32(minv[n * ngroups + g]));
       for (int c = 0; c < G / 8; ++c) store8(out + n * K + g * G + c * 8, deq8<BITS, G>(q + n * ldq, g, c, s, m));
     }
   }
@@ -197,32 +205,36 @@ AVX2_TARGET void dequant256(const uint8_t* q, int64_t ldq, const float* scale, c
 
 // ---- dispatch -----------------------------------------------------------------------------
 
-using RowsFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, const float*, float*,
-                        int64_t, int64_t, int64_t);
-template <typename OUT>
-using DequantFn = void (*)(const uint8_t*, int64_t, const float*, const float*, int64_t, OUT*, int64_t, int64_t);
+template <typename S>
+using RowsFn = void (*)(const float*, int64_t, int64_t, const uint8_t*, int64_t, const S*, const S*, float*, int64_t,
+                        int64_t, int64_t);
+template <typename OUT, typename S>
+using DequantFn = void (*)(const uint8_t*, int64_t, const S*, const S*, int64_t, OUT*, int64_t, int64_t);
 
+template <typename S>
 struct Kernels {
-  RowsFn rows;
-  DequantFn<float> dequant_f32;
-  DequantFn<uint16_t> dequant_bf16;
+  RowsFn<S> rows;
+  DequantFn<float, S> dequant_f32;
+  DequantFn<uint16_t, S> dequant_bf16;
 };
 
-template <int BITS, int G>
-Kernels kernels_for(int64_t isa) {
-  if (isa == 2) return {rows512<BITS, G>, dequant512<BITS, G, float>, dequant512<BITS, G, uint16_t>};
-  return {rows256<BITS, G>, dequant256<BITS, G, float>, dequant256<BITS, G, uint16_t>};
+template <int BITS, int G, typename S>
+Kernels<S> kernels_for(int64_t isa) {
+  if (isa == 2) return {rows512<BITS, G, S>, dequant512<BITS, G, float, S>, dequant512<BITS, G, uint16_t, S>};
+  return {rows256<BITS, G, S>, dequant256<BITS, G, float, S>, dequant256<BITS, G, uint16_t, S>};
 }
 
-Kernels select(int64_t bits, int64_t group, int64_t isa) {
+template <typename S>
+Kernels<S> select(int64_t bits, int64_t group, int64_t isa) {
   TORCH_CHECK(isa == 1 || isa == 2, "qmatmul: isa must be 1 (AVX2) or 2 (AVX-512), got ", isa);
   TORCH_CHECK(isa != 2 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")),
               "qmatmul: this CPU has no AVX-512 (F, BW, VL, DQ)");
-  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"), "qmatmul: this CPU has no AVX2 + FMA");
-  if (bits == 4 && group == 32) return kernels_for<4, 32>(isa);
-  if (bits == 8 && group == 32) return kernels_for<8, 32>(isa);
-  if (bits == 8 && group == 16) return kernels_for<8, 16>(isa);
+  TORCH_CHECK(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"),
+              "qmatmul: this CPU has no AVX2 + FMA + F16C");
+  if (bits == 4 && group == 32) return kernels_for<4, 32, S>(isa);
+  if (bits == 8 && group == 32) return kernels_for<8, 32, S>(isa);
+  if (bits == 8 && group == 16) return kernels_for<8, 16, S>(isa);
   TORCH_CHECK(false, "qmatmul: no kernel for bits=", bits, " group=", group, " (have 4/32, 8/32, 8/16)");
 }
 
@@ -231,27 +243,56 @@ void check_weight(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
   TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.element_size() == 1, "qmatmul: q must be a contiguous 2-D byte tensor");
   TORCH_CHECK(K % group == 0, "qmatmul: K=", K, " is not a multiple of group=", group);
   TORCH_CHECK(q.size(1) * (bits == 4 ? 2 : 1) == K, "qmatmul: q has ", q.size(1), " bytes per row for K=", K);
+  TORCH_CHECK(scale.scalar_type() == minv.scalar_type() &&
+                  (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf),
+              "qmatmul: scale and minv must both be float32 or both float16, got ", scale.scalar_type(), " and ",
+              minv.scalar_type());
   for (const at::Tensor* t : {&scale, &minv}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "qmatmul: scale/minv must be contiguous float32");
+    TORCH_CHECK(t->is_contiguous(), "qmatmul: scale/minv must be contiguous");
     TORCH_CHECK(t->dim() == 2 && t->size(0) == q.size(0) && t->size(1) == K / group, "qmatmul: scale/minv must be [N, K/group]");
   }
+}
+
+// fp32 scales as float, fp16 ones as their bits.
+template <typename S>
+const S* scales_of(const at::Tensor& t) { return static_cast<const S*>(t.data_ptr()); }
+
+template <typename S>
+void qmatmul_rows(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv,
+                  int64_t bits, int64_t group, int64_t isa, at::Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), ldq = q.size(1);
+  const RowsFn<S> rows = select<S>(bits, group, isa).rows;
+  const float* xp = x.data_ptr<float>();
+  const S *sp = scales_of<S>(scale), *mp = scales_of<S>(minv);
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { rows(xp, M, K, qp, ldq, sp, mp, yp, N, n0, n1); });
 }
 
 at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv,
                    int64_t bits, int64_t group, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "qmatmul: x must be a 2-D float32 tensor");
   const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = q.size(0);
-  check_weight(q, scale, minv, bits, group, K);
-  const RowsFn rows = select(bits, group, isa).rows;
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const float *xp = xc.data_ptr<float>(), *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
-  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
-  float* yp = y.data_ptr<float>();
-  const int64_t ldq = q.size(1);
-  if (M == 0) return y;
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) { rows(xp, M, K, qp, ldq, sp, mp, yp, N, n0, n1); });
+  check_weight(q, scale, minv, bits, group, xc.size(1));
+  at::Tensor y = at::empty({xc.size(0), q.size(0)}, xc.options());
+  if (xc.size(0) == 0) return y;
+  if (scale.scalar_type() == at::kHalf) qmatmul_rows<uint16_t>(xc, q, scale, minv, bits, group, isa, y);
+  else qmatmul_rows<float>(xc, q, scale, minv, bits, group, isa, y);
   return y;
+}
+
+template <typename S>
+void dequant_rows(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& minv, int64_t bits, int64_t group,
+                  int64_t isa, bool bf16, at::Tensor& out) {
+  const int64_t N = q.size(0), K = out.size(1), ldq = q.size(1);
+  const Kernels<S> kernels = select<S>(bits, group, isa);
+  const S *sp = scales_of<S>(scale), *mp = scales_of<S>(minv);
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  void* op = out.data_ptr();
+  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
+    if (bf16) kernels.dequant_bf16(qp, ldq, sp, mp, K, static_cast<uint16_t*>(op), n0, n1);
+    else kernels.dequant_f32(qp, ldq, sp, mp, K, static_cast<float*>(op), n0, n1);
+  });
 }
 
 // The dense weight [N, K] in float32 or (bf16 = true) bfloat16.
@@ -259,22 +300,15 @@ at::Tensor qdequant(const at::Tensor& q, const at::Tensor& scale, const at::Tens
                     int64_t isa, bool bf16) {
   const int64_t N = q.size(0), K = q.size(1) * (bits == 4 ? 2 : 1);
   check_weight(q, scale, minv, bits, group, K);
-  const Kernels kernels = select(bits, group, isa);
-  at::Tensor out = at::empty({N, K}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-  const float *sp = scale.data_ptr<float>(), *mp = minv.data_ptr<float>();
-  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
-  const int64_t ldq = q.size(1);
-  void* op = out.data_ptr();
-  at::parallel_for(0, N, kGrainRows, [&](int64_t n0, int64_t n1) {
-    if (bf16) kernels.dequant_bf16(qp, ldq, sp, mp, K, static_cast<uint16_t*>(op), n0, n1);
-    else kernels.dequant_f32(qp, ldq, sp, mp, K, static_cast<float*>(op), n0, n1);
-  });
+  at::Tensor out = at::empty({N, K}, q.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  if (scale.scalar_type() == at::kHalf) dequant_rows<uint16_t>(q, scale, minv, bits, group, isa, bf16, out);
+  else dequant_rows<float>(q, scale, minv, bits, group, isa, bf16, out);
   return out;
 }
 
-// Instruction sets this CPU can run: 2 = AVX-512 (F, BW, VL, DQ), 1 = AVX2 + FMA, 0 = neither.
+// Instruction sets this CPU can run: 2 = AVX-512 (F, BW, VL, DQ), 1 = AVX2 + FMA (+ F16C), 0 = neither.
 int64_t cpu_isa() {
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 0;
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   return avx512 ? 2 : 1;
