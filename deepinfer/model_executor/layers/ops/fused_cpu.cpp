@@ -81,10 +81,15 @@ INLINE void rope_head(const float* x, const float* c, const float* s, int64_t D,
 }
 
 // e^x for x <= 0 (an exact 0 below -87), within 2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
-// p Cephes' degree-6 polynomial. Plain arithmetic, so a loop over it vectorizes.
+// p Cephes' degree-6 polynomial. Branch-free arithmetic, so a loop over it vectorizes (the
+// library is built with -fno-trapping-math, which lets selects be computed on both sides): n is
+// rounded by adding 1.5 * 2^23, which leaves it in the low mantissa bits, and 2^n is built from
+// those bits.
 INLINE float exp_nonpositive(float x) {
-  const float t = std::floor(x * 1.44269504f + 0.5f);  // n
-  const float r = x - t * 0.693359375f + t * 2.12194440e-4f;  // x - n ln2 in two parts
+  const float xc = x < -87.f ? -87.f : x;
+  const float u = xc * 1.44269504f + 12582912.f;  // 1.5 * 2^23 + n, n = round(x / ln2) in -126 .. 0
+  const float t = u - 12582912.f;  // n
+  const float r = xc - t * 0.693359375f + t * 2.12194440e-4f;  // x - n ln2 in two parts
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -92,11 +97,9 @@ INLINE float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const int32_t n = static_cast<int32_t>(std::max(t, -127.f));
-  const int32_t bits = (n + 127) << 23;  // 2^n as a float's bits; n = -127 gives 0
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : p * scale;
+  const int32_t n = __builtin_bit_cast(int32_t, u) - 0x4B400000;  // the bits of 1.5 * 2^23 are 0x4B400000
+  const float v = p * __builtin_bit_cast(float, (n + 127) << 23);  // p * 2^n
+  return x < -87.f ? 0.f : v;
 }
 
 // silu(g) * u over one row: silu(g) = g * sigmoid(g), sigmoid from e^-|g| (never overflows).
@@ -104,7 +107,8 @@ INLINE void silu_mul_row(const float* gate, const float* up, int64_t I, float* y
 #pragma omp simd
   for (int64_t i = 0; i < I; ++i) {
     const float e = exp_nonpositive(-std::fabs(gate[i]));
-    const float sigmoid = gate[i] >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    const float d = 1.f / (1.f + e);
+    const float sigmoid = gate[i] >= 0.f ? d : e * d;
     y[i] = gate[i] * sigmoid * up[i];
   }
 }
