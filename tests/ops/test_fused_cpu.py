@@ -19,17 +19,6 @@ ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 OPS = torch.ops.deepinfer_cpu
 
 
-@pytest.fixture
-def isa_env(monkeypatch):
-    def set_isa(value: str) -> None:
-        monkeypatch.setenv("DEEPINFER_CPU_ISA", value)
-        kernel_isa.cache_clear()
-
-    yield set_isa
-    monkeypatch.undo()
-    kernel_isa.cache_clear()
-
-
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

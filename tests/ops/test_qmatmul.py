@@ -17,18 +17,6 @@ from deepinfer.model_executor.layers.ops.qmatmul import (
 ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 
 
-@pytest.fixture
-def isa_env(monkeypatch):
-    """Set DEEPINFER_CPU_ISA for one test; the process's choice is read again before and after."""
-    def set_isa(value: str) -> None:
-        monkeypatch.setenv("DEEPINFER_CPU_ISA", value)
-        kernel_isa.cache_clear()
-
-    yield set_isa
-    monkeypatch.undo()
-    kernel_isa.cache_clear()
-
-
 def random_weight(n: int, k: int, bits: int, group: int, seed: int = 0, half: bool = False) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
     if bits == 4:
