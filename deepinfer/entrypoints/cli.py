@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"deepinfer: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line and the shell's status for SIGINT, no traceback
+        print("deepinfer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

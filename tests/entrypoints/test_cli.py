@@ -66,6 +66,62 @@ def test_chat_repl_keeps_history(tiny_checkpoint):
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
+def test_ctrl_c_stops_an_answer_and_keeps_the_session(tiny_checkpoint):
+    """Ctrl-C while an answer streams: the answer ends between steps with a marker, its request is
+    aborted (every block free again), the partial reply stays in the history, the REPL goes on."""
+    import signal
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.entrypoints.chat import INTERRUPTED, run_chat
+
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=32)
+    stream, seen = llm.stream, []
+
+    def stream_then_ctrl_c(prompt, params):
+        for i, out in enumerate(stream(prompt, params)):
+            if len(seen) == 1 and i == 2:  # the first answer: a real SIGINT after its third output
+                signal.raise_signal(signal.SIGINT)
+            yield out
+
+    original = llm.apply_chat_template
+    llm.stream = stream_then_ctrl_c
+    llm.apply_chat_template = lambda msgs, *a: seen.append([m["content"] for m in msgs]) or original(msgs, *a)
+    out = io.StringIO()
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    assert run_chat(llm, params, stdin=io.StringIO("first\nsecond\n/exit\n"), stdout=out) == 0
+    first_answer = out.getvalue().split("> ")[1]
+    assert first_answer.endswith(INTERRUPTED + "\n")
+    assert len(seen) == 2 and seen[1][1] == first_answer[: -len(INTERRUPTED) - 1]  # the partial reply kept
+    assert out.getvalue().count(INTERRUPTED) == 1  # the second answer ran to its end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after each answer
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_ctrl_c_at_the_prompt_quits_with_130():
+    class Interrupted(io.StringIO):
+        def readline(self, *args):
+            raise KeyboardInterrupt
+
+    from deepinfer.entrypoints.chat import run_chat
+
+    assert run_chat(None, None, stdin=Interrupted(), stdout=io.StringIO()) == 130
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_status_130(monkeypatch, capsys):
+    parser = cli.build_parser()
+    args = parser.parse_args(["info"])
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    args.func = interrupted
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: args)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err == "deepinfer: interrupted\n"
+
+
 def test_bench_runs_a_small_workload(tiny_checkpoint, tmp_path):
     import json
 
