@@ -88,12 +88,16 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_session(tiny_checkpoint):
     llm.apply_chat_template = lambda msgs, *a: seen.append([m["content"] for m in msgs]) or original(msgs, *a)
     out = io.StringIO()
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    assert run_chat(llm, params, stdin=io.StringIO("first\nsecond\n/exit\n"), stdout=out) == 0
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background shell may ignore SIGINT
+    try:
+        assert run_chat(llm, params, stdin=io.StringIO("first\nsecond\n/exit\n"), stdout=out) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after each answer
+    finally:
+        signal.signal(signal.SIGINT, before)
     first_answer = out.getvalue().split("> ")[1]
     assert first_answer.endswith(INTERRUPTED + "\n")
     assert len(seen) == 2 and seen[1][1] == first_answer[: -len(INTERRUPTED) - 1]  # the partial reply kept
     assert out.getvalue().count(INTERRUPTED) == 1  # the second answer ran to its end
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored after each answer
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_total_blocks and not llm.engine.has_unfinished_requests()
 
