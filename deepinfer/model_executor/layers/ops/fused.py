@@ -65,9 +65,10 @@ def store_rows(cache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | No
 def decode_attention(cache, q: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor | None:
     """q [N, H, D] over the cached rows at index [N, L] (-1: nothing) -> [N, H, D], reading each
     named row once and no padding; None where the kernel does not apply (see store_rows)."""
-    if not (_isa(q) and _plain_rows(cache)):
+    isa = _isa(q)
+    if not (isa and _plain_rows(cache)):
         return None
     q = q if q.stride(-1) == 1 else q.contiguous()
     return torch.ops.deepinfer_cpu.decode_attn(q, cache.rows2d, index, cache.codec.num_kv_heads,
                                                cache.rows_per_unit, cache.lines_per_unit, cache.layer_offset,
-                                               scale, kernel_isa())
+                                               scale, isa)
