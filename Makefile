@@ -25,9 +25,17 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/deepinfer generate "$(PROMPT)"
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m ruff check deepinfer labs tests
 	$(PY) -m pytest
+
+# The headless browser of the chat page test: Debian's chromium, installed when missing and apt-get is
+# usable (as root); otherwise the test fails with a message that says how to install it.
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+		|| echo "chromium is missing and cannot be installed here: run 'apt-get install -y chromium' as root"
 
 labs: $(STAMP)
 	$(PY) labs/07_attention.py && $(PY) labs/08_kv_layout.py && $(PY) labs/17_kv_bytes.py

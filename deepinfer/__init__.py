@@ -5,7 +5,7 @@ parts (layout formulas, scheduler) load without torch.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name):
@@ -17,7 +17,11 @@ def __getattr__(name):
         from deepinfer.sampling_params import SamplingParams
 
         return SamplingParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "StructuredOutputsParams":
+        from deepinfer.structured_output import StructuredOutputsParams
+
+        return StructuredOutputsParams
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from deepinfer import outputs
 
         return getattr(outputs, name)

@@ -72,7 +72,10 @@ class CacheConfig:
 
     block_size: int = 16  # tokens per paged block
     num_blocks: int | None = None  # paged blocks; None: derived from kv_cache_memory
-    kv_cache_memory: int = 1 << 30  # bytes for the KV cache when num_blocks is None
+    # bytes for the KV cache when num_blocks is None; "auto": what max_num_seqs requests at max_model_len
+    # need, at most gpu_memory_utilization of the memory free after the weights
+    kv_cache_memory: int | str = "auto"
+    gpu_memory_utilization: float = 0.9  # auto sizing's cap: this fraction of free memory (CPU or GPU)
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype), "bfloat16" (bf16 rows) or "fp8" (MXFP8 rows)
     enable_prefix_caching: bool = True  # reuse computed blocks of identical prefixes
     kv_cache_dir: str | None = None  # save computed blocks here; a later start-up reads them
@@ -94,11 +97,20 @@ class CacheConfig:
             raise ValueError(f"num_prefix_snapshots must be an integer >= 0, got {self.num_prefix_snapshots!r}")
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
-        self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
-        _positive("kv_cache_memory", self.kv_cache_memory)
+        if not self.auto_sized:
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "kv_cache_memory")
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        fraction = self.gpu_memory_utilization
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {fraction!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                              f"got {self.kv_cache_dtype!r}")
+
+    @property
+    def auto_sized(self) -> bool:
+        """The cache is sized from the need (kv_cache_memory "auto", no num_blocks)."""
+        return isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto"
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp")  # prompt lookup (any model); DeepSeek-V4's next-n module
@@ -154,6 +166,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(the model's context, 4096)
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     load_format: str = "auto"  # one of LOAD_FORMATS
+    revision: str | None = None  # a hub model's branch, tag or commit (None: the default branch)
+    allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
@@ -175,8 +189,16 @@ class EngineConfig:
         check_quantization(self.quantization)
 
     def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
-        """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too."""
+        """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too.
+        One beyond the model's context is refused unless allow_long_max_model_len (or
+        DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) says to accept it: positions past what the model was
+        trained on give garbage."""
         if self.max_model_len is None:
             self.max_model_len = min(model_context, default)
+        allowed = self.allow_long_max_model_len or self.env.allow_long_max_model_len
+        if self.max_model_len > model_context and not allowed:
+            raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context of "
+                             f"{model_context:,} tokens; lower it, or pass --allow-long-max-model-len "
+                             f"(DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) to accept it anyway")
         self.scheduler.max_model_len = self.max_model_len
         return self.max_model_len

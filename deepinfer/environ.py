@@ -50,6 +50,9 @@ class Environ:
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 0, "Tokens YOCO truncation keeps (added to the kv-store ring).")
     batch_invariant: bool = _knob(
         "DEEPINFER_BATCH_INVARIANT", False, "Ask kernels for results independent of batch composition.")
+    allow_long_max_model_len: bool = _knob(
+        "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN", False,
+        "Accept a max_model_len beyond the model's context (outputs past it may be garbage).")
 
     def __post_init__(self):
         for f in fields(self):

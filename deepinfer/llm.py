@@ -3,31 +3,48 @@
 from __future__ import annotations
 
 import atexit
+import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
 from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.llm_engine import LLMEngine
+from deepinfer.llm_options import check_vllm_keywords
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams, short_repr
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.model_runner import ModelRunner, resolve_device
+from deepinfer.worker.summary import startup_summary
+
+logger = logging.getLogger("deepinfer")
 
 # a prompt: text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, with an optional "cache_salt"
 Prompt = str | list[int] | Mapping
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt"}
+# get_default_sampling_params: generation-config field -> SamplingParams field, and what a model
+# without one gets (mild randomness and a light repetition penalty, so replies do not loop)
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.05}
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Compose the system: load the model source, build the runner (model, caches, sampler) and
-    hand both to the engine. The only place that knows every layer."""
-    source = load_model_source(config.model, load_format=config.load_format)
+    hand both to the engine. The only place that knows every layer. Logs one start-up summary
+    line (load time, weights, KV cache, concurrency, dtype, quantization, backend, device)."""
+    start = time.perf_counter()
+    resolve_device(config.device)  # a bad --device fails before the model loads
+    revision = {} if config.revision is None else {"revision": config.revision}
+    source = load_model_source(config.model, load_format=config.load_format, **revision)
     for key, value in (config.hf_overrides or {}).items():
         setattr(source.hf_config, key, value)
     config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
-    return LLMEngine(config, source, ModelRunner(source, config))
+    engine = LLMEngine(config, source, ModelRunner(source, config))
+    logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start))
+    return engine
 
 
 class LLM:
@@ -49,19 +66,34 @@ class LLM:
     `kv_cache_dir_size`, least recently used files go first), and a later start-up of the same
     model reads them instead of recomputing. `close()` (or leaving `with LLM(...) as llm:`, or
     the end of the process) writes what the directory still lacks.
+
+    The KV cache is sized for `max_num_seqs` requests at `max_model_len` (`kv_cache_memory="auto"`),
+    at most `gpu_memory_utilization` of the memory free after the weights (CPU or GPU); an explicit
+    `kv_cache_memory` ("2GiB") or `num_blocks` fixes it. A cache that cannot hold one request at
+    max_model_len is refused, and so is a max_model_len beyond the model's context unless
+    `allow_long_max_model_len=True`.
+
+    vLLM's keywords are taken where they mean something here: `tensor_parallel_size` (only 1),
+    `trust_remote_code` (accepted; no code from a checkpoint is ever run: every architecture is
+    DeepInfer's own), `tokenizer` (only the model's own), `enforce_eager`, `swap_space`,
+    `disable_log_stats` and `tokenizer_mode="auto"` (accepted, no effect: see `llm_options`).
+    Any other keyword raises TypeError listing the accepted ones.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
                  device: str | None = None,
-                 max_model_len: int | None = None, kv_cache_memory: str | int = "1GiB",
+                 max_model_len: int | None = None, kv_cache_memory: str | int = "auto",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
                  speculative_method: str | None = None, num_speculative_tokens: int | None = None,
                  hf_overrides: dict | None = None, load_format: str = "auto",
                  enable_prefix_caching: bool = True, kv_cache_dir: str | None = None,
                  kv_cache_dir_size: str | int = "4GiB", prefix_snapshot_interval: int = 512,
-                 num_prefix_snapshots: int | None = None):
+                 num_prefix_snapshots: int | None = None, gpu_memory_utilization: float = 0.9,
+                 revision: str | None = None, allow_long_max_model_len: bool = False, **vllm_keywords):
+        check_vllm_keywords(model, vllm_keywords, accepted=_init_keywords())
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
+                            gpu_memory_utilization=gpu_memory_utilization,
                             kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
                             kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
                             prefix_snapshot_interval=prefix_snapshot_interval,
@@ -70,7 +102,8 @@ class LLM:
         speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
         config = EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                              speculative=speculative, hf_overrides=hf_overrides, load_format=load_format)
+                              speculative=speculative, hf_overrides=hf_overrides, load_format=load_format,
+                              revision=revision, allow_long_max_model_len=allow_long_max_model_len)
         self.engine = build_engine(config)
         self._closed = False
         self._at_exit = bool(cache.kv_cache_dir and cache.enable_prefix_caching)  # only a cache dir needs it
@@ -101,22 +134,42 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling the model's authors suggest: the checkpoint's generation config (temperature,
+        top_p, top_k, min_p, repetition_penalty; `do_sample: false` means greedy; max_new_tokens
+        becomes max_tokens), the rest SamplingParams' defaults. A checkpoint that names none of
+        these (GGUF files never do) gets FALLBACK_SAMPLING: greedy decoding makes small models loop.
+        ValueError naming the field and the value when the config holds a value we refuse."""
+        config = getattr(self.engine.source, "generation_config", None) or {}
+        named = {ours: config[theirs] for theirs, ours in _GENERATION_FIELDS.items() if config.get(theirs) is not None}
+        if config.get("do_sample") is False:
+            named["temperature"] = 0.0  # transformers ignores temperature and top_p then
+        sampling = {} if named.keys() - {"max_tokens"} or "do_sample" in config else dict(FALLBACK_SAMPLING)
+        try:
+            return SamplingParams(**sampling, **named)
+        except ValueError as exc:
+            raise ValueError(f"generation config of {self.engine.source.path!r}: {exc}") from None
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order.
+        """Run every prompt to completion; outputs come back in prompt order, one per prompt,
+        whose `outputs` hold its `n` samples (index 0..n-1; with `best_of`, the n of highest
+        cumulative logprob, best first). The samples of a prompt compute it once.
 
         A prompt is a string, a list of token ids, or a dict: `{"prompt": str}` or
         `{"prompt_token_ids": [int, ...]}`, either with an optional `"cache_salt": str` (only
         requests with the same salt share cached prefixes).
 
-        A prompt the engine refuses (empty, too long, bad token ids, a malformed dict, bad sampling
-        params) gets an output whose `error` holds the ValueError; a request failed by a fault
+        A malformed prompt (not a string, a list of ints or such a dict; a dict with a missing or
+        unknown key) raises ValueError naming its index before anything runs. A prompt the engine
+        refuses (empty, too long, token ids outside the vocabulary, bad sampling params) gets an
+        output whose `error` holds the ValueError; a request failed by a fault
         while it ran gets its output with finish_reason "error" and `error` set. The rest of the
         batch still runs. When a fatal fault (or KeyboardInterrupt) ends the call, its requests
         are aborted first.
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = parse_prompts(prompts)  # malformed ones raise here, before anything runs
         params = _as_params_list(sampling_params, len(prompts))
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
@@ -155,10 +208,13 @@ class LLM:
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[RequestOutput]:
-        """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text)."""
-        request_id = self.engine.add_request(prompt, sampling_params)
+        """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text).
+        `prompt` is one prompt in any form `generate` takes. With `n` > 1, `outputs` holds every
+        sample (`index` 0..n-1), each with its own delta; with `best_of` > n, one final output."""
+        inputs, cache_salt = parse_prompt(prompt)
+        request_id = self.engine.add_request(inputs, sampling_params, cache_salt=cache_salt)
         try:
             while True:
                 for out in self.engine.step():
@@ -170,24 +226,48 @@ class LLM:
             self.engine.abort_request(request_id)
 
     def _add(self, prompt, params, results) -> str:
-        """Queue one prompt; a refused one gets its finished output (`error` set) in `results`."""
+        """Queue one parsed prompt (text or ids, cache_salt); a refused one gets its finished output
+        (`error` set) in `results`."""
+        inputs, cache_salt = prompt
         try:
-            inputs, cache_salt = parse_prompt(prompt)
             return self.engine.add_request(inputs, params, cache_salt=cache_salt)
         except ValueError as exc:
             rid = f"refused-{len(results)}-{id(exc)}"
             done = CompletionOutput(index=0, finish_reason="error")
-            text, ids = _refused_prompt(prompt)
+            text, ids = (inputs, []) if isinstance(inputs, str) else (None, list(inputs))
             results[rid] = RequestOutput(rid, text, ids, [done], finished=True, error=exc)
             return rid
 
 
+def _init_keywords() -> list[str]:
+    """The keywords `LLM(...)` names in its signature."""
+    import inspect
+
+    return [name for name, p in inspect.signature(LLM.__init__).parameters.items()
+            if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and name != "self")]
+
+
+def parse_prompts(prompts) -> list[tuple[str | list[int], str | None]]:
+    """(text or token ids, cache_salt) of each prompt: one prompt (a string, a list of token ids
+    or a dict) or a list of them. ValueError naming the index, the field and the value of the
+    first malformed one."""
+    prompts = _as_prompt_list(prompts)
+    parsed = []
+    for i, prompt in enumerate(prompts):
+        try:
+            parsed.append(parse_prompt(prompt))
+        except ValueError as exc:
+            raise ValueError(f"prompts[{i}]: {exc}") from None
+    return parsed
+
+
 def parse_prompt(prompt) -> tuple[str | list[int], str | None]:
-    """(text or token ids, cache_salt) of one prompt; a dict must hold exactly one of "prompt"
-    (a string) and "prompt_token_ids" (a list of ints), and may hold "cache_salt". ValueError
-    naming the field and the value otherwise (the engine checks the salt's type and the ids)."""
+    """(text or token ids, cache_salt) of one prompt: a string, a list of ints, or a dict with
+    exactly one of "prompt" (a string) and "prompt_token_ids" (a list of ints), and optionally
+    "cache_salt". ValueError naming the field and the value otherwise (the engine checks the
+    salt's type, the length and the ids' range)."""
     if not isinstance(prompt, Mapping):
-        return prompt, None
+        return _checked_input("prompt", prompt), None
     unknown = sorted(map(str, set(prompt) - _DICT_KEYS))
     if unknown:
         raise ValueError(f"prompt dict has unknown key{'s' if len(unknown) > 1 else ''} "
@@ -202,29 +282,32 @@ def parse_prompt(prompt) -> tuple[str | list[int], str | None]:
     value = prompt[key]
     if key == "prompt" and not isinstance(value, str):
         raise ValueError(f"prompt must be a string, got {short_repr(value)}")
-    if key == "prompt_token_ids" and not (isinstance(value, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value)):
+    if key == "prompt_token_ids" and not _is_id_list(value):
         raise ValueError(f"prompt_token_ids must be a list of token ids (ints), got {short_repr(value)}")
     return (value if key == "prompt" else list(value)), prompt.get("cache_salt")
 
 
-def _refused_prompt(prompt) -> tuple[str | None, list[int]]:
-    """(prompt text, prompt token ids) shown in a refused prompt's output, as far as they are known."""
-    if isinstance(prompt, Mapping):
-        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
-    if isinstance(prompt, str):
-        return prompt, []
-    if isinstance(prompt, (list, tuple)):
-        return None, list(prompt)
-    return None, []
+def _checked_input(field: str, value) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if _is_id_list(value):
+        return list(value)
+    raise ValueError(f"{field} must be a string, a list of token ids (ints) or a dict with 'prompt' or "
+                     f"'prompt_token_ids', got {short_repr(value)}")
+
+
+def _is_id_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _as_prompt_list(prompts) -> list:
     """One prompt (text, token ids or a dict) as a list of one; a sequence of prompts as a list."""
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
         return [prompts]
     return prompts
 

@@ -16,11 +16,26 @@ class RequestFailedError(RuntimeError):
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the raw model (as vLLM's `Logprob`): `rank` is its
+    1-based rank in the distribution (1 = the most likely), `decoded_token` its text (None
+    without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: {token id: Logprob} holding the position's own token and the top n
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""  # the whole output text so far (stop strings excluded)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None  # per output token: sampled + top-n {id: logprob}
+    logprobs: list[PositionLogprobs] | None = None  # per output token: sampled + top-n {id: Logprob}
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string
@@ -37,13 +52,17 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per sample (SamplingParams.n), index 0..n-1
     finished: bool = False
     # set when this request was refused (e.g. a ValueError) or failed by a fault while it ran
     # (a RequestFailedError; finish_reason "error")
     error: Exception | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not recomputed) on admission
+    # prompt tokens found in the prefix cache (not recomputed) on admission; with n samples, those
+    # of the first (the others share its prompt blocks)
+    num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token (the first None) its own token + the top n
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def text(self) -> str:

@@ -10,9 +10,12 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from deepinfer.structured_output import StructuredOutputsParams
+
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 INT64_MAX = 2**63 - 1  # token ids, top_k and counts stay within int64 (what a tensor holds)
+MAX_SAMPLES = 128  # most sequences one prompt may fan out to (n, best_of), as in OpenAI's API
 
 
 @dataclass
@@ -31,14 +34,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob + top n
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # samples returned per prompt, [1, MAX_SAMPLES]
+    best_of: int | None = None  # samples drawn (None: n); the n of highest cumulative logprob are returned
+    min_tokens: int = 0  # EOS / stop_token_ids masked and stop strings unchecked until this many outputs
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    bad_words: list[str] = field(default_factory=list)  # never emitted whole (see set_bad_words_tokens)
+    prompt_logprobs: int | None = None  # None: none; n >= 0: each prompt token's logprob + top n
+    structured_output: StructuredOutputsParams | None = None  # a dict of its fields is accepted too
+    # Filled by the engine when it admits the request (not user input; copied with the params):
+    # the model's EOS ids (masked with stop_token_ids under min_tokens), each bad word's tokenizations
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __init__(self, **kwargs):
         names = {f.name for f in dataclasses.fields(SamplingParams)}
         for key in kwargs:
             if key not in names:
+                public = sorted(n for n in names if not n.startswith("_"))
                 raise ValueError(f"unknown sampling field {key!r} (value {short_repr(kwargs[key])}); "
-                                 f"known fields: {', '.join(sorted(names))}")
+                                 f"known fields: {', '.join(public)}")
         for f in dataclasses.fields(SamplingParams):
             if f.name in kwargs:
                 value = kwargs[f.name]
@@ -57,6 +72,34 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        """The ids min_tokens masks: stop_token_ids, and the model's EOS unless ignore_eos."""
+        return list(self.stop_token_ids) + ([] if self.ignore_eos else list(self._eos_token_ids))
+
+    def set_eos_token_ids(self, ids) -> None:
+        """The engine's EOS ids for this request (masked with stop_token_ids under min_tokens)."""
+        self._eos_token_ids = tuple(sorted(int(t) for t in ids))
+
+    def set_bad_words_tokens(self, tokenizer) -> None:
+        """Tokenize `bad_words` as vLLM does: each word alone and after a space, keeping the
+        spaced form only when it starts with another token and has as many tokens (a new word
+        token rather than a space plus the word). ValueError when there is no tokenizer."""
+        if not self.bad_words:
+            self._bad_words_token_ids = ()
+            return
+        if tokenizer is None:
+            raise ValueError(f"bad_words {short_repr(self.bad_words)} need a tokenizer, and this model has none")
+        found: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            new_word = bool(plain) and bool(spaced) and spaced[0] != plain[0] and len(spaced) == len(plain)
+            for ids in (plain, spaced) if new_word else (plain,):
+                if ids and ids not in found:
+                    found.append(ids)
+        self._bad_words_token_ids = tuple(found)
 
     def validate(self) -> SamplingParams:
         """Check every field again (fields can be changed after construction); returns self.
@@ -85,7 +128,7 @@ class SamplingParams:
             _check_int("seed", self.seed, low=SEED_MIN, high=SEED_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
-        _check_int("n", self.n, low=1, high=1)
+        self._validate_samples()
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {short_repr(self.stop)}")
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
@@ -94,9 +137,71 @@ class SamplingParams:
                              f"got {short_repr(self.stop_token_ids)}")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._validate_parity_fields()
+        self.structured_output = StructuredOutputsParams.from_value(self.structured_output)
+        if self.structured_output is not None and self.min_tokens:
+            # the grammar decides where the answer ends: once complete it allows only EOS
+            raise ValueError(f"min_tokens ({self.min_tokens}) cannot be combined with structured_output; "
+                             f"use the grammar (e.g. minLength, minItems) to ask for a longer answer")
         self.temperature = float(self.temperature)
         if self.top_k == -1:
             self.top_k = 0
+
+    def _validate_samples(self) -> None:
+        """n in [1, MAX_SAMPLES]; best_of None (means n) or in [n, MAX_SAMPLES]."""
+        _check_int("n", self.n, low=1, high=MAX_SAMPLES)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1, high=MAX_SAMPLES)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {short_repr(self.best_of)}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine runs for the prompt: best_of, or n when best_of is None."""
+        return self.n if self.best_of is None else self.best_of
+
+    def _validate_parity_fields(self) -> None:
+        """min_tokens, include_stop_str_in_output, logit_bias, bad_words, prompt_logprobs."""
+        _check_int("min_tokens", self.min_tokens, low=0, high=INT64_MAX)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {short_repr(self.min_tokens)}")
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words or [])
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {short_repr(self.bad_words)}")
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
+
+
+def _checked_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias}: ids are ints >= 0 (or strings of them, as JSON sends), biases finite
+    numbers in [-100, 100]. The upper bound on ids (the vocabulary) is checked by the sampler."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {short_repr(bias)}")
+    checked = {}
+    for key, value in bias.items():
+        token_id = key
+        if isinstance(key, str) and key.strip().isdecimal() and len(key) <= 20:  # int() refuses 4300+ digits
+            token_id = int(key)
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {short_repr(key)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {short_repr(value)} "
+                             f"for token id {token_id}")
+        checked[token_id] = float(value)
+    return checked
+
+
+def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the first logit_bias id outside [0, vocab_size)."""
+    for token_id in params.logit_bias:
+        if token_id >= vocab_size:
+            raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
 _MAX_SHOWN = 80  # characters of a value shown in an error message

@@ -21,7 +21,7 @@ def hybrid_llm(tiny_checkpoint):
     # gemma3 tiny: sliding layers (ring group) and a global layer (paged group); few blocks and
     # 3 state slots force preemption and waiting for slots.
     return LLM(tiny_checkpoint("gemma3"), num_blocks=12, block_size=4, max_num_seqs=3,
-               max_num_batched_tokens=13, max_model_len=128)
+               max_num_batched_tokens=13, max_model_len=48)  # 12 blocks of 4 hold one request
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

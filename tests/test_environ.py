@@ -14,6 +14,7 @@ DEFAULTS = {
     "yoco_prefill_truncation": False,
     "yoco_prefill_keep_tokens": 0,
     "batch_invariant": False,
+    "allow_long_max_model_len": False,
 }
 
 

@@ -61,6 +61,9 @@ class ScheduledRequest:
     # A verification step: token_ids = [the last sampled token] + k drafts; its k+1 tokens are
     # stored, then read, in decode order (book §3.5.1), and every position is scored.
     verify: bool = False
+    # prompt_logprobs: how many top logprobs to report per prompt token this chunk scores (None: no
+    # prompt logits computed); set on the chunks of a request's first pass over its prompt
+    prompt_logprobs: int | None = None
     # Prefix caching: before the forward, read these saved units from disk into the request's
     # blocks (or a snapshot slot), then restore its rings, per-request state and partial pages
     # at start_pos from snapshot slot `restore_from`; after the step, copy them at the chunk's
@@ -109,6 +112,10 @@ class SampleResult:
     token_id: int
     logprob: float  # log-softmax of the sampled token under the unmodified model distribution
     top_logprobs: list[tuple[int, float]] | None = None  # top-n (token id, logprob), best first
+    rank: int | None = None  # 1-based rank of token_id under the raw model (set when logprobs are asked)
+    # prompt_logprobs requests, on the first token only: per prompt token (the first None) a
+    # list of (token id, logprob, rank): the prompt's own token first, then the top n
+    prompt_logprobs: list[list[tuple[int, float, int]] | None] | None = None
 
 
 @dataclass

@@ -20,6 +20,9 @@ units (`find_prefix`, then `allocate_slots(..., hit)`): shared blocks (touched),
 the cache directory (`CacheLoad`), and for ring models the snapshot at the hit boundary, which
 the worker restores into the request's fresh state slots before its first step.
 
+Parallel sampling: a sibling sample starts from the full prompt blocks of the sibling that
+computed the prompt (`sibling_prefix`), shared like a prefix hit, also with prefix caching off.
+
 Invariant (no leaks): every block and state slot returns to its pool when the request is
 freed, whether it finished, was aborted or was preempted; `check_no_leaks()` verifies it.
 Cached blocks wait on the free list (ref_cnt 0) and snapshots in their own pool: both count as
@@ -166,8 +169,9 @@ class KVCacheManager:
         return hashes
 
     def find_prefix(self, req) -> PrefixHit:
-        """The longest cached prefix of req's tokens, leaving at least its last token to compute."""
-        if not self.caching:
+        """The longest cached prefix of req's tokens, leaving at least its last token to compute.
+        None for a request asking for prompt_logprobs: every prompt position must be computed."""
+        if not self.caching or req.sampling_params.prompt_logprobs is not None:
             return PrefixHit(blocks=tuple([] for _ in self.paged_specs))
         hashes = self.block_hashes(req)
         blocks: tuple[list, ...] = tuple([] for _ in self.paged_specs)
@@ -180,6 +184,25 @@ class KVCacheManager:
                 best, sizes, snap = i * self.unit, [len(g) for g in blocks], found
         return PrefixHit(best, tuple(g[:n] for g, n in zip(blocks, sizes, strict=True)), snap,
                          hashes[best // self.unit - 1] if best else None)
+
+    def sibling_prefix(self, req, source) -> PrefixHit:
+        """The prompt blocks req may share with `source`, a sibling sample of the same prompt that
+        still holds its cache: its full blocks below both its computed count and req's last token.
+        Works without the prefix cache (the blocks are ref-counted, not looked up by hash).
+
+        Nothing for ring models (a state slot holds one sequence's rows; their siblings share
+        through snapshots when prefix caching is on) or a request asking for prompt_logprobs."""
+        empty = PrefixHit(blocks=tuple([] for _ in self.paged_specs))
+        cache = self._requests.get(source.request_id)
+        if (cache is None or self.ring_specs or req.prompt_token_ids != source.prompt_token_ids
+                or getattr(req.sampling_params, "prompt_logprobs", None) is not None):
+            return empty
+        limit = min(source.num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
+        boundary = limit // self.hit_align * self.hit_align
+        if boundary == 0:
+            return empty
+        return PrefixHit(boundary, tuple(table[:spec.num_blocks_for(boundary)]
+                                         for spec, table in zip(self.paged_specs, cache.block_tables, strict=True)))
 
     def _extend(self, blocks: tuple[list, ...], hashes: list[bytes], boundary: int) -> bool:
         """Add each paged group's block that ends at `boundary` (cached, or a saved file); False

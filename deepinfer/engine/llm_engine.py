@@ -32,11 +32,12 @@ from deepinfer.contracts.model import StepRunner
 from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.parallel_sampling import ParallelSampling, ParentRequest
 from deepinfer.engine.prefix_cache import PrefixSettings
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.outputs import RequestFailedError, RequestOutput
-from deepinfer.sampling_params import SamplingParams, short_repr
+from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, short_repr
 
 logger = logging.getLogger("deepinfer.engine")
 _MAX_LONE_FAILURES = 2  # one-request steps failing in a row before the fault counts as not per-request
@@ -60,35 +61,67 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
         self._lone_failures = 0  # one-request steps that failed in a row
+        self.samples = ParallelSampling()  # requests with n / best_of > 1 and their child requests
 
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid.
-        Requests share cached prefixes only when their `cache_salt` is equal (None included)."""
+        Requests share cached prefixes only when their `cache_salt` is equal (None included).
+        With `params.n` / `best_of` > 1 its samples run as sibling requests sharing the prompt's
+        blocks (`parallel_sampling`); its outputs come under `request_id`, one completion each."""
         params = checked_params(params)
+        check_token_ids_in_vocab(params, self.source.hf_config.vocab_size)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {short_repr(cache_salt)}")
         request_id = request_id or f"req-{next(self._ids)}"
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        if self.scheduler.get_request(request_id) is not None:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_free(request_id)
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids)
-        req = Request(request_id, ids, params, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.max_model_len, cache_salt=cache_salt)
-        self.outputs.add(req, text)
+
+        def make(rid: str, p: SamplingParams) -> Request:
+            return Request(rid, ids, p, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                           cache_salt=cache_salt)
+
+        if params.num_samples == 1:
+            self._admit(make(request_id, params), text)
+            return request_id
+        parent = self.samples.add(request_id, text, params, make)
         try:
-            self.scheduler.add_request(req)  # refuses what the cache can never hold
+            for child in parent.children:
+                self._check_free(child.request_id, owner=request_id)
+            self._admit(parent.children[0], text)  # the siblings go in once it has computed the prompt
         except BaseException:
-            self.outputs.drop(request_id)
+            self.samples.forget(parent)
             raise
         return request_id
 
+    def _admit(self, req: Request, text: str | None, share_from: Request | None = None) -> None:
+        self.outputs.add(req, text)
+        try:
+            self.scheduler.add_request(req, share_from)  # refuses what the cache can never hold
+        except BaseException:
+            self.outputs.drop(req.request_id)
+            raise
+
+    def _check_free(self, request_id: str, owner: str | None = None) -> None:
+        """ValueError if an unfinished request (or a sample of one) has this id."""
+        if self.scheduler.get_request(request_id) is not None or (
+                self.samples.knows(request_id) and owner is None):
+            raise ValueError(f"request_id {(owner or request_id)!r} is already in use"
+                             + (f" (its sample id {request_id!r} is taken)" if owner else ""))
+
     def abort_request(self, request_id: str) -> bool:
-        """Abort at any point; the request's final output ("abort") comes with the next step()."""
+        """Abort at any point; the request's final output ("abort") comes with the next step().
+        Aborting a request with several samples aborts all of them (a sample's own id is refused)."""
+        parent = self.samples.get(request_id) if isinstance(request_id, str) else None
+        if parent is not None:
+            return self._abort_parent(parent)
+        if self.samples.knows(request_id):
+            return False
         req = self.scheduler.get_request(request_id)
         if req is None or not self.scheduler.abort_request(request_id):
             return False
@@ -98,8 +131,32 @@ class LLMEngine:
         self.runner.release([request_id])
         return True
 
+    def _abort_parent(self, parent: ParentRequest) -> bool:
+        outs = []
+        for child in parent.children:
+            req = self.scheduler.get_request(child.request_id)
+            if req is not None and self.scheduler.abort_request(child.request_id):
+                outs.append(self.outputs.abort(req))
+                self.runner.release([child.request_id])
+        final = self.samples.finish_aborted(parent, [out for out in outs if out is not None])
+        if final is not None:
+            self._aborted.append(final)
+        return True
+
+    def _admit_siblings(self) -> list[RequestOutput]:
+        """Queue the held samples whose first sibling has computed the prompt; a refused one
+        (it cannot be: its first sibling passed the same checks) ends failed."""
+        failed = []
+        for parent, child in self.samples.take_ready():
+            try:
+                self._admit(child, parent.prompt, share_from=parent.children[0])
+            except ValueError as exc:
+                self.outputs.add(child, parent.prompt)
+                failed.append(self.outputs.fail(child, RequestFailedError(child.request_id, str(exc))))
+        return failed
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.samples.has_pending
 
     def get_metrics(self) -> dict:
         """Counters since start: running / waiting requests, preemptions, KV blocks, and the
@@ -144,8 +201,9 @@ class LLMEngine:
         updated = self.scheduler.update(plan, output)
         results = [self._process(req, output.samples.get(req.request_id)) for req in updated]
         self.runner.release([req.request_id for req in updated if req.is_finished])
+        failed += self._admit_siblings()
         aborted, self._aborted = self._aborted, []
-        return aborted + failed + results
+        return self.samples.fold(aborted + failed + results)
 
     def _execute(self, plan: StepPlan) -> ModelOutput:
         """The runner's step; if it raises, find the culprits by running each request alone."""

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer, StopChecker
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from deepinfer.sampling_params import SamplingParams
 
 
 @dataclass
@@ -15,6 +16,8 @@ class _State:
     detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     stop: StopChecker
     completion: CompletionOutput
+    params: SamplingParams
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class OutputProcessor:
@@ -27,10 +30,12 @@ class OutputProcessor:
 
     def add(self, req: Request, prompt: str | None) -> None:
         p = req.sampling_params
+        p.set_eos_token_ids(req.eos_token_ids)  # min_tokens masks them
+        p.set_bad_words_tokens(self.tokenizer)  # ValueError without a tokenizer
         detok = NoTextDetokenizer() if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
-        self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion)
+        self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion, p)
 
     def update(self, req: Request, samples: list) -> tuple[str | None, int]:
         """Fold this step's tokens and their text in, one token at a time as plain decoding
@@ -59,13 +64,20 @@ class OutputProcessor:
 
     @staticmethod
     def _text_delta(state: _State, new_ids: list[int], finished: bool, drop_last: bool) -> tuple[str, str | None]:
-        """A stop token or EOS stays in token_ids but its text is not emitted (as in vLLM)."""
+        """A stop token or EOS stays in token_ids but its text is not emitted (as in vLLM).
+        Stop strings are checked once min_tokens outputs exist (text before that is emitted as
+        is, so a stop string that starts before that point is not matched); a matched one stays
+        in the text with include_stop_str_in_output."""
         delta = state.detokenizer.add_tokens(new_ids[:-1] if drop_last else new_ids)
         if finished:
             delta += state.detokenizer.flush()
+        if len(state.completion.token_ids) < state.params.min_tokens:
+            return delta, None
         text, matched = state.stop.step(delta)
         if matched is None and finished:
             text += state.stop.flush()
+        if matched is not None and state.params.include_stop_str_in_output:
+            text += matched
         return text, matched
 
     def output(self, req: Request) -> RequestOutput:
@@ -106,9 +118,21 @@ class OutputProcessor:
         c.delta_token_ids.append(sample.token_id)
         c.cumulative_logprob += sample.logprob
         if c.logprobs is not None:
-            entry = dict(sample.top_logprobs or [])
-            entry[sample.token_id] = sample.logprob
-            c.logprobs.append(entry)
+            top = [(t, lp, rank) for rank, (t, lp) in enumerate(sample.top_logprobs or [], start=1)]
+            c.logprobs.append(self._position(sample.token_id, sample.logprob, sample.rank, top))
+        if sample.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None if entry is None else self._position(*entry[0], entry[1:])
+                                     for entry in sample.prompt_logprobs]
+
+    def _position(self, token_id: int, logprob: float, rank: int | None,
+                  top: list[tuple[int, float, int]]) -> PositionLogprobs:
+        """{id: Logprob} of one position: the top n (ranks 1..n), then the position's own token."""
+        entry = {t: Logprob(lp, r, self._decode(t)) for t, lp, r in top}
+        entry[token_id] = Logprob(logprob, rank, self._decode(token_id))
+        return entry
+
+    def _decode(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _output(self, req: Request, finished: bool) -> RequestOutput:
         state = self._states[req.request_id]
@@ -121,7 +145,7 @@ class OutputProcessor:
                            logprobs=None if c.logprobs is None else list(c.logprobs))
         return RequestOutput(req.request_id, state.prompt, req.prompt_token_ids, [snapshot],
                              finished=finished, num_preemptions=req.num_preemptions,
-                             num_cached_tokens=req.num_cached_tokens or 0)
+                             num_cached_tokens=req.num_cached_tokens or 0, prompt_logprobs=state.prompt_logprobs)
 
 
 def _ended_by_token(req: Request) -> bool:

@@ -28,6 +28,11 @@ rings can be copied there (`ScheduledRequest.capture_to`). After every step the 
 full blocks and snapshots are registered (`KVCacheManager.commit`); a request whose saved-cache
 files failed to load starts over without them.
 
+Parallel sampling: the samples of one prompt are sibling requests; the engine queues a sibling
+(`add_request(req, share_from=first)`) once the first has computed the prompt, and on admission
+it starts from the longer of its cached prefix and the first's full prompt blocks, shared
+ref-counted (`KVCacheManager.sibling_prefix`; also without the prefix cache).
+
 Order invariant: `running` is sorted by arrival and every running request arrived before every
 waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
 newest running request and FCFS order holds across preemptions.
@@ -39,7 +44,7 @@ from collections import deque
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan
-from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.spec_stats import SpecDecodeStats
 
@@ -57,6 +62,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.spec_stats = SpecDecodeStats()
         self._finished_request_ids: list[str] = []  # since the last schedule()
+        self._share_from: dict[str, Request] = {}  # request id -> a sibling sample whose prompt blocks it may share
 
     # ---- requests -----------------------------------------------------------------------
     @property
@@ -78,12 +84,21 @@ class Scheduler:
         limit = self.config.max_model_len
         return limit if req.max_model_len is None else min(limit, req.max_model_len)
 
-    def add_request(self, req: Request) -> None:
-        """Queue a request; ValueError if it could never run to its end."""
+    def add_request(self, req: Request, share_from: Request | None = None) -> None:
+        """Queue a request; ValueError if it could never run to its end.
+
+        `share_from`: a sibling sample of the same prompt (parallel sampling) that computed it
+        already; req takes its place in line by arrival (FCFS holds) and, on admission, shares
+        the sibling's full prompt blocks if it still holds them (`KVCacheManager.sibling_prefix`)."""
         self._validate(req)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if share_from is None:
+            self.waiting.append(req)
+            return
+        self._share_from[req.request_id] = share_from
+        later = (i for i, other in enumerate(self.waiting) if other.arrival_time > req.arrival_time)
+        self.waiting.insert(next(later, len(self.waiting)), req)
 
     def _validate(self, req: Request) -> None:
         rid, num_prompt, max_len = req.request_id, req.num_prompt_tokens, self.max_model_len(req)
@@ -131,6 +146,7 @@ class Scheduler:
         req.status, req.stop_reason = status, stop_reason
         self.kv_manager.free(req.request_id)
         del self.requests[req.request_id]
+        self._share_from.pop(req.request_id, None)
         self._finished_request_ids.append(req.request_id)
 
     # ---- schedule -----------------------------------------------------------------------
@@ -199,7 +215,7 @@ class Scheduler:
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv_manager.find_prefix(req)
+            hit = self._find_prefix(req)
             req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
             num_new = self._chunk(req, hit.num_tokens, budget)
             if not self.kv_manager.allocate_slots(req.request_id, hit.num_tokens + num_new, hit):
@@ -214,6 +230,15 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled_request(req, num_new))
             budget -= num_new
+
+    def _find_prefix(self, req: Request) -> PrefixHit:
+        """req's longest cached prefix, or the prompt blocks of its sibling sample if longer."""
+        hit = self.kv_manager.find_prefix(req)
+        source = self._share_from.get(req.request_id)
+        if source is None:
+            return hit
+        shared = self.kv_manager.sibling_prefix(req, source)
+        return shared if shared.num_tokens > hit.num_tokens else hit
 
     def _scheduled_request(self, req: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         start, end = req.num_computed_tokens, req.num_computed_tokens + num_new
@@ -230,6 +255,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             verify=bool(drafts),
+            prompt_logprobs=req.sampling_params.prompt_logprobs if not req.num_output_tokens else None,
             loads=loads,
             restore_from=restore_from,
             capture_to=capture_to,

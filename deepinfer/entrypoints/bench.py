@@ -15,6 +15,9 @@ Workloads (same requests for every engine):
           and after a restart on a --kv-cache-dir (a fresh process); reports TTFT p50/p90 one
           request at a time, mean cached tokens, batch tokens/s and the TTFT ratios (bench_prefix).
 
+Without --workload only cpu32 runs. Each workload prints a line as it starts, and a progress bar
+over the workloads goes to stderr when it is a terminal.
+
 Prompts are token ids, so a model without tokenizer files runs too (`--load-format dummy` on a
 bare config.json). `--max-tokens N` caps each request's output length (default: as drawn) and
 `--num-requests` sets cpu32's request count (default 32; prefix: 16); the prompts stay the same.
@@ -35,6 +38,9 @@ A model with compressed cache groups (DeepSeek-V4) also gets `kv` lines (see ben
 from __future__ import annotations
 
 import json
+import sys
+
+from tqdm.auto import tqdm
 
 from deepinfer.entrypoints.bench_common import (
     WORKLOADS,
@@ -56,7 +62,7 @@ BENCH_WORKLOADS = (*WORKLOADS, "prefix")
 
 def add_bench_args(p) -> None:
     p.add_argument("--workload", action="append", choices=BENCH_WORKLOADS, default=None,
-                   help="workload to run (repeatable; default: all)")
+                   help="workload to run (repeatable; default: cpu32)")
     p.add_argument("--num-requests", type=int, default=None, help="requests in cpu32 (32) and prefix (16)")
     p.add_argument("--peer", action="append", choices=["hf", "llama.cpp"], default=[],
                    help="also run a peer on the same requests (repeatable)")
@@ -65,8 +71,14 @@ def add_bench_args(p) -> None:
     add_prefix_args(p)
 
 
+def selected_workloads(args) -> list[str]:
+    """The workloads to run, in the order given; cpu32 alone without --workload."""
+    return list(dict.fromkeys(args.workload or ["cpu32"]))
+
+
 def run_bench(args) -> int:
-    names = args.workload or ["cpu32", "decode1"]
+    names = selected_workloads(args)
+    progress = WorkloadProgress(names)
     max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -75,17 +87,20 @@ def run_bench(args) -> int:
         check_dummy_peers(args)
     results = []
     if "long" in names:
+        progress.start("long")
         results += run_long(args)
         _print_spec(results)
         names = [n for n in names if n != "long"]
     if "copy" in names:
         from deepinfer.entrypoints.bench_copy import run_copy
 
+        progress.start("copy")
         results += run_copy(args)
         names = [n for n in names if n != "copy"]
     if "prefix" in names:
         from deepinfer.entrypoints.bench_prefix import run_prefix
 
+        progress.start("prefix")
         results += run_prefix(args)
         names = [n for n in names if n != "prefix"]
     llm = make_llm(args) if names else None
@@ -96,6 +111,7 @@ def run_bench(args) -> int:
     for name in names:
         workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests or 32,
                                  max_output_len=max_tokens)
+        progress.start(name, f"{len(workload.prompts)} requests")
         results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
         _print(results[-1])
         _print_spec(results[-1:])
@@ -111,11 +127,32 @@ def run_bench(args) -> int:
     if dummy_peer and workloads:
         results += run_dummy_v4_peer(llm, workloads)
         del llm
+    progress.close()
     _print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_json() for r in results], f, indent=2)
     return 0
+
+
+class WorkloadProgress:
+    """A bar over the workloads (stderr, only on a terminal) and a line as each one starts."""
+
+    def __init__(self, names: list[str]):
+        self.bar = tqdm(total=len(names), desc="bench", unit="workload", disable=None)
+        self.num_started = 0
+
+    def start(self, name: str, what: str = "") -> None:
+        if self.num_started:
+            self.bar.update(1)
+        self.num_started += 1
+        self.bar.set_description(f"bench {name}")
+        tqdm.write(f"workload {name}: running{' ' + what if what else ''}...", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.num_started:
+            self.bar.update(1)
+        self.bar.close()
 
 
 def check_dummy_peers(args) -> None:

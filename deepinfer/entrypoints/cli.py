@@ -8,13 +8,25 @@ import sys
 from deepinfer.entrypoints.engine_args import add_engine_args, add_sampling_args, make_llm, sampling_params
 
 
+def read_prompt(arg: str, stdin=sys.stdin) -> str:
+    """The prompt argument, or all of standard input for "-" (a trailing newline dropped)."""
+    if arg != "-":
+        return arg
+    text = stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        raise ValueError("prompt '-': standard input was empty")
+    return text
+
+
 def cmd_generate(args) -> int:
     params = sampling_params(args)
+    text = read_prompt(args.prompt)  # before the model loads: an empty stdin fails at once
     with make_llm(args) as llm:  # closing saves what --kv-cache-dir still lacks
-        prompt = args.prompt
+        prompt = text
         if not args.raw:
-            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) \
-                if llm.get_tokenizer().chat_template else args.prompt
+            prompt = llm.apply_chat_template([{"role": "user", "content": text}]) \
+                if llm.get_tokenizer().chat_template else text
         for out in llm.stream(prompt, params):
             sys.stdout.write(out.outputs[0].delta_text)
             sys.stdout.flush()
@@ -23,17 +35,21 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from deepinfer.entrypoints.chat import run_chat
+    from deepinfer.entrypoints.chat import chat_params, default_history_file, run_chat
 
-    params = sampling_params(args)
+    sampling_params(args)  # a bad flag is refused before the model loads
+    history_file = default_history_file() if args.history_file is None else args.history_file or None
     with make_llm(args) as llm:
-        return run_chat(llm, params, system=args.system)
+        return run_chat(llm, chat_params(args, llm), system=args.system, history_file=history_file)
 
 
 def cmd_info(args) -> int:
+    """Print what the engine builds. With --load-format dummy the weights are shapes only (meta
+    tensors): sizes without values, so a wide config needs neither its memory nor a minute."""
     from deepinfer.entrypoints.info import print_info
+    from deepinfer.model_executor.model_loader import shapes_only_dummy_weights
 
-    with make_llm(args) as llm:
+    with shapes_only_dummy_weights(), make_llm(args) as llm:
         print_info(llm)
     return 0
 
@@ -50,14 +66,53 @@ def cmd_serve(args) -> int:
     return run_server(args)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, unless its help already says what the default is (or
+    there is none to show)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: defaults in --help; a bad or unknown flag prints this subcommand's
+    one-line usage and the error (exit status 2), not the top-level usage nor every option."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def format_usage(self) -> str:
+        names = [a.metavar or a.dest for a in self._actions if not a.option_strings and a.nargs != argparse.PARSER]
+        modes = [a for a in self._actions if a.nargs == argparse.PARSER]
+        mode = f" [{'|'.join(modes[0].choices)}]" if modes else ""
+        return f"usage: {' '.join([self.prog, '[options]', *names])}{mode}  (--help lists the options)\n"
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:  # argparse would report them from the top-level parser, with its usage
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from deepinfer.entrypoints.chat import use_model_defaults
+
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference engine",
+                                     formatter_class=DefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     gen = sub.add_parser("generate", help="stream a completion for PROMPT to stdout")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help='the prompt; "-" reads it from standard input')
     gen.add_argument("--raw", action="store_true", help="send PROMPT as is (no chat template)")
     chat = sub.add_parser("chat", help="interactive chat with history (the model's chat template)")
-    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--system", default=None, help="system message (/system changes it during the chat)")
+    chat.add_argument("--history-file", default=None, metavar="PATH",
+                      help="where a terminal session keeps the lines typed, for Up-arrow and Ctrl-R "
+                           "(default: ~/.cache/deepinfer/chat_history, or chat_history in $DEEPINFER_CACHE_DIR; "
+                           "'' keeps none)")
     info = sub.add_parser("info", help="architecture, layers, KV bytes per token, cache capacity "
                           "(and the saved cache in --kv-cache-dir)")
     bench = sub.add_parser("bench", help="throughput benchmark (cpu32 and batch-1 decode workloads)")
@@ -77,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         if p is not info and p is not serve:
             add_sampling_args(p)
         p.set_defaults(func=fn)
+    use_model_defaults(chat)  # chat: sampling flags unset mean the model's defaults, replies run to the context
     bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
     return parser
 

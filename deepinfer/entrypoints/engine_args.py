@@ -15,16 +15,29 @@ from deepinfer.sampling_params import SamplingParams
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2-135M)")
+    g.add_argument("--model", default=None,
+                   help="a directory, a .gguf file, a short name (smollm2-135m, gemma3-270m) or a Hugging "
+                        "Face name org/name[/file.gguf] (default: the embedded smollm2-135m)")
     g.add_argument("--dtype", default="auto",
                    help="auto (CPU: fp32 or bf16, whichever is faster here; GPU: bf16), float32, bfloat16, float16")
     g.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                    help="auto: a GGUF's quantized weights stay quantized on a CPU with the kernels; none: "
                         "dequantize them (the reference path); gguf: keep them quantized; int8/int4: "
                         "quantize linear layers at load (groups of 32)")
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face model name (default: its default branch)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size, e.g. 512MiB, 2GiB")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output tokens per request (default: min(the model's context, 4096))")
+    g.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="accept a --max-model-len beyond the model's context (also "
+                        "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1); positions past it give garbage")
+    g.add_argument("--kv-cache-memory", default="auto",
+                   help="KV cache size, e.g. 512MiB, 2GiB; auto: what --max-num-seqs requests at --max-model-len "
+                        "need, at most --gpu-memory-utilization of the memory free after the weights")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the free memory (GPU, or the CPU's MemAvailable) --kv-cache-memory auto "
+                        "may take")
     g.add_argument("--num-blocks", type=int, default=None, help="paged blocks (overrides --kv-cache-memory)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per paged block")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
@@ -32,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
-    g.add_argument("--hf-overrides", type=json.loads, default=None,
+    g.add_argument("--hf-overrides", type=json_object, default=None,
                    help='JSON object of model config fields to override, e.g. \'{"sliding_window": 128}\'')
     g.add_argument("--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
                    help="draft tokens and verify them in one pass: ngram (prompt lookup, any model) "
@@ -44,6 +57,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the checkpoint's weights; dummy: config.json only, seeded random weights "
                         "(benchmarks and memory figures without weight files)")
     add_prefix_cache_args(p)
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --hf-overrides: a JSON object, else one line saying what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (a {type(value).__name__})")
+    return value
 
 
 def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
@@ -91,12 +115,15 @@ def prefix_cache_kwargs(args) -> dict:
 def cache_config(args) -> CacheConfig:
     """The CacheConfig the flags describe (ValueError naming the field and value when one is bad)."""
     return CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-                       kv_cache_dtype=args.kv_cache_dtype, **prefix_cache_kwargs(args))
+                       kv_cache_dtype=args.kv_cache_dtype,
+                       gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9), **prefix_cache_kwargs(args))
 
 
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, quantization=getattr(args, "quantization", "auto"), device=args.device,
-                max_model_len=args.max_model_len,
+                max_model_len=args.max_model_len, revision=getattr(args, "revision", None),
+                allow_long_max_model_len=getattr(args, "allow_long_max_model_len", False),
+                gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
                 kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
@@ -105,11 +132,15 @@ def engine_kwargs(args) -> dict:
                 load_format=getattr(args, "load_format", "auto"), **prefix_cache_kwargs(args))
 
 
-def sampling_params(args) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+def sampling_params(args, defaults: SamplingParams | None = None) -> SamplingParams:
+    """The sampling flags as SamplingParams; a flag left None takes its value from `defaults` (e.g.
+    the model's, `LLM.get_default_sampling_params()`), else SamplingParams' own default."""
+    given = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                 top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                 seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    base = {name: getattr(defaults, name) for name in given} if defaults is not None else {}
+    return SamplingParams(**{**base, **{name: value for name, value in given.items() if value is not None}})
 
 
 def make_llm(args):

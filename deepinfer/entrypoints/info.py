@@ -197,7 +197,8 @@ def info_lines(llm) -> list[str]:
     layers = runner.model.attention_layers()
     load_format = getattr(engine.source, "load_format", "auto")
     lines = [
-        f"model: {engine.source.path}" + (" (dummy weights: seeded random values)" if load_format == "dummy" else ""),
+        f"model: {engine.source.path}" + (f" (dummy weights: {_dummy_kind(runner.model)})" if load_format == "dummy"
+                                          else ""),
         f"architecture: {cfg.model_type} ({', '.join(getattr(cfg, 'architectures', None) or [])})",
         f"layers: {len(layers)}, hidden: {cfg.hidden_size}, heads: {layers[0].num_heads}, "
         f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
@@ -212,6 +213,12 @@ def info_lines(llm) -> list[str]:
         lines.append(f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
                      f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)")
     return lines + prefix_cache_lines(llm)
+
+
+def _dummy_kind(model) -> str:
+    """How a dummy model holds its weights: values, or shapes only (meta tensors)."""
+    meta = any(p.is_meta for p in model.parameters())
+    return "shapes only, no values" if meta else "seeded random values"
 
 
 def weight_lines(runner) -> list[str]:

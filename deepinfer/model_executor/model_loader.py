@@ -18,6 +18,7 @@ batch-1 bf16 decode was slower than fp32: hence a measurement, not a table.)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import gc
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from deepinfer.config import check_load_format, check_quantization
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
@@ -146,6 +148,21 @@ def _probe_times(hidden: int, inter: int) -> tuple[float, float]:
 
 
 
+_SHAPES_ONLY = contextvars.ContextVar("shapes_only", default=False)
+
+
+@contextlib.contextmanager
+def shapes_only_dummy_weights():
+    """Inside it, a model with load_format "dummy" gets its weights on the meta device: shapes and
+    dtypes without values (for `deepinfer info`, which reports sizes and never runs the model: a
+    V4-Flash-wide config costs no 13 GB and no minute of random numbers)."""
+    token = _SHAPES_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY.reset(token)
+
+
 @contextlib.contextmanager
 def skip_weight_init():
     """Build Linear and Embedding modules without drawing random weights: loading overwrites them,
@@ -166,7 +183,9 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     speculative_method="mtp" adds the model's next-n draft module, refused for a model without one."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
-    with torch.device(device), skip_weight_init():
+    dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
+    shapes_only = dummy and _SHAPES_ONLY.get()
+    with torch.device("meta" if shapes_only else device), skip_weight_init():
         model = model_cls(cfg, max_positions)
         if speculative_method == "mtp":
             add_mtp = getattr(model, "add_mtp", None)
@@ -174,15 +193,23 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
                 raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
                                  f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
             add_mtp()
-    if check_load_format(getattr(source, "load_format", "auto")) == "dummy":
+    if shapes_only:
+        pass  # meta tensors: nothing to fill
+    elif dummy:
         init_dummy_weights(model)
     else:
-        model.load_weights(source.iter_weights(torch.float32, keep_quantized=quantization == "gguf"))
+        model.load_weights(weight_progress(source.iter_weights(torch.float32, keep_quantized=quantization == "gguf")))
     if quantization in _LOAD_QUANTIZE:
         quantize_linears(model, quantization)
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model
+
+
+def weight_progress(weights):
+    """`weights` ((name, tensor) pairs) counted by a progress bar on stderr, shown only when
+    stderr is a terminal (tqdm's disable=None), so logs and test output stay clean."""
+    return tqdm(weights, desc="loading weights", unit=" tensors", disable=None, leave=False)
 
 
 def release_free_memory() -> None:

@@ -2,9 +2,9 @@
 
 A verification step scores k + 1 positions of one request: row i holds the target's logits after
 the last sampled token and drafts 1..i. Row i's target distribution p_i is the request's own
-sampling distribution (penalties over the outputs *including drafts 1..i*, temperature, top-k,
-top-p, min-p), so each row is what plain decoding would sample from, had drafts 1..i been its
-outputs:
+sampling distribution (penalties, logit_bias, min_tokens and bad_words over the outputs *including
+drafts 1..i*, temperature, top-k, top-p, min-p), so each row is what plain decoding would sample
+from, had drafts 1..i been its outputs:
 
     greedy    accept draft i+1 while it equals argmax p_i; then emit argmax p_j at the first
               mismatch j (or at row k when all k held): accepted drafts + 1 token.
@@ -29,10 +29,10 @@ import torch
 from deepinfer.contracts.plan import SampleResult
 from deepinfer.model_executor.layers.sampler import (
     Sampler,
-    apply_penalties,
     filtered_weights,
     inverse_cdf,
     logsumexp,
+    process_logits,
     top_logprobs,
 )
 from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata
@@ -71,7 +71,7 @@ class RejectionSampler:
         logits = logits.float()  # [M, V]
         metadata = _expanded_metadata(rows, logits.device)
         lse = logsumexp(logits, self.sampler.batch_invariant)  # [M]
-        processed = apply_penalties(logits, metadata)  # [M, V]
+        processed = process_logits(logits, metadata)  # [M, V]
         greedy = processed.argmax(dim=-1).tolist() if metadata.greedy_rows else []  # [M]
         probs = self._probs(processed, metadata)  # logits row -> p [V]
         top = top_logprobs(logits, lse, metadata)
@@ -79,7 +79,8 @@ class RejectionSampler:
         for row in rows:
             accept = _accept_greedy if row.params.greedy else self._accept_sampled
             tokens = accept(row, first, greedy if row.params.greedy else probs)
-            results.append([SampleResult(t, float(logits[first + i, t] - lse[first + i]), top.get(first + i))
+            results.append([SampleResult(t, float(logits[first + i, t] - lse[first + i]), top.get(first + i),
+                                         _rank(logits[first + i], t) if row.params.logprobs is not None else None)
                             for i, t in enumerate(tokens)])
             first += row.num_rows
         return results
@@ -117,6 +118,11 @@ def _accept_greedy(row: VerifyRow, first: int, argmax: list[int]) -> list[int]:
         if argmax[first + i] != x:
             return row.draft_token_ids[:i] + [argmax[first + i]]
     return row.draft_token_ids + [argmax[first + row.num_rows - 1]]
+
+
+def _rank(logits: torch.Tensor, token_id: int) -> int:
+    """1-based rank of token_id under one row of raw logits [V]."""
+    return int((logits > logits[token_id]).sum()) + 1
 
 
 def _draw_from(weights: torch.Tensor, u: float) -> int:

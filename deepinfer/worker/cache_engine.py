@@ -16,6 +16,7 @@ every view aliases the group's one allocation.
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 
@@ -147,6 +148,16 @@ def page_rows(groups: list[CacheGroupSpec], block_size: int, codecs: list[RowCod
     return [sized.get(g.name, g) for g in groups]
 
 
+def zeroed_bytes(num_units: int, unit_bytes: int, device: torch.device) -> torch.Tensor:
+    """A zeroed [num_units, unit_bytes] uint8 allocation. On the CPU it is an anonymous mapping:
+    the kernel's zero pages, committed as blocks are first written, so a cache sized for many
+    long requests costs resident memory only for the rows in use."""
+    if torch.device(device).type != "cpu" or num_units * unit_bytes == 0:
+        return torch.zeros(num_units, unit_bytes, dtype=torch.uint8, device=device)
+    pages = mmap.mmap(-1, num_units * unit_bytes)  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8).view(num_units, unit_bytes)  # [units, unit_bytes]
+
+
 class CacheEngine:
     """One uint8 allocation per ring group, and one shared by all paged groups (one page size:
     see `page_rows`; a block id addresses the same page bytes in each of them)."""
@@ -156,8 +167,8 @@ class CacheEngine:
         self.groups, self.num_units, self.codecs = groups, num_units, codecs
         paged = [i for i, g in enumerate(groups) if not g.is_ring]
         page = max((self.unit_bytes(i) for i in paged), default=0)
-        shared = torch.zeros(num_units[paged[0]], page, dtype=torch.uint8, device=device) if paged else None
-        self.allocations = [torch.zeros(n, self.unit_bytes(gi), dtype=torch.uint8, device=device) if g.is_ring
+        shared = zeroed_bytes(num_units[paged[0]], page, device) if paged else None
+        self.allocations = [zeroed_bytes(n, self.unit_bytes(gi), device) if g.is_ring
                             else shared for gi, (g, n) in enumerate(zip(groups, num_units, strict=True))]
         # [units, unit_bytes] each
 

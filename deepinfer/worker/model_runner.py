@@ -27,20 +27,30 @@ from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
+from deepinfer.worker.cache_sizing import (
+    RequestNeed,
+    auto_cache_memory,
+    check_fits_one_request,
+    mib,
+    wanted_snapshots,
+)
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
 from deepinfer.worker.kv_disk import KvDiskStore
 from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.prefix_store import PrefixStore, cache_identity
+from deepinfer.worker.prompt_logprobs import PromptLogprobs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
+from deepinfer.worker.structured import StructuredOutputs, eos_ids_of
 
 logger = logging.getLogger("deepinfer.worker")
 
 
 def resolve_device(name: str | None) -> torch.device:
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """The device `config.device` names; a one-line ValueError naming the fix otherwise (`worker/device.py`)."""
+    from deepinfer.worker import device
+
+    return device.resolve_device(name)
 
 
 def make_drafter(config: SpeculativeConfig, model, groups, addressing):
@@ -87,21 +97,23 @@ class ModelRunner:
             self.num_few_row_linear = use_few_row_linear(self.model)
         self.groups, self.codecs = self._sized_groups(cache_config)
         self.codec = self.codecs[0]
-        max_num_seqs = config.scheduler.max_num_seqs
-        self.num_state_slots, self.num_snapshot_slots = self._num_state_slots(cache_config, max_num_seqs)
-        self.num_blocks = self._num_blocks(cache_config)
+        self.num_state_slots, self.num_snapshot_slots, self.num_blocks = self._size_cache(
+            cache_config, config.scheduler.max_num_seqs, config.max_model_len)
         num_ring_units = self.num_state_slots + self.num_snapshot_slots
         units = [num_ring_units if g.is_ring else self.num_blocks for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
         self.addressing = group_addressing(self.groups)
+        self.attention_backend = TorchAttentionBackend(self.env.batch_invariant)
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
-                                           num_ring_units, TorchAttentionBackend(self.env.batch_invariant)))
+                                           num_ring_units, self.attention_backend))
         self.cache_identity = cache_identity(source, self.dtype, cache_config.kv_cache_dtype, self.groups, self.env)
         self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
                                   self._disk_store(cache_config))
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
+        self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
+        self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
 
     def _sized_groups(self, cache_config: CacheConfig) -> tuple[list[CacheGroupSpec], list[RowCodec]]:
         """The model's declared groups, sized (block size, ring S, page rows), with their codecs."""
@@ -128,22 +140,49 @@ class ModelRunner:
         """Per-request state beside the rings (DeepSeek-V4's compressor state), in bytes."""
         return self.model.state_bytes_per_slot()
 
-    def _num_state_slots(self, cache_config, max_num_seqs: int) -> tuple[int, int]:
-        """(state slots, snapshot slots). One ring state slot per running request: max_num_seqs
-        of them, unless they would take more than half the cache memory (then as many as fit
-        there; requests beyond wait). Prefix-cache snapshots (ring models) take what the running
+    def _size_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_model_len: int) -> tuple[int, int, int]:
+        """(state slots, snapshot slots, paged blocks), refused when one request at max_model_len
+        does not fit. kv_cache_memory "auto" sizes for the need, capped (`cache_sizing`); an
+        explicit size (or num_blocks) is split as `_num_state_slots` and `_num_blocks` say."""
+        self.cache_need = need = self.request_need(max_model_len)
+        snapshots = wanted_snapshots(cache_config, max_num_seqs) if self._per_request_bytes() else 0
+        memory = cache_config.kv_cache_memory
+        if cache_config.auto_sized:  # num_blocks alone: the rings get max_num_seqs slots, uncapped
+            memory = None if cache_config.num_blocks else auto_cache_memory(
+                need, max_num_seqs, snapshots, self.device, cache_config.gpu_memory_utilization)
+            if memory is None:  # the whole need fits under the cap
+                slots, blocks = max_num_seqs if need.ring_bytes else 0, max_num_seqs * need.num_blocks
+                blocks = (cache_config.num_blocks or blocks) if need.page_bytes else 0
+                check_fits_one_request(need, blocks, cache_config.num_blocks, 0, max_model_len)
+                return slots, snapshots, blocks
+        slots, snapshots = self._num_state_slots(memory, max_num_seqs, snapshots, need)
+        num_blocks = self._num_blocks(cache_config, memory, slots, snapshots, need)
+        check_fits_one_request(need, num_blocks, cache_config.num_blocks, memory, max_model_len)
+        return slots, snapshots, num_blocks
+
+    def request_need(self, max_model_len: int) -> RequestNeed:
+        """What one request at max_model_len takes: paged blocks (all paged groups draw on one
+        pool of equal pages) and the fixed bytes of its ring slots and state."""
+        paged = [g for g in self.groups if not g.is_ring]
+        blocks = sum(-(-(max_model_len // g.compress_ratio) // g.rows_per_unit) for g in paged)
+        page = max((self.unit_bytes(g) for g in paged), default=0)
+        return RequestNeed(blocks, page, self._per_request_bytes(), len(paged))
+
+    def _num_state_slots(self, memory: int, max_num_seqs: int, wanted: int, need: RequestNeed) -> tuple[int, int]:
+        """(state slots, snapshot slots) in `memory` bytes. One ring state slot per running
+        request: max_num_seqs of them, unless they would take more than the rings' share of the
+        cache memory (all of it without paged groups, else half; then as many as fit there;
+        requests beyond wait). Prefix-cache snapshots (ring models) take what the running
         requests leave of that share, or a quarter of it."""
-        per_request = self._per_request_bytes()
-        if not per_request:
+        if not need.ring_bytes:
             return 0, 0
-        share = cache_config.kv_cache_memory if not any(not g.is_ring for g in self.groups) \
-            else cache_config.kv_cache_memory // 2
-        fit = share // per_request
+        share = memory // 2 if need.page_bytes else memory
+        fit = share // need.ring_bytes
         if fit < 1:
-            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B cannot hold one request's "
-                             f"sliding-window rings ({per_request} B)")
-        wanted = 0 if not cache_config.enable_prefix_caching else cache_config.num_prefix_snapshots \
-            if cache_config.num_prefix_snapshots is not None else min(16, max_num_seqs)
+            raise ValueError(f"kv_cache_memory={memory:,} B ({mib(memory)}) cannot hold one request's "
+                             f"sliding-window rings and state ({need.ring_bytes:,} B, {mib(need.ring_bytes)}"
+                             f"{', with half the memory kept for paged blocks' if need.page_bytes else ''}); "
+                             f"raise --kv-cache-memory")
         snapshots = min(wanted, max(fit - max_num_seqs, fit // 4))
         return min(max_num_seqs, fit - snapshots), snapshots
 
@@ -172,27 +211,23 @@ class ModelRunner:
         """Finish writing the cache directory (idempotent)."""
         self.prefix.close()
 
-    def _num_blocks(self, cache_config) -> int:
-        paged = [g for g in self.groups if not g.is_ring]
-        page = max((self.unit_bytes(g) for g in paged), default=0)
-        ring_bytes = self._per_request_bytes() * (self.num_state_slots + self.num_snapshot_slots) \
-            + self.num_snapshot_slots * len(paged) * page
-        if not paged:
+    def _num_blocks(self, cache_config, memory: int, slots: int, snapshots: int, need: RequestNeed) -> int:
+        """Paged blocks: num_blocks when given, else what `memory` holds beside the rings."""
+        if not need.page_bytes:
             return 0
         if cache_config.num_blocks:
             return cache_config.num_blocks
+        ring_bytes = need.ring_bytes * (slots + snapshots) + snapshots * need.num_paged_groups * need.page_bytes
         # all paged groups share one pool of same-size pages (cache_engine.page_rows)
-        num = (cache_config.kv_cache_memory - ring_bytes) // max(self.unit_bytes(g) for g in paged)
-        if num < 1:
-            raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} B holds no paged block after "
-                             f"{ring_bytes} B of sliding-window rings; raise it or lower max_num_seqs")
-        return num
+        return max(0, (memory - ring_bytes) // need.page_bytes)
 
     def release(self, request_ids) -> None:
         """Drop per-request state (sampler generators, draft distributions) of finished or
         aborted requests."""
         request_ids = list(request_ids)
         self.sampler.release(request_ids)
+        self.prompt_logprobs.release(request_ids)
+        self.structured.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)
 
@@ -210,10 +245,13 @@ class ModelRunner:
         inputs = build_step_inputs(plan, self.addressing, self.device)
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if any(s.prompt_logprobs is not None for s, _ in inputs.spans):
+            self.prompt_logprobs.collect(inputs.spans, hidden, self.model.compute_logits)
         output = ModelOutput()
         if inputs.sample_rows:
             logits = self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
             output = self._sample(logits, inputs)
+            self.prompt_logprobs.attach(inputs.sample_rows, output)
         self._keep_verified(inputs, output)
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(inputs, output.samples)
@@ -260,7 +298,9 @@ class ModelRunner:
     def _sample_rows(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest]) -> ModelOutput:
         """logits [M, V]: one row per plain request, k + 1 per verification step, in `rows`
         order -> their samples (plain rows through the sampler, verifications through the
-        rejection sampler)."""
+        rejection sampler). Structured-output rows are masked to what their grammar allows first."""
+        if self.structured.wanted(rows):
+            logits = self.structured.apply(logits, rows)  # [M, V]
         sizes = [num_logits_rows(s) for s in rows]
         offsets = list(itertools.accumulate(sizes, initial=0))
         plain = [i for i, s in enumerate(rows) if not s.verify]

@@ -84,7 +84,7 @@ def test_copy_workload_without_a_tokenizer_repeats_a_span():
 def test_copy_workload_uses_the_chat_template(tiny_checkpoint):
     from deepinfer import LLM
 
-    llm = LLM(tiny_checkpoint("llama"), num_blocks=16)
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=16, max_model_len=256)
     workload = copy_workload(llm, 20)
     assert not workload.ignore_eos and workload.output_lens == [20] * 8
     first = llm.get_tokenizer().decode(workload.prompts[0])

@@ -26,7 +26,7 @@ def test_help_everywhere(sub, capsys):
 
 def test_generate_streams_text(tiny_checkpoint):
     res = run_cli("generate", "hello", "--model", tiny_checkpoint("llama"), "--max-tokens", "5",
-                  "--ignore-eos", "--raw", "--num-blocks", "16")
+                  "--ignore-eos", "--raw", "--num-blocks", "16", "--max-model-len", "256")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
 
@@ -49,7 +49,7 @@ def test_chat_repl_keeps_history(tiny_checkpoint):
     from deepinfer import LLM, SamplingParams
     from deepinfer.entrypoints.chat import run_chat
 
-    llm = LLM(tiny_checkpoint("llama"), num_blocks=32)
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=32, max_model_len=512)  # 32 blocks of 16 hold one request
     seen = []
     original = llm.apply_chat_template
 
@@ -74,7 +74,7 @@ def test_ctrl_c_stops_an_answer_and_keeps_the_session(tiny_checkpoint):
     from deepinfer import LLM, SamplingParams
     from deepinfer.entrypoints.chat import INTERRUPTED, run_chat
 
-    llm = LLM(tiny_checkpoint("llama"), num_blocks=32)
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=32, max_model_len=512)  # 32 blocks of 16 hold one request
     stream, seen = llm.stream, []
 
     def stream_then_ctrl_c(prompt, params):

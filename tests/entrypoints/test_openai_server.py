@@ -233,19 +233,20 @@ BAD_REQUESTS = [  # (name, path, body (bytes: raw), headers, status, type, param
      "invalid_api_key"),
     ("oversized body", _CMPL, {"prompt": "a" * (MAX_BODY + 10)}, _AUTH, 413, "invalid_request_error",
      None, "request_too_large"),
-    ("n=2", _CMPL, {"prompt": "hi", "n": 2}, _AUTH, 400, "invalid_request_error", "n",
-     "unsupported_parameter"),
-    ("best_of=2", _CMPL, {"prompt": "hi", "best_of": 2}, _AUTH, 400, "invalid_request_error", "best_of",
-     "unsupported_parameter"),
+    ("n over 128", _CMPL, {"prompt": "hi", "n": 129}, _AUTH, 400, "invalid_request_error", "n", None),
+    ("best_of below n", _CMPL, {"prompt": "hi", "n": 3, "best_of": 2}, _AUTH, 400, "invalid_request_error",
+     "best_of", None),
+    ("best_of with stream", _CMPL, {"prompt": "hi", "best_of": 2, "stream": True}, _AUTH, 400,
+     "invalid_request_error", "best_of", None),
     ("echo", _CMPL, {"prompt": "hi", "echo": True}, _AUTH, 400, "invalid_request_error", "echo",
      "unsupported_parameter"),
-    ("logit_bias", _CMPL, {"prompt": "hi", "logit_bias": {"5": 10}}, _AUTH, 400, "invalid_request_error",
-     "logit_bias", "unsupported_parameter"),
+    ("logit_bias out of range", _CMPL, {"prompt": "hi", "logit_bias": {"5": 101}}, _AUTH, 400,
+     "invalid_request_error", "logit_bias", None),
     ("tools", _CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      _AUTH, 400, "invalid_request_error", "tools", "unsupported_parameter"),
-    ("json response_format", _CHAT, {"messages": [{"role": "user", "content": "hi"}],
-                                     "response_format": {"type": "json_object"}}, _AUTH, 400,
-     "invalid_request_error", "response_format", "unsupported_parameter"),
+    ("unknown response_format", _CHAT, {"messages": [{"role": "user", "content": "hi"}],
+                                        "response_format": {"type": "xml"}}, _AUTH, 400,
+     "invalid_request_error", "response_format", None),
     ("empty messages", _CHAT, {"messages": []}, _AUTH, 400, "invalid_request_error", "messages", None),
     ("unknown route", "/v1/nothing", {}, _AUTH, 404, "not_found_error", None, None),
 ]
@@ -343,7 +344,8 @@ def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_chec
     """One seat: a long stream holds it; a second stream waits, its client leaves before any
     chunk, and the request is aborted while still queued (the first one keeps running)."""
     aborted = 'deepinfer_requests_total{finish_reason="abort",status="aborted"}'
-    with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "1", "--max-model-len", "8192") as server:
+    with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "1", "--max-model-len", "8192",
+                    "--allow-long-max-model-len") as server:
         long_body = {"prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
 
         async def run():

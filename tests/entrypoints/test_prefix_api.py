@@ -62,29 +62,55 @@ def test_token_id_dicts_take_a_salt_too(llm):
     assert plain.num_cached_tokens == 0
 
 
-BAD_DICTS = [  # (name, prompt, words the error names)
+BAD_DICTS = [  # (name, prompt, words the error names): refused before anything runs
     ("neither key", {"cache_salt": "s"}, ["prompt", "prompt_token_ids", "neither"]),
     ("both keys", {"prompt": "hi", "prompt_token_ids": [5, 6]}, ["prompt", "prompt_token_ids", "both"]),
     ("unknown key", {"prompt": "hi", "priority": 3}, ["'priority'"]),
-    ("salt not a string", {"prompt": "hi", "cache_salt": 5}, ["cache_salt", "5"]),
-    ("salt a list", {"prompt_token_ids": [5, 6], "cache_salt": ["a"]}, ["cache_salt", "['a']"]),
     ("prompt not a string", {"prompt": [5, 6]}, ["prompt", "[5, 6]"]),
     ("ids not ints", {"prompt_token_ids": ["a", "b"]}, ["prompt_token_ids", "['a', 'b']"]),
+    ("not a prompt at all", 3.5, ["prompt", "3.5"]),
+    ("None", None, ["prompt", "None"]),
+]
+BAD_SALTS = [  # (prompt, words the error names): the engine refuses these alone while the batch runs
+    ({"prompt": "hi", "cache_salt": 5}, ["cache_salt", "5"]),
+    ({"prompt_token_ids": [5, 6], "cache_salt": ["a"]}, ["cache_salt", "['a']"]),
 ]
 
 
-def test_bad_dicts_are_refused_naming_the_field_while_the_batch_runs(llm):
-    prompts = [case[1] for case in BAD_DICTS]
+@pytest.mark.parametrize("name, prompt, words", BAD_DICTS, ids=[c[0] for c in BAD_DICTS])
+def test_malformed_prompts_raise_naming_the_index_before_anything_runs(llm, name, prompt, words):
+    before = llm.get_metrics()
+    with pytest.raises(ValueError) as err:
+        llm.generate([{"prompt": "Hello there"}, "fine", prompt], _params(), use_tqdm=False)
+    assert str(err.value).startswith("prompts[2]: ") and all(w in str(err.value) for w in words), str(err.value)
+    assert llm.get_metrics() == before and not llm.engine.has_unfinished_requests()  # nothing was queued
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_bad_salts_are_refused_naming_the_field_while_the_batch_runs(llm):
+    prompts = [case[0] for case in BAD_SALTS]
     outs = llm.generate([prompts[0], {"prompt": "Hello there", "cache_salt": "ok"}, *prompts[1:]],
                         _params(), use_tqdm=False)
     good = outs.pop(1)
     assert good.error is None and good.finished and len(good.outputs[0].token_ids) == 3
-    for (name, _, words), out in zip(BAD_DICTS, outs, strict=True):
-        assert isinstance(out.error, ValueError), name
-        assert out.finished and out.outputs[0].finish_reason == "error", name
-        assert all(w in str(out.error) for w in words), (name, str(out.error))
+    for (_, words), out in zip(BAD_SALTS, outs, strict=True):
+        assert isinstance(out.error, ValueError)
+        assert out.finished and out.outputs[0].finish_reason == "error"
+        assert all(w in str(out.error) for w in words), str(out.error)
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_a_single_dict_prompt_runs_its_text_and_stream_takes_dicts(llm):
+    by_text = llm.generate("The capital of France is", _params(), use_tqdm=False)[0]
+    by_dict = llm.generate({"prompt": "The capital of France is"}, _params(), use_tqdm=False)[0]
+    assert by_dict.prompt == "The capital of France is" and by_dict.prompt_token_ids == by_text.prompt_token_ids
+    assert by_dict.outputs[0].token_ids == by_text.outputs[0].token_ids
+    streamed = list(llm.stream({"prompt_token_ids": IDS, "cache_salt": "s"}, _params()))
+    assert streamed[-1].finished and streamed[-1].prompt_token_ids == IDS
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.stream({"prompt_token_ids": "abc"}, _params()).__next__()
 
 
 def test_as_prompt_list_keeps_a_single_dict_whole():
@@ -141,7 +167,7 @@ def test_bad_prefix_flags_are_a_clear_error_before_loading(flags, field, capsys,
 def test_an_unwritable_cache_dir_is_a_clear_error(tiny_checkpoint, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    assert cli.main(["info", "--model", tiny_checkpoint("llama"), "--num-blocks", "16",
+    assert cli.main(["info", "--model", tiny_checkpoint("llama"), "--num-blocks", "16", "--max-model-len", "256",
                      "--kv-cache-dir", str(blocker / "cache")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("deepinfer: error: ") and "kv_cache_dir" in err and "Traceback" not in err
@@ -153,8 +179,8 @@ def test_info_lists_the_cache_dir(tiny_checkpoint, tmp_path, capsys):
     (folder / "aa.paged.safetensors").write_bytes(b"x" * 1000)
     (folder / "bb.snapshot.safetensors").write_bytes(b"y" * 2048)
     (tmp_path / "notes.txt").write_text("not a cache file")
-    assert cli.main(["info", "--model", tiny_checkpoint("llama"), "--num-blocks", "16", "--kv-cache-dir",
-                     str(tmp_path), "--kv-cache-dir-size", "1MiB"]) == 0
+    assert cli.main(["info", "--model", tiny_checkpoint("llama"), "--num-blocks", "16", "--max-model-len", "256",
+                     "--kv-cache-dir", str(tmp_path), "--kv-cache-dir-size", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "prefix caching: on" in out
     assert f"kv cache dir: {tmp_path}: 2 entries, 3.0 KiB of 1.0 MiB" in out

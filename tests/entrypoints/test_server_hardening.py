@@ -303,7 +303,9 @@ def test_models_show_the_served_name_not_a_path(hardened, tiny_checkpoint):
 
 @pytest.mark.parametrize("model, served, expected", [
     ("/models/smol/model-q8.gguf", None, "model-q8.gguf"), ("/models/smol/", None, "smol"),
-    ("relative/dir", None, "dir"), (None, None, "SmolLM2-135M-Instruct"), ("/x/y.gguf", "mine", "mine")])
+    ("./relative/dir", None, "dir"), (None, None, "SmolLM2-135M-Instruct"), ("/x/y.gguf", "mine", "mine"),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", None, "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("gemma3-270m", None, "gemma3-270m")])
 def test_served_model_name_defaults_to_the_base_name(model, served, expected):
     from deepinfer.entrypoints.openai.launcher import served_model_name
 
@@ -385,7 +387,8 @@ async def _shutdown_scenario(server: LiveServer) -> tuple[httpx.Response, list[s
 
 
 def test_requests_cut_by_shutdown_get_503_or_an_error_event(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama"), "--max-model-len", "8192", "--shutdown-grace", "2") as server:
+    with LiveServer("--model", tiny_checkpoint("llama"), "--max-model-len", "8192",
+                    "--allow-long-max-model-len", "--shutdown-grace", "2") as server:
         whole, lines = asyncio.run(_shutdown_scenario(server))
         server.proc.wait(10)
         assert server.proc.returncode == 0, server.log_tail()

@@ -43,7 +43,8 @@ def test_quantized_generation_is_coherent_with_fp32(tiny_checkpoint):
 
     path = tiny_checkpoint("llama")
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = LLM(path, quantization="int8", num_blocks=32, block_size=8).generate([[5, 6, 7, 8]], params, use_tqdm=False)
+    llm = LLM(path, quantization="int8", num_blocks=32, block_size=8, max_model_len=256)
+    outs = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 8
 
 

@@ -34,7 +34,7 @@ def test_default_model_matches_transformers(default_llm, default_gguf_path):
     for out in outs:
         c = out.outputs[0]
         assert len(c.token_ids) == 32
-        sampled = [lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        sampled = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
         assert_teacher_forcing(hf, out.prompt_token_ids, c.token_ids, sampled, atol=2e-3)
 
 

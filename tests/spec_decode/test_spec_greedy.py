@@ -14,7 +14,7 @@ from deepinfer import LLM, SamplingParams
 K = 4
 ARCHS = ["llama", "qwen2", "qwen3", "mistral_swa", "qwen2_swa", "gemma3"]
 # a small pool (block_size 4) and budget: four requests of ~70 tokens cannot all stay resident
-ENGINE = dict(block_size=4, num_blocks=36, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=256)
+ENGINE = dict(block_size=4, num_blocks=36, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=144)  # 36 x 4
 VOCAB = 1024  # tiny checkpoints with a small head: the logits, not the model, would dominate
 
 

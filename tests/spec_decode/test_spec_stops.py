@@ -71,7 +71,8 @@ def test_logprobs_of_accepted_tokens_are_the_target_models(llms):
         assert x.token_ids == y.token_ids
         for a, b in zip(x.logprobs, y.logprobs, strict=True):
             assert list(a) == list(b)
-            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+            assert [a[t].rank for t in a] == [b[t].rank for t in b]  # verification ranks as plain decoding
         assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-3
     _, spec_llm, _ = llms
     assert spec_llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0

@@ -12,8 +12,9 @@ from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_b
 
 def test_window_memory_ratio_equals_s_over_l(tiny_checkpoint):
     path, window, length = tiny_checkpoint("llama"), 16, 2304
-    swa = LLM(path, hf_overrides={"sliding_window": window}, num_blocks=8, max_model_len=4096)
-    full = LLM(path, num_blocks=8, max_model_len=4096)
+    long = dict(max_model_len=4096, allow_long_max_model_len=True)  # beyond the tiny model's 1,024
+    swa = LLM(path, hf_overrides={"sliding_window": window}, num_blocks=8, **long)
+    full = LLM(path, num_blocks=256, **long)  # 256 blocks of 16 hold one request at 4,096
     ring = get_inference_swa_block_size(window)
     assert [g.kind for g in swa.engine.runner.groups] == ["ring"] and ring == window + 6
     ratio = allocated_bytes_per_request(swa.engine.runner, length) / \

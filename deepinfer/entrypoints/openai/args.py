@@ -19,6 +19,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds to finish (then abort) running requests on SIGINT/SIGTERM")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="seconds between the throughput lines (prompt and generation tokens/s, running and "
+                        "waiting requests, KV cache usage) logged while the server is busy")
+    g.add_argument("--disable-log-stats", action="store_true", help="log no throughput lines")
     add_connection_args(p)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from deepinfer.entrypoints.openai.stats_log import StatsLogger
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -109,6 +110,7 @@ class EngineLoop:
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once, on the engine thread, after a fatal fault
         self.stats = EngineStats()
+        self.stats_logger = StatsLogger()  # the periodic throughput line (interval_s None: off)
         self.error: BaseException | None = None
         self._cond = threading.Condition()
         self._commands: deque[_Add | _Abort] = deque()
@@ -236,6 +238,7 @@ class EngineLoop:
                     outputs = self.engine.step()
                     self._publish(outputs, time.monotonic())
                 self._publish_stats()
+                self.stats_logger.maybe_log(self.stats, time.monotonic())
         except BaseException as exc:  # a fatal fault: the engine is in an unknown state, fail everything
             logger.exception("engine step failed; the server stops taking requests")
             self.error = exc
@@ -285,6 +288,7 @@ class EngineLoop:
             self._post(_resolve, command.future, exc)
             return
         self._tracked[command.request_id] = _Tracked(command.queue, command.arrival_time)
+        self.stats_logger.record_prompt(len(command.prompt_ids), time.monotonic())
         if self.metrics is not None:
             self.metrics.record_admitted(len(command.prompt_ids))
         self._post(_resolve, command.future, None)
@@ -305,14 +309,16 @@ class EngineLoop:
             self._post(_deliver, batch)
 
     def _account(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        """Per-request timing: TTFT at the first token, mean TPOT and latency at the end."""
-        num_new = len(out.outputs[0].delta_token_ids)
+        """Per-request timing: TTFT at the first token, mean TPOT and latency at the end. Tokens
+        count over every completion (n > 1: all samples)."""
+        num_new = sum(len(c.delta_token_ids) for c in out.outputs)
         ttft = None
         if num_new:
             if tracked.first_token_time is None:
                 tracked.first_token_time, ttft = now, now - tracked.arrival_time
             tracked.last_token_time = now
             tracked.num_output_tokens += num_new
+            self.stats_logger.record_generation(num_new)
         if self.metrics is None:
             return
         if num_new:

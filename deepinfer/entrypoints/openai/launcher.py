@@ -31,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from deepinfer.entrypoints.engine_args import make_llm
 from deepinfer.entrypoints.openai.errors import APIError, service_unavailable
+from deepinfer.model_executor.loader.source import is_model_name
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 FATAL_EXIT_STATUS = 1
@@ -67,6 +68,7 @@ def run_server(args) -> int:
                               tokenizer_workers=args.tokenizer_workers)
     fatal = FatalExit()
     app = build_app(engine, settings, on_fatal=fatal)
+    app.state.server.engine_loop.stats_logger.interval_s = None if args.disable_log_stats else args.log_stats_interval
     limits = ConnectionLimits(args.timeout_keep_alive, args.timeout_request_header,
                               args.timeout_request_body, args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -84,20 +86,27 @@ def run_server(args) -> int:
 
 
 def served_model_name(args) -> str:
-    """--served-model-name, else the base name of --model's file or directory, else the default's."""
+    """--served-model-name, else the base name of --model's file or directory, else --model as
+    given (a hub name such as org/name, or a short name), else the default's."""
     if args.served_model_name:
         return args.served_model_name
     if not args.model:
         return DEFAULT_MODEL_NAME
+    if not os.path.exists(os.path.expanduser(args.model)) and is_model_name(args.model):
+        return args.model
     return os.path.basename(os.path.normpath(args.model)) or args.model
 
 
 def _setup_logging(level: str) -> None:
+    """The server's lines and the engine's (the start-up summary, cache sizing) to stderr."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level.upper())
     logger.propagate = False
+    engine_logger = logging.getLogger("deepinfer")
+    engine_logger.addHandler(handler)
+    engine_logger.setLevel(level.upper())
 
 
 def _check_args(args) -> None:

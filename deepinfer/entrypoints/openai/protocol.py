@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI API as pydantic models, and their mapping to SamplingParams.
 
 Unknown fields are ignored. `cache_salt` (an extension, as in vLLM) keeps a request's prefix
-cache apart from requests with another salt. Fields that would change the meaning of a request but that the
-server does not implement (n > 1, tools, echo, ...) are parsed loosely and refused by
+cache apart from requests with another salt. vLLM's sampling extensions `min_tokens`,
+`include_stop_str_in_output`, `bad_words` and `prompt_logprobs` (a top-level list in the
+response) are accepted beside OpenAI's `logit_bias`. Fields that would change the meaning of a request but that the
+server does not implement (tools, echo, ...) are parsed loosely and refused by
 `check_supported()` with a 400 that names them, so a client never gets a silently different
 answer.
 
@@ -18,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
+from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
 SEED_MIN, SEED_MAX, INT64_MAX = -(2**63), 2**64 - 1, 2**63 - 1
@@ -51,7 +54,21 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
     cache_salt: str | None = None  # extension (as in vLLM): only requests with an equal salt share cached prefixes
-    logit_bias: dict[str, Any] | None = None  # refused when non-empty
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    # extensions (as in vLLM); SamplingParams checks their values
+    min_tokens: int | None = Field(None, ge=0)
+    include_stop_str_in_output: bool | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # Structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}),
+    # vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
+    # its older guided_* spellings; at most one of them (see `structured_output_of`).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,8 +83,6 @@ class _GenerationRequest(BaseModel):
 
     def check_supported(self) -> None:
         """Raise a 400 for a field whose meaning the server does not implement."""
-        _refuse_if(self.n is not None and self.n > 1, "n", f"n={self.n} is not supported; only n=1")
-        _refuse_if(bool(self.logit_bias), "logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -78,8 +93,16 @@ class _GenerationRequest(BaseModel):
                       frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty, seed=self.seed,
                       ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
-                      stop=[self.stop] if isinstance(self.stop, str) else self.stop)
+                      stop=[self.stop] if isinstance(self.stop, str) else self.stop,
+                      structured_output=structured_output_of(self), logit_bias=self.logit_bias,
+                      min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                      bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs)
+        values.update(self.sample_counts())
         return {k: v for k, v in values.items() if v is not None}  # None: SamplingParams' default
+
+    def sample_counts(self) -> dict:
+        """n: choices returned (SamplingParams checks its range)."""
+        return {"n": self.n}
 
 
 class CompletionRequest(_GenerationRequest):
@@ -94,10 +117,14 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def sample_counts(self) -> dict:
+        """n, and best_of: sequences drawn, the n of highest cumulative logprob returned (>= n)."""
+        return {"n": self.n, "best_of": self.best_of}
+
     def check_supported(self) -> None:
         super().check_supported()
-        _refuse_if(self.best_of is not None and self.best_of > 1, "best_of",
-                   f"best_of={self.best_of} is not supported; only best_of=1")
+        _refuse_if(bool(self.stream) and (self.best_of or 1) > 1, "best_of",
+                   "best_of cannot be used with stream: the best choices are known only at the end", code=None)
         _refuse_if(bool(self.echo), "echo", "echo is not supported")
         _refuse_if(bool(self.suffix), "suffix", "suffix is not supported")
 
@@ -152,7 +179,6 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -167,9 +193,6 @@ class ChatCompletionRequest(_GenerationRequest):
         _refuse_if(bool(self.functions), "functions", "functions are not supported")
         _refuse_if(self.function_call not in (None, "none"), "function_call",
                    "function_call is not supported")
-        kind = (self.response_format or {}).get("type", "text")
-        _refuse_if(kind != "text", "response_format",
-                   f"response_format of type {kind!r} is not supported; only 'text'")
         _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
                    "top_logprobs requires logprobs to be true", code=None)
 
@@ -181,3 +204,46 @@ def _refuse_if(condition: bool, param: str, message: str, code: str | None = "un
                ) -> None:
     if condition:
         raise APIError(400, message, param=param, code=code)
+
+
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+           ("guided_grammar", "grammar"))
+
+
+def structured_output_of(body: _GenerationRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, or None; a 400 naming the param when it is malformed,
+    invalid (a bad schema, regex or grammar) or given twice."""
+    specs = _response_format_spec(body.response_format)
+    if body.structured_outputs is not None:
+        specs.append(("structured_outputs", "structured_outputs", dict(body.structured_outputs)))
+    specs += [(name, name, {key: getattr(body, name)}) for name, key in _GUIDED if getattr(body, name) is not None]
+    if not specs:
+        return None
+    if len(specs) > 1:
+        raise bad_request(f"{specs[0][0]} and {specs[1][0]} both constrain the output; send one of them",
+                          specs[1][0])
+    param, shown, spec = specs[0]
+    try:
+        return StructuredOutputsParams.from_value(spec)
+    except ValueError as exc:
+        message = str(exc)
+        old = "structured_output" if param == "structured_outputs" else f"structured_output.{next(iter(spec))}"
+        raise bad_request(message.replace(old, shown, 1) if message.startswith(old) else f"{shown}: {message}",
+                          param) from None
+
+
+def _response_format_spec(response_format: dict | None) -> list[tuple[str, str, dict]]:
+    """OpenAI's response_format -> [(param, shown name, structured_outputs dict)] (empty for text)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "response_format", {"json_object": True})]
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+    json_schema = response_format.get("json_schema")
+    if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
+        raise bad_request("response_format.json_schema must be an object with a 'schema' object (a JSON "
+                          "schema)", "response_format")
+    return [("response_format", "response_format.json_schema.schema", {"json": json_schema["schema"]})]

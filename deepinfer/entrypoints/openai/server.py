@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: app factory and routes.
 
+    GET  /                       the chat page (static files under /static; its API calls carry the key)
     GET  /health                 200 while the engine runs and the server takes requests
     GET  /metrics                Prometheus text
     GET  /v1/models              the one served model (its served name, never a path)
@@ -33,9 +34,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
 from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
@@ -56,7 +59,7 @@ from deepinfer.entrypoints.openai.serving import (
     engine_closed,
     stream_events,
 )
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -176,7 +179,27 @@ def build_app(engine, settings: ServerSettings,
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     app.include_router(_public_routes(state))
     app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(_chat_page_route())
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
+
+
+STATIC_DIR = Path(__file__).with_name("static")
+# The page loads its own script and style only, and talks to this server only: an answer that
+# somehow reached the DOM as HTML could neither run inline script nor send data elsewhere.
+_CHAT_PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                  "img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+
+
+def _chat_page_route() -> APIRouter:
+    """GET /: the chat page. Public (it is static); its calls to /v1 send the key the user enters."""
+    router = APIRouter()
+
+    @router.get("/", include_in_schema=False)
+    async def chat_page() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Content-Security-Policy": _CHAT_PAGE_CSP})
+
+    return router
 
 
 def _count_error(state: ServerState, request: Request) -> None:
@@ -288,7 +311,9 @@ def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: st
     if requested is None:
         requested = 16 if isinstance(body, CompletionRequest) else limit - num_prompt_tokens
     try:
-        return SamplingParams(**body.sampling_kwargs(requested))
+        params = SamplingParams(**body.sampling_kwargs(requested))
+        check_token_ids_in_vocab(params, state.vocab_size)
+        return params
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
 

@@ -16,6 +16,7 @@ import abc
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop, RequestHandle
 from deepinfer.entrypoints.openai.errors import APIError, internal_error, service_unavailable
@@ -46,6 +47,8 @@ class _Formatter(abc.ABC):
         self.num_logprobs = num_logprobs
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at admission
+        self._prompt_logprobs_sent = False
+        self._finish_sent: set[int] = set()  # choice indices whose finish_reason was streamed
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -66,19 +69,31 @@ class _Formatter(abc.ABC):
         return []
 
     def chunk(self, out: RequestOutput) -> dict | None:
-        """The SSE chunk for this step's delta; None when the step added nothing to show."""
-        c = out.outputs[0]
-        self.num_completion_tokens = len(c.token_ids)
+        """The SSE chunk for this step's deltas: a choice per completion (n of them) with new
+        text or just finished, each with its index; None when the step added nothing to show."""
+        self.num_completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.num_cached_tokens = out.num_cached_tokens
-        if not c.delta_token_ids and not c.delta_text and not out.finished:
+        choices = [self.chunk_choice(one) for one in self._news(out)]
+        if not choices:
             return None
-        return self.envelope([self.chunk_choice(out)], chunk=True)
+        return self.add_prompt_logprobs(self.envelope(choices, chunk=True), out)
+
+    def _news(self, out: RequestOutput) -> list[RequestOutput]:
+        """`out` narrowed to each completion that has news (one choice each)."""
+        news = []
+        for c in out.outputs:
+            if c.delta_token_ids or c.delta_text or (c.finished and c.index not in self._finish_sent):
+                news.append(replace(out, outputs=[c]))
+                if c.finished:
+                    self._finish_sent.add(c.index)
+        return news
 
     def final(self, out: RequestOutput) -> dict:
         """The whole response of a finished request, with usage."""
-        self.num_completion_tokens = len(out.outputs[0].token_ids)
+        self.num_completion_tokens = sum(len(c.token_ids) for c in out.outputs)  # usage sums the n choices
         self.num_cached_tokens = out.num_cached_tokens
-        body = self.envelope([self.final_choice(out)], chunk=False)
+        choices = [self.final_choice(replace(out, outputs=[c])) for c in out.outputs]
+        body = self.add_prompt_logprobs(self.envelope(choices, chunk=False), out)
         body["usage"] = self.usage()
         return body
 
@@ -96,7 +111,19 @@ class _Formatter(abc.ABC):
         ids, entries = c.token_ids, c.logprobs
         if num_last is not None:
             ids, entries = ids[len(ids) - num_last:], entries[len(entries) - num_last:]
-        return list(zip(ids, entries, strict=True))
+        return [(t, {i: lp.logprob for i, lp in entry.items()}) for t, entry in zip(ids, entries, strict=True)]
+
+    def add_prompt_logprobs(self, body: dict, out: RequestOutput) -> dict:
+        """A top-level `prompt_logprobs` list, as vLLM renders it (an extension): per prompt token
+        None (the first) or {token id: {logprob, rank, decoded_token}}. Sent once per request:
+        in the whole response, or in the first streamed chunk after the prompt was scored."""
+        if out.prompt_logprobs is None or self._prompt_logprobs_sent:
+            return body
+        self._prompt_logprobs_sent = True
+        body["prompt_logprobs"] = [None if entry is None else {
+            str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()} for entry in out.prompt_logprobs]
+        return body
 
 
 class CompletionFormatter(_Formatter):
@@ -106,30 +133,31 @@ class CompletionFormatter(_Formatter):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text_offset = 0
+        self._text_offsets: dict[int, int] = {}  # per choice index: characters streamed so far
 
     def chunk_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        return {"index": 0, "text": c.delta_text, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+        return {"index": c.index, "text": c.delta_text, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def final_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        return {"index": 0, "text": c.text, "logprobs": self._logprobs(out, None),
+        return {"index": c.index, "text": c.text, "logprobs": self._logprobs(out, None),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
         if self.num_logprobs is None:
             return None
         result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        index = out.outputs[0].index
         for token_id, entry in self._entries(out, num_last):
             text = self.token_text(token_id)
             result["tokens"].append(text)
             result["token_logprobs"].append(max(entry[token_id], MIN_LOGPROB))
             result["top_logprobs"].append({self.token_text(t): max(lp, MIN_LOGPROB)
                                            for t, lp in entry.items()})
-            result["text_offset"].append(self._text_offset)
-            self._text_offset += len(text)
+            result["text_offset"].append(self._text_offsets.get(index, 0))
+            self._text_offsets[index] = self._text_offsets.get(index, 0) + len(text)
         return result
 
 
@@ -138,6 +166,10 @@ class ChatFormatter(_Formatter):
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._roles_sent: set[int] = set()  # choice indices (beyond 0) whose first delta carried the role
+
     def start_chunks(self) -> list[dict]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
@@ -145,13 +177,16 @@ class ChatFormatter(_Formatter):
 
     def chunk_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        delta = {"content": c.delta_text} if c.delta_text or not out.finished else {}
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
+        delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+        if c.index and c.index not in self._roles_sent:  # index 0's role went in the first chunk
+            self._roles_sent.add(c.index)
+            delta = {"role": "assistant", **delta}
+        return {"index": c.index, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
                 "finish_reason": c.finish_reason}
 
     def final_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        return {"index": 0, "message": {"role": "assistant", "content": c.text},
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": self._logprobs(out, None), "finish_reason": c.finish_reason}
 
     def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
@@ -171,12 +206,13 @@ class ChatFormatter(_Formatter):
 
 
 def request_failure(out: RequestOutput, response_id: str) -> APIError | None:
-    """The error a finished output stands for (None: it finished normally)."""
-    reason = out.outputs[0].finish_reason if out.outputs else None
-    if reason == "abort":
+    """The error a finished output stands for (None: it finished normally); with n choices, one
+    aborted or failed choice fails the request."""
+    reasons = {c.finish_reason for c in out.outputs}
+    if "abort" in reasons:
         return service_unavailable("the request was aborted: the server is shutting down; retry later",
                                    code="request_aborted")
-    if reason == "error" or (out.finished and out.error is not None):
+    if "error" in reasons or (out.finished and out.error is not None):
         return internal_error(out.error, f"generating {response_id} (the engine failed the request)")
     return None
 

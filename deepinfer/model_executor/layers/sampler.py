@@ -9,7 +9,8 @@ the vocabulary:
     raw logits [N, V] --fp32--+--> logsumexp              (reported logprobs: the model's own
                               |                             distribution, before any processing)
                               +--> penalties (repetition over prompt + output,
-                                   presence / frequency over output)
+                                   presence / frequency over output), then logit_bias and
+                                   -inf bans for min_tokens / bad_words (`logits_processors`)
                                      +--> greedy rows: argmax (first max on ties)
                                      +--> random rows: / T -> exp -> top-k, top-p, min-p zero
                                           weights -> inverse CDF at u ~ U[0, 1), one per token
@@ -26,11 +27,14 @@ flip a draw now and then. With `batch_invariant=True` the two vocabulary sums (l
 mass) go through `batch_invariant.row_sum`, and every stage depends on the row alone.
 
 Fast paths share the general path's functions (same tokens, same draws): all-greedy without
-penalties is one blocked argmax (`row_max`), and rows without top-k / top-p / min-p skip the filters.
+penalties, bias or bans is one blocked argmax (`row_max`), and rows without top-k / top-p / min-p
+skip the filters. A banned (-inf) token gets weight exactly 0 (`drop_banned`), never e^-80.
 
 `SampleResult.logprob` is always filled (one batched logsumexp: the fast path's main cost), also
 when `SamplingParams.logprobs` is None. `top_logprobs` is None when logprobs is None, [] when it
-is 0, and the top n (token id, logprob), best first, when it is n >= 1.
+is 0, and the top n (token id, logprob), best first, when it is n >= 1; `rank` (the sampled
+token's 1-based rank under the raw logits: 1 + the tokens scoring strictly higher) is set
+whenever logprobs is not None.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import torch
 
 from deepinfer.contracts.plan import SampleResult
 from deepinfer.model_executor.layers.batch_invariant import row_sum
+from deepinfer.model_executor.layers.logits_processors import apply_logits_processors, drop_banned
 from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, fp32_column
 
 _NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
@@ -85,15 +90,16 @@ class Sampler:
             return []
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
         lse = logsumexp(logits, self.batch_invariant)  # [N]
-        if metadata.all_greedy and not metadata.penalty_rows:  # fast path: one blocked argmax
+        if metadata.all_greedy and not metadata.penalty_rows and not metadata.processor_rows:  # fast path
             best, token_ids = row_max(logits)  # [N], [N]
             token_logprobs = best - lse  # [N]: the chosen token's logit is the row's max
         else:
             token_ids = self._choose(logits, metadata)  # [N]
             token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
         top = top_logprobs(logits, lse, metadata) if metadata.logprob_rows else {}
+        ranks = token_ranks(logits, token_ids, metadata.logprob_rows)
         pairs = zip(token_ids.tolist(), token_logprobs.tolist(), strict=True)
-        return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i))
+        return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i), rank=ranks.get(i))
                 for i, (t, lp) in enumerate(pairs)]
 
     def release(self, request_ids: Iterable[str]) -> None:
@@ -124,7 +130,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """logits [N, V] -> [N]: greedy rows their argmax (first max on ties), random rows a draw
         from the processed distribution (penalties first, when a row has any)."""
-        processed = apply_penalties(logits, metadata)  # [N, V]; `logits` itself without penalties
+        processed = process_logits(logits, metadata)  # [N, V]; `logits` itself without processing
         if metadata.all_greedy:
             return row_max(processed)[1]  # [N]
         if metadata.all_random:
@@ -142,7 +148,7 @@ class Sampler:
         if metadata.any_filter:
             weights = filtered_weights(logits, metadata, self.batch_invariant)  # [R, V]
         else:
-            weights = tempered_weights(logits, metadata.temperature)[0]  # [R, V]
+            weights = drop_banned(tempered_weights(logits, metadata.temperature)[0], logits, metadata)  # [R, V]
         uniforms = self._uniforms(metadata).to(weights.device)  # [R] float64
         return inverse_cdf(weights, uniforms)  # [R]
 
@@ -189,7 +195,7 @@ def filtered_weights(logits: torch.Tensor, metadata: SamplingMetadata, invariant
         best + metadata.min_p.log())  # [R, 1]; min-p 0: -inf
     if metadata.any_filter:
         weights.masked_fill_(scaled < threshold, 0.0)  # [R, V]; a no-op for a -inf threshold
-    return weights
+    return drop_banned(weights, scaled, metadata)
 
 
 def tempered_weights(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -227,6 +233,13 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=like.device)  # [n]
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Penalties, then logit_bias, min_tokens and bad_words (`logits_processors`). [N, V]:
+    `logits` itself when no row asks for any, else a processed copy."""
+    penalized = apply_penalties(logits, metadata)  # [N, V]
+    return apply_logits_processors(penalized, metadata, owned=penalized is not logits)  # [N, V]
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -408,3 +421,15 @@ def top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
         n = metadata.params[row].logprobs
         top[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
     return top
+
+
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int]) -> dict[int, int]:
+    """Row -> the 1-based rank of its token under `logits` (1 + how many tokens score strictly
+    higher), for `rows` only (the rows that report logprobs). logits [N, V], token_ids [N]."""
+    if not rows:
+        return {}
+    index = _index(rows, logits)  # [n]
+    sub = logits.index_select(0, index)  # [n, V]
+    chosen = sub.gather(1, token_ids.index_select(0, index)[:, None])  # [n, 1]
+    ranks = (sub > chosen).sum(dim=-1) + 1  # [n]
+    return dict(zip(rows, ranks.tolist(), strict=True))

@@ -6,6 +6,7 @@ so the sampler depends on plain lists and tensors, never on the scheduler's plan
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None  # [P, 1] fp32; None (with presence) when all are 0
     logprob_rows: list[int]  # rows with logprobs set (0 included), ascending
     num_top_logprobs: int  # the largest logprobs n over logprob_rows; 0 when none
+    processor_rows: list[int] = dataclasses.field(default_factory=list)  # rows with logit_bias / bans to apply
+    any_ban: bool = False  # some row may get a -inf (min_tokens still unmet, or bad words)
 
     @property
     def num_rows(self) -> int:
@@ -88,7 +91,9 @@ class SamplingMetadata:
             presence_penalty=_column([p.presence_penalty for p in penalized], device) if counts else None,
             frequency_penalty=_column([p.frequency_penalty for p in penalized], device) if counts else None,
             logprob_rows=logprob_rows,
-            num_top_logprobs=max((checked[i].logprobs for i in logprob_rows), default=0))
+            num_top_logprobs=max((checked[i].logprobs for i in logprob_rows), default=0),
+            processor_rows=[i for i, p in enumerate(checked) if p.logit_bias or _may_ban(p, output_token_ids[i])],
+            any_ban=any(_may_ban(p, out) for p, out in zip(checked, output_token_ids, strict=True)))
 
 
 def _checked_params(request_ids: Sequence[str], params: Sequence[SamplingParams | None],
@@ -103,6 +108,12 @@ def _checked_params(request_ids: Sequence[str], params: Sequence[SamplingParams 
         if p is None:
             raise ValueError(f"request {request_id!r} was given to the sampler without sampling_params")
     return list(params)
+
+
+def _may_ban(params: SamplingParams, output_token_ids: list[int]) -> bool:
+    """Whether the row may ban a token: bad words, or min_tokens unmet with stop ids to mask."""
+    return bool(params._bad_words_token_ids) or (len(output_token_ids) < params.min_tokens
+                                                 and bool(params.all_stop_token_ids))
 
 
 def fp32_column(values: Sequence[float], device: torch.device | str) -> torch.Tensor:

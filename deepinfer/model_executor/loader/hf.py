@@ -11,6 +11,7 @@ import torch
 from deepinfer.model_executor.loader.model_source import EXPECTED_LAYOUT, ModelSource, compute_identity, load_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 
 
 def load_hf_source(path: str) -> ModelSource:
@@ -42,7 +43,18 @@ def load_hf_source(path: str) -> ModelSource:
         tokenizer=load_tokenizer(path),
         identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
         _weights=lambda dtype: iter_safetensors(shard_files, dtype),
+        generation_config=load_generation_config(path),
     )
+
+
+def load_generation_config(path: str) -> dict:
+    """The directory's generation_config.json as transformers reads it, only the fields that differ
+    from its defaults (so an unset field stays unset); {} when the directory has none."""
+    if not os.path.isfile(os.path.join(path, GENERATION_CONFIG)):
+        return {}
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(path).to_diff_dict()
 
 
 def _dequantized_on_load(config, quantization) -> bool:

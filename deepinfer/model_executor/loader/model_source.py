@@ -38,6 +38,9 @@ class ModelSource:
     identity: str
     _weights: Any = field(default=None, repr=False, compare=False)
     load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
+    # the checkpoint's generation_config.json, the fields that differ from transformers' defaults
+    # (e.g. {"temperature": 0.6, "top_p": 0.9}); empty when it ships none (GGUF files never do)
+    generation_config: dict = field(default_factory=dict)
 
     def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.

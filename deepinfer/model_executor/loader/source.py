@@ -1,9 +1,16 @@
 """What a model is, before it becomes modules: its config, tokenizer, identity and weights.
 
-`load_model_source(path)` accepts two layouts and answers with a `ModelSource`:
+`load_model_source(model)` accepts two layouts and answers with a `ModelSource`:
 
     a directory  config.json + *.safetensors (one file, or shards with an index) + tokenizer files
     a file       *.gguf: config, tokenizer and chat template live in its metadata
+
+`model` names one of them, tried in this order (the first that applies wins):
+
+    a local path          a directory or a .gguf file that exists
+    a short name          a model shipped as a pip package: smollm2-135m, gemma3-270m (`default_model`)
+    a Hugging Face name   org/name (an HF checkpoint) or org/name/file.gguf, from the Hub cache or
+                          downloaded; `revision` pins a branch, tag or commit (`hub`)
 
 With `load_format="dummy"` a directory needs only config.json (tokenizer files optional, weight
 files ignored): the source has no weight reader, and `build_model` fills the modules with seeded
@@ -20,9 +27,10 @@ import hashlib
 import os
 
 from deepinfer.config import check_load_format
-from deepinfer.model_executor.loader.default_model import default_model_path
+from deepinfer.model_executor.loader.default_model import PACKAGED_MODELS, default_model_path, packaged_model_path
 from deepinfer.model_executor.loader.gguf import load_gguf_source
 from deepinfer.model_executor.loader.hf import load_hf_source
+from deepinfer.model_executor.loader.hub import parse_hub_name, resolve_hub_model
 from deepinfer.model_executor.loader.model_source import (
     EXPECTED_LAYOUT,
     ModelSource,
@@ -31,24 +39,24 @@ from deepinfer.model_executor.loader.model_source import (
 )
 
 
-def load_model_source(model: str | ModelSource | None = None, load_format: str = "auto") -> ModelSource:
-    """Resolve `model` (a directory, a .gguf file, or None for the embedded default) to a source.
+def load_model_source(model: str | ModelSource | None = None, load_format: str = "auto", *,
+                      revision: str | None = None) -> ModelSource:
+    """Resolve `model` (a path, a short name, a Hugging Face name, or None for the embedded
+    default; see the module docstring) to a source.
 
     `load_format`: "auto" reads the checkpoint's weights; "dummy" needs only the config (see the
     module docstring). A `ModelSource` resolved beforehand is returned as it is ("auto") or
-    turned into a dummy source ("dummy").
+    turned into a dummy source ("dummy"). `revision` (Hugging Face names only) pins a branch,
+    tag or commit hash; None means "main".
 
-    Raises FileNotFoundError for a path that does not exist, ValueError for an existing path that
-    is not a model in either layout, or for an unknown load_format.
+    Raises FileNotFoundError for a model found nowhere (the message names where it looked and how
+    to get it), ValueError for an existing path that is not a model in either layout, for a
+    revision given with a local path, or for an unknown load_format.
     """
     check_load_format(load_format)
     if isinstance(model, ModelSource):
         return as_dummy_source(model) if load_format == "dummy" else model
-    if model is None:
-        model = default_model_path()
-    path = os.path.abspath(os.path.expanduser(model))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {model!r} does not exist; expected {EXPECTED_LAYOUT}")
+    path = resolve_model_path(model, revision)
     if os.path.isdir(path):
         if load_format == "dummy":
             return load_config_only_source(path)
@@ -57,6 +65,29 @@ def load_model_source(model: str | ModelSource | None = None, load_format: str =
         source = load_gguf_source(path)
         return as_dummy_source(source) if load_format == "dummy" else source
     raise ValueError(f"model path {model!r} is a file but not a GGUF file; expected {EXPECTED_LAYOUT}")
+
+
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """The local path `model` names: an existing path, else a short name, else a Hugging Face name."""
+    if model is None:
+        model = default_model_path()
+    path = os.path.abspath(os.path.expanduser(model))
+    local = os.path.exists(path)
+    if local or model.lower() in PACKAGED_MODELS:
+        if revision is not None:
+            kind = "a local path" if local else "a model shipped as a pip package"
+            raise ValueError(f"revision {revision!r} applies to Hugging Face names, but model {model!r} is {kind}")
+        return path if local else packaged_model_path(model)
+    if parse_hub_name(model) is not None:
+        return resolve_hub_model(model, revision)
+    raise FileNotFoundError(f"model {model!r} is not a local path, a short name ({', '.join(PACKAGED_MODELS)}) "
+                            f"nor a Hugging Face name (org/name or org/name/file.gguf); expected {EXPECTED_LAYOUT}")
+
+
+def is_model_name(model: str) -> bool:
+    """Whether `model`, when no such path exists, names a model (a short name or a Hugging Face
+    name) rather than a missing path."""
+    return model.lower() in PACKAGED_MODELS or parse_hub_name(model) is not None
 
 
 def load_config_only_source(path: str) -> ModelSource:

@@ -49,7 +49,7 @@ def _check_against_hf(hf_model, prompt, completion, atol: float) -> float:
     worst = 0.0
     for i, token in enumerate(completion.token_ids):
         assert ref[i, token] >= ref[i].max() - 1e-4, (i, token, int(ref[i].argmax()))
-        worst = max(worst, abs(completion.logprobs[i][token] - float(ref[i, token])))
+        worst = max(worst, abs(completion.logprobs[i][token].logprob - float(ref[i, token])))
     assert worst < atol, worst
     return worst
 
@@ -61,7 +61,7 @@ def _drift(hf_model, prompts, outs) -> tuple[float, float, float]:
         c = out.outputs[0]
         ref = teacher_forcing_logprobs(hf_model, prompt, c.token_ids)  # [n, V]
         for i, token in enumerate(c.token_ids):
-            diffs.append(abs(c.logprobs[i][token] - float(ref[i, token])))
+            diffs.append(abs(c.logprobs[i][token].logprob - float(ref[i, token])))
             agree += int(ref[i].argmax()) == token
     diffs.sort()
     return diffs[len(diffs) // 2], diffs[int(0.95 * len(diffs))], agree / len(diffs)
@@ -162,7 +162,7 @@ def test_v4_csa_decode_equals_prefix_recompute(v4_checkpoint, budget):
     for (_, c, k), r in zip(cases, recomputed, strict=True):
         token = r.outputs[0].token_ids[0]
         assert token == c.token_ids[k], k
-        assert abs(r.outputs[0].logprobs[0][token] - c.logprobs[k][token]) < 1e-4
+        assert abs(r.outputs[0].logprobs[0][token].logprob - c.logprobs[k][token].logprob) < 1e-4
     llm.engine.kv_manager.check_no_leaks()
 
 
@@ -208,4 +208,4 @@ def test_v4_batched_decode_equals_one_request_at_a_time(v4_checkpoint, monkeypat
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
