@@ -14,7 +14,7 @@ from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.llm_options import check_vllm_keywords
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling_params import SamplingParams, short_repr
+from deepinfer.sampling_params import SamplingParams, generation_defaults, short_repr
 from deepinfer.worker.model_runner import ModelRunner, resolve_device
 from deepinfer.worker.summary import startup_summary
 
@@ -26,8 +26,6 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt"}
 # get_default_sampling_params: generation-config field -> SamplingParams field, and what a model
 # without one gets (mild randomness and a light repetition penalty, so replies do not loop)
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.05}
 
 
@@ -141,9 +139,7 @@ class LLM:
         these (GGUF files never do) gets FALLBACK_SAMPLING: greedy decoding makes small models loop.
         ValueError naming the field and the value when the config holds a value we refuse."""
         config = getattr(self.engine.source, "generation_config", None) or {}
-        named = {ours: config[theirs] for theirs, ours in _GENERATION_FIELDS.items() if config.get(theirs) is not None}
-        if config.get("do_sample") is False:
-            named["temperature"] = 0.0  # transformers ignores temperature and top_p then
+        named = generation_defaults(config)
         sampling = {} if named.keys() - {"max_tokens"} or "do_sample" in config else dict(FALLBACK_SAMPLING)
         try:
             return SamplingParams(**sampling, **named)

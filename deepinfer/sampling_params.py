@@ -204,6 +204,22 @@ def check_token_ids_in_vocab(params: SamplingParams, vocab_size: int) -> None:
             raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
+# generation_config.json field -> SamplingParams field
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config: dict | None) -> dict:
+    """The SamplingParams fields a checkpoint's generation config suggests (temperature, top_p,
+    top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens); `do_sample: false` means
+    greedy, as in transformers. {} for a checkpoint without one (GGUF files never have one)."""
+    config = generation_config or {}
+    named = {ours: config[theirs] for theirs, ours in GENERATION_FIELDS.items() if config.get(theirs) is not None}
+    if config.get("do_sample") is False:
+        named["temperature"] = 0.0  # transformers ignores temperature and top_p then
+    return named
+
+
 _MAX_SHOWN = 80  # characters of a value shown in an error message
 
 

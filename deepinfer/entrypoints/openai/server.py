@@ -59,7 +59,7 @@ from deepinfer.entrypoints.openai.serving import (
     engine_closed,
     stream_events,
 )
-from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab
+from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, generation_defaults
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -137,6 +137,7 @@ class ServerState:
         self.pool = TokenizerPool(self.tokenizer, max(1, settings.tokenizer_workers))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.source.hf_config.vocab_size
+        self.sampling_defaults = sampling_defaults(engine.source)
         self.created = int(time.time())
 
     def check_capacity(self) -> None:
@@ -301,6 +302,19 @@ def _prepare_chat(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatComple
     return body, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+def sampling_defaults(source) -> dict:
+    """What a request's unset sampling fields take: the checkpoint's generation config (as vLLM's
+    `--generation-config auto`), else OpenAI's defaults. max_new_tokens is left out: an unset
+    max_tokens runs to the context. ValueError naming the file's bad value at start-up."""
+    defaults = generation_defaults(getattr(source, "generation_config", None))
+    defaults.pop("max_tokens", None)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"generation config of {source.path!r}: {exc}") from None
+    return defaults
+
+
 def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: str) -> SamplingParams:
     """SamplingParams with max_tokens checked against the context (400 when it cannot fit)."""
     limit, requested = state.max_model_len, body.requested_max_tokens()
@@ -311,7 +325,7 @@ def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: st
     if requested is None:
         requested = 16 if isinstance(body, CompletionRequest) else limit - num_prompt_tokens
     try:
-        params = SamplingParams(**body.sampling_kwargs(requested))
+        params = SamplingParams(**{**state.sampling_defaults, **body.sampling_kwargs(requested)})
         check_token_ids_in_vocab(params, state.vocab_size)
         return params
     except ValueError as exc:
