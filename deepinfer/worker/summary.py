@@ -20,6 +20,8 @@ def startup_summary(runner, max_model_len: int, load_s: float) -> str:
     units = f"{runner.num_blocks:,} blocks" if runner.num_blocks else ""
     if runner.num_state_slots:
         units += (", " if units else "") + f"{runner.num_state_slots:,} state slots"
+    if runner.device.type == "cpu":
+        units += "; reserved, resident only as rows are written"
     return (f"engine ready in {load_s:.1f} s: weights {mib(weight_bytes(runner.model))}, "
             f"KV cache {mib(runner.cache.num_bytes)} ({units}), max concurrency {requests:,} requests at "
             f"max_model_len {max_model_len:,}, dtype {runner.dtype_choice.value}, quantization "

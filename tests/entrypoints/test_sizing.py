@@ -195,7 +195,8 @@ def test_the_start_up_summary_is_one_line_with_every_figure(tiny_checkpoint, cap
     runner = llm.engine.runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 2**20
     assert re.fullmatch(rf"engine ready in \d+\.\d s: weights {weights:,.1f} MiB, KV cache "
-                        rf"{24 * PAGE / 2**20:,.1f} MiB \(24 blocks\), max concurrency 3 requests at max_model_len "
+                        rf"{24 * PAGE / 2**20:,.1f} MiB \(24 blocks; reserved, resident only as rows are written\), "
+                        r"max concurrency 3 requests at max_model_len "
                         r"128, dtype float32, quantization none, attention torch, device cpu", lines[0]), lines[0]
 
 
