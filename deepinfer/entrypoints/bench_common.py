@@ -11,6 +11,7 @@ so a warm-up or an earlier run never counts.
 from __future__ import annotations
 
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -113,8 +114,9 @@ def measure(llm, workload: Workload, engine: str, batch: int | None = None
     before = llm.get_metrics()
     params, size = workload.sampling_params(), batch or len(workload.prompts)
     start = time.perf_counter()
+    bar = sys.stderr.isatty()  # a requests bar on a terminal; updated per finished request, not per token
     outs = [out for i in range(0, len(params), size)
-            for out in llm.generate(workload.prompts[i:i + size], params[i:i + size], use_tqdm=False)]
+            for out in llm.generate(workload.prompts[i:i + size], params[i:i + size], use_tqdm=bar)]
     seconds = time.perf_counter() - start
     token_ids = _checked_output_ids(outs, workload)
     spec = spec_between(before, llm.get_metrics()) if before.get("speculative_method") else None

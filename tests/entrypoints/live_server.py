@@ -94,3 +94,10 @@ class LiveServer:
             if m:
                 values[m.group(1)] = float(m.group(2))
         return values
+
+
+def openai_client(server: LiveServer, api_key: str = "unused"):
+    """The official `openai` client on `server`, without retries (a test sees the first answer)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)

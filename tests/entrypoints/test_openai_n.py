@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, openai_client
 
 from deepinfer import LLM, SamplingParams
 
@@ -25,9 +25,7 @@ def server(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def client(server):
-    from openai import OpenAI
-
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
