@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from deepinfer.environ import Environ, get_environ
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in bf16, or MXFP8
+# auto: Triton kernels on CUDA (where installed and the model is covered), else the torch reference
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -162,6 +164,8 @@ class EngineConfig:
     # (the reference path); gguf: stay quantized (required); int8/int4: quantize linear layers at load
     quantization: str = "auto"
     device: str | None = None  # None/auto: cuda if available, else cpu
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (worker/cuda_graphs.py)
     seed: int = 0
     max_model_len: int | None = None  # None: min(the model's context, 4096)
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
@@ -181,12 +185,17 @@ class EngineConfig:
         if self.speculative.num_speculative_tokens is None:  # one value sizes rings and caps drafts
             self.speculative.num_speculative_tokens = self.env.use_nextn_decode
             self.speculative.__post_init__()  # e.g. DEEPINFER_USE_NEXTN_DECODE=0 with a method
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
         check_load_format(self.load_format)
         check_quantization(self.quantization)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, "
+                             f"got {self.attention_backend!r}")
 
     def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
         """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too.

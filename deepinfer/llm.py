@@ -71,15 +71,19 @@ class LLM:
     max_model_len is refused, and so is a max_model_len beyond the model's context unless
     `allow_long_max_model_len=True`.
 
+    On CUDA with the Triton attention backend, decode-only steps replay CUDA graphs captured at
+    start-up for batch sizes up to min(max_num_seqs, 256) (`worker/cuda_graphs.py`);
+    `enforce_eager=True` (vLLM's keyword) runs every step eagerly.
+
     vLLM's keywords are taken where they mean something here: `tensor_parallel_size` (only 1),
     `trust_remote_code` (accepted; no code from a checkpoint is ever run: every architecture is
-    DeepInfer's own), `tokenizer` (only the model's own), `enforce_eager`, `swap_space`,
+    DeepInfer's own), `tokenizer` (only the model's own), `swap_space`,
     `disable_log_stats` and `tokenizer_mode="auto"` (accepted, no effect: see `llm_options`).
     Any other keyword raises TypeError listing the accepted ones.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
-                 device: str | None = None,
+                 device: str | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
                  max_model_len: int | None = None, kv_cache_memory: str | int = "auto",
                  num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
@@ -99,6 +103,7 @@ class LLM:
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
         config = EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
+                              attention_backend=attention_backend, enforce_eager=enforce_eager,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                               speculative=speculative, hf_overrides=hf_overrides, load_format=load_format,
                               revision=revision, allow_long_max_model_len=allow_long_max_model_len)

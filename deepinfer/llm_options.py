@@ -13,7 +13,6 @@ import os
 # keyword -> what it does here (the TypeError and the docs list these)
 NO_EFFECT = {
     "trust_remote_code": "accepted; no code from a checkpoint is ever run (every architecture is DeepInfer's own)",
-    "enforce_eager": "accepted; the CPU path has no graphs to capture",
     "swap_space": "accepted; preempted requests are recomputed, never swapped to CPU memory",
     "disable_log_stats": "accepted; LLM logs no periodic statistics (the server does)",
 }

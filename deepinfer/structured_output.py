@@ -25,12 +25,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import llguidance
-
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # defaults -> schema["x-guidance"] -> (no overrides)
 _JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _MAX_SHOWN = 80
+
+
+def grammar_engine():
+    """llguidance, imported on first use: the engine runs without it (a GPU image may lack it)
+    until a request asks for structured output, which then fails naming the fix."""
+    try:
+        import llguidance
+    except ImportError as exc:
+        raise ValueError("structured output needs llguidance, which is not installed: "
+                         "pip install 'llguidance>=1.9,<1.10'") from exc
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class StructuredOutputsParams:
                              f"got {', '.join(set_kinds) or 'none'}")
         kind = set_kinds[0]
         text = _grammar_of(kind, getattr(self, kind))
-        error = llguidance.LLMatcher.validate_grammar(text)
+        error = grammar_engine().LLMatcher.validate_grammar(text)
         if error:
             raise ValueError(f"structured_output.{kind} is invalid: {_first_lines(error)}; "
                              f"got {_short(getattr(self, kind))}")
@@ -91,13 +100,13 @@ def _grammar_of(kind: str, value) -> str:
                 not all(isinstance(c, str) and c for c in value):
             raise ValueError(f"structured_output.choice must be a non-empty list of non-empty strings, "
                              f"got {_short(value)}")
-        return llguidance.grammar_from("choice", list(value))
+        return grammar_engine().grammar_from("choice", list(value))
     if not isinstance(value, str) or not value:
         raise ValueError(f"structured_output.{kind} must be a non-empty string, got {_short(value)}")
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(value)
+        return grammar_engine().LLMatcher.grammar_from_regex(value)
     try:  # Lark as is; GBNF (`root ::= ...`) converted to Lark
-        return llguidance.grammar_from("grammar", value)
+        return grammar_engine().grammar_from("grammar", value)
     except ValueError as exc:
         raise ValueError(f"structured_output.grammar is invalid: {_first_lines(str(exc))}; got {_short(value)}") \
             from None
@@ -119,7 +128,7 @@ def _schema(value) -> dict:
 
 def _json_grammar(schema: dict) -> str:
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
+        return grammar_engine().LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"structured_output.json is invalid: {_first_lines(str(exc))}; got {_short(schema)}") \
             from None

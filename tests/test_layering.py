@@ -12,6 +12,8 @@ Rules:
 3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
 4. `model_executor/layers/ops/` imports none of `deepinfer.model_executor.models`, `.loader`,
    `.layers.attention`, `.layers.sampler` (nor a `sampling_metadata` module).
+5a. `distributed/` (rank state and collectives, used by the parallel layers and the executor) imports,
+   of ours, only `deepinfer.config`, `.environ`, `.contracts` and itself.
 5. `contracts/` imports, of ours, only `deepinfer.config`, `.environ`, `.sampling_params` and other
    `deepinfer.contracts.*`; and no `torch`.
 6. No import cycles among `deepinfer` modules (function-level imports count; importing a package is an
@@ -97,6 +99,12 @@ RULES = (
             f"{_ME}.sampling_metadata",
             f"{_ME}.layers.sampling_metadata",
         ),
+    ),
+    Rule(
+        "distributed",
+        "deepinfer.distributed",
+        (PACKAGE,),
+        ("deepinfer.config", "deepinfer.environ", "deepinfer.contracts", "deepinfer.distributed"),
     ),
     Rule(
         "contracts",

@@ -9,7 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from deepinfer.config import KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, SPECULATIVE_METHODS, CacheConfig
+from deepinfer.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+)
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -27,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face model name (default: its default branch)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="attention kernels: auto (triton on CUDA, torch on the CPU), torch (the reference), "
+                        "triton (Triton store and decode kernels; interpreted, slowly, on the CPU)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly: no CUDA graphs for decode steps (by default they are "
+                        "captured at start-up on CUDA with the triton backend)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per request (default: min(the model's context, 4096))")
     g.add_argument("--allow-long-max-model-len", action="store_true",
@@ -121,6 +134,8 @@ def cache_config(args) -> CacheConfig:
 
 def engine_kwargs(args) -> dict:
     return dict(dtype=args.dtype, quantization=getattr(args, "quantization", "auto"), device=args.device,
+                attention_backend=getattr(args, "attention_backend", "auto"),
+                enforce_eager=getattr(args, "enforce_eager", False),
                 max_model_len=args.max_model_len, revision=getattr(args, "revision", None),
                 allow_long_max_model_len=getattr(args, "allow_long_max_model_len", False),
                 gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),

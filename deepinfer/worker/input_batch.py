@@ -7,7 +7,8 @@ attention layers only read what is built here.
 
 Built on the CPU from one pass over the plan's Python ints, with whole-batch tensor ops: no
 tensor per request (except each prefill chunk's loads and DeepSeek-V4's per-span rows, which the
-contract lists per request) and no host sync; then moved to the device at once.
+contract lists per request) and no host sync; then moved to the device at once: one copy of
+one packed, pinned buffer (attention/transfer.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deepinfer.model_executor.layers.attention.backend import (
     GroupMetadata,
     PrefillSegment,
     RequestSpan,
+    move_step,
 )
 from deepinfer.model_executor.layers.ops.addressing import (
     num_rows,
@@ -33,6 +35,7 @@ from deepinfer.model_executor.layers.ops.addressing import (
     paged_slot,
     paged_slots,
     ring_slot,
+    visible_rows,
 )
 from deepinfer.model_executor.layers.ops.decode_metadata import get_kv_index, prepare_decode_metadata
 
@@ -194,10 +197,12 @@ def _token_group(addr: _GroupAddressing, batch: _Batch) -> GroupMetadata:
     first = len(batch.decodes)
     prefills = [_prefill_segment(addr, s, start, units, first + j)
                 for j, (s, start) in enumerate(zip(batch.segments, batch.segment_starts, strict=True))]
+    paged_decodes = batch.decodes and not addr.ring
     return GroupMetadata(window=addr.group.window if addr.ring else None,
                          store_slots=addr.packed_slots(units, owner, positions), store_rows=rows,
                          decode_index=_decode_index(addr, batch, units) if batch.decodes else None,
-                         prefills=prefills)
+                         prefills=prefills,
+                         decode_lens=visible_rows(batch.q_pos, 1) if paged_decodes else None)  # [N]
 
 
 def _compressed_group(addr: _GroupAddressing, batch: _Batch, num_decode_spans: int) -> CompressedGroupMetadata:
@@ -256,16 +261,22 @@ def build_group_metadata(scheduled: list, addressing: list[_GroupAddressing]) ->
     return build_attention_metadata(batch, addressing), list(zip(batch.ordered, batch.starts, strict=False))
 
 
-def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device) -> StepInputs:
-    """The plan's packed ids and positions, every group's metadata, and the rows that sample."""
+def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device,
+                      pack: bool | None = None) -> StepInputs:
+    """The plan's packed ids and positions, every group's metadata, and the rows that sample.
+
+    On any device but the CPU (or with `pack=True`) every tensor travels in one host-to-device
+    copy and is a view of one buffer there (`move_step`); on the CPU they stay as built."""
     batch = _batch(plan)
     md = build_attention_metadata(batch, addressing)
-    ids = [t for s in batch.ordered for t in s.token_ids]
+    ids = torch.tensor([t for s in batch.ordered for t in s.token_ids], **_LONG)  # [T]
     spans = list(zip(batch.ordered, batch.starts, strict=False))
     rows = [s for s, _ in spans if s.do_sample]
     sample_index = torch.tensor([i for s, start in spans if s.do_sample
                                  for i in range(start + s.num_tokens - num_logits_rows(s), start + s.num_tokens)],
                                 **_LONG)  # [M]
-    if device.type != "cpu":
-        md, sample_index = md.to(device), sample_index.to(device, non_blocking=True)
-    return StepInputs(torch.tensor(ids, **_LONG).to(device), md.positions, md, rows, sample_index, spans)
+    if pack is None:
+        pack = device.type != "cpu"
+    if pack:
+        md, (ids, sample_index) = move_step(md, [ids, sample_index], device, force=True)
+    return StepInputs(ids, md.positions, md, rows, sample_index, spans)

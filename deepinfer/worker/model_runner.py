@@ -15,7 +15,7 @@ from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.environ import Environ
 from deepinfer.model_executor.forward_context import forward_context
-from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend
+from deepinfer.model_executor.layers.attention.triton_backend import make_attention_backend
 from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.layers.ops.cache_common import (
@@ -24,6 +24,7 @@ from deepinfer.model_executor.layers.ops.cache_common import (
 )
 from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
+from deepinfer.model_executor.layers.sampling_metadata import device_tensor
 from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
@@ -34,6 +35,7 @@ from deepinfer.worker.cache_sizing import (
     mib,
     wanted_snapshots,
 )
+from deepinfer.worker.cuda_graphs import build_decode_graphs
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
 from deepinfer.worker.kv_disk import KvDiskStore
@@ -75,9 +77,14 @@ class ModelRunner:
     """Owns the model, its cache groups and their one allocation each, and the sampler; turns a
     `StepPlan` into input tensors and per-group metadata, runs the model and samples."""
 
+    emulate_cuda_graphs = False  # test switch: decode steps through DecodeGraphs' buffers without CUDA
+
     def __init__(self, source, config: EngineConfig):
         cache_config = config.cache
         self.device = resolve_device(config.device)
+        # a backend this device cannot use fails here, before the weights load
+        self.attention_backend = make_attention_backend(config.attention_backend, self.device,
+                                                        config.env.batch_invariant)
         if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
             check_model_type(source.hf_config.model_type)
         self.quantization = resolve_quantization(config.quantization, source, self.device, config.env.batch_invariant)
@@ -103,7 +110,6 @@ class ModelRunner:
         units = [num_ring_units if g.is_ring else self.num_blocks for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
         self.addressing = group_addressing(self.groups)
-        self.attention_backend = TorchAttentionBackend(self.env.batch_invariant)
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                            num_ring_units, self.attention_backend))
         self.cache_identity = cache_identity(source, self.dtype, cache_config.kv_cache_dtype, self.groups, self.env)
@@ -114,6 +120,8 @@ class ModelRunner:
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
+        self.graphs = build_decode_graphs(self.model, self.groups, self.attention_backend.name, self.device, config,
+                                          emulate=self.emulate_cuda_graphs)  # the cache is bound: its addresses hold
 
     def _sized_groups(self, cache_config: CacheConfig) -> tuple[list[CacheGroupSpec], list[RowCodec]]:
         """The model's declared groups, sized (block size, ring S, page rows), with their codecs."""
@@ -243,13 +251,12 @@ class ModelRunner:
         if plan.is_empty:
             return ModelOutput(load_failures=load_failures)
         inputs = build_step_inputs(plan, self.addressing, self.device)
-        with forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-        if any(s.prompt_logprobs is not None for s, _ in inputs.spans):
-            self.prompt_logprobs.collect(inputs.spans, hidden, self.model.compute_logits)
+        if self.graphs is not None and self.graphs.accepts(inputs):  # plain decodes: replay a CUDA graph
+            logits = self.graphs.run(inputs)  # [N, V]
+        else:
+            logits = self._forward(inputs)  # [M, V] or None
         output = ModelOutput()
         if inputs.sample_rows:
-            logits = self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
             output = self._sample(logits, inputs)
             self.prompt_logprobs.attach(inputs.sample_rows, output)
         self._keep_verified(inputs, output)
@@ -258,6 +265,17 @@ class ModelRunner:
         self.prefix.finish(plan)  # snapshots at the step's boundaries
         output.load_failures = load_failures
         return output
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The eager forward: prompt logprobs gathered, then logits [M, V] of the rows that sample
+        (None when none does)."""
+        with forward_context(inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if any(s.prompt_logprobs is not None for s, _ in inputs.spans):
+            self.prompt_logprobs.collect(inputs.spans, hidden, self.model.compute_logits)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
 
     def _keep_verified(self, inputs: StepInputs, output: ModelOutput) -> None:
         """Tell the model how many tokens of each verification step were kept (the last token
@@ -331,4 +349,4 @@ def _rows_at(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     them in order, as in a step of plain decodes."""
     if rows == list(range(logits.shape[0])):
         return logits
-    return logits.index_select(0, torch.tensor(rows, device=logits.device))  # [N, V]
+    return logits.index_select(0, device_tensor(rows, torch.long, logits.device))  # [N, V]

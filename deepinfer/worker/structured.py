@@ -28,11 +28,15 @@ import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
 
+from deepinfer.structured_output import grammar_engine
+
+if TYPE_CHECKING:
+    import llguidance
 from deepinfer.worker.input_batch import num_logits_rows
 
 _MAX_COMPILED = 64  # distinct grammars kept compiled
@@ -149,7 +153,7 @@ class StructuredOutputs:
         if compiled is not None:
             self._compiled.move_to_end(grammar_text)
             return compiled
-        compiled = llguidance.LLMatcher(self._tokenizer_info(vocab_size), grammar_text, log_level=0)
+        compiled = grammar_engine().LLMatcher(self._tokenizer_info(vocab_size), grammar_text, log_level=0)
         if compiled.is_error():
             raise ValueError(f"structured_output grammar does not compile: {compiled.get_error()}")
         self._compiled[grammar_text] = compiled

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata
+from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, device_tensor
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab
 
 
@@ -45,7 +45,7 @@ def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata, ow
         out.index_put_((rows_t, ids_t), values, accumulate=True)  # [N, V]
     if ban_pairs:
         rows_t, ids_t, _ = _pairs_to_tensors([(i, t, 0.0) for i, t in ban_pairs], logits.device)
-        out.index_put_((rows_t, ids_t), torch.tensor(float("-inf"), device=logits.device))  # [N, V]
+        out.index_put_((rows_t, ids_t), torch.full((), float("-inf"), device=logits.device))  # [N, V]
     return out
 
 
@@ -72,5 +72,5 @@ def drop_banned(weights: torch.Tensor, logits: torch.Tensor, metadata: SamplingM
 def _pairs_to_tensors(pairs: list[tuple[int, int, float]], device) -> tuple[torch.Tensor, ...]:
     """[(row, id, value)] -> rows [n] long, ids [n] long, values [n] fp32."""
     rows, ids, values = zip(*pairs, strict=True)
-    return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device))
+    return (device_tensor(rows, torch.long, device), device_tensor(ids, torch.long, device),
+            device_tensor(values, torch.float32, device))

@@ -15,6 +15,11 @@ the vocabulary:
                                      +--> random rows: / T -> exp -> top-k, top-p, min-p zero
                                           weights -> inverse CDF at u ~ U[0, 1), one per token
 
+Every stage stays on the logits' device (`Sampler.draw`); the host reads the tokens, logprobs,
+ranks and top logprobs back once, together (`sampled_tokens.read_samples`). Off the CPU, for rows
+without penalties, bias or bans, no stage asks the device a question on the way (no `.item()`, no
+data-dependent loop): such a step's only wait for the device is that read.
+
 Every sampled token of a random row consumes exactly one uniform from its request's own
 generator (seeded requests) or from the engine generator (unseeded requests), in row order, so a
 seeded request's uniforms do not depend on what else is in the batch. Greedy rows draw nothing.
@@ -47,7 +52,8 @@ import torch
 from deepinfer.contracts.plan import SampleResult
 from deepinfer.model_executor.layers.batch_invariant import row_sum
 from deepinfer.model_executor.layers.logits_processors import apply_logits_processors, drop_banned
-from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, fp32_column
+from deepinfer.model_executor.layers.sampled_tokens import DrawnTokens, read_samples, top_lists
+from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata, device_tensor, fp32_column
 
 _NUCLEUS_WIDTH = 256  # first window of best tokens searched for the top-k / top-p cut
 _CDF_BLOCK = 256  # tokens per block of the two-level inverse CDF
@@ -80,14 +86,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[SampleResult]:
         """logits [N, V] (any float dtype; computed in fp32), one row per row of `metadata`,
-        whose tensors are on the logits' device.
+        whose tensors are on the logits' device -> one SampleResult per row, read back from the
+        device at once (`draw`, then `read_samples`).
 
         The caller's tensor is never written.
         """
+        drawn = self.draw(logits, metadata)
+        return read_samples(drawn, metadata) if metadata.num_rows else []
+
+    def draw(self, logits: torch.Tensor, metadata: SamplingMetadata) -> DrawnTokens:
+        """`__call__` without the read: the tokens, logprobs, ranks and top logprobs stay on the
+        logits' device. Rows without penalties, logit_bias or bans (greedy, or temperature with
+        top-k / top-p / min-p, seeded or not) never make the host wait for the device."""
         if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
             raise ValueError(f"logits must be [N, V] with N = {metadata.num_rows} rows, got {tuple(logits.shape)}")
-        if not metadata.num_rows:
-            return []
         logits = logits.float()  # [N, V]; the caller's tensor when already fp32
         lse = logsumexp(logits, self.batch_invariant)  # [N]
         if metadata.all_greedy and not metadata.penalty_rows and not metadata.processor_rows:  # fast path
@@ -96,11 +108,9 @@ class Sampler:
         else:
             token_ids = self._choose(logits, metadata)  # [N]
             token_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - lse  # [N]
-        top = top_logprobs(logits, lse, metadata) if metadata.logprob_rows else {}
-        ranks = token_ranks(logits, token_ids, metadata.logprob_rows)
-        pairs = zip(token_ids.tolist(), token_logprobs.tolist(), strict=True)
-        return [SampleResult(token_id=t, logprob=lp, top_logprobs=top.get(i), rank=ranks.get(i))
-                for i, (t, lp) in enumerate(pairs)]
+        top_ids, top_values = top_logprob_tensors(logits, lse, metadata)  # [n, k] each, or None
+        ranks = token_ranks(logits, token_ids, metadata.logprob_rows)  # [n] or None
+        return DrawnTokens(token_ids, token_logprobs, ranks, top_ids, top_values)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drops the per-request state (generators) of finished or aborted requests."""
@@ -149,7 +159,7 @@ class Sampler:
             weights = filtered_weights(logits, metadata, self.batch_invariant)  # [R, V]
         else:
             weights = drop_banned(tempered_weights(logits, metadata.temperature)[0], logits, metadata)  # [R, V]
-        uniforms = self._uniforms(metadata).to(weights.device)  # [R] float64
+        uniforms = self._uniforms(metadata).to(weights.device, non_blocking=True)  # [R] float64
         return inverse_cdf(weights, uniforms)  # [R]
 
     def uniform(self, request_id: str, seed: int | None) -> float:
@@ -231,8 +241,14 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(tail, tail_values, values), torch.where(tail, tail_index + num_blocks * _ARGMAX_BLOCK, index)
 
 
+def host_reads_are_free(t: torch.Tensor) -> bool:
+    """Whether the host may read a value of `t` at no cost (a CPU tensor); elsewhere it would wait
+    for the device, so the sampler's device paths never do."""
+    return t.device.type == "cpu"
+
+
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=like.device)  # [n]
+    return device_tensor(rows, torch.long, like.device)  # [n]
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -331,46 +347,62 @@ def _top_k_top_p_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: l
         return threshold
     sub_logits, index = _subset(logits, rows)  # [r, V]
     sub_weights, _ = _subset(weights, rows)  # [r, V]
-    ks = torch.tensor([top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows],
-                      device=logits.device)[:, None]  # [r, 1]
+    ks = [top_k[i] if 0 < top_k[i] < vocab_size else vocab_size for i in rows]
     ps = fp32_column([top_p[i] for i in rows], logits.device)  # [r, 1]
-    found = _nucleus_threshold(sub_logits, sub_weights, ks, ps, invariant)
+    found = _nucleus_threshold(sub_logits, sub_weights, device_tensor(ks, torch.long, logits.device)[:, None], ps,
+                               invariant, max(ks))  # [r, 1]
     return found if index is None else threshold.index_copy_(0, index, found)  # [n, 1]
 
 
-def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+def _nucleus_threshold(logits: torch.Tensor, weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       invariant: bool = False, max_k: int | None = None, one_pass: bool | None = None) -> torch.Tensor:
     """logits, weights [n, V]; top_k [n, 1] (V: off), top_p [n, 1] -> [n, 1]: last kept logit.
+    `max_k`: top_k's largest value, when the caller knows it on the host; `one_pass`: decide every
+    row in one window (default: off the CPU).
 
     Sorting the vocabulary is slow and the kept set is usually small: search the best
     `_NUCLEUS_WIDTH` tokens (or the largest k, when smaller) first and widen (x8) only for rows
     not decided inside the window. Masses are prefix sums of the row's own weights, so a row's
     answer depends on that row alone, never on the window width or on the rest of the batch.
+    Which rows are decided is known only on the device: off the CPU, where asking would make the
+    host wait, one pass over a window every row fits in (the largest k, else the vocabulary) decides all.
     """
     num_rows, vocab_size = logits.shape
     row_mass = _sum_rows(weights, invariant)[:, None]  # [n, 1]: for rows without top-k
+    max_k = int(top_k.max()) if max_k is None else max_k
+    width = min(max_k, _NUCLEUS_WIDTH, vocab_size)  # all rows top-k <= 256: max k
+    if one_pass is None:
+        one_pass = not host_reads_are_free(logits)
+    if one_pass:
+        width = width if max_k <= width else vocab_size
+        return _window_pass(logits, weights, top_k, top_p, row_mass, width)[0]  # [n, 1]
     threshold = torch.empty(num_rows, 1, device=logits.device)  # [n, 1]
     pending = torch.arange(num_rows, device=logits.device)  # [m]
-    width = min(int(top_k.max()), _NUCLEUS_WIDTH, vocab_size)  # all rows top-k <= 256: max k
     while pending.numel():
-        k, p = top_k.index_select(0, pending), top_p.index_select(0, pending)  # [m, 1], [m, 1]
         everyone = pending.numel() == num_rows
-        values, ids = (logits if everyone else logits.index_select(0, pending)).topk(width, dim=-1)
-        row_weights = weights if everyone else weights.index_select(0, pending)  # [m, V]
-        in_top_k = torch.arange(width, device=logits.device) < k  # [m, w]
-        mass = row_weights.gather(1, ids).masked_fill_(~in_top_k, 0.0)  # [m, w], best first
-        cumulative = mass.cumsum(dim=-1)  # [m, w]
-        k_inside = k <= width  # [m, 1]: the top-k cut lies in the window
-        total = torch.where(k_inside, cumulative.gather(1, (k - 1).clamp_max(width - 1)),
-                            row_mass.index_select(0, pending))  # [m, 1]
-        keep = in_top_k & ((cumulative - mass < p * total) | (p >= 1.0))  # [m, w]
-        done = k_inside | ((k >= vocab_size) & (cumulative[:, -1:] >= p * total))  # [m, 1]
-        done = done[:, 0] | (width == vocab_size)  # [m]
-        num_keep = keep.sum(dim=-1, keepdim=True).clamp_min_(1)  # [m, 1]
-        threshold[pending[done]] = values.gather(1, num_keep - 1)[done]  # [d, 1]
+        found, done = _window_pass(*(t if everyone else t.index_select(0, pending)
+                                     for t in (logits, weights, top_k, top_p, row_mass)), width)  # [m, 1], [m]
+        threshold[pending[done]] = found[done]  # [d, 1]
         pending = pending[~done]  # [m']
         width = min(width * 8, vocab_size)
     return threshold
+
+
+def _window_pass(logits: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, p: torch.Tensor,
+                 row_mass: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One search over the best `width` tokens of rows logits, weights [m, V] (k, p, row_mass
+    [m, 1]) -> (last kept logit [m, 1], which rows the window decides [m])."""
+    vocab_size = logits.shape[1]
+    values, ids = logits.topk(width, dim=-1)  # [m, w], [m, w]
+    in_top_k = torch.arange(width, device=logits.device) < k  # [m, w]
+    mass = weights.gather(1, ids).masked_fill_(~in_top_k, 0.0)  # [m, w], best first
+    cumulative = mass.cumsum(dim=-1)  # [m, w]
+    k_inside = k <= width  # [m, 1]: the top-k cut lies in the window
+    total = torch.where(k_inside, cumulative.gather(1, (k - 1).clamp_max(width - 1)), row_mass)  # [m, 1]
+    keep = in_top_k & ((cumulative - mass < p * total) | (p >= 1.0))  # [m, w]
+    done = k_inside | ((k >= vocab_size) & (cumulative[:, -1:] >= p * total))  # [m, 1]
+    num_keep = keep.sum(dim=-1, keepdim=True).clamp_min_(1)  # [m, 1]
+    return values.gather(1, num_keep - 1), done[:, 0] | (width == vocab_size)  # [m, 1], [m]
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -401,35 +433,39 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def _never_filtered(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Rounding at a block edge (odds ~1e-16) could land on a p = 0 token: take the best instead."""
     zero = probs.gather(1, token_ids[:, None])[:, 0] == 0  # [n]
-    if bool(zero.any()):
-        token_ids = torch.where(zero, probs.argmax(dim=-1), token_ids)  # [n]
-    return token_ids
+    if host_reads_are_free(probs) and not bool(zero.any()):  # skip the argmax; off the CPU, never wait to ask
+        return token_ids
+    return torch.where(zero, probs.argmax(dim=-1), token_ids)  # [n]
 
 
 def top_logprobs(logits: torch.Tensor, lse: torch.Tensor,
-                  metadata: SamplingMetadata) -> dict[int, list[tuple[int, float]]]:
+                 metadata: SamplingMetadata) -> dict[int, list[tuple[int, float]]]:
     """Row -> its top-n (token id, raw logprob), best first, for rows with logprobs set
     (an empty list for logprobs = 0)."""
-    rows = metadata.logprob_rows
+    ids, values = top_logprob_tensors(logits, lse, metadata)
+    if ids is None:
+        return {i: [] for i in metadata.logprob_rows}
+    return top_lists(metadata, ids.tolist(), values.tolist())
+
+
+def top_logprob_tensors(logits: torch.Tensor, lse: torch.Tensor,
+                        metadata: SamplingMetadata) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(ids [n, k], raw logprobs [n, k]) of the k = `num_top_logprobs` best tokens of each row of
+    `logprob_rows`, best first, on the logits' device; (None, None) when k = 0."""
     if metadata.num_top_logprobs == 0:
-        return {i: [] for i in rows}
-    index = _index(rows, logits)  # [n]
+        return None, None
+    index = _index(metadata.logprob_rows, logits)  # [n]
     values, ids = logits.index_select(0, index).topk(metadata.num_top_logprobs, dim=-1)  # [n, k], [n, k]
-    values = values - lse.index_select(0, index)[:, None]  # [n, k]
-    top: dict[int, list[tuple[int, float]]] = {}
-    for row, row_ids, row_values in zip(rows, ids.tolist(), values.tolist(), strict=True):
-        n = metadata.params[row].logprobs
-        top[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
-    return top
+    return ids, values - lse.index_select(0, index)[:, None]  # [n, k], [n, k]
 
 
-def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int]) -> dict[int, int]:
-    """Row -> the 1-based rank of its token under `logits` (1 + how many tokens score strictly
-    higher), for `rows` only (the rows that report logprobs). logits [N, V], token_ids [N]."""
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """[n] the 1-based rank of each row's token under `logits` (1 + how many tokens score strictly
+    higher), for `rows` only (the rows that report logprobs; None when there are none).
+    logits [N, V], token_ids [N]."""
     if not rows:
-        return {}
+        return None
     index = _index(rows, logits)  # [n]
     sub = logits.index_select(0, index)  # [n, V]
     chosen = sub.gather(1, token_ids.index_select(0, index)[:, None])  # [n, 1]
-    ranks = (sub > chosen).sum(dim=-1) + 1  # [n]
-    return dict(zip(rows, ranks.tolist(), strict=True))
+    return (sub > chosen).sum(dim=-1) + 1  # [n]

@@ -116,9 +116,16 @@ def _may_ban(params: SamplingParams, output_token_ids: list[int]) -> bool:
                                                  and bool(params.all_stop_token_ids))
 
 
+def device_tensor(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """values -> [n] on `device`, built on the host and copied with non_blocking=True: unlike
+    `torch.tensor(values, device=...)`, the host does not wait for the copy."""
+    host = torch.tensor(values, dtype=dtype)  # [n]
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)  # [n]
+
+
 def fp32_column(values: Sequence[float], device: torch.device | str) -> torch.Tensor:
     """values -> [n, 1] fp32 on `device`."""
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # [n, 1]
+    return device_tensor(values, torch.float32, device)[:, None]  # [n, 1]
 
 
 def _column(values: list[float], device: torch.device | str) -> torch.Tensor | None:

@@ -105,6 +105,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
+    # the forward reads only ids, positions and token-group metadata, and keeps no per-request
+    # state: decode steps may replay as CUDA graphs (worker/cuda_graphs.py)
+    decode_graph_safe = True
+
     def __init__(self, cfg, max_positions: int):
         super().__init__()
         self.config = cfg

@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.model_executor.layers.attention.transfer import transfer
 
-def _moved(t: torch.Tensor | None, device) -> torch.Tensor | None:
-    return None if t is None else t.to(device, non_blocking=True)
+
+def _moved(metadata, device):
+    """`metadata` (any of the dataclasses below) with its tensors on `device`, through one copy."""
+    return metadata.with_tensors(iter(transfer(metadata.tensors(), device)))
 
 
 @dataclass
@@ -38,9 +41,15 @@ class PrefillSegment:
     def num_tokens(self) -> int:
         return self.token_end - self.token_start
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.load_slots, self.load_positions]
+
+    def with_tensors(self, tensors) -> PrefillSegment:
+        """The same segment with its tensors taken, in `tensors()` order, from the iterator `tensors`."""
+        return PrefillSegment(self.token_start, self.token_end, next(tensors), next(tensors))
+
     def to(self, device) -> PrefillSegment:
-        return PrefillSegment(self.token_start, self.token_end, _moved(self.load_slots, device),
-                              _moved(self.load_positions, device))
+        return _moved(self, device)
 
 
 @dataclass
@@ -52,10 +61,22 @@ class GroupMetadata:
     store_rows: torch.Tensor | None  # [M] which packed rows are stored (None: all T, in order)
     decode_index: torch.Tensor | None  # [N_decode, L] slots each decode query reads, -1 pad
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # [N_decode] leading columns of each index row that may name a slot (all later ones are -1), so a
+    # kernel can stop there; None: all L (ring rows). Only a bound: the index row stays the mask.
+    decode_lens: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.store_slots, self.store_rows, self.decode_index, self.decode_lens] + [
+            t for seg in self.prefills for t in seg.tensors()]
+
+    def with_tensors(self, tensors) -> GroupMetadata:
+        """The same group with its tensors taken, in `tensors()` order, from the iterator `tensors`."""
+        store_slots, store_rows, decode_index, decode_lens = (next(tensors) for _ in range(4))
+        return GroupMetadata(self.window, store_slots, store_rows, decode_index,
+                             [seg.with_tensors(tensors) for seg in self.prefills], decode_lens)
 
     def to(self, device) -> GroupMetadata:
-        return GroupMetadata(self.window, _moved(self.store_slots, device), _moved(self.store_rows, device),
-                             _moved(self.decode_index, device), [seg.to(device) for seg in self.prefills])
+        return _moved(self, device)
 
 
 @dataclass
@@ -76,10 +97,17 @@ class CompressedGroupMetadata:
     span_index: list[torch.Tensor]
     decode_rows: torch.Tensor | None = None
 
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [*self.span_rows, *self.store_slots, *self.span_index, self.decode_rows]
+
+    def with_tensors(self, tensors) -> CompressedGroupMetadata:
+        """The same group with its tensors taken, in `tensors()` order, from the iterator `tensors`."""
+        n = len(self.span_rows)
+        span_rows, store_slots, span_index = ([next(tensors) for _ in range(n)] for _ in range(3))
+        return CompressedGroupMetadata(self.ratio, span_rows, store_slots, span_index, next(tensors))
+
     def to(self, device) -> CompressedGroupMetadata:
-        return CompressedGroupMetadata(self.ratio, [_moved(t, device) for t in self.span_rows],
-                                       [_moved(t, device) for t in self.store_slots],
-                                       [_moved(t, device) for t in self.span_index], _moved(self.decode_rows, device))
+        return _moved(self, device)
 
 
 @dataclass
@@ -109,9 +137,27 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
 
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor of the step's metadata, in a fixed order (`with_tensors` reads them back)."""
+        return [self.positions] + [t for g in self.groups for t in g.tensors()]
+
+    def with_tensors(self, tensors) -> AttentionMetadata:
+        """The same metadata with its tensors taken, in `tensors()` order, from the iterator `tensors`."""
+        positions = next(tensors)
+        return AttentionMetadata(positions, self.num_decode_tokens, [g.with_tensors(tensors) for g in self.groups],
+                                 self.spans, self.num_decode_spans)
+
     def to(self, device) -> AttentionMetadata:
-        return AttentionMetadata(_moved(self.positions, device), self.num_decode_tokens,
-                                 [g.to(device) for g in self.groups], self.spans, self.num_decode_spans)
+        """The metadata on `device`: all its tensors through one copy (views of one buffer)."""
+        return _moved(self, device)
+
+
+def move_step(metadata: AttentionMetadata, extra: list[torch.Tensor], device,
+              force: bool = False) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+    """A step's metadata and its `extra` tensors (input ids, sample index) on `device` through one
+    copy (`transfer.transfer`; `force`: pack even when they are there already)."""
+    moved = transfer([*extra, *metadata.tensors()], device, force)
+    return metadata.with_tensors(iter(moved[len(extra):])), moved[:len(extra)]
 
 
 class AttentionBackend(abc.ABC):

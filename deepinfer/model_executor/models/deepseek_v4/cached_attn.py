@@ -82,8 +82,18 @@ def _store(cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
     cache.store(slots, rows[:, None, :], None)
 
 
+def sparse_decode(use_triton: bool):
+    """The decode call: the Triton kernel (GPU, or the interpreter on CPU) or the torch reference."""
+    if not use_triton:
+        return decode_mla_mqa_sparse
+    from deepinfer.model_executor.layers.ops.triton.sparse_mla import decode_mla_mqa_sparse as triton_decode
+    return triton_decode
+
+
 class CachedV4Attention(DeepseekV4Attention):
     """One V4 layer's attention with its compressor; the model runner binds the caches."""
+
+    use_triton = False  # decode through the Triton kernel (`sparse_decode`) instead of the torch reference
 
     def __init__(self, config, layer_idx: int, layer_type: str | None = None):
         """`layer_type` defaults to `config.layer_types[layer_idx]` (an MTP block passes SLIDING)."""
@@ -113,8 +123,9 @@ class CachedV4Attention(DeepseekV4Attention):
         if nd:  # decode queries: everything through index rows, batched
             if extra is None and reads:
                 extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd])  # [N, L_c]
-            out[:nd] = decode_mla_mqa_sparse(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
-                                             self.scale, self.sinks, self.rows_cache, extra)
+            decode = sparse_decode(self.use_triton)
+            out[:nd] = decode(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
+                              self.scale, self.sinks, self.rows_cache, extra)
         for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
             s, e = seg.token_start, seg.token_end
             parts = [window] + ([reads[s].part(self.rows_cache, hidden.dtype)] if reads else [])

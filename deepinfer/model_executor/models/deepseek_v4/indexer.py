@@ -53,6 +53,8 @@ def topk_visible_rows(scores: torch.Tensor, positions: torch.Tensor, k: int, rat
 class IndexerScorer(nn.Module):
     """Per-head query weights w_h (HF name ``scorer.weights_proj``) and the score sum."""
 
+    use_triton = False  # score through the Triton kernel (ops/triton/indexer.py) instead of einsum
+
     def __init__(self, config):
         super().__init__()
         self.softmax_scale = config.index_head_dim**-0.5
@@ -66,6 +68,9 @@ class IndexerScorer(nn.Module):
     def score(self, q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [n, h, d], index_keys [R, d] (one request's) or [n, R, d] (each query's own request's),
         weights [n, h] -> scores [n, R] (fp32)."""
+        if self.use_triton:
+            from deepinfer.model_executor.layers.ops.triton.indexer import indexer_scores
+            return indexer_scores(q, index_keys, weights, self.softmax_scale)  # [n, R]
         spec = "nhd,rd->nhr" if index_keys.dim() == 2 else "nhd,nrd->nhr"
         dots = torch.einsum(spec, q.float(), index_keys.float())  # [n, h, R]
         dots = torch.relu(dots) * self.softmax_scale  # [n, h, R]

@@ -121,7 +121,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def bind_caches(self, caches: BoundCaches) -> None:
         """Give each layer its cache views, the metadata index of each group it uses, and its
-        compressor state banks (one state per ring state slot)."""
+        compressor state banks (one state per ring state slot). Bound to the Triton backend, the
+        sparse MLA decode, the indexer's scores and the routed experts run as Triton kernels too."""
+        self._use_triton(getattr(caches.backend, "name", "torch") == "triton")
         views = {g.name: caches.layer_caches[gi] for gi, g in enumerate(caches.groups)}
         device = next(iter(views["swa"].values())).rows2d.device
         self.state_banks = []
@@ -140,6 +142,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             for layer in self.mtp.layers:
                 layer.self_attn.window_cache = views["mtp"][layer.layer_idx]
                 layer.self_attn.window_group = 0
+
+    def _use_triton(self, on: bool) -> None:
+        """Every module with a Triton path (attention, indexer scorer, routed experts) takes it or not."""
+        for module in self.modules():
+            if hasattr(type(module), "use_triton"):
+                module.use_triton = on
 
     def keep_verified(self, kept: dict[int, int]) -> None:
         """Each compressor forgets the rejected tokens of the step's verification spans."""

@@ -96,10 +96,14 @@ class FusedExperts(nn.Module):
     """E routed SwiGLU experts with stacked weights, called like a grouped GEMM.
 
     Parameters: `gate_up_proj [E, 2I, H]` (gate rows, then up rows), `down_proj [E, H, I]`.
-    `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`; a GPU kernel with the
-    same signature may replace it. The CPU path sorts the (token, slot) pairs by expert, runs each
-    active expert once over its contiguous rows, and scatter-adds the weighted outputs in fp32.
+    `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`. With `use_triton` (set
+    when the model is bound to the Triton attention backend) two grouped-GEMM launches
+    (ops/triton/moe.py) serve all experts. The torch path sorts the (token, slot) pairs by
+    expert, runs each active expert once over its contiguous rows, and scatter-adds the weighted
+    outputs in fp32.
     """
+
+    use_triton = False  # the grouped Triton GEMM instead of the loop over experts
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
         super().__init__()
@@ -128,8 +132,14 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*k]
-        if flat_ids.numel() and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < self.num_experts:
+        # a host sync, so checked on the CPU only (the routers' top-k yields ids in range by construction)
+        checked = not x.is_cuda and flat_ids.numel()
+        if checked and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < self.num_experts:
             raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
+        if self.use_triton:
+            from deepinfer.model_executor.layers.ops.triton.moe import fused_experts
+            return fused_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, self.swiglu_limit,
+                                 check_ids=False)  # [T, H]
         order = flat_ids.argsort(stable=True)  # [T*k] pairs grouped by expert
         token_idx = order // k  # [T*k]
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # E

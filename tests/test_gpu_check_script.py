@@ -1,0 +1,95 @@
+"""scripts/gpu_check.sh and its benchmarks: the configs have the real models' shapes, and the
+whole check runs end to end on the CPU at toy sizes (`--cpu`), so it cannot fail on the GPU for a
+reason a CPU run would have shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+
+
+def _num_params(name: str) -> float:
+    """Parameters of a dense config, from its widths (the model's published size is the check)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(os.path.join(ROOT, "configs", name))
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_hidden_layers * (attn + mlp) + embed
+
+
+@pytest.mark.parametrize(("name", "billions"), [("qwen3_0_6b", 0.596), ("llama3_1_8b", 8.03)])
+def test_dense_configs_have_the_published_size(name, billions):
+    assert abs(_num_params(name) / 1e9 - billions) < 0.01 * billions
+
+
+def test_v4_3l_config_is_flash_cut_to_three_layers():
+    with open(os.path.join(ROOT, "configs", "deepseek_v4_flash_3l", "config.json")) as f:
+        c = json.load(f)
+    assert c["num_hidden_layers"] == 3 == len(c["layer_types"]) == len(c["mlp_layer_types"])
+    assert c["layer_types"] == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    assert (c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"]) == (256, 6, 4096)
+
+
+def test_bench_refuses_cuda_without_a_device():
+    if _cuda_available():
+        pytest.skip("this machine has CUDA")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_bench.py"), "nano"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr and "--cpu" in proc.stderr
+
+
+def _gpu_bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", os.path.join(ROOT, "scripts", "gpu_bench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hf_peers_produce_every_requested_token():
+    """transformers' continuous batching (per-request lengths, EOS off) and the padded fallback, toy sizes."""
+    bench = _gpu_bench()
+    model = bench.hf_model(bench.QWEN3, cpu=True, device="cpu")
+    workload = bench.nano_workload(cpu=True, vocab_size=1024)
+    assert len(set(workload.output_lens)) > 1, "lengths were meant to differ per request"
+    cb = bench.hf_continuous_batching(model, workload, cpu=True)
+    assert (cb.engine, cb.output_tokens) == ("hf-cb", workload.num_output_tokens)
+    padded = bench._hf_padded(model, workload, batch=len(workload.prompts))
+    assert padded.output_tokens == workload.num_output_tokens and padded.seconds > 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+    """`gpu_check.sh --cpu`: the CUDA tests rehearsed on the CPU pass, every benchmark prints its figures."""
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOG=str(tmp_path / "gpu_check.log"))
+    proc = subprocess.run(["bash", SCRIPT, "--cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
+    summary = out[out.index("=== summary (cpu)"):]
+    assert re.search(r"^\d+ passed", summary, re.M) and "failed" not in summary.split("\n")[1], summary
+    for pattern in (r"nano +deepinfer +\d+ tokens .* tok/s", r"nano +hf-\S+ +\d+ tokens .* tok/s",
+                    r"nano +deepinfer / hf-\S+: [\d.]+x", r"decode1 +llama3_1_8b +deepinfer +-?[\d.]+ ms/token",
+                    r"decode1 +llama3_1_8b +hf ", r"decode1 +qwen3_0_6b +deepinfer ", r"decode1 +qwen3_0_6b +hf ",
+                    r"v4-3l +deepinfer decode batch  1: .* ms/step", r"v4-3l +deepinfer decode batch 16: .* ms/step",
+                    r"v4-3l +deepinfer prefill \d+ tokens .* tok/s", r"v4-3l +hf +decode batch 16: .* ms/step",
+                    r"v4-3l +hf +prefill \d+ tokens .* tok/s"):
+        assert re.search(pattern, summary), (pattern, summary)
+    assert summary.rstrip().endswith("all steps passed")
