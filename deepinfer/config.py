@@ -172,6 +172,8 @@ class EngineConfig:
     load_format: str = "auto"  # one of LOAD_FORMATS
     revision: str | None = None  # a hub model's branch, tag or commit (None: the default branch)
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
+    tensor_parallel_size: int = 1  # ranks (processes, one device each) splitting every layer; 1: no processes
+    expert_parallel_size: int = 1  # ranks splitting MoE experts (DeepSeek-V4, not built yet): 1 <= ep <= tp
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
@@ -193,9 +195,27 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         check_load_format(self.load_format)
         check_quantization(self.quantization)
+        self._check_parallel()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, "
                              f"got {self.attention_backend!r}")
+
+    def _check_parallel(self) -> None:
+        """tensor_parallel_size / expert_parallel_size, and what a multi-rank run cannot do yet."""
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        _positive("tensor_parallel_size", tp)
+        _positive("expert_parallel_size", ep)
+        if ep > tp or tp % ep:
+            raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} (1 <= ep <= tp)")
+        if ep > 1:
+            raise ValueError(f"expert_parallel_size={ep}: expert parallelism is not built yet (use 1)")
+        if tp == 1:
+            return
+        if self.cache.kv_cache_dir is not None:
+            raise ValueError(f"kv_cache_dir={self.cache.kv_cache_dir!r} is not supported with "
+                             f"tensor_parallel_size={tp} yet (each rank holds a slice of the cache); leave it unset")
+        if self.speculative.method == "mtp":
+            raise ValueError(f"speculative_method='mtp' is not supported with tensor_parallel_size={tp} yet")
 
     def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
         """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -12,11 +13,12 @@ from tqdm.auto import tqdm
 from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.llm_options import check_vllm_keywords
-from deepinfer.model_executor.loader import load_model_source
 from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams, generation_defaults, short_repr
 from deepinfer.worker.model_runner import ModelRunner, resolve_device
+from deepinfer.worker.multiproc import MultiprocRunner, load_source
 from deepinfer.worker.summary import startup_summary
+from deepinfer.worker.torchrun import TorchrunRunner, run_follower, torchrun_job
 
 logger = logging.getLogger("deepinfer")
 
@@ -32,17 +34,33 @@ FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.0
 def build_engine(config: EngineConfig) -> LLMEngine:
     """Compose the system: load the model source, build the runner (model, caches, sampler) and
     hand both to the engine. The only place that knows every layer. Logs one start-up summary
-    line (load time, weights, KV cache, concurrency, dtype, quantization, backend, device)."""
+    line (load time, weights, KV cache, concurrency, dtype, quantization, backend, device).
+
+    Under torchrun (`worker/torchrun.py`) tensor_parallel_size must be WORLD_SIZE (1 means it);
+    rank 0 builds the engine, and any other rank serves rank 0's steps here and exits (SystemExit(0))."""
     start = time.perf_counter()
     resolve_device(config.device)  # a bad --device fails before the model loads
-    revision = {} if config.revision is None else {"revision": config.revision}
-    source = load_model_source(config.model, load_format=config.load_format, **revision)
-    for key, value in (config.hf_overrides or {}).items():
-        setattr(source.hf_config, key, value)
+    job = torchrun_job()
+    if job is not None:
+        config = dataclasses.replace(config, tensor_parallel_size=job.tensor_parallel_size(config.tensor_parallel_size))
+        if job.rank > 0:
+            run_follower(config.device, job)
+            raise SystemExit(0)
+    source = load_source(config)
     config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
-    engine = LLMEngine(config, source, ModelRunner(source, config))
+    runner = _build_runner(source, config, job)
+    engine = LLMEngine(config, source, runner)
     logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start))
     return engine
+
+
+def _build_runner(source, config: EngineConfig, job):
+    """One rank (ModelRunner), torchrun's ranks (TorchrunRunner) or spawned ranks (MultiprocRunner)."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(source, config)
+    if job is not None:
+        return TorchrunRunner(source, config, job)
+    return MultiprocRunner(source, config)
 
 
 class LLM:
@@ -75,7 +93,12 @@ class LLM:
     start-up for batch sizes up to min(max_num_seqs, 256) (`worker/cuda_graphs.py`);
     `enforce_eager=True` (vLLM's keyword) runs every step eagerly.
 
-    vLLM's keywords are taken where they mean something here: `tensor_parallel_size` (only 1),
+    `tensor_parallel_size=N` > 1 splits the model over N ranks: this process is rank 0 (it
+    schedules and samples) and starts N - 1 worker processes, one device each (`worker/multiproc.py`);
+    outputs equal one rank's up to float rounding. `close()` (or the end of the process) stops them.
+    `expert_parallel_size` is accepted for DeepSeek-V4 later; only 1 is built.
+
+    vLLM's keywords are taken where they mean something here: `pipeline_parallel_size` (only 1),
     `trust_remote_code` (accepted; no code from a checkpoint is ever run: every architecture is
     DeepInfer's own), `tokenizer` (only the model's own), `swap_space`,
     `disable_log_stats` and `tokenizer_mode="auto"` (accepted, no effect: see `llm_options`).
@@ -92,7 +115,8 @@ class LLM:
                  enable_prefix_caching: bool = True, kv_cache_dir: str | None = None,
                  kv_cache_dir_size: str | int = "4GiB", prefix_snapshot_interval: int = 512,
                  num_prefix_snapshots: int | None = None, gpu_memory_utilization: float = 0.9,
-                 revision: str | None = None, allow_long_max_model_len: bool = False, **vllm_keywords):
+                 revision: str | None = None, allow_long_max_model_len: bool = False,
+                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **vllm_keywords):
         check_vllm_keywords(model, vllm_keywords, accepted=_init_keywords())
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
                             gpu_memory_utilization=gpu_memory_utilization,
@@ -106,7 +130,8 @@ class LLM:
                               attention_backend=attention_backend, enforce_eager=enforce_eager,
                               max_model_len=max_model_len, scheduler=scheduler, cache=cache,
                               speculative=speculative, hf_overrides=hf_overrides, load_format=load_format,
-                              revision=revision, allow_long_max_model_len=allow_long_max_model_len)
+                              revision=revision, allow_long_max_model_len=allow_long_max_model_len,
+                              tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size)
         self.engine = build_engine(config)
         self._closed = False
         self._at_exit = bool(cache.kv_cache_dir and cache.enable_prefix_caching)  # only a cache dir needs it

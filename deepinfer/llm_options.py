@@ -1,6 +1,6 @@
 """vLLM's `LLM(...)` keywords that DeepInfer has no parameter of its own for. Pure Python (no torch).
 
-Code written for vLLM passes keywords like `tensor_parallel_size=1` or `trust_remote_code=True`.
+Code written for vLLM passes keywords like `pipeline_parallel_size=1` or `trust_remote_code=True`.
 Those that mean something here are checked (a value we cannot honour is a ValueError naming the
 keyword and the value); those that change nothing here are accepted, and why is said below. Any
 other keyword is a TypeError that lists every accepted one, so a typo is never silently ignored.
@@ -17,7 +17,6 @@ NO_EFFECT = {
     "disable_log_stats": "accepted; LLM logs no periodic statistics (the server does)",
 }
 CHECKED = {
-    "tensor_parallel_size": "1 only (one device)",
     "pipeline_parallel_size": "1 only (one device)",
     "tokenizer": "the model's own tokenizer only (None or the model's path)",
     "tokenizer_mode": "'auto' only",
@@ -31,10 +30,10 @@ def check_vllm_keywords(model: str | None, keywords: dict, accepted: list[str]) 
         names = sorted({*accepted, *NO_EFFECT, *CHECKED})
         raise TypeError(f"LLM() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} "
                         f"{', '.join(map(repr, unknown))}; accepted keywords: {', '.join(names)}")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        value = keywords.get(name, 1)
-        if value != 1 or isinstance(value, bool):
-            raise ValueError(f"{name}={value!r}: only 1 is supported yet (DeepInfer runs on one device)")
+    value = keywords.get("pipeline_parallel_size", 1)
+    if value != 1 or isinstance(value, bool):
+        raise ValueError(f"pipeline_parallel_size={value!r}: only 1 is supported (tensor_parallel_size splits "
+                         f"a model over devices)")
     if keywords.get("tokenizer_mode", "auto") != "auto":
         raise ValueError(f"tokenizer_mode={keywords['tokenizer_mode']!r}: only 'auto' is supported")
     _check_tokenizer(model, keywords.get("tokenizer"))

@@ -45,12 +45,23 @@ def cmd_chat(args) -> int:
 
 def cmd_info(args) -> int:
     """Print what the engine builds. With --load-format dummy the weights are shapes only (meta
-    tensors): sizes without values, so a wide config needs neither its memory nor a minute."""
+    tensors): sizes without values, so a wide config needs neither its memory nor a minute.
+    With --tensor-parallel-size / --expert-parallel-size above 1, the capacity plan follows; a
+    config-only directory gets the plan alone, without building anything."""
+    from deepinfer.entrypoints.capacity_report import is_config_only, plan_sizes, print_plan
+
+    if plan_sizes(args) and is_config_only(args):
+        print_plan(args)
+        return 0
     from deepinfer.entrypoints.info import print_info
     from deepinfer.model_executor.model_loader import shapes_only_dummy_weights
 
-    with shapes_only_dummy_weights(), make_llm(args) as llm:
+    one_rank = argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1, "expert_parallel_size": 1})
+    with shapes_only_dummy_weights(), make_llm(one_rank) as llm:  # the plan, not the engine, splits
         print_info(llm)
+        cfg = llm.engine.source.hf_config.to_dict()
+    if plan_sizes(args):
+        print_plan(args, {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg)
     return 0
 
 
@@ -132,15 +143,34 @@ def build_parser() -> argparse.ArgumentParser:
         if p is not info and p is not serve:
             add_sampling_args(p)
         p.set_defaults(func=fn)
+    from deepinfer.entrypoints.capacity_report import add_plan_args
+
+    add_plan_args(info)  # after the engine flags: they may define the parallel sizes already
     use_model_defaults(chat)  # chat: sampling flags unset mean the model's defaults, replies run to the context
     bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
     return parser
 
 
+def torchrun_follower(args) -> int | None:
+    """Under torchrun a rank > 0 runs no command and prints nothing of its output: for a command that
+    builds an engine it serves rank 0's steps until rank 0's engine closes (`worker/torchrun.py`).
+    None on rank 0 and without torchrun: run the command."""
+    from deepinfer.worker.torchrun import run_follower, torchrun_job
+
+    job = torchrun_job()
+    if job is None or job.rank == 0:
+        return None
+    if args.func in (cmd_generate, cmd_chat, cmd_bench, cmd_serve):
+        job.tensor_parallel_size(args.tensor_parallel_size)  # rank 0's refusal, here too
+        run_follower(args.device, job)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        follower = torchrun_follower(args)
+        return follower if follower is not None else args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"deepinfer: error: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face model name (default: its default branch)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split every layer over N ranks, one process and one device each (cuda:N..: "
+                        "consecutive GPUs from --device's index); 1: one process, no torch.distributed")
+    g.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
+                   help="split MoE experts over N of the tensor-parallel ranks (must divide "
+                        "--tensor-parallel-size; DeepSeek-V4 only, not built yet: 1)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="attention kernels: auto (triton on CUDA, torch on the CPU), torch (the reference), "
                         "triton (Triton store and decode kernels; interpreted, slowly, on the CPU)")
@@ -144,7 +150,9 @@ def engine_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                 speculative_method=getattr(args, "speculative_method", None),
                 num_speculative_tokens=args.num_speculative_tokens, hf_overrides=args.hf_overrides,
-                load_format=getattr(args, "load_format", "auto"), **prefix_cache_kwargs(args))
+                load_format=getattr(args, "load_format", "auto"),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                expert_parallel_size=getattr(args, "expert_parallel_size", 1), **prefix_cache_kwargs(args))
 
 
 def sampling_params(args, defaults: SamplingParams | None = None) -> SamplingParams:

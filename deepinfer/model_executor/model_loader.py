@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer.config import check_load_format, check_quantization
+from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
 from deepinfer.model_executor.layers.ops.qmatmul import best_time, one_thread
 from deepinfer.model_executor.layers.quant_linear import quantize_linears
@@ -180,10 +181,13 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     """The source's model on `device` in `dtype`: checkpoint weights (`quantization` 'gguf': its
     quantized matrices kept quantized; 'int8'/'int4': linear layers quantized after loading), or
     seeded random values when the source's load_format is "dummy" (no weight file is read).
-    speculative_method="mtp" adds the model's next-n draft module, refused for a model without one."""
+    speculative_method="mtp" adds the model's next-n draft module, refused for a model without one.
+    With tensor_parallel_size > 1 (distributed.parallel_state) the model holds this rank's slices,
+    read from the checkpoint slice by slice."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
+    check_tensor_parallel_source(source, model_cls, quantization, speculative_method, dummy)
     shapes_only = dummy and _SHAPES_ONLY.get()
     with torch.device("meta" if shapes_only else device), skip_weight_init():
         model = model_cls(cfg, max_positions)
@@ -198,12 +202,41 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     elif dummy:
         init_dummy_weights(model)
     else:
-        model.load_weights(weight_progress(source.iter_weights(torch.float32, keep_quantized=quantization == "gguf")))
+        model.load_weights(weight_progress(_checkpoint_weights(source, quantization)))
     if quantization in _LOAD_QUANTIZE:
         quantize_linears(model, quantization)
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model
+
+
+def _checkpoint_weights(source, quantization: str):
+    """The checkpoint's (name, tensor) pairs; with several ranks, lazy slices each rank reads from."""
+    if tp_size() > 1:
+        return source.iter_weight_slices(torch.float32)
+    return source.iter_weights(torch.float32, keep_quantized=quantization == "gguf")
+
+
+def check_tensor_parallel_source(source, model_cls, quantization: str, speculative_method: str | None,
+                                 dummy: bool) -> None:
+    """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
+    quantized weights, GGUF files, models other than the Llama family, MTP drafting."""
+    n = tp_size()
+    if n == 1:
+        return
+    where = f"tensor_parallel_size={n}"
+    model_type = source.hf_config.model_type
+    if not getattr(model_cls, "supports_tensor_parallel", False):
+        raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
+                         f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)})")
+    if source.format == "gguf" and not dummy:
+        raise ValueError(f"{where} does not support GGUF checkpoints yet ({source.path!r}): sharded GGUF "
+                         f"loading comes later; use an HF safetensors checkpoint or tensor_parallel_size=1")
+    if quantization != "none":
+        raise ValueError(f"{where} does not support quantization={quantization!r} yet: quantized weights are "
+                         f"not sharded; use quantization='none'")
+    if speculative_method == "mtp":
+        raise ValueError(f"{where} does not support speculative_method='mtp'")
 
 
 def weight_progress(weights):

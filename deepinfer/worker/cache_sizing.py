@@ -18,6 +18,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from deepinfer.distributed.parallel_state import tp_size
 
 logger = logging.getLogger("deepinfer.worker")
 
@@ -115,3 +118,14 @@ def max_concurrency(need: RequestNeed, num_blocks: int, num_state_slots: int) ->
     if need.ring_bytes:
         limits.append(num_state_slots)
     return min(limits) if limits else 0
+
+
+def min_over_ranks(values: tuple[int, ...], device: torch.device) -> tuple[int, ...]:
+    """Each value's minimum over the tensor-parallel ranks (`values` itself with one rank). Every
+    rank sizes its own cache for its own free memory; the scheduler on rank 0 hands out one set of
+    block and slot ids, so all ranks take the smallest count, which fits every rank's memory."""
+    if tp_size() == 1:
+        return values
+    counts = torch.tensor(values, dtype=torch.int64, device=device)  # [n]
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+    return tuple(counts.tolist())

@@ -23,7 +23,7 @@ Graphs are captured only on CUDA, with the Triton attention backend (its kernels
 rows above), for a model that declares `decode_graph_safe = True` (its forward reads only ids,
 positions and token-group metadata: the Llama family, Gemma 3) and whose cache groups are all
 token groups. DeepSeek-V4 (compressed groups, per-request compressor state, request spans) runs
-eager. `enforce_eager` turns them off.
+eager, and so does a tensor-parallel run. `enforce_eager` turns them off.
 
 Emulation (`capture=False`): "capture" keeps the eager forward over the static buffers and
 "replay" runs it, so the bucket, padding and buffer logic runs on the CPU (Triton interpreted).
@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.contracts.cache import CacheGroupSpec
+from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.backend import AttentionMetadata, GroupMetadata
 
@@ -64,6 +65,8 @@ def graphs_off_reason(enforce_eager: bool, device: torch.device, backend: str, g
         return "enforce_eager"
     if device.type != "cuda" and not emulate:
         return f"device {device.type}"
+    if tp_size() > 1:
+        return "tensor_parallel_size > 1 (graphs around the layers' collectives are not verified yet)"
     if backend != "triton":
         return f"attention backend {backend!r} (graphs need 'triton')"
     if any(g.compress_ratio > 1 for g in groups) or not getattr(model, "decode_graph_safe", False):

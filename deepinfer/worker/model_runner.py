@@ -33,6 +33,7 @@ from deepinfer.worker.cache_sizing import (
     auto_cache_memory,
     check_fits_one_request,
     mib,
+    min_over_ranks,
     wanted_snapshots,
 )
 from deepinfer.worker.cuda_graphs import build_decode_graphs
@@ -104,8 +105,8 @@ class ModelRunner:
             self.num_few_row_linear = use_few_row_linear(self.model)
         self.groups, self.codecs = self._sized_groups(cache_config)
         self.codec = self.codecs[0]
-        self.num_state_slots, self.num_snapshot_slots, self.num_blocks = self._size_cache(
-            cache_config, config.scheduler.max_num_seqs, config.max_model_len)
+        self.num_state_slots, self.num_snapshot_slots, self.num_blocks = min_over_ranks(self._size_cache(
+            cache_config, config.scheduler.max_num_seqs, config.max_model_len), self.device)  # alike on all ranks
         num_ring_units = self.num_state_slots + self.num_snapshot_slots
         units = [num_ring_units if g.is_ring else self.num_blocks for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
@@ -266,13 +267,29 @@ class ModelRunner:
         output.load_failures = load_failures
         return output
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The eager forward: prompt logprobs gathered, then logits [M, V] of the rows that sample
-        (None when none does)."""
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A follower rank's step (tensor parallelism, `worker/multiproc.py`): the cache copies and
+        the forward of `execute`, with every collective in them (logits included: the LM head
+        gathers), and none of rank 0's own work: no sampling, drafting or cache-directory IO."""
+        plan, _ = self.prefix.prepare(plan)  # no cache directory with several ranks: copies only
+        if plan.is_empty:
+            return
+        inputs = build_step_inputs(plan, self.addressing, self.device)
+        if self.graphs is not None and self.graphs.accepts(inputs):
+            self.graphs.run(inputs)  # [N, V], dropped
+        else:
+            self._forward(inputs, PromptLogprobs())  # prompt logprobs are rank 0's: gathered, dropped
+        self.prefix.finish(plan)
+
+    def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None) -> torch.Tensor | None:
+        """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
+        runner's), then logits [M, V] of the rows that sample (None when none does)."""
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         if any(s.prompt_logprobs is not None for s, _ in inputs.spans):
-            self.prompt_logprobs.collect(inputs.spans, hidden, self.model.compute_logits)
+            into = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+            into.collect(inputs.spans, hidden, self.model.compute_logits)
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]

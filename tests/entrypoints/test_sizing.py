@@ -151,7 +151,7 @@ def test_unknown_keywords_raise_a_type_error_listing_the_accepted_ones():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2: only 1 is supported yet"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2: only 1 is supported"),
     (dict(tokenizer="some/other-tokenizer"), "tokenizer='some/other-tokenizer': only the model's own"),
     (dict(tokenizer_mode="slow"), "tokenizer_mode='slow'"),
 ])
@@ -161,7 +161,7 @@ def test_vllm_keywords_we_cannot_honour_are_refused(kwargs, match):
 
 
 def test_vllm_keywords_that_mean_something_here_are_taken(tiny_checkpoint, monkeypatch):
-    import deepinfer.llm as llm_module
+    import deepinfer.worker.multiproc as llm_module  # where build_engine's load_source loads from
 
     seen = {}
     original = llm_module.load_model_source

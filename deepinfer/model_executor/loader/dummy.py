@@ -10,13 +10,17 @@ needed). The values are small and deterministic, chosen so that a forward pass s
     tid2eid [vocab, k] (hash routers)     k distinct random expert ids per token in [0, E)
 
 Every value comes from one CPU generator seeded with `seed`, drawn parameter by parameter in
-`named_parameters()` order, so the weights are the same on every device and in every run.
+`named_parameters()` order, so the weights are the same on every device and in every run. A
+parameter split over tensor-parallel ranks (`shard_specs`) is drawn at its full one-rank shape and
+sliced, so each rank holds its slice of the very tensor one rank would have.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
 
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
@@ -49,6 +53,9 @@ def _dummy_value(owner: nn.Module, name: str, param: torch.Tensor, gen: torch.Ge
         return torch.ones(param.shape, dtype=param.dtype)
     if name == "weight" and param.dim() == 1:  # a norm's weight: unit effective scale
         return torch.full(param.shape, 1.0 - float(getattr(owner, "offset", 0.0) or 0.0), dtype=param.dtype)
+    spec = shard_spec_of(owner, name)
+    if spec is not None:  # the rank's slice of the full draw
+        return spec.take(torch.empty(spec.full_shape(param.shape), dtype=param.dtype).normal_(0.0, std, generator=gen))
     if param.device.type == "cpu":
         param.normal_(0.0, std, generator=gen)
         return None

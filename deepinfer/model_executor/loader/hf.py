@@ -43,6 +43,7 @@ def load_hf_source(path: str) -> ModelSource:
         tokenizer=load_tokenizer(path),
         identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
         _weights=lambda dtype: iter_safetensors(shard_files, dtype),
+        _weight_slices=lambda dtype: iter_safetensors_slices(shard_files, dtype),
         generation_config=load_generation_config(path),
     )
 
@@ -98,3 +99,36 @@ def iter_safetensors(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str
                 if tensor.is_floating_point() and tensor.element_size() > 1:
                     tensor = tensor.to(dtype)
                 yield name, tensor
+
+
+class SafetensorsSlice:
+    """One checkpoint tensor not read yet: its shape, and reads of a slice of it (`narrow`) or of
+    all of it (`read`), cast as iter_safetensors casts. Valid while its file is open, i.e. until
+    iter_safetensors_slices moves to the next tensor."""
+
+    def __init__(self, view, dtype: torch.dtype):
+        self._view, self._dtype = view, dtype
+        self.shape = torch.Size(view.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._cast(self._view[tuple(index)])
+
+    def read(self) -> torch.Tensor:
+        return self._cast(self._view[:])
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point() and tensor.element_size() > 1:
+            tensor = tensor.to(self._dtype)
+        return tensor
+
+
+def iter_safetensors_slices(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, SafetensorsSlice]]:
+    """Stream `(name, SafetensorsSlice)` file by file: a tensor-parallel rank reads only its slices."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, SafetensorsSlice(f.get_slice(name), dtype)

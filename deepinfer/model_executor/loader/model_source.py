@@ -37,6 +37,7 @@ class ModelSource:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase, with its chat template
     identity: str
     _weights: Any = field(default=None, repr=False, compare=False)
+    _weight_slices: Any = field(default=None, repr=False, compare=False)  # HF safetensors only
     load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
     # the checkpoint's generation_config.json, the fields that differ from transformers' defaults
     # (e.g. {"temperature": 0.6, "top_p": 0.9}); empty when it ships none (GGUF files never do)
@@ -58,6 +59,14 @@ class ModelSource:
                 raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
             return self._weights(dtype, keep_quantized=True)
         return self._weights(dtype)
+
+    def iter_weight_slices(self, dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
+        """Yield `(hf_name, lazy tensor)`: `.shape`, `.narrow(dim, start, length)` and `.read()` read
+        only what a tensor-parallel rank asks for (HF safetensors checkpoints only)."""
+        if self._weight_slices is None:
+            raise ValueError(f"tensor-parallel loading reads slices of safetensors files; {self.path!r} is a "
+                             f"{self.format} checkpoint without them (sharded GGUF loading is not supported yet)")
+        return self._weight_slices(dtype)
 
 
 def compute_identity(path: str, files: list[str]) -> str:

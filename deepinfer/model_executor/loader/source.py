@@ -113,7 +113,8 @@ def as_dummy_source(source: ModelSource) -> ModelSource:
     """The same config and tokenizer with dummy weights (and an identity of its own)."""
     if source.load_format == "dummy":
         return source
-    return dataclasses.replace(source, _weights=None, load_format="dummy", identity=_dummy_identity(source.identity))
+    return dataclasses.replace(source, _weights=None, _weight_slices=None, load_format="dummy",
+                               identity=_dummy_identity(source.identity))
 
 
 def _dummy_identity(identity: str) -> str:

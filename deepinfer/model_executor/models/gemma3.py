@@ -20,6 +20,7 @@ from torch import nn
 
 from deepinfer.model_executor.layers.activation import gelu_tanh_and_mul
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.parallel_linear import vocab_parallel_embedding, vocab_parallel_head
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
 from deepinfer.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
 
@@ -92,7 +93,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg, max_positions: int):
         super().__init__()
         rotary = {kind: gemma3_rotary(cfg, kind, max_positions) for kind in sorted(set(cfg.layer_types))}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
         # sqrt(hidden) as float32, cast with the model: rounded to the compute dtype as in HF
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, rotary[kind])
@@ -121,7 +122,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3Model(cfg, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,12 @@
 """Llama-family decoder: Llama (SmolLM2, Llama 3.x), Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
 
 Parameter names follow HF checkpoints, with q|k|v and gate|up merged (models/utils.py).
+
+Tensor parallelism (layers/parallel_linear.py, read at construction from tp_size()): q|k|v and
+gate|up are column-parallel (each rank its query heads, the KV heads they read, its share of the
+intermediate size), o_proj and down_proj row-parallel: one all_reduce per attention block and one
+per MLP. The embedding and the LM head hold the rank's vocabulary rows; compute_logits gathers
+[N, V] on every rank. Each rank's Attention and cache groups count only its own heads.
 """
 
 from __future__ import annotations
@@ -11,9 +17,19 @@ from torch import nn
 from deepinfer.model_executor.layers.activation import silu_and_mul
 from deepinfer.model_executor.layers.attention.layer import Attention, attention_cache_groups, bind_attention_caches
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.parallel_linear import (
+    ColumnParallelLinear,
+    check_head_split,
+    even_piece,
+    gather_vocab_logits,
+    head_pieces,
+    row_parallel_linear,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
 from deepinfer.model_executor.layers.quant_linear import head_logits
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.utils import MergedLinear, load_weights
+from deepinfer.model_executor.models.utils import load_weights
 
 
 def head_dim_of(cfg) -> int:
@@ -33,15 +49,26 @@ def sliding_window_of(cfg, layer_idx: int) -> int | None:
     return window if layer_types[layer_idx] == "sliding_attention" else None
 
 
+def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
+    """Refuse, before any process starts, a split this model cannot take (ValueError naming the sizes)."""
+    check_head_split(cfg.num_attention_heads, cfg.num_key_value_heads, tensor_parallel_size)
+    if cfg.intermediate_size % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide "
+                         f"intermediate_size={cfg.intermediate_size}")
+
+
 class LlamaAttention(nn.Module):
+    """The rank's query heads and the KV heads they read (all heads with one rank)."""
+
     def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = head_pieces(cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim)
+        self.num_heads, self.num_kv_heads = q.local // self.head_dim, kv.local // self.head_dim
         bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_bias", False))
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=bias)
+        self.o_proj = row_parallel_linear(q.full, cfg.hidden_size, getattr(cfg, "attention_bias", False),
+                                          "num_attention_heads * head_dim")
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -66,8 +93,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         inter, bias = cfg.intermediate_size, getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=bias)
+        piece = even_piece(inter, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [piece, piece], bias=bias)
+        self.down_proj = row_parallel_linear(inter, cfg.hidden_size, bias, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, hidden]
@@ -91,7 +119,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -108,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
     # the forward reads only ids, positions and token-group metadata, and keeps no per-request
     # state: decode steps may replay as CUDA graphs (worker/cuda_graphs.py)
     decode_graph_safe = True
+    supports_tensor_parallel = True  # build_model refuses tensor_parallel_size > 1 for other models
 
     def __init__(self, cfg, max_positions: int):
         super().__init__()
@@ -115,13 +144,15 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_logits(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head, hidden)  # [N, V]
+        """hidden [N, hidden] -> logits [N, V] on every rank (with several ranks, a collective)."""
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return gather_vocab_logits(head_logits(head, hidden), self.config.vocab_size)  # [N, V]
 
     # ---- caches (the CachedModel protocol) -------------------------------------------------
     def cache_groups(self) -> list:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
+from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
 from deepinfer.model_executor.layers.quant_linear import install_quantized
 
 # HF name fragment -> (our merged parameter fragment, shard index)
@@ -26,6 +27,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
 
     A merged parameter must expose `shard_sizes` (rows per shard) on its module. A `QuantWeight`
     (a weight kept quantized) replaces its module by the quantized twin once all shards arrived.
+    A module split over tensor-parallel ranks (`shard_specs`, layers/parallel_linear.py) gets only
+    its slice: a tensor may be a lazy slice (loader/hf.py SafetensorsSlice), of which only the rank's
+    rows or columns are read; a parameter held whole reads it in full.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -39,15 +43,31 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         param = params[target]
         if isinstance(tensor, QuantWeight):
             quantized.setdefault(target, []).append((shard, tensor))
-        elif shard is None:
-            _copy(param.data, tensor, name)
         else:
-            sizes = _owner(model, target).shard_sizes
-            start = sum(sizes[:shard])
-            _copy(param.data[start:start + sizes[shard]], tensor, name)
+            _load_dense(model, target, param, shard, tensor, name)
         loaded.add(target)
     install_quantized(model, quantized)
     return loaded
+
+
+def _load_dense(model: nn.Module, target: str, param: torch.Tensor, shard: int | None, tensor, name: str) -> None:
+    """Copy one checkpoint tensor (or merged piece `shard` of it) into `param`: the rank's slice of
+    a split parameter, else all of it."""
+    owner = _owner(model, target)
+    spec = shard_spec_of(owner, target.rsplit(".", 1)[-1])
+    if spec is not None:
+        spec.load(param.data, shard or 0, tensor, name)
+    elif shard is None:
+        _copy(param.data, _full(tensor), name)
+    else:
+        sizes = owner.shard_sizes
+        start = sum(sizes[:shard])
+        _copy(param.data[start:start + sizes[shard]], _full(tensor), name)
+
+
+def _full(tensor) -> torch.Tensor:
+    """A checkpoint tensor itself, or a lazy slice read whole."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
 
 
 def _target(name: str) -> tuple[str, int | None]:
@@ -58,7 +78,8 @@ def _target(name: str) -> tuple[str, int | None]:
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
+    owner = param_name.rpartition(".")[0]
+    return model.get_submodule(owner) if owner else model
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

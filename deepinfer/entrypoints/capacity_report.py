@@ -1,0 +1,165 @@
+"""The capacity plan as `deepinfer info` prints it (see `capacity_plan` for the formulas).
+
+Every figure is an exact byte count (commas) with a decimal GB beside the large ones, so a reader, or
+a test, can check it against the config's fields.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from deepinfer.entrypoints.capacity_plan import (
+    CSA,
+    DEFAULT_DEVICE_MEMORY,
+    HCA,
+    CapacityPlan,
+    is_v4,
+    load_config,
+    plan_capacity,
+)
+
+
+def num(value: float) -> str:
+    """1234 -> '1,234', 94.875 -> '94.875' (per-token bytes may be fractional: row_bytes / m)."""
+    if float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:,.3f}".rstrip("0")
+
+
+def gb(value: float) -> str:
+    return f"{value / 1e9:,.2f} GB"
+
+
+def split_notes(cfg: dict, tp: int, ep: int) -> dict[str, str]:
+    """How each weight part is spread over the ranks."""
+    vocab = f"{math.ceil(cfg['vocab_size'] / tp):,} of {cfg['vocab_size']:,} vocab rows per rank" + \
+        (" (tied: one matrix)" if cfg.get("tie_word_embeddings") else "")
+    heads = f"{cfg['num_attention_heads'] // tp} of {cfg['num_attention_heads']} heads per rank"
+    if not is_v4(cfg):
+        kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+        kv_note = f"{kv // tp} of {kv} kv heads" if kv >= tp else f"1 of {kv} kv heads (replicated {tp // kv}x)"
+        return {"attention": f"{heads}, {kv_note}", "MLP": f"intermediate {cfg['intermediate_size'] // tp:,} of "
+                f"{cfg['intermediate_size']:,} per rank", "norms": "replicated", "embedding + LM head": vocab}
+    experts = cfg["n_routed_experts"]
+    shared = cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1)
+    return {"routed experts": f"{experts // ep} of {experts} experts per layer per rank, each slice on {tp // ep} "
+                              f"rank(s)",
+            "shared expert": f"intermediate {shared // tp:,} of {shared:,} per rank",
+            "attention": f"{heads}, {cfg['o_groups'] // tp} of {cfg['o_groups']} o_groups; q_a_proj, kv_proj "
+                         "replicated",
+            "compressors + indexer": "replicated", "routers": "replicated", "norms + mHC": "replicated",
+            "embedding + LM head": vocab}
+
+
+def weight_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
+    notes = split_notes(cfg, plan.tp, plan.ep)
+    lines = ["weights per rank (stored formats):"]
+    for part, (params, nbytes) in plan.part_totals().items():
+        lines.append(f"  {part}: {params:,} params, {nbytes:,} B ({gb(nbytes)}) [{notes.get(part, 'replicated')}]")
+    params = sum(w.params for w in plan.weights)
+    ranks = plan.tp
+    lines.append(f"  total per rank: {params:,} params, {plan.weight_bytes:,} B ({gb(plan.weight_bytes)}); "
+                 f"all {ranks} ranks: {plan.weight_bytes * ranks:,} B ({gb(plan.weight_bytes * ranks)}); the model "
+                 f"unsplit: {plan.model_weight_bytes:,} B ({gb(plan.model_weight_bytes)})")
+    return lines
+
+
+def kv_part_line(part) -> str:
+    if part.ratio:
+        per_token = f"{num(part.row_bytes / part.ratio)} B per token per layer"
+        return (f"  {part.name}: {part.num_layers} layers x {part.row_bytes:,} B / {part.ratio} ({per_token}) "
+                f"= {num(part.per_token)} B per token")
+    if part.ring_rows:
+        return (f"  {part.name}: {part.num_layers} layers x {part.ring_rows} rows (S) x {part.row_bytes:,} B "
+                f"= {part.per_request:,} B per request")
+    return f"  {part.name}: {part.num_layers} layers x {part.state_bytes:,} B = {part.per_request:,} B per request"
+
+
+def per_kind_line(plan: CapacityPlan, cfg: dict) -> str:
+    """Bytes per token per layer of each compressed kind (DeepSeek-V4: CSA rows + index keys, HCA rows)."""
+    kinds = []
+    for kind, label in ((CSA, "CSA"), (HCA, "HCA")):
+        layers = cfg["layer_types"].count(kind)
+        per_token = sum(p.per_token for p in plan.kv if p.name.startswith(label))
+        if layers:
+            kinds.append(f"{label} {num(per_token / layers)} B per token per layer x {layers}")
+        else:
+            kinds.append(f"no {label} layers")
+    return "  per kind: " + ", ".join(kinds)
+
+
+def kv_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
+    fmt = "MXFP8 rows (e4m3 + one UE8M0 byte per 32 values)" if plan.kv_format == "fp8" else "bf16 rows"
+    if is_v4(cfg):
+        where = ("replicated on every rank, not split: the latent is one shared row per token (MQA, K = V) "
+                 "that every rank's heads read; so are the index keys, rings and compressor state")
+    else:
+        where = "split with the kv heads (each rank keeps K and V of its own kv heads)"
+    lines = [f"KV cache per rank ({fmt}; {where}):", *(kv_part_line(p) for p in plan.kv)]
+    if is_v4(cfg):
+        lines.append(per_kind_line(plan, cfg))
+    lines.append(f"  KV bytes per token: {num(plan.kv_per_token)} B; fixed per request: {plan.kv_per_request:,} B")
+    return lines
+
+
+def capacity_lines(plan: CapacityPlan) -> list[str]:
+    usable = int(plan.device_memory * plan.gpu_memory_utilization)
+    length = plan.max_model_len
+    one = plan.request_bytes(length)
+    lines = [f"memory per rank: {plan.device_memory:,} B x {plan.gpu_memory_utilization} = {usable:,} B; "
+             f"weights {plan.weight_bytes:,} B; left for the cache {plan.kv_budget:,} B ({gb(plan.kv_budget)}) "
+             "(before activations)"]
+    if plan.kv_budget <= 0:
+        return lines + [f"capacity: the weights do not fit: {plan.weight_bytes:,} B > {usable:,} B usable per rank"]
+    return lines + [f"capacity: {plan.requests_that_fit(length):,} requests at {length:,} tokens at once "
+                    f"({one:,} B = {gb(one)} each, per rank)"]
+
+
+def plan_lines(plan: CapacityPlan, cfg: dict, source: str = "") -> list[str]:
+    head = (f"capacity plan: {plan.model_type}{f' ({source})' if source else ''}, tensor_parallel_size {plan.tp}, "
+            f"expert_parallel_size {plan.ep} ({plan.tp} ranks)")
+    return [head, *weight_lines(plan, cfg), *kv_lines(plan, cfg), *capacity_lines(plan),
+            *(f"note: {n}" for n in plan.notes)]
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def add_plan_args(p) -> None:
+    """`info`'s capacity-plan flags; --tensor-parallel-size / --expert-parallel-size only where the shared
+    engine flags do not already define them."""
+    g = p.add_argument_group("capacity plan (printed when a parallel size above 1 is given)")
+    have = {s for action in p._actions for s in action.option_strings}
+    for flag in ("--tensor-parallel-size", "--expert-parallel-size"):
+        if flag not in have:
+            g.add_argument(flag, type=int, default=None, help="ranks the plan splits the model over")
+    g.add_argument("--gpu-memory", default=DEFAULT_DEVICE_MEMORY, metavar="SIZE",
+                   help="memory of one device for the plan (default: 141GB, one H200)")
+
+
+def plan_sizes(args) -> tuple[int, int] | None:
+    """(T, E) when the flags ask for a plan (a size above 1), else None."""
+    tp, ep = getattr(args, "tensor_parallel_size", None) or 1, getattr(args, "expert_parallel_size", None) or 1
+    return (tp, ep) if tp > 1 or ep > 1 else None
+
+
+def is_config_only(args) -> bool:
+    """A local directory with config.json and no weight files, and no --load-format dummy: plan without
+    building (the model may be far larger than this machine)."""
+    path = getattr(args, "model", None)
+    if not path or not os.path.isfile(os.path.join(path, "config.json")):
+        return False
+    return getattr(args, "load_format", "auto") != "dummy" and not any(
+        name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path))
+
+
+def print_plan(args, cfg: dict | None = None) -> None:
+    """Print the plan of `cfg` (default: --model's config.json) at the flags' sizes."""
+    tp, ep = plan_sizes(args) or (1, 1)
+    cfg = load_config(args.model) if cfg is None else cfg
+    plan = plan_capacity(cfg, tp, ep, max_model_len=getattr(args, "max_model_len", None),
+                         device_memory=getattr(args, "gpu_memory", DEFAULT_DEVICE_MEMORY),
+                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
+                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+    print("\n".join(plan_lines(plan, cfg, getattr(args, "model", None) or "")))

@@ -1,0 +1,125 @@
+"""How rank 0 hands each step plan to the follower ranks, and the parts of a tensor-parallel run
+that do not depend on how the followers were started.
+
+    rank 0: DriverRunner.execute(plan)                follower r: follow_plans(runner, channel)
+    ───────────────────────────────────               ─────────────────────────────────────────
+    channel.send(follower_plan(plan)) ──────────────> plan = channel.recv()
+    driver.execute(plan): forward + sample <────────> runner.follow(plan): forward
+                          (the layers' collectives pair up inside the forward)
+    close(): channel.send(None) ────────────────────> None: leave the loop
+
+Two channels:
+- `PipeChannel`: one pipe per spawned worker on this machine (`worker/multiproc.py`); the plan is
+  pickled once and written to every pipe.
+- `BroadcastChannel`: `broadcast_object_list` from rank 0 on a gloo group of its own
+  (`worker/torchrun.py`, ranks possibly on several machines). That group's timeout is very long: a
+  follower waits for its next plan for as long as the engine idles. The collectives inside a step
+  run on the tensor-parallel group and keep its normal timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pickle
+from typing import Protocol
+
+import torch.distributed as dist
+
+from deepinfer.contracts.plan import FatalStepError, ModelOutput, StepPlan, describe_fault
+
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower may wait for the next plan
+
+
+class PlanChannel(Protocol):
+    """Rank 0 sends each plan (then None, at close); a follower receives them in order."""
+
+    def send(self, plan: StepPlan | None) -> None: ...
+
+    def recv(self) -> StepPlan | None: ...
+
+
+class PipeChannel:
+    """Plans over local pipes: `send` writes to every connection (rank 0 holds one per worker),
+    `recv` reads from the first (a worker holds its own). EOFError on a closed pipe."""
+
+    def __init__(self, connections):
+        self.connections = list(connections)
+
+    def send(self, plan: StepPlan | None) -> None:
+        payload = pickle.dumps(plan)
+        for conn in self.connections:
+            conn.send_bytes(payload)
+
+    def recv(self) -> StepPlan | None:
+        return pickle.loads(self.connections[0].recv_bytes())
+
+
+class BroadcastChannel:
+    """Plans broadcast from rank 0 over `group` (a gloo group: plans are pickled on the CPU, whatever
+    device the model runs on). Every rank of the group must call in the same order."""
+
+    def __init__(self, group):
+        self.group = group
+
+    @classmethod
+    def new(cls) -> BroadcastChannel:
+        """A channel on a new gloo group of all ranks, with IDLE_TIMEOUT (collective: every rank calls it)."""
+        return cls(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+
+    def send(self, plan) -> None:
+        dist.broadcast_object_list([plan], src=0, group=self.group)
+
+    def recv(self):
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def follower_plan(plan: StepPlan) -> StepPlan:
+    """What a follower needs of a plan: all of it but the token histories kept for penalties and
+    drafting (the prompt stays where prompt logprobs score it)."""
+    scheduled = [dataclasses.replace(s, output_token_ids=[],
+                                     prompt_token_ids=s.prompt_token_ids if s.prompt_logprobs is not None else [])
+                 for s in plan.scheduled]
+    return dataclasses.replace(plan, scheduled=scheduled)
+
+
+def follow_plans(runner, channel: PlanChannel) -> None:
+    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`) until None."""
+    while (plan := channel.recv()) is not None:
+        runner.follow(plan)
+
+
+class DriverRunner:
+    """The engine's `StepRunner` on rank 0 of a tensor-parallel run: rank 0's ModelRunner (`driver`:
+    it samples) plus followers reached through `channel`. Every other attribute (groups, num_blocks,
+    model, cache, ...) is the driver's. Subclasses start the followers, set `driver` and `channel`,
+    and may override `_step_fault` to name a dead rank."""
+
+    failure: str | None = None  # why the ranks can no longer step together
+
+    def __getattr__(self, name: str):
+        if name in ("driver", "channel"):  # not built (start-up failed): no recursion
+            raise AttributeError(name)
+        return getattr(self.driver, name)
+
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        """Send the plan to every follower, then run it here (forward and sampling). Any failure is
+        a FatalStepError: the ranks are out of step (some may wait in a collective)."""
+        if self.failure is not None:
+            raise FatalStepError(self.failure)
+        try:
+            self.channel.send(follower_plan(plan))
+            return self.driver.execute(plan)
+        except BaseException as exc:
+            raise self._step_fault(exc) from exc
+
+    def release(self, request_ids) -> None:
+        self.driver.release(request_ids)  # followers keep no per-request state
+
+    def _step_fault(self, exc: BaseException) -> BaseException:
+        """A failed step as the exception to raise (interrupts stay what they are)."""
+        if self.failure is None:
+            self.failure = f"tensor-parallel rank 0: {describe_fault('a step', exc)}; the ranks are out of step"
+        return FatalStepError(self.failure) if isinstance(exc, Exception) else exc
