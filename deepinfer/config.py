@@ -173,7 +173,7 @@ class EngineConfig:
     revision: str | None = None  # a hub model's branch, tag or commit (None: the default branch)
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) splitting every layer; 1: no processes
-    expert_parallel_size: int = 1  # ranks splitting MoE experts (DeepSeek-V4, not built yet): 1 <= ep <= tp
+    expert_parallel_size: int = 1  # ranks splitting MoE experts (DeepSeek-V4): 1 <= ep <= tp, tp % ep == 0
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
@@ -201,14 +201,14 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
 
     def _check_parallel(self) -> None:
-        """tensor_parallel_size / expert_parallel_size, and what a multi-rank run cannot do yet."""
+        """tensor_parallel_size / expert_parallel_size, and what a multi-rank run cannot do yet. Whether
+        the model splits its experts (ep > 1: DeepSeek-V4 only) is checked where it is built
+        (model_loader.check_expert_parallel)."""
         tp, ep = self.tensor_parallel_size, self.expert_parallel_size
         _positive("tensor_parallel_size", tp)
         _positive("expert_parallel_size", ep)
         if ep > tp or tp % ep:
             raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} (1 <= ep <= tp)")
-        if ep > 1:
-            raise ValueError(f"expert_parallel_size={ep}: expert parallelism is not built yet (use 1)")
         if tp == 1:
             return
         if self.cache.kv_cache_dir is not None:

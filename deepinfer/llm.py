@@ -96,7 +96,9 @@ class LLM:
     `tensor_parallel_size=N` > 1 splits the model over N ranks: this process is rank 0 (it
     schedules and samples) and starts N - 1 worker processes, one device each (`worker/multiproc.py`);
     outputs equal one rank's up to float rounding. `close()` (or the end of the process) stops them.
-    `expert_parallel_size` is accepted for DeepSeek-V4 later; only 1 is built.
+    For DeepSeek-V4, `expert_parallel_size=E` (dividing N) gives each rank n_routed_experts / E
+    experts; activations stay whole on every rank and the partial outputs are summed. Under
+    `torchrun`, N is its WORLD_SIZE and rank 0 runs the script (`worker/torchrun.py`).
 
     vLLM's keywords are taken where they mean something here: `pipeline_parallel_size` (only 1),
     `trust_remote_code` (accepted; no code from a checkpoint is ever run: every architecture is

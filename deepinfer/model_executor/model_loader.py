@@ -177,20 +177,23 @@ def skip_weight_init():
 
 
 def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int,
-                speculative_method: str | None = None, quantization: str = "none"):
+                speculative_method: str | None = None, quantization: str = "none", expert_parallel_size: int = 1):
     """The source's model on `device` in `dtype`: checkpoint weights (`quantization` 'gguf': its
     quantized matrices kept quantized; 'int8'/'int4': linear layers quantized after loading), or
     seeded random values when the source's load_format is "dummy" (no weight file is read).
     speculative_method="mtp" adds the model's next-n draft module, refused for a model without one.
     With tensor_parallel_size > 1 (distributed.parallel_state) the model holds this rank's slices,
-    read from the checkpoint slice by slice."""
+    read from the checkpoint slice by slice; `expert_parallel_size` > 1 (a model with
+    `supports_expert_parallel`, DeepSeek-V4) splits its routed experts over that many rank groups."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
     check_tensor_parallel_source(source, model_cls, quantization, speculative_method, dummy)
+    check_expert_parallel(model_cls, cfg.model_type, expert_parallel_size)
+    expert_kwargs = {"expert_parallel_size": expert_parallel_size} if expert_parallel_size > 1 else {}
     shapes_only = dummy and _SHAPES_ONLY.get()
     with torch.device("meta" if shapes_only else device), skip_weight_init():
-        model = model_cls(cfg, max_positions)
+        model = model_cls(cfg, max_positions, **expert_kwargs)
         if speculative_method == "mtp":
             add_mtp = getattr(model, "add_mtp", None)
             if add_mtp is None:
@@ -220,7 +223,7 @@ def _checkpoint_weights(source, quantization: str):
 def check_tensor_parallel_source(source, model_cls, quantization: str, speculative_method: str | None,
                                  dummy: bool) -> None:
     """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
-    quantized weights, GGUF files, models other than the Llama family, MTP drafting."""
+    quantized weights, GGUF files, models without a split (Llama family, DeepSeek-V4), MTP drafting."""
     n = tp_size()
     if n == 1:
         return
@@ -228,7 +231,7 @@ def check_tensor_parallel_source(source, model_cls, quantization: str, speculati
     model_type = source.hf_config.model_type
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
-                         f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)})")
+                         f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
     if source.format == "gguf" and not dummy:
         raise ValueError(f"{where} does not support GGUF checkpoints yet ({source.path!r}): sharded GGUF "
                          f"loading comes later; use an HF safetensors checkpoint or tensor_parallel_size=1")
@@ -237,6 +240,13 @@ def check_tensor_parallel_source(source, model_cls, quantization: str, speculati
                          f"not sharded; use quantization='none'")
     if speculative_method == "mtp":
         raise ValueError(f"{where} does not support speculative_method='mtp'")
+
+
+def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:
+    """Refuse expert_parallel_size > 1 for a model whose experts are not split (or that has none)."""
+    if expert_parallel_size > 1 and not getattr(model_cls, "supports_expert_parallel", False):
+        raise ValueError(f"expert_parallel_size={expert_parallel_size} needs a model with routed experts that "
+                         f"splits them (deepseek_v4); model_type {model_type!r} does not (use 1)")
 
 
 def weight_progress(weights):

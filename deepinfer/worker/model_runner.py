@@ -95,7 +95,8 @@ class ModelRunner:
         logger.info("quantization %s (%s); dtype %s (%s)", self.quantization.value, self.quantization.reason,
                     self.dtype_choice.value, self.dtype_choice.reason)
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
-                                              config.speculative.method, self.quantization.value)
+                                              config.speculative.method, self.quantization.value,
+                                              config.expert_parallel_size)
         self.speculative = config.speculative
         self.env = draft_environ(config.env, self.speculative.num_speculative_tokens)
         self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T

@@ -201,3 +201,30 @@ def gather_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if tp_size() == 1:
         return logits
     return all_gather(logits, dim=-1)[..., :vocab_size]  # [N, V]
+
+
+# ---- expert parallelism: routed experts split over the ranks -------------------------------------
+
+def check_expert_split(num_experts: int, expert_parallel_size: int) -> None:
+    """Refuse an expert split that does not work, naming the sizes: 1 <= ep <= n, ep divides n and
+    the routed experts."""
+    n, ep = tp_size(), expert_parallel_size
+    if ep < 1 or ep > n or n % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={n} (1 <= ep <= tp)")
+    if num_experts % ep:
+        raise ValueError(f"n_routed_experts={num_experts} is not divisible by expert_parallel_size={ep}")
+
+
+def expert_piece(num_experts: int, expert_parallel_size: int) -> Piece:
+    """The rank's contiguous slice of the routed experts: slice s = rank // (n / ep) of ep equal
+    slices; the n / ep ranks of one slice hold it alike."""
+    check_expert_split(num_experts, expert_parallel_size)
+    share = num_experts // expert_parallel_size
+    start = tp_rank() // (tp_size() // expert_parallel_size) * share
+    return Piece(num_experts, start, share, share)
+
+
+def computes_expert_slice(expert_parallel_size: int) -> bool:
+    """Whether this rank's routed-expert output counts: the first rank of each slice computes it,
+    the other n / ep - 1 holders add nothing, so the all_reduce counts every slice once."""
+    return tp_rank() % (tp_size() // expert_parallel_size) == 0

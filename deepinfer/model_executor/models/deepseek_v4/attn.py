@@ -9,6 +9,11 @@ One V4 attention layer (HF parameter names)::
     o          = rope^-1(o)                                  [T, H, D]          de-rotation at the query position
     out        = o_b_proj(o_a_proj(o grouped in o_groups))   [T, hidden]
 
+With tensor_parallel_size n > 1 each rank holds H / n heads: q_b_proj's rows of its heads, their
+sinks, the o_groups / n whole output groups those heads feed (o_a_proj's rows of the groups,
+o_b_proj's columns of them) and one all_reduce after o_b_proj. q_a_proj, kv_proj, the
+compressors and the indexer stay whole: the latent row is one K = V row every head reads.
+
 RoPE is interleaved (channel pairs (2i, 2i+1)) on the trailing ``qk_rope_head_dim`` channels of
 each head. Sliding-only layers use the ``main`` RoPE (base ``rope_theta``); CSA/HCA layers use the
 ``compress`` RoPE (base ``compress_rope_theta``, possibly YaRN), the same as their compressor.
@@ -26,8 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ShardSpec,
+    even_piece,
+    row_parallel_linear,
+)
 from deepinfer.model_executor.layers.rotary import rope_inv_freq
 from deepinfer.model_executor.models.deepseek_v4.compressor import apply_interleaved_rope, compress_rope_inv_freq
 
@@ -92,6 +104,32 @@ class GroupedLinear(nn.Module):
         return torch.einsum("tgi,goi->tgo", x, w)  # [T, G, out/G]
 
 
+def check_head_split(num_heads: int, o_groups: int, size: int) -> None:
+    """Refuse a head split that does not work, naming the sizes: n must divide the query heads and
+    the output groups (each rank holds whole groups of its heads)."""
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide num_attention_heads={num_heads}")
+    if o_groups % size:
+        raise ValueError(f"tensor_parallel_size={size} must divide o_groups={o_groups}")
+
+
+def _q_b_proj(q_lora_rank: int, num_heads: int, head_dim: int) -> nn.Linear:
+    """[H·D, q_lora_rank], split by heads over the ranks (a plain Linear with one rank)."""
+    if tp_size() == 1:
+        return nn.Linear(q_lora_rank, num_heads * head_dim, bias=False)
+    return ColumnParallelLinear(q_lora_rank, [even_piece(num_heads * head_dim, "num_attention_heads * head_dim")],
+                                bias=False)
+
+
+def _o_a_proj(in_per_group: int, o_groups: int, o_lora_rank: int) -> GroupedLinear:
+    """The rank's whole groups: rows [g·o_lora_rank, (g+1)·o_lora_rank) of each group g it holds."""
+    size = tp_size()
+    proj = GroupedLinear(in_per_group, o_groups // size * o_lora_rank, o_groups // size)
+    if size > 1:
+        proj.shard_specs = {"weight": ShardSpec(0, (even_piece(o_groups * o_lora_rank, "o_groups * o_lora_rank"),))}
+    return proj
+
+
 class DeepseekV4Attention(nn.Module):
     """V4 attention weights and math for one layer; the caller owns the cache and the row lists.
 
@@ -101,17 +139,21 @@ class DeepseekV4Attention(nn.Module):
 
     def __init__(self, config, layer_type: str = SLIDING):
         super().__init__()
-        h, d = config.num_attention_heads, config.head_dim
-        self.num_heads, self.head_dim, self.o_groups = h, d, config.o_groups
+        h, d, groups, size = config.num_attention_heads, config.head_dim, config.o_groups, tp_size()
+        check_head_split(h, groups, size)
+        self.num_heads, self.head_dim, self.o_groups = h // size, d, groups // size  # this rank's
         self.eps, self.scale = config.rms_norm_eps, d**-0.5
         self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(config.q_lora_rank, eps=config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, h * d, bias=False)
+        self.q_b_proj = _q_b_proj(config.q_lora_rank, h, d)
         self.kv_proj = nn.Linear(config.hidden_size, d, bias=False)
         self.kv_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(h * d // config.o_groups, config.o_groups * config.o_lora_rank, config.o_groups)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.o_a_proj = _o_a_proj(h * d // groups, groups, config.o_lora_rank)
+        self.o_b_proj = row_parallel_linear(groups * config.o_lora_rank, config.hidden_size, False,
+                                            "o_groups * o_lora_rank")
+        self.sinks = nn.Parameter(torch.zeros(h // size, dtype=torch.float32))
+        if size > 1:
+            self.shard_specs = {"sinks": ShardSpec(0, (even_piece(h, "num_attention_heads"),))}
         inv_freq, self.rope_scaling = attention_rope_inv_freq(config, layer_type)
         self.inv_freq = inv_freq  # [rope_dim/2] fp32; a plain tensor, so casting the model to bf16 keeps it exact
 

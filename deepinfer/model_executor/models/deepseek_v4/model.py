@@ -10,6 +10,11 @@ Cache groups (see `cache_groups`): "swa" (ring, every layer, one latent row per 
 "csa" / "hca" (paged, one compressed row per m / m' tokens) and "index" (paged, the CSA
 indexer's keys, one per m tokens). Compressor state lives in the ring's state slots. With the
 MTP draft module on (`add_mtp`), an "mtp" ring holds its blocks' window rows.
+
+Tensor parallelism (n ranks) splits each attention layer's heads (attn.py) and, with
+expert_parallel_size ep, the routed experts (moe.py): two all_reduces per layer. The embedding,
+the hyper-connections, the norms, the compressors, the indexer, the caches and the LM head are
+held whole on every rank. Each rank reads only its slices and its experts from the checkpoint.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperCo
 from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
 from deepinfer.model_executor.models.deepseek_v4.mtp import DeepseekV4MTP, num_mtp_layers
 from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
-from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights, is_mtp_name, load_v4_weights
+from deepinfer.model_executor.models.deepseek_v4.weights import (
+    dequantize_v4_weights,
+    is_mtp_name,
+    load_v4_weights,
+    owned_tensors,
+)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, expert_parallel_size: int = 1):
         super().__init__()
         self.self_attn = CachedV4Attention(cfg, layer_idx)
-        self.mlp = DeepseekV4MoE(cfg, layer_idx)
+        self.mlp = DeepseekV4MoE(cfg, layer_idx, expert_parallel_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection.from_config(cfg)
@@ -48,11 +58,12 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, expert_parallel_size: int = 1):
         super().__init__()
         self.hc_mult = cfg.hc_mult
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i, expert_parallel_size)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead.from_config(cfg)
 
@@ -71,10 +82,13 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
-    def __init__(self, cfg, max_positions: int = 0):
+    supports_tensor_parallel = True  # heads split; build_model refuses MTP with several ranks
+    supports_expert_parallel = True  # routed experts split over expert_parallel_size ranks
+
+    def __init__(self, cfg, max_positions: int = 0, expert_parallel_size: int = 1):
         super().__init__()
         self.config = cfg
-        self.model = DeepseekV4Model(cfg)
+        self.model = DeepseekV4Model(cfg, expert_parallel_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.state_banks: list[StateBank] = []
         self.mtp: DeepseekV4MTP | None = None  # the next-n draft module, when `add_mtp` was called
@@ -188,7 +202,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 elif self.mtp is not None:
                     mtp_tensors.append((name, tensor))
 
-        loaded = load_v4_weights(self, dequantize_v4_weights(main_tensors(), torch.float32))
+        owned = owned_tensors(main_tensors(), lambda owner, expert: self.get_submodule(owner).owns(expert))
+        loaded = load_v4_weights(self, dequantize_v4_weights(owned, torch.float32))
         missing = {n for n, _ in self.named_parameters() if not n.startswith("mtp.")} - loaded
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")

@@ -11,6 +11,12 @@ when `norm_topk_prob`, then multiply by `routed_scaling_factor`. Logits are comp
 Experts (`experts.gate_up_proj [E, 2I, H]` with gate rows first, `experts.down_proj [E, H, I]`)
 run a SwiGLU whose gate is clamped to `<= swiglu_limit` and whose up projection to
 `[-swiglu_limit, swiglu_limit]`; the shared expert (`shared_experts.{gate,up,down}_proj`) does the same.
+
+Expert parallelism (expert_parallel_size ep over tensor_parallel_size n ranks; activations are
+replicated): the router runs on every rank; rank r holds experts [s·E/ep, (s+1)·E/ep), s = r // (n/ep),
+and computes only the (token, expert) pairs of those. With ep < n the n/ep holders of a slice hold
+it alike and only the first computes (the others add zero: correct, not faster). The shared
+expert stays whole and is added on rank 0 only; one all_reduce sums the partial outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, expert_piece
 from deepinfer.model_executor.models.utils import MergedLinear
 
 SCORE_FUNCS = {
@@ -101,15 +109,29 @@ class FusedExperts(nn.Module):
     (ops/triton/moe.py) serve all experts. The torch path sorts the (token, slot) pairs by
     expert, runs each active expert once over its contiguous rows, and scatter-adds the weighted
     outputs in fp32.
+
+    With `expert_parallel_size` ep > 1 the module holds experts [start, start + E/ep) of the
+    E (`expert_piece`), ids stay global, and only the pairs of held experts are computed (their
+    ids shifted to local ones); the others add nothing to the [T, H] partial output.
     """
 
     use_triton = False  # the grouped Triton GEMM instead of the loop over experts
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None,
+                 expert_parallel_size: int = 1):
         super().__init__()
         self.num_experts, self.swiglu_limit = num_experts, swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden_size, intermediate_size))
+        piece = expert_piece(num_experts, expert_parallel_size)
+        self.expert_start, self.num_local = piece.start, piece.length
+        self.gate_up_proj = nn.Parameter(torch.zeros(self.num_local, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden_size, intermediate_size))
+        if self.num_local < num_experts:
+            spec = ShardSpec(0, (piece,))
+            self.shard_specs = {"gate_up_proj": spec, "down_proj": spec}
+
+    def owns(self, expert: int) -> bool:
+        """Whether this rank holds expert `expert` (a global id)."""
+        return self.expert_start <= expert < self.expert_start + self.num_local
 
     def load_expert_weight(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """Copy one expert's [out, in] matrix into the stacks.
@@ -118,10 +140,13 @@ class FusedExperts(nn.Module):
         """
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert must lie in [0, {self.num_experts}), got {expert}")
-        inter = self.down_proj.shape[-1]
-        targets = {"gate_proj": self.gate_up_proj.data[expert, :inter], "w1": self.gate_up_proj.data[expert, :inter],
-                   "up_proj": self.gate_up_proj.data[expert, inter:], "w3": self.gate_up_proj.data[expert, inter:],
-                   "down_proj": self.down_proj.data[expert], "w2": self.down_proj.data[expert]}
+        if not self.owns(expert):
+            return  # another rank's expert: never read
+        tensor = tensor if isinstance(tensor, torch.Tensor) else tensor.read()  # a lazy slice: this expert's whole
+        e, inter = expert - self.expert_start, self.down_proj.shape[-1]  # the local index
+        targets = {"gate_proj": self.gate_up_proj.data[e, :inter], "w1": self.gate_up_proj.data[e, :inter],
+                   "up_proj": self.gate_up_proj.data[e, inter:], "w3": self.gate_up_proj.data[e, inter:],
+                   "down_proj": self.down_proj.data[e], "w2": self.down_proj.data[e]}
         if proj not in targets:
             raise ValueError(f"proj must be one of {sorted(targets)}, got {proj!r}")
         if targets[proj].shape != tensor.shape:
@@ -130,19 +155,37 @@ class FusedExperts(nn.Module):
         targets[proj].copy_(tensor)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)  # [T*k]
         # a host sync, so checked on the CPU only (the routers' top-k yields ids in range by construction)
         checked = not x.is_cuda and flat_ids.numel()
         if checked and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < self.num_experts:
             raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
+        if self.num_local < self.num_experts:
+            return self._local_pairs(x, topk_ids, topk_weights)  # [T, H]
+        return self._all_pairs(x, topk_ids, topk_weights)  # [T, H]
+
+    def _local_pairs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The partial output [T, H] of the pairs whose expert this rank holds, run as one pair per row."""
+        k = topk_ids.shape[1]
+        local = topk_ids.reshape(-1) - self.expert_start  # [T*k]
+        pairs = torch.nonzero((local >= 0) & (local < self.num_local)).squeeze(-1)  # [P]
+        tokens = pairs // k  # [P]
+        y = self._all_pairs(x[tokens], local[pairs, None], topk_weights.reshape(-1)[pairs, None])  # [P, H]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)  # [T, H]
+
+    def _all_pairs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], ids [T, k] of held experts (local ids), weights [T, k] -> [T, H]."""
+        T, k = topk_ids.shape
+        flat_ids = topk_ids.reshape(-1)  # [T*k]
         if self.use_triton:
             from deepinfer.model_executor.layers.ops.triton.moe import fused_experts
             return fused_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, self.swiglu_limit,
                                  check_ids=False)  # [T, H]
         order = flat_ids.argsort(stable=True)  # [T*k] pairs grouped by expert
         token_idx = order // k  # [T*k]
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # E
+        counts = torch.bincount(flat_ids, minlength=self.num_local).tolist()  # E local
         hidden = self._grouped_mlp(x[token_idx], counts)  # [T*k, H]
         weights = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
         out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, H]
@@ -191,7 +234,7 @@ class DeepseekV4MoE(nn.Module):
     `forward(x [T, H], input_ids [T] | None) -> [T, H]`; hash layers require `input_ids`.
     """
 
-    def __init__(self, cfg, layer_idx: int):
+    def __init__(self, cfg, layer_idx: int, expert_parallel_size: int = 1):
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu' for DeepSeek-V4 experts, got {cfg.hidden_act!r}")
@@ -199,7 +242,8 @@ class DeepseekV4MoE(nn.Module):
         self.gate = HashRouter(cfg) if self.is_hash else TopKRouter(cfg)
         limit = getattr(cfg, "swiglu_limit", None)
         inter = cfg.moe_intermediate_size
-        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit)
+        self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit, expert_parallel_size)
+        self.computes_experts = computes_expert_slice(expert_parallel_size)
         shared_inter = inter * getattr(cfg, "n_shared_experts", 1)
         self.shared_experts = SharedExpert(cfg.hidden_size, shared_inter, limit)
 
@@ -213,4 +257,9 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(x, input_ids)  # [T, k], [T, k]
-        return self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)  # [T, H]
+        if tp_size() == 1:
+            return self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)  # [T, H]
+        out = self.experts(x, topk_ids, topk_weights) if self.computes_experts else torch.zeros_like(x)  # [T, H]
+        if tp_rank() == 0:
+            out = out + self.shared_experts(x)  # [T, H]
+        return all_reduce(out)  # [T, H], summed over the ranks

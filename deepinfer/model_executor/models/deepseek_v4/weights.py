@@ -22,6 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
 from deepinfer.model_executor.models.deepseek_v4.names import expert_target, module_name
 
 FP8_BLOCK = (128, 128)
@@ -35,11 +36,13 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     """Whether `tensor` is an FP8 e4m3 or packed-FP4 weight (and so needs a scale).
 
     int8 / uint8 count as packed FP4 only for weight names (`*.weight`, stacked `*_proj`), so that
-    integer tables such as `tid2eid` pass through.
+    integer tables such as `tid2eid` pass through. A lazy slice (no dtype) is not: `owned_tensors`
+    read the quantized ones whole.
     """
-    if tensor.dtype == torch.float8_e4m3fn or tensor.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+    dtype = getattr(tensor, "dtype", None)
+    if dtype == torch.float8_e4m3fn or dtype == getattr(torch, "float4_e2m1fn_x2", None):
         return True
-    return tensor.dtype in (torch.int8, torch.uint8) and name.endswith((".weight", "_proj"))
+    return dtype in (torch.int8, torch.uint8) and name.endswith((".weight", "_proj"))
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -143,11 +146,32 @@ def is_mtp_name(name: str) -> bool:
     return name.startswith(("mtp.", "model.mtp."))
 
 
+def owned_tensors(named_tensors, owns) -> Iterator[tuple[str, object]]:
+    """What a tensor-parallel rank reads: per-expert tensors (and their scales) of experts it does
+    not hold (`owns(experts module name, expert)` false) are dropped unread; lazy slices
+    (loader/hf.py) that dequantization needs whole (quantized weights, scales) are read here. Plain
+    tensors pass through."""
+    for name, tensor in named_tensors:
+        weight = weight_name_for_scale(name) or name
+        expert = expert_target(weight)
+        if expert is not None and not owns(module_name(expert[0]), expert[1]):
+            continue
+        if not isinstance(tensor, torch.Tensor) and (weight != name or is_quantized(name, _stored(tensor))):
+            tensor = tensor.read()
+        yield name, tensor
+
+
+def _stored(lazy) -> torch.Tensor:
+    """An empty tensor of a lazy slice's stored dtype (read whole when it has no dimension)."""
+    return lazy.narrow(0, 0, 0) if len(lazy.shape) else lazy.read()
+
+
 def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
     """Copy (name, tensor) pairs into `module`; returns the parameter names loaded.
 
     Per-expert matrices go into the stacked expert weights; a shared expert's gate / up go into
-    its merged gate_up projection.
+    its merged gate_up projection. A parameter split over tensor-parallel ranks (`shard_specs`)
+    reads only the rank's slice of a lazy slice; others read it whole.
     """
     params = dict(module.named_parameters())
     loaded: set[str] = set()
@@ -168,6 +192,13 @@ def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
             dst = params[target].data
         else:
             raise ValueError(f"checkpoint tensor {name!r} ({target!r}) has no matching parameter")
+        owner, _, leaf = target.rpartition(".")
+        spec = shard_spec_of(module.get_submodule(owner), leaf) if owner else None
+        if spec is not None:
+            spec.load(dst, 0, tensor, name)
+            loaded.add(target)
+            continue
+        tensor = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
         if dst.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)

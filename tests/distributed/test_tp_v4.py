@@ -1,0 +1,163 @@
+"""Tiny DeepSeek-V4 ([SLIDING, CSA, HCA], 8 routed experts) split over 2 gloo ranks gives the greedy
+tokens of one rank, logprobs within 1e-4, with chunked prefill and no block leaks.
+
+tensor_parallel_size=2 splits the attention heads; expert_parallel_size=2 gives each rank 4 of the 8
+experts, expert_parallel_size=1 keeps all 8 on both ranks (rank 0 computes them). Rank 0 (this
+process) reads only its slices of the split tensors and never its partner's experts. Dummy weights
+are the slices of the one-rank draw; sizes that do not split are refused, naming them.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.distributed import parallel_state
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models" / "deepseek_v4"))
+from v4_tiny import CSA, HCA, SLIDING, VOCAB, make_tiny_v4  # noqa: E402
+
+PROMPT_LENGTHS, MAX_TOKENS = (3, 29, 47), 8
+SPLIT_NAMES = (".wq_b.", ".wo_a.", ".wo_b.", "attn_sink")  # read as slices on every rank
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("v4tp"))
+    make_tiny_v4(path, [SLIDING, CSA, HCA])
+    return path
+
+
+def _generate(path: str, **parallel) -> list:
+    """Greedy completions of three prompts with chunked prefill (16-token steps); no block leaks."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENGTHS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    with LLM(path, dtype="float32", block_size=8, num_blocks=64, max_model_len=128, max_num_seqs=4,
+             max_num_batched_tokens=16, enable_prefix_caching=False, **parallel) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+        engine.kv_manager.check_no_leaks()
+    return [done[i] for i in ids]
+
+
+def _spy_reads(monkeypatch) -> dict[str, list[str]]:
+    """Names of checkpoint tensors this process reads whole ("read") or sliced ("narrow")."""
+    from deepinfer.model_executor.loader import hf
+
+    reads: dict[str, list[str]] = {"read": [], "narrow": []}
+    inner = hf.iter_safetensors_slices
+
+    def spied(files, dtype):
+        for name, lazy in inner(files, dtype):
+            read, narrow = lazy.read, lazy.narrow
+            lazy.read = lambda read=read, name=name: (reads["read"].append(name), read())[1]
+            lazy.narrow = lambda *a, narrow=narrow, name=name: (reads["narrow"].append(name), narrow(*a))[1]
+            yield name, lazy
+
+    monkeypatch.setattr(hf, "iter_safetensors_slices", spied)
+    return reads
+
+
+def _assert_same(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for i, token in enumerate(w.token_ids):
+            assert abs(g.logprobs[i][token].logprob - w.logprobs[i][token].logprob) < 1e-4
+
+
+def test_two_ranks_give_one_ranks_tokens(v4_path, monkeypatch):
+    want = _generate(v4_path)
+    reads = _spy_reads(monkeypatch)
+    _assert_same(_generate(v4_path, tensor_parallel_size=2, expert_parallel_size=2), want)
+    assert not [n for n in reads["read"] if n.endswith(SPLIT_NAMES[:3]) or "attn_sink" in n], reads["read"]
+    assert {n for n in reads["narrow"] if "attn_sink" in n or ".wq_b." in n}  # the split tensors came sliced
+    experts = [n for n in reads["read"] + reads["narrow"] if ".experts." in n]
+    assert experts and all(int(n.split(".experts.")[1].split(".")[0]) < 4 for n in experts), experts
+    _assert_same(_generate(v4_path, tensor_parallel_size=2, expert_parallel_size=1), want)
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    """as_rank(r, n): this process reads tp_rank() == r of tp_size() == n (no group: construction
+    and dummy weights run no collective)."""
+    return lambda r, n: monkeypatch.setitem(parallel_state._WORLD, "rank", r) or \
+        monkeypatch.setitem(parallel_state._WORLD, "size", n)
+
+
+def _dummy_model(path: str, expert_parallel_size: int = 1):
+    from deepinfer.model_executor.loader.source import load_model_source
+    from deepinfer.model_executor.model_loader import build_model
+
+    source = load_model_source(path, load_format="dummy")
+    return build_model(source, torch.float32, torch.device("cpu"), 64, expert_parallel_size=expert_parallel_size)
+
+
+def test_dummy_weights_are_slices_of_the_one_rank_draw(v4_path, as_rank):
+    full = dict(_dummy_model(v4_path).named_parameters())
+    for rank in range(2):
+        as_rank(rank, 2)
+        local = dict(_dummy_model(v4_path, expert_parallel_size=2).named_parameters())
+        attn, moe = "model.layers.1.self_attn.", "model.layers.1.mlp."
+        torch.testing.assert_close(local[attn + "q_b_proj.weight"], full[attn + "q_b_proj.weight"].chunk(2)[rank])
+        torch.testing.assert_close(local[attn + "sinks"], full[attn + "sinks"].chunk(2)[rank])
+        torch.testing.assert_close(local[attn + "o_a_proj.weight"], full[attn + "o_a_proj.weight"].chunk(2)[rank])
+        torch.testing.assert_close(local[attn + "o_b_proj.weight"], full[attn + "o_b_proj.weight"].chunk(2, 1)[rank])
+        for name in ("experts.gate_up_proj", "experts.down_proj"):
+            torch.testing.assert_close(local[moe + name], full[moe + name].chunk(2)[rank])
+        for name in (attn + "kv_proj.weight", moe + "shared_experts.down_proj.weight", "lm_head.weight"):
+            torch.testing.assert_close(local[name], full[name])  # held whole
+
+
+def test_bad_sizes_are_refused_naming_them(v4_path, tiny_checkpoint, as_rank):
+    from deepinfer.model_executor.layers.parallel_linear import check_expert_split
+    from deepinfer.model_executor.models.deepseek_v4.attn import check_head_split
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        check_head_split(4, 2, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide o_groups=2"):
+        check_head_split(4, 2, 4)
+    as_rank(0, 4)
+    with pytest.raises(ValueError, match="n_routed_experts=6 is not divisible by expert_parallel_size=4"):
+        check_expert_split(6, 4)
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must divide tensor_parallel_size=4"):
+        check_expert_split(6, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide o_groups=2"):
+        _dummy_model(v4_path)
+    as_rank(0, 2)
+    with pytest.raises(ValueError, match="expert_parallel_size=2 needs a model with routed experts"):
+        _dummy_model(tiny_checkpoint("llama"), expert_parallel_size=2)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_expert_slices_sum_to_all_experts(as_rank, use_triton):
+    """Each rank's partial output (its 4 experts' pairs, Triton: local ids) sums to all 8 experts'."""
+    from deepinfer.model_executor.models.deepseek_v4.moe import FusedExperts
+
+    gen = torch.Generator().manual_seed(0)
+    full = FusedExperts(8, 32, 16, 10.0)
+    with torch.no_grad():
+        full.gate_up_proj.copy_(torch.randn(full.gate_up_proj.shape, generator=gen) * 0.2)  # [E, 2I, H]
+        full.down_proj.copy_(torch.randn(full.down_proj.shape, generator=gen) * 0.2)  # [E, H, I]
+    x = torch.randn(6, 32, generator=gen)  # [T, H]
+    ids = torch.rand(6, 8, generator=gen).argsort(dim=1)[:, :2]  # [T, k] distinct experts
+    weights = torch.rand(6, 2, generator=gen)  # [T, k]
+    parts = []
+    for rank in range(2):
+        as_rank(rank, 2)
+        local = FusedExperts(8, 32, 16, 10.0, expert_parallel_size=2)
+        local.use_triton = use_triton
+        with torch.no_grad():
+            local.gate_up_proj.copy_(full.gate_up_proj.chunk(2)[rank])
+            local.down_proj.copy_(full.down_proj.chunk(2)[rank])
+        parts.append(local(x, ids, weights))  # [T, H]
+    assert not torch.equal(parts[0], torch.zeros_like(parts[0]))
+    torch.testing.assert_close(parts[0] + parts[1], full(x, ids, weights), atol=1e-4, rtol=1e-4)
