@@ -223,7 +223,8 @@ def _checkpoint_weights(source, quantization: str):
 def check_tensor_parallel_source(source, model_cls, quantization: str, speculative_method: str | None,
                                  dummy: bool) -> None:
     """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
-    quantized weights, GGUF files, models without a split (Llama family, DeepSeek-V4), MTP drafting."""
+    quantized weights, GGUF files, models without a split (Llama family, DeepSeek-V4), MTP drafting,
+    and any drafting for DeepSeek-V4 (follower ranks run no `keep_verified`)."""
     n = tp_size()
     if n == 1:
         return
@@ -240,6 +241,9 @@ def check_tensor_parallel_source(source, model_cls, quantization: str, speculati
                          f"not sharded; use quantization='none'")
     if speculative_method == "mtp":
         raise ValueError(f"{where} does not support speculative_method='mtp'")
+    if speculative_method and model_type == "deepseek_v4":  # follower ranks do not learn the kept drafts
+        raise ValueError(f"{where} does not support speculative decoding for deepseek_v4 yet: the other ranks' "
+                         f"compressor state would keep rejected drafts; leave speculative_method unset")
 
 
 def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:

@@ -135,6 +135,12 @@ def test_bad_sizes_are_refused_naming_them(v4_path, tiny_checkpoint, as_rank):
     as_rank(0, 2)
     with pytest.raises(ValueError, match="expert_parallel_size=2 needs a model with routed experts"):
         _dummy_model(tiny_checkpoint("llama"), expert_parallel_size=2)
+    from deepinfer.model_executor.loader.source import load_model_source
+    from deepinfer.model_executor.model_loader import build_model
+
+    source = load_model_source(v4_path, load_format="dummy")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not support speculative decoding for deepse"):
+        build_model(source, torch.float32, torch.device("cpu"), 64, speculative_method="ngram")
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
