@@ -103,23 +103,27 @@ def _round_to(x, OUT: tl.constexpr):
 
 
 @triton.jit
+def _tile(sorted_pairs_ptr, num_pairs, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (m, n)'s tile: padded sorted rows [BM] (int64), their pairs [BM] and which are real,
+    columns [BN] and which lie below `num_cols`."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
+    pairs = tl.load(sorted_pairs_ptr + rows)  # [BM]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    return rows, pairs, pairs < num_pairs, cols, cols < num_cols
+
+
+@triton.jit
 def _gate_up_act_kernel(x_ptr, w_ptr, act_ptr, sorted_pairs_ptr, block_expert_ptr,
                         num_pairs, top_k, limit,
                         stride_xt, stride_we, stride_wn, stride_wk, stride_ar,
                         hidden: tl.constexpr, inter: tl.constexpr, HAS_LIMIT: tl.constexpr, UPCAST: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of act = clamped_swiglu(x[token] @ W1[e]^T) for one expert's row block."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] padded sorted rows
-    pairs = tl.load(sorted_pairs_ptr + rows)  # [BM]
-    row_ok = pairs < num_pairs  # [BM]
+    rows, pairs, row_ok, cols, col_ok = _tile(sorted_pairs_ptr, num_pairs, inter, BLOCK_M, BLOCK_N)  # cols: channels
     tokens = tl.where(row_ok, pairs // top_k, 0).to(tl.int64)  # [BM]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
-    col_ok = cols < inter  # [BN]
     w_base = w_ptr + expert * stride_we
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -142,7 +146,7 @@ def _gate_up_act_kernel(x_ptr, w_ptr, act_ptr, sorted_pairs_ptr, block_expert_pt
         up = tl.minimum(tl.maximum(up, -limit), limit)
     silu = _round_to(gate / (1.0 + tl.exp(-gate)), out_ty)  # [BM, BN]
     act = _round_to(silu * up, out_ty)  # [BM, BN] exact in out_ty
-    tl.store(act_ptr + rows.to(tl.int64)[:, None] * stride_ar + cols[None, :], act.to(out_ty),
+    tl.store(act_ptr + rows[:, None] * stride_ar + cols[None, :], act.to(out_ty),
              mask=col_ok[None, :])
 
 
@@ -153,16 +157,10 @@ def _down_kernel(act_ptr, w_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr, weig
                  hidden: tl.constexpr, inter: tl.constexpr, UPCAST: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of y[pair] = weight[pair] * (act[row] @ W2[e]^T), fp32, at each pair's row."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     if expert < 0:
         return
-    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-    pairs = tl.load(sorted_pairs_ptr + rows)  # [BM]
-    row_ok = pairs < num_pairs  # [BM]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden channels
-    col_ok = cols < hidden  # [BN]
+    rows, pairs, row_ok, cols, col_ok = _tile(sorted_pairs_ptr, num_pairs, hidden, BLOCK_M, BLOCK_N)  # cols: hidden
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
