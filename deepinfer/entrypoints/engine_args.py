@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over N ranks, one process and one device each (cuda:N..: "
                         "consecutive GPUs from --device's index); 1: one process, no torch.distributed")
     g.add_argument("--expert-parallel-size", type=int, default=1, metavar="N",
-                   help="split MoE experts over N of the tensor-parallel ranks (must divide "
-                        "--tensor-parallel-size; DeepSeek-V4 only, not built yet: 1)")
+                   help="split the routed MoE experts into N slices over the tensor-parallel ranks, each "
+                        "rank computing 1/N of them (must divide --tensor-parallel-size; DeepSeek-V4)")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                    help="attention kernels: auto (triton on CUDA, torch on the CPU), torch (the reference), "
                         "triton (Triton store and decode kernels; interpreted, slowly, on the CPU)")

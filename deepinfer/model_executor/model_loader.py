@@ -188,7 +188,7 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
-    check_tensor_parallel_source(source, model_cls, quantization, speculative_method, dummy)
+    check_tensor_parallel_source(source, model_cls, speculative_method)
     check_expert_parallel(model_cls, cfg.model_type, expert_parallel_size)
     expert_kwargs = {"expert_parallel_size": expert_parallel_size} if expert_parallel_size > 1 else {}
     shapes_only = dummy and _SHAPES_ONLY.get()
@@ -215,16 +215,17 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
 
 def _checkpoint_weights(source, quantization: str):
     """The checkpoint's (name, tensor) pairs; with several ranks, lazy slices each rank reads from."""
+    keep_quantized = quantization == "gguf"
     if tp_size() > 1:
-        return source.iter_weight_slices(torch.float32)
-    return source.iter_weights(torch.float32, keep_quantized=quantization == "gguf")
+        return source.iter_weight_slices(torch.float32, keep_quantized)
+    return source.iter_weights(torch.float32, keep_quantized)
 
 
-def check_tensor_parallel_source(source, model_cls, quantization: str, speculative_method: str | None,
-                                 dummy: bool) -> None:
+def check_tensor_parallel_source(source, model_cls, speculative_method: str | None) -> None:
     """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
-    quantized weights, GGUF files, models without a split (Llama family, DeepSeek-V4), MTP drafting,
-    and any drafting for DeepSeek-V4 (follower ranks run no `keep_verified`)."""
+    models without a split (Llama family, DeepSeek-V4), MTP drafting, and any drafting for
+    DeepSeek-V4 (follower ranks run no `keep_verified`). GGUF files and quantized weights are split:
+    each rank reads its slices and keeps (or quantizes) them packed."""
     n = tp_size()
     if n == 1:
         return
@@ -233,12 +234,6 @@ def check_tensor_parallel_source(source, model_cls, quantization: str, speculati
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
                          f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
-    if source.format == "gguf" and not dummy:
-        raise ValueError(f"{where} does not support GGUF checkpoints yet ({source.path!r}): sharded GGUF "
-                         f"loading comes later; use an HF safetensors checkpoint or tensor_parallel_size=1")
-    if quantization != "none":
-        raise ValueError(f"{where} does not support quantization={quantization!r} yet: quantized weights are "
-                         f"not sharded; use quantization='none'")
     if speculative_method == "mtp":
         raise ValueError(f"{where} does not support speculative_method='mtp'")
     if speculative_method and model_type == "deepseek_v4":  # follower ranks do not learn the kept drafts

@@ -139,23 +139,3 @@ def test_build_refuses_a_split_the_heads_do_not_take(tiny_checkpoint, as_rank_of
     as_rank_of(3)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
         build_model(_dummy_source(tiny_checkpoint("llama")), torch.float32, torch.device("cpu"), 64)
-
-
-@pytest.mark.parametrize("quantization", ["int8", "int4", "gguf"])
-def test_build_refuses_quantized_weights_with_two_ranks(tiny_checkpoint, as_rank_of, quantization):
-    from deepinfer.model_executor.loader.source import load_model_source
-    from deepinfer.model_executor.model_loader import build_model
-
-    as_rank_of(2)
-    source = load_model_source(tiny_checkpoint("llama"))
-    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 does not support quantization='{quantization}'"):
-        build_model(source, torch.float32, torch.device("cpu"), 64, quantization=quantization)
-
-
-def test_build_refuses_gguf_files_with_two_ranks(default_gguf_path, as_rank_of):
-    from deepinfer.model_executor.loader.source import load_model_source
-    from deepinfer.model_executor.model_loader import build_model
-
-    as_rank_of(2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not support GGUF checkpoints"):
-        build_model(load_model_source(default_gguf_path), torch.float32, torch.device("cpu"), 64)

@@ -1,4 +1,4 @@
-"""Fixtures for loader tests (helpers live in llamacpp_writer.py)."""
+"""Fixtures for loader tests (helpers live in tests/llamacpp_writer.py)."""
 
 from __future__ import annotations
 

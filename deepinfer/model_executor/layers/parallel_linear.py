@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,30 @@ class ShardSpec:
         return torch.cat([_padded(part.narrow(self.dim, p.start, p.length), self.dim, p.local)
                           for part, p in zip(parts, self.pieces, strict=True)], dim=self.dim)
 
-    def load(self, dst: torch.Tensor, index: int, src, name: str) -> None:
-        """Copy piece `index` of checkpoint tensor `src` (a tensor, or a lazy slice with .shape and
-        .narrow) into the local parameter `dst`, reading only the rank's slice."""
+    def read(self, index: int, src, name: str, local_shape) -> torch.Tensor | QuantWeight:
+        """Piece `index` of checkpoint tensor `src` (a tensor, a QuantWeight, or a lazy slice with .shape
+        and .narrow) as the rank holds it: its slice, zero-padded to the local size. Only the slice is read."""
         piece = self.pieces[index]
-        expected = list(dst.shape)
+        expected = list(local_shape)
         expected[self.dim] = piece.full
         if list(src.shape) != expected:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(expected)}")
-        out = dst.narrow(self.dim, self.local_offset(index), piece.local)  # the piece's local rows
-        out.zero_()
-        out.narrow(self.dim, 0, piece.length).copy_(src.narrow(self.dim, piece.start, piece.length))
+        return _padded(src.narrow(self.dim, piece.start, piece.length), self.dim, piece.local)
+
+    def load(self, dst: torch.Tensor, index: int, src, name: str) -> None:
+        """Copy piece `index` of `src` (see `read`) into its rows of the local parameter `dst`."""
+        self.local(dst, index).copy_(self.read(index, src, name, dst.shape))
+
+    def local(self, dst: torch.Tensor, index: int) -> torch.Tensor:
+        """The rows (or columns) of local parameter `dst` that hold piece `index`: a view."""
+        return dst.narrow(self.dim, self.local_offset(index), self.pieces[index].local)
 
 
-def _padded(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+def _padded(x: torch.Tensor | QuantWeight, dim: int, size: int) -> torch.Tensor | QuantWeight:
     if x.shape[dim] == size:
         return x
+    if isinstance(x, QuantWeight):  # only vocabulary rows are padded
+        return x.padded_rows(size)
     shape = list(x.shape)
     shape[dim] = size - x.shape[dim]
     return torch.cat([x, x.new_zeros(shape)], dim=dim)

@@ -8,6 +8,9 @@ The twins keep the module's name and shard sizes, so the model code does not cha
     nn.Linear / MergedLinear  ->  QuantLinear      forward: qmatmul(x, W) (+ bias)
     nn.Embedding              ->  QuantEmbedding   forward: dequantize the looked-up rows only;
                                                    as a tied LM head: qmatmul(hidden, W)
+    RowParallelLinear         ->  QuantRowParallelLinear     all_reduce(qmatmul(x_r, W_r)) (+ bias)
+    VocabParallelEmbedding    ->  QuantVocabParallelEmbedding  the rank's rows; others zero, all_reduce
+(a ColumnParallelLinear needs no collective: a QuantLinear of the rank's rows is its twin)
 
 The shards of a merged projection (q|k|v, gate|up) may come in different formats (Gemma 3's v is
 Q8_0 in some layers, its q and k Q5_0): they are brought to one layout first (`widen`), exactly.
@@ -21,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
+from deepinfer.model_executor.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger("deepinfer.quantization")
 
@@ -69,6 +74,28 @@ class QuantEmbedding(nn.Module):
         return super()._apply(fn, recurse)
 
 
+class QuantRowParallelLinear(QuantLinear):
+    """The rank's input columns of W packed: one all_reduce sums the ranks' products, the bias after."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(qmatmul(x, self.qweight))  # [..., out], summed over ranks
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class QuantVocabParallelEmbedding(QuantEmbedding):
+    """The rank's vocabulary rows packed; ids outside them give zero rows before the all_reduce."""
+
+    def __init__(self, qweight: QuantWeight, dtype: torch.dtype, vocab_start: int, vocab_rows: int):
+        super().__init__(qweight, dtype)
+        self.vocab_start, self.vocab_rows = vocab_start, vocab_rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start  # [T]
+        inside = (local >= 0) & (local < self.vocab_rows)  # [T]
+        rows = super().forward(torch.where(inside, local, 0))  # [T, E]
+        return all_reduce(rows.masked_fill(~inside.unsqueeze(-1), 0.0))  # [T, E]
+
+
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] @ head^T for an LM head given as a Linear or a (tied) Embedding, either form."""
     if isinstance(head, QuantLinear | QuantEmbedding):
@@ -110,10 +137,13 @@ def _checked(name: str, module: nn.Module, w: QuantWeight) -> QuantWeight:
 
 
 def _twin(module: nn.Module, weight: QuantWeight) -> nn.Module:
+    if isinstance(module, VocabParallelEmbedding):
+        return QuantVocabParallelEmbedding(weight, module.weight.dtype, module.vocab_start, module.vocab_rows)
     if isinstance(module, nn.Embedding):
         return QuantEmbedding(weight, module.weight.dtype)
     if isinstance(module, nn.Linear):
-        return QuantLinear(weight, module.bias, getattr(module, "shard_sizes", None))
+        cls = QuantRowParallelLinear if isinstance(module, RowParallelLinear) else QuantLinear
+        return cls(weight, module.bias, getattr(module, "shard_sizes", None))
     raise ValueError(f"a quantized weight arrived for a {type(module).__name__}, which has no quantized twin")
 
 

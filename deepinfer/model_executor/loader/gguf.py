@@ -1,6 +1,7 @@
 """GGUF files: one header pass (`gguf_file`) for metadata and tensors, each dequantized once
 with `gguf.quants.dequantize`, straight into the compute dtype, or (`keep_quantized`) its matrices
-repacked into `QuantWeight`s that stay quantized (`gguf_repack`).
+repacked into `QuantWeight`s that stay quantized (`gguf_repack`). With several tensor-parallel
+ranks, each rank decodes only its slices (`iter_gguf_slices`, `gguf_slice`).
 
 Layout facts this module undoes (llama.cpp's converter applies them when it writes the file):
 
@@ -31,6 +32,7 @@ from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
 from deepinfer.model_executor.loader.gguf_repack import repack_gguf
+from deepinfer.model_executor.loader.gguf_slice import GGUFSlice
 from deepinfer.model_executor.loader.model_source import ModelSource, compute_identity
 
 __all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor"]
@@ -99,6 +101,8 @@ def load_gguf_source(path: str) -> ModelSource:
         # the file is mapped again for each pass, so no page of it stays resident after loading
         _weights=lambda dtype, keep_quantized=False: iter_gguf_weights(
             read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
+        _weight_slices=lambda dtype, keep_quantized=False: iter_gguf_slices(
+            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
     )
 
 
@@ -162,10 +166,33 @@ def iter_gguf_weights(
             yield name, future.result()
 
 
+def iter_gguf_slices(tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype,
+                     keep_quantized: bool = False) -> Iterator[tuple[str, GGUFSlice]]:
+    """Yield `(hf_name, GGUFSlice)` in file order: nothing is decoded until a rank asks for its slice
+    (as iter_gguf_weights would decode it, cut to the slice)."""
+    jobs = [(gguf_to_hf_name(arch, tensor.name), tensor) for tensor in tensors if tensor.name != _ROPE_FREQS]
+
+    def decode(tensor: GGUFTensor, num_heads: int | None) -> torch.Tensor | QuantWeight:
+        return to_hf_tensor(tensor, arch, config, dtype, keep_quantized, num_heads)
+
+    for hf_name, tensor in jobs:
+        yield hf_name, GGUFSlice(tensor, decode, _head_rows(tensor, arch, config))
+
+
+def _head_rows(tensor: GGUFTensor, arch: str, config: Any) -> int | None:
+    """Rows per head of a llama q/k weight (its rows interleave within heads), else None."""
+    part = tensor.name.split(".")[-2]
+    if arch != "llama" or part not in ("attn_q", "attn_k") or len(tensor.shape) != 2:
+        return None
+    heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+    return tensor.shape[0] // heads
+
+
 def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype,
-                 keep_quantized: bool = False) -> torch.Tensor | QuantWeight:
+                 keep_quantized: bool = False, num_heads: int | None = None) -> torch.Tensor | QuantWeight:
     """One tensor decoded into HF layout: Gemma norms lose their +1 (in float32), llama q/k rows
-    get their HF order back (in a QuantWeight, its rows of values, scales and mins alike)."""
+    get their HF order back (in a QuantWeight, its rows of values, scales and mins alike);
+    `num_heads`: how many heads a q/k tensor holds, when it is a slice of whole heads."""
     part = tensor.name.split(".")[-2]
     if arch == "gemma3" and part.endswith("norm"):
         return (dequantize_tensor(tensor, torch.float32) - 1.0).to(dtype)
@@ -173,7 +200,7 @@ def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype,
     if weight is None:
         weight = dequantize_tensor(tensor, dtype)
     if arch == "llama" and part in ("attn_q", "attn_k"):
-        num_heads = config.num_attention_heads if part == "attn_q" else config.num_key_value_heads
+        num_heads = num_heads or (config.num_attention_heads if part == "attn_q" else config.num_key_value_heads)
         weight = _map_rows(weight, lambda rows: unpermute_qk(rows, num_heads))
     return weight
 

@@ -37,7 +37,7 @@ class ModelSource:
     tokenizer: Any  # transformers.PreTrainedTokenizerBase, with its chat template
     identity: str
     _weights: Any = field(default=None, repr=False, compare=False)
-    _weight_slices: Any = field(default=None, repr=False, compare=False)  # HF safetensors only
+    _weight_slices: Any = field(default=None, repr=False, compare=False)
     load_format: str = "auto"  # "dummy": no weights are read; build_model fills seeded random values
     # the checkpoint's generation_config.json, the fields that differ from transformers' defaults
     # (e.g. {"temperature": 0.6, "top_p": 0.9}); empty when it ships none (GGUF files never do)
@@ -60,12 +60,15 @@ class ModelSource:
             return self._weights(dtype, keep_quantized=True)
         return self._weights(dtype)
 
-    def iter_weight_slices(self, dtype: torch.dtype) -> Iterator[tuple[str, Any]]:
+    def iter_weight_slices(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, lazy tensor)`: `.shape`, `.narrow(dim, start, length)` and `.read()` read
-        only what a tensor-parallel rank asks for (HF safetensors checkpoints only)."""
+        only what a tensor-parallel rank asks for; `keep_quantized` as in `iter_weights`."""
         if self._weight_slices is None:
-            raise ValueError(f"tensor-parallel loading reads slices of safetensors files; {self.path!r} is a "
-                             f"{self.format} checkpoint without them (sharded GGUF loading is not supported yet)")
+            raise ValueError(f"model source {self.path!r} has no weight reader")
+        if keep_quantized:
+            if self.format != "gguf":
+                raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
+            return self._weight_slices(dtype, keep_quantized=True)
         return self._weight_slices(dtype)
 
 

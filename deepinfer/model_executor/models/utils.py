@@ -28,8 +28,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     A merged parameter must expose `shard_sizes` (rows per shard) on its module. A `QuantWeight`
     (a weight kept quantized) replaces its module by the quantized twin once all shards arrived.
     A module split over tensor-parallel ranks (`shard_specs`, layers/parallel_linear.py) gets only
-    its slice: a tensor may be a lazy slice (loader/hf.py SafetensorsSlice), of which only the rank's
-    rows or columns are read; a parameter held whole reads it in full.
+    its slice: a tensor may be a lazy slice (loader/hf.py SafetensorsSlice, loader/gguf_slice.py
+    GGUFSlice), of which only the rank's rows or columns are read; a parameter held whole reads it in
+    full. A GGUF slice kept quantized answers with a QuantWeight of the rank's rows or columns.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -40,34 +41,36 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         target, shard = _target(name)
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
-        param = params[target]
-        if isinstance(tensor, QuantWeight):
-            quantized.setdefault(target, []).append((shard, tensor))
-        else:
-            _load_dense(model, target, param, shard, tensor, name)
+        value = _rank_value(model, target, params[target], shard, tensor, name)
+        if isinstance(value, QuantWeight):
+            quantized.setdefault(target, []).append((shard, value))
         loaded.add(target)
     install_quantized(model, quantized)
     return loaded
 
 
-def _load_dense(model: nn.Module, target: str, param: torch.Tensor, shard: int | None, tensor, name: str) -> None:
-    """Copy one checkpoint tensor (or merged piece `shard` of it) into `param`: the rank's slice of
-    a split parameter, else all of it."""
+def _rank_value(model: nn.Module, target: str, param: torch.Tensor, shard: int | None, tensor, name: str):
+    """Copy one checkpoint tensor (or merged piece `shard` of it) into `param` (the rank's slice of
+    a split parameter, else all of it); a quantized weight is returned instead, for its module's twin."""
     owner = _owner(model, target)
     spec = shard_spec_of(owner, target.rsplit(".", 1)[-1])
+    value = spec.read(shard or 0, tensor, name, param.shape) if spec is not None else _full(tensor)
+    if isinstance(value, QuantWeight):
+        return value
     if spec is not None:
-        spec.load(param.data, shard or 0, tensor, name)
+        spec.local(param.data, shard or 0).copy_(value)
     elif shard is None:
-        _copy(param.data, _full(tensor), name)
+        _copy(param.data, value, name)
     else:
         sizes = owner.shard_sizes
         start = sum(sizes[:shard])
-        _copy(param.data[start:start + sizes[shard]], _full(tensor), name)
+        _copy(param.data[start:start + sizes[shard]], value, name)
+    return None
 
 
-def _full(tensor) -> torch.Tensor:
+def _full(tensor) -> torch.Tensor | QuantWeight:
     """A checkpoint tensor itself, or a lazy slice read whole."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
+    return tensor if isinstance(tensor, torch.Tensor | QuantWeight) else tensor.read()
 
 
 def _target(name: str) -> tuple[str, int | None]:

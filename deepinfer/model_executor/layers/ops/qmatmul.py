@@ -69,6 +69,27 @@ class QuantWeight:
         """The weight rows `index` (an embedding lookup), still packed."""
         return QuantWeight(self.q[index], self.scale[index], self.minv[index], self.bits, self.group, self.kind)
 
+    def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
+        """Rows (dim 0) or columns (dim 1) [start, start + length), still packed; columns only on
+        group boundaries (ValueError otherwise: a group's scale cannot be cut)."""
+        if dim == 0:
+            return self.rows(slice(start, start + length))
+        if start % self.group or length % self.group:
+            raise ValueError(f"QuantWeight {self.kind}: columns [{start}, {start + length}) cut its groups "
+                             f"of {self.group}")
+        per_byte = 2 if self.bits == 4 else 1
+        groups = slice(start // self.group, (start + length) // self.group)
+        parts = (self.q[:, start // per_byte:(start + length) // per_byte], self.scale[:, groups], self.minv[:, groups])
+        return QuantWeight(*(t.contiguous() for t in parts), self.bits, self.group, self.kind)
+
+    def padded_rows(self, rows: int) -> QuantWeight:
+        """`rows` rows: these, then rows whose values are all zero (q, scale and min 0)."""
+        extra = rows - self.shape[0]
+        if extra <= 0:
+            return self
+        pad = [torch.cat([t, t.new_zeros(extra, t.shape[1])]) for t in (self.q, self.scale, self.minv)]
+        return QuantWeight(*pad, self.bits, self.group, self.kind)
+
 
 def compact_scales(scale: torch.Tensor, minv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 scale, minv -> fp16 if fp16 holds every value exactly, else unchanged."""

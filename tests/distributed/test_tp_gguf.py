@@ -1,0 +1,186 @@
+"""GGUF files and quantized weights split over tensor-parallel ranks.
+
+- A GGUF slice (loader/gguf_slice.py) decodes to the whole tensor's decoding cut the same way, for
+  every ggml type the two shipped models hold, dense or kept quantized.
+- Tiny GGUF models (llama: q/k rows interleaved per head; qwen3: one KV head, replicated; gemma3:
+  ring layers, tied quantized embedding) and int8/int4 quantized HF checkpoints at 2 gloo ranks give
+  the logits of one rank; weights stay packed on each rank and split tensors are never read whole.
+- The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) and SmolLM2 135M (Q4_1, llama layout) give
+  one rank's greedy tokens at 2 and 3 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
+from test_parallel_layers import run_ranks
+from tiny_models import run_steps
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.contracts.plan import ScheduledRequest
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
+from deepinfer.model_executor.layers.parallel_linear import RowParallelLinear
+from deepinfer.model_executor.layers.quant_linear import (
+    QuantLinear,
+    QuantRowParallelLinear,
+    QuantVocabParallelEmbedding,
+)
+from deepinfer.model_executor.loader import gguf_slice
+from deepinfer.model_executor.loader.gguf import iter_gguf_slices
+from deepinfer.model_executor.loader.gguf_file import read_gguf_file
+from deepinfer.model_executor.loader.source import load_model_source
+
+
+def _dense(x) -> torch.Tensor:
+    return dequantize_ref(x) if isinstance(x, QuantWeight) else x.float()
+
+
+def _slices(path: str, keep_quantized: bool) -> dict:
+    source = load_model_source(path)
+    tensors = read_gguf_file(path).tensors
+    arch = source.hf_config.model_type.replace("_text", "")
+    return dict(iter_gguf_slices(tensors, arch, source.hf_config, torch.float32, keep_quantized))
+
+
+def _cuts(shape) -> list[tuple[int, int, int]]:
+    """(dim, start, length): each half of the rows and of the columns, and columns that cut blocks
+    (and groups of 32)."""
+    n, k = shape
+    return [(0, 0, n // 2), (0, n // 2, n - n // 2), (1, 0, k // 2), (1, k // 2, k - k // 2), (1, 16, 48)]
+
+
+@pytest.mark.parametrize("keep_quantized", [False, True], ids=["dense", "packed"])
+def test_a_slice_decodes_as_the_whole_tensor_cut(gemma3_gguf_path, keep_quantized):
+    slices = _slices(gemma3_gguf_path, keep_quantized)
+    layer0 = "model.layers.0."
+    names = {"Q8_0": "model.embed_tokens.weight", "Q5_0": layer0 + "self_attn.q_proj.weight",
+             "Q4_K": layer0 + "self_attn.o_proj.weight", "Q6_K": layer0 + "mlp.down_proj.weight"}
+    for kind, name in names.items():
+        lazy = slices[name]
+        assert lazy.tensor.tensor_type.name == kind
+        if kind == "Q8_0":  # the 262k-row table: cut a few rows of it only
+            lazy.tensor = lazy.tensor.__class__(lazy.tensor.name, lazy.tensor.tensor_type, (512, 640),
+                                                lazy.tensor.data[:512])
+            lazy.shape = torch.Size((512, 640))
+        whole = _dense(lazy.read())  # [N, K]
+        group = 16 if kind == "Q6_K" else 32  # of the packed layout
+        for dim, start, length in _cuts(lazy.shape):
+            part = lazy.narrow(dim, start, length)
+            packed = keep_quantized and (dim == 0 or start % group == 0 and length % group == 0)
+            assert isinstance(part, QuantWeight) == packed, (kind, dim, start, length)
+            assert torch.equal(_dense(part), whole.narrow(dim, start, length)), (kind, dim, start, length)
+    norm = slices[layer0 + "input_layernorm.weight"]  # 1-D, stored as 1 + w
+    assert torch.equal(norm.narrow(0, 100, 200), norm.read()[100:300])
+
+
+def test_llama_q_rows_come_as_whole_heads(default_gguf_path):
+    slices = _slices(default_gguf_path, keep_quantized=True)
+    q = slices["model.layers.0.self_attn.q_proj.weight"]  # SmolLM2: 9 heads of 64 rows, Q4_1
+    whole = _dense(q.read())
+    assert torch.equal(_dense(q.narrow(0, 192, 192)), whole[192:384])  # heads 3..5 of the HF order
+    with pytest.raises(ValueError, match="cut its heads of 64 rows"):
+        q.narrow(0, 32, 192)
+
+
+# ---- tiny models at 2 ranks --------------------------------------------------------------------------
+
+TINY = {"llama": ("Q8_0", {}), "qwen3": ("Q4_0", {"num_key_value_heads": 1}), "gemma3": ("Q8_0", {})}
+TOKENS = [3, 17, 40, 5, 9, 33, 61, 12, 7, 28, 50, 4, 19, 44, 8, 36, 22, 10, 57, 31, 6, 14]
+PREFILL, CHUNK = 19, 11  # Gemma 3's window is 16: its rings wrap
+
+
+def _tiny_gguf(tmp_path, arch: str) -> str:
+    import gguf
+
+    qtype, overrides = TINY[arch]
+    config = tiny_hf_config(arch, **overrides)  # intermediate 96: down_proj's 48 columns a rank cut a group
+    state = random_hf_model(config).state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return write_gguf(tmp_path / f"{arch}.gguf", arch, config, state, qtype=gguf.GGMLQuantizationType[qtype])
+
+
+def _steps(llm: LLM) -> list[ScheduledRequest]:
+    """Prefill in two chunks, then one token per step, in blocks 0.. and ring slot 0."""
+    groups = llm.engine.runner.groups
+    tables = tuple(list(range(8)) for g in groups if not g.is_ring)
+    states = tuple(0 for g in groups if g.is_ring)
+    cuts = [0, CHUNK, PREFILL] + list(range(PREFILL + 1, len(TOKENS) + 1))
+    return [ScheduledRequest("r", TOKENS[a:b], a, tables, states) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _logits(path: str, quantization: str) -> tuple[torch.Tensor, LLM]:
+    llm = LLM(path, dtype="float32", num_blocks=16, block_size=8, max_model_len=64, max_num_seqs=2,
+              enable_prefix_caching=False, quantization=quantization)
+    return torch.cat(run_steps(llm, _steps(llm))), llm  # [L, V]
+
+
+def _spy_whole_reads() -> list[str]:
+    """Names of GGUF tensors read whole (GGUFSlice.read) in this process."""
+    names: list[str] = []
+    inner = gguf_slice.GGUFSlice.read
+
+    def spied(self):
+        names.append(self.tensor.name)
+        return inner(self)
+
+    gguf_slice.GGUFSlice.read = spied
+    return names
+
+
+def _rank_logits(rank: int, path: str, quantization: str, out: str) -> None:
+    reads = _spy_whole_reads()
+    logits, llm = _logits(path, quantization)
+    modules = dict(llm.engine.runner.model.named_modules())
+    layer = "model.layers.0."
+    assert isinstance(modules[layer + "self_attn.qkv_proj"], QuantLinear)  # the rank's q|k|v rows, packed
+    assert isinstance(modules[layer + "self_attn.o_proj"], QuantRowParallelLinear)
+    assert modules[layer + "self_attn.o_proj"].qweight.shape[1] == modules[layer + "self_attn.o_proj"].in_features
+    if quantization == "gguf":
+        assert isinstance(modules["model.embed_tokens"], QuantVocabParallelEmbedding)
+        down = modules[layer + "mlp.down_proj"]  # 48 of 96 columns cut a Q8_0/Q4_0 group: dequantized
+        assert type(down) is RowParallelLinear and down.weight.shape[1] == 48
+        assert [n for n in reads if n.endswith(".weight") and "norm" not in n] == [], reads
+    torch.save(logits, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_gguf_at_two_ranks_equals_one_rank(arch, tmp_path):
+    path = _tiny_gguf(tmp_path, arch)
+    run_ranks(_rank_logits, tmp_path, path, "gguf", str(tmp_path))
+    one, _ = _logits(path, "gguf")  # [L, V]
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_at_load_at_two_ranks_equals_one_rank(scheme, tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama")  # intermediate 128, hidden 64: each rank's K a multiple of 32
+    run_ranks(_rank_logits, tmp_path, path, scheme, str(tmp_path))
+    one, _ = _logits(path, scheme)
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)
+
+
+# ---- the shipped models --------------------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "Once upon a time"]
+
+
+def _greedy(model: str, tp: int) -> list:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    with LLM(model, tensor_parallel_size=tp, max_model_len=96) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, tp", [("gemma3-270m", 2), ("smollm2-135m", 3)])
+def test_shipped_gguf_models_split_give_one_ranks_tokens(model, tp, gemma3_gguf_path):
+    one, split = _greedy(model, 1), _greedy(model, tp)
+    for a, b in zip(one, split, strict=True):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        got = [next(iter(step.values())).logprob for step in b.logprobs]
+        want = [next(iter(step.values())).logprob for step in a.logprobs]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-3, rtol=0)
