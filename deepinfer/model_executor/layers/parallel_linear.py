@@ -206,8 +206,10 @@ def vocab_parallel_head(hidden_size: int, vocab_size: int) -> nn.Linear:
 
 
 def gather_vocab_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, Vp] slices of every rank -> [N, V] on every rank (a collective: all ranks call it)."""
-    if tp_size() == 1:
+    """[N, Vp] slices of every rank -> [N, V] on every rank (a collective: all ranks call it). Logits
+    of a head that holds the whole vocabulary (a model built for one rank) are returned as they are,
+    whatever group this process has joined since."""
+    if logits.shape[-1] >= vocab_size:
         return logits
     return all_gather(logits, dim=-1)[..., :vocab_size]  # [N, V]
 

@@ -41,7 +41,7 @@ def v4_config() -> DeepseekV4Config:
     return DeepseekV4Config(
         hidden_size=H, num_hidden_layers=3, vocab_size=VOCAB, n_routed_experts=8, num_experts_per_tok=3,
         moe_intermediate_size=64, hc_mult=4, hc_sinkhorn_iters=20, num_attention_heads=2, head_dim=32,
-        q_lora_rank=192, o_lora_rank=128, o_groups=1, index_n_heads=8, index_head_dim=16, index_topk=3,
+        q_lora_rank=192, o_lora_rank=128, o_groups=2, index_n_heads=8, index_head_dim=16, index_topk=3,
         sliding_window=8, layer_types=LAYER_TYPES, mlp_layer_types=["hash_moe", "moe", "moe"],
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         max_position_embeddings=MAX_LEN, swiglu_limit=0.75, tie_word_embeddings=False,
@@ -244,3 +244,66 @@ def test_other_quantized_checkpoints_are_refused(tmp_path, case):
     path = _config_only_dir(tmp_path, {**config, "quantization_config": quantization})
     with pytest.raises(ValueError, match="quantized HF checkpoints .* are not supported"):
         LLM(path, max_model_len=MAX_LEN)
+
+
+def _lazy(tensor: torch.Tensor, path) -> object:
+    """`tensor` saved and reopened as a lazy slice, as a tensor-parallel rank reads checkpoints."""
+    from safetensors import safe_open
+
+    from deepinfer.model_executor.loader.hf import SafetensorsSlice
+
+    save_file({"t": tensor.contiguous()}, str(path))
+    return SafetensorsSlice(safe_open(str(path), framework="pt").get_slice("t"), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4", "fp4_stacked"])
+def test_a_quantized_slice_reads_as_the_whole_weight_cut(tmp_path, fmt):
+    from deepinfer.model_executor.models.deepseek_v4.weights import QuantizedSlice
+
+    torch.manual_seed(1)
+    w = torch.randn(200, 320)  # rows span two FP8 blocks (one partial), columns three (one partial)
+    if fmt == "fp8":
+        q, scale, exact = quantize_fp8(w)
+    else:
+        q, scale, exact = quantize_fp4(w)
+    if fmt == "fp4_stacked":  # [E, R, C/2] experts stacked, sliced on the expert axis
+        q, scale, exact = (torch.stack([t, t.flip(0)]) for t in (q, scale, exact))
+    lazy = QuantizedSlice(_lazy(q, tmp_path / "w.safetensors"), _lazy(scale, tmp_path / "s.safetensors"),
+                          "w", torch.float32)
+    assert lazy.shape == exact.shape and torch.equal(lazy.read(), exact)
+    cuts = [(-2, 0, 100), (-2, 100, 100), (-2, 37, 130), (-1, 160, 160), (-1, 16, 96), (-1, 130, 2)]
+    if fmt == "fp4_stacked":
+        cuts.append((0, 1, 1))
+    for dim, start, length in cuts:
+        assert torch.equal(lazy.narrow(dim, start, length), exact.narrow(dim, start, length)), (dim, start, length)
+
+
+def _spy_whole_reads(monkeypatch) -> list[str]:
+    """Names of checkpoint tensors this process reads whole."""
+    from deepinfer.model_executor.loader import hf
+
+    names: list[str] = []
+    inner = hf.iter_safetensors_slices
+
+    def spied(files, dtype):
+        for name, lazy in inner(files, dtype):
+            read = lazy.read
+            lazy.read = lambda read=read, name=name: (names.append(name), read())[1]
+            yield name, lazy
+
+    monkeypatch.setattr(hf, "iter_safetensors_slices", spied)
+    return names
+
+
+def test_quantized_checkpoint_across_two_ranks_gives_one_ranks_tokens(checkpoints, engines, monkeypatch):
+    """FP8 attention and FP4 experts split over 2 gloo ranks (heads, output groups, 4 of 8 experts
+    each): rank 0 reads its blocks of the split weights and scales only, never its partner's
+    experts, and the greedy tokens are one rank's."""
+    quant_dir = checkpoints[1]
+    whole = _spy_whole_reads(monkeypatch)
+    with LLM(quant_dir, max_model_len=MAX_LEN, dtype="float32", tensor_parallel_size=2,
+             expert_parallel_size=2) as split:
+        assert greedy(split) == greedy(engines[1])
+    assert not [n for n in whole if re.search(r"\.attn\.(wq_b|wo_a|wo_b)\.", n)], whole  # the split ones
+    experts = [int(m.group(1)) for n in whole if (m := re.search(r"\.experts\.(\d+)\.", n))]
+    assert experts and max(experts) < 4, experts

@@ -244,6 +244,7 @@ class DeepseekV4MoE(nn.Module):
         inter = cfg.moe_intermediate_size
         self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit, expert_parallel_size)
         self.computes_experts = computes_expert_slice(expert_parallel_size)
+        self.split, self.adds_shared = tp_size() > 1, tp_rank() == 0  # fixed at construction
         shared_inter = inter * getattr(cfg, "n_shared_experts", 1)
         self.shared_experts = SharedExpert(cfg.hidden_size, shared_inter, limit)
 
@@ -257,9 +258,9 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(x, input_ids)  # [T, k], [T, k]
-        if tp_size() == 1:
+        if not self.split:
             return self.experts(x, topk_ids, topk_weights) + self.shared_experts(x)  # [T, H]
         out = self.experts(x, topk_ids, topk_weights) if self.computes_experts else torch.zeros_like(x)  # [T, H]
-        if tp_rank() == 0:
+        if self.adds_shared:
             out = out + self.shared_experts(x)  # [T, H]
         return all_reduce(out)  # [T, H], summed over the ranks

@@ -36,10 +36,9 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     """Whether `tensor` is an FP8 e4m3 or packed-FP4 weight (and so needs a scale).
 
     int8 / uint8 count as packed FP4 only for weight names (`*.weight`, stacked `*_proj`), so that
-    integer tables such as `tid2eid` pass through. A lazy slice (no dtype) is not: `owned_tensors`
-    read the quantized ones whole.
+    integer tables such as `tid2eid` pass through. A lazy slice answers by its stored dtype.
     """
-    dtype = getattr(tensor, "dtype", None)
+    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else _stored(tensor).dtype
     if dtype == torch.float8_e4m3fn or dtype == getattr(torch, "float4_e2m1fn_x2", None):
         return True
     return dtype in (torch.int8, torch.uint8) and name.endswith((".weight", "_proj"))
@@ -119,17 +118,55 @@ def dequantize_v4_weights(named_tensors: Iterable[tuple[str, torch.Tensor]],
         target = weight_name_for_scale(name)
         if target is not None:
             if target in weights:
-                yield target, dequantize(weights.pop(target), tensor, target).to(dtype)
+                yield target, _dequantized(weights.pop(target), tensor, target, dtype)
             else:
                 scales[target] = (name, tensor)
         elif is_quantized(name, tensor):
             if name in scales:
-                yield name, dequantize(tensor, scales.pop(name)[1], name).to(dtype)
+                yield name, _dequantized(tensor, scales.pop(name)[1], name, dtype)
             else:
                 weights[name] = tensor
         else:
             yield name, tensor
     yield from _leftovers(weights, scales)
+
+
+def _dequantized(weight, scale, name: str, dtype: torch.dtype):
+    """The pair dequantized now, or (either half a lazy slice) a QuantizedSlice that reads what is asked."""
+    if isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor):
+        return dequantize(weight, scale, name).to(dtype)
+    return QuantizedSlice(weight, scale, name, dtype)
+
+
+class QuantizedSlice:
+    """A quantized weight and its scale not read yet: `.shape` of the values; `.read()` dequantizes
+    all of it; `.narrow(dim, start, length)` reads only the scale blocks that hold the slice (FP8:
+    128 rows or columns; FP4: one row, 32 columns) and their weight bytes, dequantizes them and cuts
+    the slice out: a tensor-parallel rank never reads its partners' rows of a split weight."""
+
+    def __init__(self, weight, scale, name: str, dtype: torch.dtype):
+        self._weight, self._scale, self._name, self._dtype = weight, scale, name, dtype
+        fp8 = _stored(weight).dtype == torch.float8_e4m3fn
+        lead = (1,) * (len(weight.shape) - 2)  # stacked experts: one per index
+        self._block = lead + (FP8_BLOCK if fp8 else (1, FP4_GROUP))
+        self._packing = 1 if fp8 else 2  # values per stored byte along the last dim
+        self.shape = torch.Size([*weight.shape[:-1], weight.shape[-1] * self._packing])
+
+    def read(self) -> torch.Tensor:
+        return dequantize(_whole(self._weight), _whole(self._scale), self._name).to(self._dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim %= len(self.shape)
+        block, per = self._block[dim], self._packing if dim == len(self.shape) - 1 else 1
+        first, last = start // block, -(-(start + length) // block)  # the scale blocks that hold it
+        lo, hi = first * block, min(last * block, self.shape[dim])
+        weight = self._weight.narrow(dim, lo // per, (hi - lo) // per)
+        values = dequantize(weight, self._scale.narrow(dim, first, last - first), self._name)
+        return values.narrow(dim, start - lo, length).to(self._dtype)
+
+
+def _whole(tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.read()
 
 
 def _leftovers(weights: dict[str, torch.Tensor],
@@ -148,17 +185,12 @@ def is_mtp_name(name: str) -> bool:
 
 def owned_tensors(named_tensors, owns) -> Iterator[tuple[str, object]]:
     """What a tensor-parallel rank reads: per-expert tensors (and their scales) of experts it does
-    not hold (`owns(experts module name, expert)` false) are dropped unread; lazy slices
-    (loader/hf.py) that dequantization needs whole (quantized weights, scales) are read here. Plain
-    tensors pass through."""
+    not hold (`owns(experts module name, expert)` false) are dropped unread; the rest pass through
+    (lazy slices stay lazy: `QuantizedSlice` reads a split weight's blocks)."""
     for name, tensor in named_tensors:
-        weight = weight_name_for_scale(name) or name
-        expert = expert_target(weight)
-        if expert is not None and not owns(module_name(expert[0]), expert[1]):
-            continue
-        if not isinstance(tensor, torch.Tensor) and (weight != name or is_quantized(name, _stored(tensor))):
-            tensor = tensor.read()
-        yield name, tensor
+        expert = expert_target(weight_name_for_scale(name) or name)
+        if expert is None or owns(module_name(expert[0]), expert[1]):
+            yield name, tensor
 
 
 def _stored(lazy) -> torch.Tensor:
@@ -198,7 +230,7 @@ def load_v4_weights(module: nn.Module, weights, rename=module_name) -> set[str]:
             spec.load(dst, 0, tensor, name)
             loaded.add(target)
             continue
-        tensor = tensor if isinstance(tensor, torch.Tensor) else tensor.read()
+        tensor = _whole(tensor)
         if dst.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)
