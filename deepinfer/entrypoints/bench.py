@@ -16,7 +16,9 @@ Workloads (same requests for every engine):
           request at a time, mean cached tokens, batch tokens/s and the TTFT ratios (bench_prefix).
 
 Without --workload only cpu32 runs. Each workload prints a line as it starts, and a progress bar
-over the workloads goes to stderr when it is a terminal.
+over the workloads goes to stderr when it is a terminal. cpu32 and decode1 share one engine, whose
+`engine` line comes first (model type, dtype, device, tensor-parallel size, max-model-len); every
+engine bench builds is closed once its workload is done, its tensor-parallel ranks stopped.
 
 Prompts are token ids, so a model without tokenizer files runs too (`--load-format dummy` on a
 bare config.json). `--max-tokens N` caps each request's output length (default: as drawn) and
@@ -103,36 +105,53 @@ def run_bench(args) -> int:
         progress.start("prefix")
         results += run_prefix(args)
         names = [n for n in names if n != "prefix"]
-    llm = make_llm(args) if names else None
-    if llm is not None:
-        for line in kv_lines(llm):
-            print(line, flush=True)
-    workloads = []
-    for name in names:
-        workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests or 32,
-                                 max_output_len=max_tokens)
-        progress.start(name, f"{len(workload.prompts)} requests")
-        results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
-        _print(results[-1])
-        _print_spec(results[-1:])
-        if name == "cpu32" and has_compressed_groups(llm.engine.runner):
-            print(workload_kv_line(llm.engine.runner, workload), flush=True)
-        workloads.append(workload)
-        for peer in [] if dummy_peer else args.peer:
-            from deepinfer.entrypoints.bench_peers import run_peer
-
-            for result in run_peer(peer, llm.engine.source, workload):
-                results.append(result)
-                _print(result)
-    if dummy_peer and workloads:
-        results += run_dummy_v4_peer(llm, workloads)
-        del llm
+    if names:
+        results += run_engine_workloads(args, names, progress, dummy_peer)
     progress.close()
     _print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.as_json() for r in results], f, indent=2)
     return 0
+
+
+def run_engine_workloads(args, names: list[str], progress: WorkloadProgress, dummy_peer: bool) -> list[BenchResult]:
+    """cpu32 / decode1 on one engine, each followed by the peers on the same requests. The engine
+    is closed at the end (its tensor-parallel ranks stopped), so another may start in this process."""
+    results, workloads = [], []
+    with make_llm(args) as llm:
+        print(engine_line(llm), flush=True)
+        for line in kv_lines(llm):
+            print(line, flush=True)
+        for name in names:
+            workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests or 32,
+                                     max_output_len=getattr(args, "max_tokens", None))
+            progress.start(name, f"{len(workload.prompts)} requests")
+            results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
+            _print(results[-1])
+            _print_spec(results[-1:])
+            if name == "cpu32" and has_compressed_groups(llm.engine.runner):
+                print(workload_kv_line(llm.engine.runner, workload), flush=True)
+            workloads.append(workload)
+            for peer in [] if dummy_peer else args.peer:
+                from deepinfer.entrypoints.bench_peers import run_peer
+
+                for result in run_peer(peer, llm.engine.source, workload):
+                    results.append(result)
+                    _print(result)
+        if dummy_peer and workloads:
+            results += run_dummy_v4_peer(llm, workloads)  # closes the engine first
+    return results
+
+
+def engine_line(llm) -> str:
+    """What the measured engine is, so runs can be compared: e.g. `engine   llama, float32 on cpu,
+    tensor-parallel-size 2, max-model-len 64`."""
+    engine = llm.engine
+    model_type = getattr(engine.source.hf_config, "model_type", "?")
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    return (f"engine   {model_type}, {dtype} on {engine.runner.device}, tensor-parallel-size "
+            f"{engine.config.tensor_parallel_size}, max-model-len {engine.max_model_len}")
 
 
 class WorkloadProgress:

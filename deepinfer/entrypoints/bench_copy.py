@@ -149,9 +149,9 @@ def run_copy(args) -> list[BenchResult]:
     method = getattr(args, "speculative_method", None) or DEFAULT_METHOD
     workload, runs = None, {}
     for speculative_method in (None, method):
-        llm = make_llm(_engine_args(args, speculative_method))
-        workload = workload or copy_workload(llm, args.max_tokens)
-        runs[speculative_method] = _run_engine(llm, workload, engine_label(speculative_method))
+        with make_llm(_engine_args(args, speculative_method)) as llm:  # closed (its ranks stopped) before the next
+            workload = workload or copy_workload(llm, args.max_tokens)
+            runs[speculative_method] = _run_engine(llm, workload, engine_label(speculative_method))
         del llm
         gc.collect()
     return _compare(runs[None], runs[method])

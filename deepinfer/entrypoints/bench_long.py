@@ -41,16 +41,16 @@ def _engine_args(args, window: int | None):
 def run_long(args) -> list[BenchResult]:
     results, bytes_per_request, swa_ring = [], {}, None
     for label, window in (("deepinfer-swa", args.window), ("deepinfer-full", None)):
-        llm = make_llm(_engine_args(args, window))
-        workload = make_workload("long", llm.engine.source.hf_config.vocab_size)
-        length = len(workload.prompts[0]) + workload.output_lens[0]
-        result = run_deepinfer(llm, workload, engine=label)
-        results.append(result)
-        bytes_per_request[label] = allocated_bytes_per_request(llm.engine.runner, length)
-        ring = next((g.rows_per_unit for g in llm.engine.runner.groups if g.kind == "ring"), None)
-        swa_ring = swa_ring or ring
-        print(f"long     {label:15s} {result.tokens_per_s:8.2f} tok/s, KV allocated per request "
-              f"{bytes_per_request[label]:,} B" + (f" (ring S = {ring})" if ring else ""), flush=True)
+        with make_llm(_engine_args(args, window)) as llm:  # closed (its ranks stopped) before the next
+            workload = make_workload("long", llm.engine.source.hf_config.vocab_size)
+            length = len(workload.prompts[0]) + workload.output_lens[0]
+            result = run_deepinfer(llm, workload, engine=label)
+            results.append(result)
+            bytes_per_request[label] = allocated_bytes_per_request(llm.engine.runner, length)
+            ring = next((g.rows_per_unit for g in llm.engine.runner.groups if g.kind == "ring"), None)
+            swa_ring = swa_ring or ring
+            print(f"long     {label:15s} {result.tokens_per_s:8.2f} tok/s, KV allocated per request "
+                  f"{bytes_per_request[label]:,} B" + (f" (ring S = {ring})" if ring else ""), flush=True)
         del llm
     ratio = bytes_per_request["deepinfer-swa"] / bytes_per_request["deepinfer-full"]
     print(f"long     memory ratio swa / full = {ratio:.5f}; formula S / L = {swa_ring}/{length} = "
