@@ -11,7 +11,8 @@ Rules:
    worker and the model executor) none of those nor `deepinfer.worker`.
 3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
 4. `model_executor/layers/ops/` imports none of `deepinfer.model_executor.models`, `.loader`,
-   `.layers.attention`, `.layers.sampler` (nor a `sampling_metadata` module).
+   `.layers.attention`, `.layers.sampler` and its stages (`.layers.penalties`, `.layers.token_draws`), nor a
+   `sampling_metadata` module.
 5a. `distributed/` (rank state and collectives, used by the parallel layers and the executor) imports,
    of ours, only `deepinfer.config`, `.environ`, `.contracts` and itself.
 5. `contracts/` imports, of ours, only `deepinfer.config`, `.environ`, `.sampling_params` and other
@@ -96,6 +97,8 @@ RULES = (
             f"{_ME}.loader",
             f"{_ME}.layers.attention",
             f"{_ME}.layers.sampler",
+            f"{_ME}.layers.penalties",
+            f"{_ME}.layers.token_draws",
             f"{_ME}.sampling_metadata",
             f"{_ME}.layers.sampling_metadata",
         ),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.contracts.plan import ScheduledRequest
+from deepinfer.model_executor.layers import penalties, token_draws
 from deepinfer.model_executor.layers import sampler as sampler_module
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata
@@ -122,8 +123,8 @@ def test_min_p_filters_and_renormalizes():
 
 def _kept(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """The tokens top-k / top-p keep. -> [N, V] bool."""
-    weights = sampler_module._exp_relative(logits, logits.amax(dim=-1, keepdim=True))  # [N, V]
-    return logits >= sampler_module._top_k_top_p_threshold(logits, weights, top_k, top_p)
+    weights = token_draws.exp_relative(logits, logits.amax(dim=-1, keepdim=True))  # [N, V]
+    return logits >= token_draws._top_k_top_p_threshold(logits, weights, top_k, top_p)
 
 
 @pytest.mark.parametrize("top_k", [0, 1, 40, 300, 3000])
@@ -171,7 +172,7 @@ def test_inverse_cdf_never_picks_filtered_tokens_and_covers_the_edges():
     probs[1, 999] = 1.0  # the last token only (in the padded last block)
     probs[2, [255, 256, 511]] = torch.tensor([0.25, 0.5, 0.25])  # block edges
     for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 1.0 - 2**-53):
-        ids = sampler_module.inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
+        ids = token_draws.inverse_cdf(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
         assert ids[:2] == [0, 999]
         assert ids[2] == (255 if u < 0.25 else 256 if u < 0.75 else 511)
 
@@ -181,7 +182,7 @@ def test_penalties_match_a_hand_computation():
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.5,
                             frequency_penalty=0.25)
     row = _row("r", params, prompt=[0, 1], output=[2, 2, 3])
-    out = sampler_module.apply_penalties(logits, _metadata([row]))
+    out = penalties.apply_penalties(logits, _metadata([row]))
     # repetition over {0, 1, 2, 3}: 2 -> 1, -1 -> -2, 0.5 -> 0.25, -3 -> -6
     # output counts {2: 2, 3: 1}: 0.25 - 0.5 - 2 * 0.25 = -0.75; -6 - 0.5 - 0.25 = -6.75
     expected = torch.tensor([[1.0, -2.0, -0.75, -6.75, 1.2, 0.0]])
@@ -196,7 +197,7 @@ def test_penalties_apply_only_to_their_rows_and_ignore_out_of_range_ids():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=2.0),
               SamplingParams(temperature=0.0)]
     rows = [_row(f"r{i}", p, output=[int(logits[i].argmax()), 10_000]) for i, p in enumerate(params)]
-    out = sampler_module.apply_penalties(logits, _metadata(rows))
+    out = penalties.apply_penalties(logits, _metadata(rows))
     assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
     best = int(logits[1].argmax())
     assert out[1, best] == logits[1, best] - 2.0
@@ -218,7 +219,7 @@ def test_penalties_match_a_dense_reference_with_repeats_and_empty_histories():
               for r, pp, f in settings]
     rows = [_row(f"r{i}", p, prompt=h[0], output=h[1]) for i, (p, h) in enumerate(zip(params, histories,
                                                                                         strict=True))]
-    out = sampler_module.apply_penalties(logits, _metadata(rows))
+    out = penalties.apply_penalties(logits, _metadata(rows))
     for i, ((prompt, output), (r, pp, f)) in enumerate(zip(histories, settings, strict=True)):
         torch.testing.assert_close(out[i], _dense_penalties(logits[i], prompt, output, r, pp, f))
 

@@ -27,15 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.contracts.plan import SampleResult
-from deepinfer.model_executor.layers.sampler import (
-    Sampler,
-    filtered_weights,
-    inverse_cdf,
-    logsumexp,
-    process_logits,
-    top_logprobs,
-)
+from deepinfer.model_executor.layers.penalties import process_logits
+from deepinfer.model_executor.layers.sampler import Sampler, logsumexp, top_logprobs
 from deepinfer.model_executor.layers.sampling_metadata import SamplingMetadata
+from deepinfer.model_executor.layers.token_draws import filtered_weights, inverse_cdf
 from deepinfer.sampling_params import SamplingParams
 
 

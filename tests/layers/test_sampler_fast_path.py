@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from deepinfer.contracts.plan import ScheduledRequest
-from deepinfer.model_executor.layers.sampler import Sampler, logsumexp, row_max
+from deepinfer.model_executor.layers.sampler import Sampler, logsumexp
+from deepinfer.model_executor.layers.token_draws import row_max
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 

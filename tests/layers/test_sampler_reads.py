@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.contracts.plan import ScheduledRequest
-from deepinfer.model_executor.layers import sampler as sampler_module
+from deepinfer.model_executor.layers import token_draws
 from deepinfer.model_executor.layers.sampled_tokens import DrawnTokens, read_samples
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import device_tensor
@@ -94,12 +94,12 @@ def test_greedy_batch_without_logprobs_reads_tokens_and_logprobs_only():
 @pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])
 def test_one_window_pass_finds_the_loops_thresholds(top_k, scale):
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(11)) * scale  # [3, V]
-    weights = sampler_module._exp_relative(logits, logits.amax(dim=-1, keepdim=True))  # [3, V]
+    weights = token_draws.exp_relative(logits, logits.amax(dim=-1, keepdim=True))  # [3, V]
     ks = [k if 0 < k < VOCAB else VOCAB for k in top_k]
     k_col = torch.tensor(ks)[:, None]  # [3, 1]
     p_col = torch.tensor([0.3, 0.9, 0.999])[:, None]  # [3, 1]
-    looped = sampler_module._nucleus_threshold(logits, weights, k_col, p_col, one_pass=False)  # [3, 1]
-    one = sampler_module._nucleus_threshold(logits, weights, k_col, p_col, max_k=max(ks), one_pass=True)  # [3, 1]
+    looped = token_draws._nucleus_threshold(logits, weights, k_col, p_col, one_pass=False)  # [3, 1]
+    one = token_draws._nucleus_threshold(logits, weights, k_col, p_col, max_k=max(ks), one_pass=True)  # [3, 1]
     assert torch.equal(logits >= one, logits >= looped)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.model_executor.layers import sampler as sampler_module
+from deepinfer.model_executor.layers import token_draws
 from deepinfer.model_executor.layers.ops import fused
 from deepinfer.worker.input_batch import is_decode
 
@@ -99,7 +99,7 @@ def _record_decode_steps(runner, monkeypatch) -> list[list[str]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_decode_forward_and_sampling_never_read_the_device(checkpoints, monkeypatch, arch):
     monkeypatch.setattr(fused, "_isa", lambda *tensors: 0)
-    monkeypatch.setattr(sampler_module, "host_reads_are_free", lambda t: False)
+    monkeypatch.setattr(token_draws, "host_reads_are_free", lambda t: False)
     llm = LLM(checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, num_blocks=32, block_size=8,
               attention_backend="torch")
     steps = _record_decode_steps(llm.engine.runner, monkeypatch)

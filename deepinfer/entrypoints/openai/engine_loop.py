@@ -18,6 +18,9 @@ A request failed by a fault inside a step comes out of `engine.step()` as a fini
 (finish_reason "error", `error` set) and is delivered and counted like any other. `step()` raises
 only for a fatal fault: the thread then fails every open request (EngineClosedError), and calls
 `on_fatal(exc)` once, so the server can exit instead of answering 503 forever.
+
+The asyncio side of a request (`RequestHandle`) and the callbacks `deliver` / `resolve` are in
+`request_stream.py`; per-request timing and the published `EngineStats` in `loop_metrics.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deepinfer.entrypoints.openai.loop_metrics import TrackedRequest, account, engine_stats
 from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from deepinfer.entrypoints.openai.request_stream import RequestHandle, deliver, resolve
 from deepinfer.entrypoints.openai.stats_log import StatsLogger
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -58,49 +63,6 @@ class _Abort:
     request_id: str | None  # None: every request
 
 
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one open request (for delivery and metrics)."""
-
-    queue: asyncio.Queue
-    arrival_time: float
-    first_token_time: float | None = None
-    last_token_time: float = 0.0
-    num_output_tokens: int = 0
-
-
-class RequestHandle:
-    """The asyncio side of one request: `async for out in handle` yields its RequestOutputs.
-
-    The last output has `finished` set; an engine failure is raised from the iteration.
-    """
-
-    def __init__(self, request_id: str, num_prompt_tokens: int, queue: asyncio.Queue,
-                 engine_loop: EngineLoop):
-        self.request_id, self.num_prompt_tokens = request_id, num_prompt_tokens
-        self._queue, self._engine_loop = queue, engine_loop
-        self.finished = False
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        """Abort unless finished; safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._engine_loop.abort(self.request_id)
-
-
 class EngineLoop:
     """Runs `engine.step()` on a dedicated thread while there is work; see the module picture."""
 
@@ -120,7 +82,7 @@ class EngineLoop:
         self._stopping = False
         self._closed = False
         self._engine_closed = False
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._tracked: dict[str, TrackedRequest] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -285,13 +247,13 @@ class EngineLoop:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id, **salt)
         except Exception as exc:  # a refusal (ValueError) goes back to the caller
             self._count_closed(1)
-            self._post(_resolve, command.future, exc)
+            self._post(resolve, command.future, exc)
             return
-        self._tracked[command.request_id] = _Tracked(command.queue, command.arrival_time)
+        self._tracked[command.request_id] = TrackedRequest(command.queue, command.arrival_time)
         self.stats_logger.record_prompt(len(command.prompt_ids), time.monotonic())
         if self.metrics is not None:
             self.metrics.record_admitted(len(command.prompt_ids))
-        self._post(_resolve, command.future, None)
+        self._post(resolve, command.future, None)
 
     def _publish(self, outputs: list[RequestOutput], now: float) -> None:
         batch, num_finished = [], 0
@@ -299,66 +261,19 @@ class EngineLoop:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
-            self._account(tracked, out, now)
+            account(tracked, out, now, self.stats_logger, self.metrics)
             batch.append((tracked.queue, out))
             if out.finished:
                 del self._tracked[out.request_id]
                 num_finished += 1
         self._count_closed(num_finished)
         if batch:
-            self._post(_deliver, batch)
-
-    def _account(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        """Per-request timing: TTFT at the first token, mean TPOT and latency at the end. Tokens
-        count over every completion (n > 1: all samples)."""
-        num_new = sum(len(c.delta_token_ids) for c in out.outputs)
-        ttft = None
-        if num_new:
-            if tracked.first_token_time is None:
-                tracked.first_token_time, ttft = now, now - tracked.arrival_time
-            tracked.last_token_time = now
-            tracked.num_output_tokens += num_new
-            self.stats_logger.record_generation(num_new)
-        if self.metrics is None:
-            return
-        if num_new:
-            self.metrics.record_tokens(num_new, ttft)
-        if out.finished:
-            tpot = None
-            if tracked.num_output_tokens > 1:
-                tpot = ((tracked.last_token_time - tracked.first_token_time)
-                        / (tracked.num_output_tokens - 1))
-            self.metrics.record_finished(out.outputs[0].finish_reason, now - tracked.arrival_time, tpot)
+            self._post(deliver, batch)
 
     def _publish_stats(self) -> None:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
-        spec = scheduler.spec_stats
-        spec_fields = dict(  # copied: the engine thread mutates spec_stats
-            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-            spec_num_accepted_tokens=spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(spec.accepted_per_position))
-        self.stats = EngineStats(
-            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-            num_active=len(self._tracked), kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_total_blocks, num_preemptions_total=scheduler.num_preemptions_total,
-            **spec_fields, **self._prefix_fields())
+        self.stats = engine_stats(self.engine, len(self._tracked))
         if self.metrics is not None:
             self.metrics.record_engine(self.stats)
-
-    def _prefix_fields(self) -> dict:
-        """The prefix cache's counters (`PrefixCacheStats`) and the cache directory's bytes, when
-        the engine has them (a stand-in engine in a test may not)."""
-        kv = self.engine.kv_manager
-        stats = getattr(kv, "stats", None)
-        disk_stats = getattr(getattr(self.engine, "runner", None), "disk_stats", None)
-        disk = disk_stats() if disk_stats is not None else {}
-        fields = dict(num_cached_blocks=getattr(kv, "num_cached_blocks", 0),
-                      kv_dir_bytes_read=disk.get("kv_cache_dir_bytes_read", 0),
-                      kv_dir_bytes_written=disk.get("kv_cache_dir_bytes_written", 0))
-        if stats is not None:
-            fields.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_disk_hits=stats.disk_hits,
-                          prefix_load_failures=stats.num_load_failures)
-        return fields
 
     def _close(self) -> None:
         """Refuse further commands; fail pending adds and open requests."""
@@ -370,10 +285,10 @@ class EngineLoop:
         error = EngineClosedError("the engine stopped" if self.error is None
                                   else f"the engine failed: {self.error!r}")
         for command in pending:
-            self._post(_resolve, command.future, error)
+            self._post(resolve, command.future, error)
         batch = [(tracked.queue, error) for tracked in self._tracked.values()]
         self._tracked.clear()
-        self._post(_deliver, batch)
+        self._post(deliver, batch)
         self.stats = EngineStats()
 
     def _count_closed(self, num: int) -> None:
@@ -386,17 +301,3 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
-
-
-def _resolve(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():  # the caller gave up (its abort follows in the command queue)
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, item in batch:
-        queue.put_nowait(item)

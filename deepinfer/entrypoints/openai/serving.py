@@ -18,8 +18,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop, RequestHandle
+from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.errors import APIError, internal_error, service_unavailable
+from deepinfer.entrypoints.openai.request_stream import RequestHandle
 from deepinfer.outputs import RequestOutput
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf

@@ -2,6 +2,8 @@
 
 The worker builds it once per step from its own request state (deepinfer/worker/sampling_inputs.py),
 so the sampler depends on plain lists and tensors, never on the scheduler's plan types.
+The helpers below it build a stage's tensors from a row list on the logits' device
+(`device_tensor`, `fp32_column`, `row_index`, `row_subset`).
 """
 
 from __future__ import annotations
@@ -131,3 +133,17 @@ def fp32_column(values: Sequence[float], device: torch.device | str) -> torch.Te
 def _column(values: list[float], device: torch.device | str) -> torch.Tensor | None:
     """`fp32_column`, or None for no values (no tensor, no host-to-device copy)."""
     return fp32_column(values, device) if values else None  # [n, 1]
+
+
+def row_index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """A row list (`greedy_rows`, `logprob_rows`, ...) -> [n] long on `like`'s device."""
+    return device_tensor(rows, torch.long, like.device)  # [n]
+
+
+def row_subset(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows of logits [N, V] a stage applies to: (logits itself, None) when all rows, else
+    (a copy [n, V] of those rows, their index [n])."""
+    if len(rows) == logits.shape[0]:
+        return logits, None
+    index = row_index(rows, logits)  # [n]
+    return logits.index_select(0, index), index  # [n, V]
