@@ -16,7 +16,8 @@ Plans travel over one pipe per worker (`PipeChannel` in `worker/plan_channel.py`
 the follower loop and rank 0's runner wrapper), pickled once, not over a collective: a follower waits for
 its next plan for as long as the engine idles, and a collective would time out (the process
 group's timeout bounds only the collectives inside a step). A worker whose parent dies reads EOF
-from its pipe and exits, so no orphan stays behind.
+from its pipe and exits; one still joining or loading (not reading its pipe) sees its parent
+change (`exit_with_parent`) within a second and exits, so no orphan stays behind.
 
 Failures: a worker that raises sends its traceback on its status pipe and exits 1. A watchdog
 thread waits on the workers' sentinels; at the first death it records which rank died and why
@@ -104,6 +105,7 @@ def free_init_method() -> str:
 def worker_main(rank: int, world_size: int, init_method: str, config: EngineConfig, plans, status) -> None:
     """A follower rank: join, build its ModelRunner, then run every plan rank 0 sends until None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    exit_with_parent()
     runner = None
     try:
         status.send(("joining", None))
@@ -123,6 +125,19 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
         if runner is not None:
             runner.close()
         destroy_parallel()
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process (exit code 1) as soon as its parent is gone, whatever it is blocked in
+    (a rendezvous, loading): a daemon thread watches the parent pid."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="deepinfer-parent-watch", daemon=True).start()
 
 
 def _send_quietly(conn, message) -> None:

@@ -196,3 +196,39 @@ def test_no_worker_outlives_its_parent(llama, end):
     while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert all(_gone(p) for p in pids)
+
+
+_KILLED_WHILE_JOINING = """
+import os, signal, sys
+import torch.multiprocessing as mp
+from deepinfer.config import EngineConfig
+from deepinfer.worker.multiproc import free_init_method, worker_main
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    plans, _ = ctx.Pipe(duplex=False)
+    status_read, status_write = ctx.Pipe(duplex=False)
+    args = (1, 2, free_init_method(), EngineConfig(model=sys.argv[1], device="cpu"), plans, status_write)
+    worker = ctx.Process(target=worker_main, args=args)
+    worker.start()
+    assert status_read.recv()[0] == "joining"
+    print(worker.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 never joins: the worker waits in the rendezvous
+"""
+
+
+def test_a_worker_waiting_to_join_ends_with_its_killed_parent(llama, tmp_path):
+    """Killed before it opened the rendezvous, the parent leaves a worker blocked in it (until the
+    collective timeout, minutes); the worker notices its parent is gone and exits within seconds."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "parent.py"
+    script.write_text(_KILLED_WHILE_JOINING)
+    parent = subprocess.Popen([sys.executable, str(script), llama], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert parent.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(pid)
