@@ -223,9 +223,9 @@ def _checkpoint_weights(source, quantization: str):
 
 def check_tensor_parallel_source(source, model_cls, speculative_method: str | None) -> None:
     """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
-    models without a split (Llama family, DeepSeek-V4), MTP drafting, and any drafting for
-    DeepSeek-V4 (follower ranks run no `keep_verified`). GGUF files and quantized weights are split:
-    each rank reads its slices and keeps (or quantizes) them packed."""
+    models without a split (Llama family, DeepSeek-V4 are split) and MTP drafting. GGUF files and
+    quantized weights are split (each rank reads its slices and keeps, or quantizes, them packed);
+    n-gram drafts are verified on every rank (rank 0 sends the kept counts)."""
     n = tp_size()
     if n == 1:
         return
@@ -236,9 +236,6 @@ def check_tensor_parallel_source(source, model_cls, speculative_method: str | No
                          f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
     if speculative_method == "mtp":
         raise ValueError(f"{where} does not support speculative_method='mtp'")
-    if speculative_method and model_type == "deepseek_v4":  # follower ranks do not learn the kept drafts
-        raise ValueError(f"{where} does not support speculative decoding for deepseek_v4 yet: the other ranks' "
-                         f"compressor state would keep rejected drafts; leave speculative_method unset")
 
 
 def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,6 +120,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
+        self.kept_verified: dict[int, int] = {}  # the last step's kept tokens per verification span
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(self.model, self.groups, self.attention_backend.name, self.device, config,
@@ -249,6 +250,7 @@ class ModelRunner:
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
+        self.kept_verified = {}
         plan, load_failures = self.prefix.prepare(plan)  # saves, loads, restores before the forward
         if plan.is_empty:
             return ModelOutput(load_failures=load_failures)
@@ -269,19 +271,25 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def follow(self, plan: StepPlan) -> None:
+    def follow(self, plan: StepPlan, kept_verified: Callable[[], dict[int, int]] = dict) -> None:
         """A follower rank's step (tensor parallelism, `worker/multiproc.py`): the cache copies and
         the forward of `execute`, with every collective in them (logits included: the LM head
-        gathers), and none of rank 0's own work: no sampling, drafting or cache-directory IO."""
+        gathers), and none of rank 0's own work: no sampling, drafting or cache-directory IO. A
+        plan that verifies drafts then waits for `kept_verified()`, what rank 0's sampling kept
+        (its `kept_verified`), and hands it to the model as rank 0 did, at the same point."""
+        verifies = any(s.verify for s in plan.scheduled)
         plan, _ = self.prefix.prepare(plan)  # no cache directory with several ranks: copies only
-        if plan.is_empty:
-            return
-        inputs = build_step_inputs(plan, self.addressing, self.device)
-        if self.graphs is not None and self.graphs.accepts(inputs):
-            self.graphs.run(inputs)  # [N, V], dropped
-        else:
-            self._forward(inputs, PromptLogprobs())  # prompt logprobs are rank 0's: gathered, dropped
-        self.prefix.finish(plan)
+        if not plan.is_empty:
+            inputs = build_step_inputs(plan, self.addressing, self.device)
+            if self.graphs is not None and self.graphs.accepts(inputs):
+                self.graphs.run(inputs)  # [N, V], dropped
+            else:
+                self._forward(inputs, PromptLogprobs())  # prompt logprobs are rank 0's: gathered, dropped
+        kept = kept_verified() if verifies else {}
+        if kept:
+            self.model.keep_verified(kept)
+        if not plan.is_empty:
+            self.prefix.finish(plan)
 
     def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None) -> torch.Tensor | None:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
@@ -300,6 +308,7 @@ class ModelRunner:
         and the accepted drafts), so per-request state beside the caches forgets the rest."""
         kept = {start: len(output.samples[s.request_id]) for s, start in inputs.spans
                 if s.verify and s.request_id in output.samples}
+        self.kept_verified = kept  # for the follower ranks (plan_channel.DriverRunner)
         if kept:
             self.model.keep_verified(kept)
 

@@ -6,7 +6,12 @@ that do not depend on how the followers were started.
     channel.send(follower_plan(plan)) ──────────────> plan = channel.recv()
     driver.execute(plan): forward + sample <────────> runner.follow(plan): forward
                           (the layers' collectives pair up inside the forward)
+    a plan that verifies drafts:
+    channel.send(driver.kept_verified) ─────────────> model.keep_verified(kept), as rank 0 did
     close(): channel.send(None) ────────────────────> None: leave the loop
+
+The kept counts (tokens kept per verification span) let a model with per-request state beside
+the caches (DeepSeek-V4's compressors) forget rejected drafts on every rank, not on rank 0 alone.
 
 Two channels:
 - `PipeChannel`: one pipe per spawned worker on this machine (`worker/multiproc.py`); the plan is
@@ -32,11 +37,12 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower may wait for 
 
 
 class PlanChannel(Protocol):
-    """Rank 0 sends each plan (then None, at close); a follower receives them in order."""
+    """Rank 0 sends each plan, the kept counts of a verifying one after it, and None at close; a
+    follower receives them in order."""
 
-    def send(self, plan: StepPlan | None) -> None: ...
+    def send(self, message: StepPlan | dict[int, int] | None) -> None: ...
 
-    def recv(self) -> StepPlan | None: ...
+    def recv(self) -> StepPlan | dict[int, int] | None: ...
 
 
 class PipeChannel:
@@ -85,10 +91,25 @@ def follower_plan(plan: StepPlan) -> StepPlan:
     return dataclasses.replace(plan, scheduled=scheduled)
 
 
+class _Closed(Exception):
+    """Rank 0 closed the channel where a follower waited for kept counts (its step failed)."""
+
+
 def follow_plans(runner, channel: PlanChannel) -> None:
-    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`) until None."""
-    while (plan := channel.recv()) is not None:
-        runner.follow(plan)
+    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`, which reads the kept
+    counts of a verifying plan from the channel too) until None."""
+
+    def kept_verified() -> dict[int, int]:
+        kept = channel.recv()
+        if kept is None:
+            raise _Closed
+        return kept
+
+    try:
+        while (plan := channel.recv()) is not None:
+            runner.follow(plan, kept_verified)
+    except _Closed:
+        pass
 
 
 class DriverRunner:
@@ -111,12 +132,15 @@ class DriverRunner:
             raise FatalStepError(self.failure)
         try:
             self.channel.send(follower_plan(plan))
-            return self.driver.execute(plan)
+            output = self.driver.execute(plan)
+            if any(s.verify for s in plan.scheduled):
+                self.channel.send(self.driver.kept_verified)
+            return output
         except BaseException as exc:
             raise self._step_fault(exc) from exc
 
     def release(self, request_ids) -> None:
-        self.driver.release(request_ids)  # followers keep no per-request state
+        self.driver.release(request_ids)  # followers keep no per-request state outside the caches
 
     def _step_fault(self, exc: BaseException) -> BaseException:
         """A failed step as the exception to raise (interrupts stay what they are)."""

@@ -103,10 +103,10 @@ def _failing_start(rank, world_size, init_method, config, plans, status):
 def _failing_step(rank, world_size, init_method, config, plans, status):
     real = ModelRunner.follow
 
-    def follow(self, plan):
+    def follow(self, plan, *args):
         if any(s.start_pos > 0 for s in plan.scheduled):
             raise RuntimeError(f"injected step fault on rank {rank}")
-        return real(self, plan)
+        return real(self, plan, *args)
 
     ModelRunner.follow = follow
     multiproc.worker_main(rank, world_size, init_method, config, plans, status)

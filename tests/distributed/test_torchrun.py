@@ -66,7 +66,7 @@ from deepinfer.worker.model_runner import ModelRunner
 
 if os.environ["RANK"] == "1":  # the follower dies in its second step
     steps, real = [], ModelRunner.follow
-    ModelRunner.follow = lambda self, plan: os._exit(7) if steps.append(plan) or len(steps) == 2 else real(self, plan)
+    ModelRunner.follow = lambda s, p, *a: os._exit(7) if steps.append(p) or len(steps) == 2 else real(s, p, *a)
 llm = LLM(sys.argv[1], device="cpu", max_model_len=64, num_blocks=16)  # rank 1 serves rank 0's steps in here
 print("runner", type(llm.engine.runner).__name__, flush=True)
 llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
