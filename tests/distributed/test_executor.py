@@ -56,11 +56,50 @@ def test_two_ranks_equal_one_rank_with_chunked_prefill_and_preemption(llama, ref
         llm.engine.kv_manager.check_no_leaks()
         workers = _workers(llm)
     _assert_all_gone(workers)
-    for got, want in zip(out, reference, strict=True):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        got_lp = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids, strict=True)]
-        want_lp = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids, strict=True)]
-        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    _assert_same(out, reference)
+
+
+def _assert_same(got: list, want: list) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        g_lp = [lp[t].logprob for lp, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids, strict=True)]
+        w_lp = [lp[t].logprob for lp, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids, strict=True)]
+        assert g_lp == pytest.approx(w_lp, abs=1e-4)
+
+
+def _v4_checkpoint(tmp_path_factory) -> str:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "models" / "deepseek_v4"))
+    from v4_tiny import CSA, HCA, SLIDING, make_tiny_v4
+
+    path = str(tmp_path_factory.mktemp("v4-executor"))
+    make_tiny_v4(path, [SLIDING, CSA, HCA])
+    return path
+
+
+# DeepSeek-V4's caches (compressed rows, index rows, rings) take more room: 2-row blocks
+V4_TIGHT = dict(num_blocks=24, block_size=2, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=75)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "deepseek_v4"])
+def test_more_models_at_two_ranks_equal_one_rank_with_preemption(arch, tiny_checkpoint, tmp_path_factory):
+    """Qwen3 (one KV head, replicated), Gemma 3 (ring layers) and DeepSeek-V4 (sliding, CSA, HCA;
+    expert_parallel_size 2) through the whole engine with chunked prefill and forced preemption."""
+    if arch == "deepseek_v4":  # longer answers, to outgrow the 24 blocks
+        path, settings, parallel = _v4_checkpoint(tmp_path_factory), V4_TIGHT, {"expert_parallel_size": 2}
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
+    else:
+        path, settings, parallel, params = tiny_checkpoint(arch, num_key_value_heads=1), TIGHT, {}, GREEDY
+    prompts = [[3 + (7 * i + n) % 200 for i in range(n)] for n in (5, 17, 11)]
+    runs = []
+    for ranks in ({}, {"tensor_parallel_size": 2, **parallel}):
+        with LLM(path, dtype="float32", **settings, **ranks) as llm:
+            runs.append(llm.generate(prompts, params, use_tqdm=False))
+            assert llm.get_metrics()["num_preemptions"] > 0
+            llm.engine.kv_manager.check_no_leaks()
+    _assert_same(runs[1], runs[0])
 
 
 def test_a_killed_worker_makes_the_next_generate_raise_naming_its_rank(llama):
