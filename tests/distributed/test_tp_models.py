@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from slice_reads import spy_slice_reads
 from test_parallel_layers import run_ranks
 from tiny_models import hf_reference, run_steps
 
@@ -42,7 +43,7 @@ def model_logits(path: str, load_format: str = "auto") -> torch.Tensor:
 
 
 def _rank_logits(rank: int, path: str, out_dir: str) -> None:
-    reads = _spy_whole_reads()
+    reads = spy_slice_reads()["read"]
     calls = _count_all_reduces()
     llm = LLM(path, dtype="float32", num_blocks=16, block_size=8, max_model_len=128, max_num_seqs=2,
               enable_prefix_caching=False)
@@ -73,23 +74,6 @@ def _count_all_reduces() -> list[int]:
 
     parallel_linear.all_reduce = counted
     return calls
-
-
-def _spy_whole_reads() -> list[str]:
-    """Names of checkpoint tensors read whole (SafetensorsSlice.read) in this process."""
-    from deepinfer.model_executor.loader import hf
-
-    names: list[str] = []
-    inner = hf.iter_safetensors_slices
-
-    def spied(files, dtype):
-        for name, lazy in inner(files, dtype):
-            read = lazy.read
-            lazy.read = lambda read=read, name=name: (names.append(name), read())[1]
-            yield name, lazy
-
-    hf.iter_safetensors_slices = spied
-    return names
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

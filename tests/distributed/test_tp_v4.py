@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slice_reads import spy_slice_reads
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import parallel_state
@@ -49,24 +50,6 @@ def _generate(path: str, **parallel) -> list:
     return [done[i] for i in ids]
 
 
-def _spy_reads(monkeypatch) -> dict[str, list[str]]:
-    """Names of checkpoint tensors this process reads whole ("read") or sliced ("narrow")."""
-    from deepinfer.model_executor.loader import hf
-
-    reads: dict[str, list[str]] = {"read": [], "narrow": []}
-    inner = hf.iter_safetensors_slices
-
-    def spied(files, dtype):
-        for name, lazy in inner(files, dtype):
-            read, narrow = lazy.read, lazy.narrow
-            lazy.read = lambda read=read, name=name: (reads["read"].append(name), read())[1]
-            lazy.narrow = lambda *a, narrow=narrow, name=name: (reads["narrow"].append(name), narrow(*a))[1]
-            yield name, lazy
-
-    monkeypatch.setattr(hf, "iter_safetensors_slices", spied)
-    return reads
-
-
 def _assert_same(got: list, want: list) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
@@ -76,7 +59,7 @@ def _assert_same(got: list, want: list) -> None:
 
 def test_two_ranks_give_one_ranks_tokens(v4_path, monkeypatch):
     want = _generate(v4_path)
-    reads = _spy_reads(monkeypatch)
+    reads = spy_slice_reads(monkeypatch)
     _assert_same(_generate(v4_path, tensor_parallel_size=2, expert_parallel_size=2), want)
     assert not [n for n in reads["read"] if n.endswith(SPLIT_NAMES[:3]) or "attn_sink" in n], reads["read"]
     assert {n for n in reads["narrow"] if "attn_sink" in n or ".wq_b." in n}  # the split tensors came sliced

@@ -5,39 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 from live_server import LiveServer
+from tp_processes import still_alive, workers
 
 from deepinfer import LLM, SamplingParams
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77]
-
-
-def _children(pid: int) -> list[int]:
-    """The processes `pid` started (Linux /proc)."""
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(c) for c in f.read().split()]
-    return found
-
-
-def _is_worker(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"spawn_main" in f.read()  # not the resource tracker
-    except OSError:
-        return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_ranks_serve_one_ranks_answer_and_a_dead_rank_stops_the_server(tiny_checkpoint):
@@ -50,9 +25,9 @@ def test_two_ranks_serve_one_ranks_answer_and_a_dead_rank_stops_the_server(tiny_
     with LiveServer("--model", path, "--device", "cpu", "--max-model-len", "64", "--tensor-parallel-size", "2") as s:
         answer = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()
         assert answer["choices"][0]["text"] == expected_text
-        workers = [p for p in _children(s.proc.pid) if _is_worker(p)]
-        assert len(workers) == 1, workers  # rank 1 (and no other rank) runs beside the server
-        os.kill(workers[0], signal.SIGKILL)
+        ranks = workers(s.proc.pid)
+        assert len(ranks) == 1, ranks  # rank 1 (and no other rank) runs beside the server
+        os.kill(ranks[0], signal.SIGKILL)
         try:
             httpx.post(f"{s.url}/v1/completions", json=body, timeout=30)
         except httpx.HTTPError:
@@ -61,7 +36,4 @@ def test_two_ranks_serve_one_ranks_answer_and_a_dead_rank_stops_the_server(tiny_
         log = s.log_tail()
         assert s.proc.returncode != 0, log
         assert "rank 1" in log, log
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in workers)
+    assert not still_alive(ranks, within_s=10)

@@ -17,6 +17,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from slice_reads import spy_slice_reads
 from transformers import DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
@@ -278,29 +279,12 @@ def test_a_quantized_slice_reads_as_the_whole_weight_cut(tmp_path, fmt):
         assert torch.equal(lazy.narrow(dim, start, length), exact.narrow(dim, start, length)), (dim, start, length)
 
 
-def _spy_whole_reads(monkeypatch) -> list[str]:
-    """Names of checkpoint tensors this process reads whole."""
-    from deepinfer.model_executor.loader import hf
-
-    names: list[str] = []
-    inner = hf.iter_safetensors_slices
-
-    def spied(files, dtype):
-        for name, lazy in inner(files, dtype):
-            read = lazy.read
-            lazy.read = lambda read=read, name=name: (names.append(name), read())[1]
-            yield name, lazy
-
-    monkeypatch.setattr(hf, "iter_safetensors_slices", spied)
-    return names
-
-
 def test_quantized_checkpoint_across_two_ranks_gives_one_ranks_tokens(checkpoints, engines, monkeypatch):
     """FP8 attention and FP4 experts split over 2 gloo ranks (heads, output groups, 4 of 8 experts
     each): rank 0 reads its blocks of the split weights and scales only, never its partner's
     experts, and the greedy tokens are one rank's."""
     quant_dir = checkpoints[1]
-    whole = _spy_whole_reads(monkeypatch)
+    whole = spy_slice_reads(monkeypatch)["read"]
     with LLM(quant_dir, max_model_len=MAX_LEN, dtype="float32", tensor_parallel_size=2,
              expert_parallel_size=2) as split:
         assert greedy(split) == greedy(engines[1])
