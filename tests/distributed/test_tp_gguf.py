@@ -4,7 +4,8 @@
   every ggml type the two shipped models hold, dense or kept quantized.
 - Tiny GGUF models (llama: q/k rows interleaved per head; qwen3: one KV head, replicated; gemma3:
   ring layers, tied quantized embedding) and int8/int4 quantized HF checkpoints at 2 gloo ranks give
-  the logits of one rank; weights stay packed on each rank and split tensors are never read whole.
+  the logits of one rank; weights stay packed on each rank (or, quantization='none', dense) and split
+  tensors are never read whole.
 - The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) and SmolLM2 135M (Q4_1, llama layout) give
   one rank's greedy tokens at 2 and 3 ranks.
 """
@@ -134,6 +135,11 @@ def _rank_logits(rank: int, path: str, quantization: str, out: str) -> None:
     logits, llm = _logits(path, quantization)
     modules = dict(llm.engine.runner.model.named_modules())
     layer = "model.layers.0."
+    if quantization == "none":  # a GGUF file dequantized: the dense parallel layers, read as slices
+        assert type(modules[layer + "self_attn.o_proj"]) is RowParallelLinear
+        assert [n for n in reads if n.endswith(".weight") and "norm" not in n] == [], reads
+        torch.save(logits, f"{out}/rank{rank}.pt")
+        return
     assert isinstance(modules[layer + "self_attn.qkv_proj"], QuantLinear)  # the rank's q|k|v rows, packed
     assert isinstance(modules[layer + "self_attn.o_proj"], QuantRowParallelLinear)
     assert modules[layer + "self_attn.o_proj"].qweight.shape[1] == modules[layer + "self_attn.o_proj"].in_features
@@ -145,11 +151,11 @@ def _rank_logits(rank: int, path: str, quantization: str, out: str) -> None:
     torch.save(logits, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("arch", list(TINY))
-def test_gguf_at_two_ranks_equals_one_rank(arch, tmp_path):
+@pytest.mark.parametrize("arch, quantization", [(arch, "gguf") for arch in TINY] + [("gemma3", "none")])
+def test_gguf_at_two_ranks_equals_one_rank(arch, quantization, tmp_path):
     path = _tiny_gguf(tmp_path, arch)
-    run_ranks(_rank_logits, tmp_path, path, "gguf", str(tmp_path))
-    one, _ = _logits(path, "gguf")  # [L, V]
+    run_ranks(_rank_logits, tmp_path, path, quantization, str(tmp_path))
+    one, _ = _logits(path, quantization)  # [L, V]
     for rank in range(2):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)
 
