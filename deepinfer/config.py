@@ -211,9 +211,6 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} (1 <= ep <= tp)")
         if tp == 1:
             return
-        if self.cache.kv_cache_dir is not None:
-            raise ValueError(f"kv_cache_dir={self.cache.kv_cache_dir!r} is not supported with "
-                             f"tensor_parallel_size={tp} yet (each rank holds a slice of the cache); leave it unset")
         if self.speculative.method == "mtp":
             raise ValueError(f"speculative_method='mtp' is not supported with tensor_parallel_size={tp} yet")
 

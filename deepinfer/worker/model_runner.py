@@ -274,11 +274,11 @@ class ModelRunner:
     def follow(self, plan: StepPlan, kept_verified: Callable[[], dict[int, int]] = dict) -> None:
         """A follower rank's step (tensor parallelism, `worker/multiproc.py`): the cache copies and
         the forward of `execute`, with every collective in them (logits included: the LM head
-        gathers), and none of rank 0's own work: no sampling, drafting or cache-directory IO. A
+        gathers), and none of rank 0's own work: no sampling or drafting. A
         plan that verifies drafts then waits for `kept_verified()`, what rank 0's sampling kept
         (its `kept_verified`), and hands it to the model as rank 0 did, at the same point."""
         verifies = any(s.verify for s in plan.scheduled)
-        plan, _ = self.prefix.prepare(plan)  # no cache directory with several ranks: copies only
+        plan, _ = self.prefix.prepare(plan)  # its own slice files; failures agreed with rank 0 inside
         if not plan.is_empty:
             inputs = build_step_inputs(plan, self.addressing, self.device)
             if self.graphs is not None and self.graphs.accepts(inputs):

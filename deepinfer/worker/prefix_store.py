@@ -22,11 +22,13 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 
 import torch
 
-from deepinfer.contracts.kv_files import KV_FILE_VERSION, SNAPSHOT
+from deepinfer.contracts.kv_files import KV_FILE_VERSION, SNAPSHOT, root_dir
 from deepinfer.contracts.plan import CacheLoad, CachePersist, ScheduledRequest, StepPlan
+from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 
 logger = logging.getLogger("deepinfer.worker")
 
@@ -39,12 +41,15 @@ def cache_identity(source, dtype: torch.dtype, kv_cache_dtype: str, groups, env)
     """sha256 over everything that changes cached K/V: the weights' content (`source.identity`),
     the model config (RoPE and its scaling, windows, layer types: the whole config, less
     bookkeeping fields), the compute dtype, the row format, the cache layout and the kernels'
-    batch-invariant mode. Two engines share saved units only when all of them agree."""
+    batch-invariant mode; with several tensor-parallel ranks, the rank and their number. Two
+    engines share saved units only when all of them agree."""
     config = source.hf_config.to_dict() if hasattr(source.hf_config, "to_dict") else vars(source.hf_config)
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _NOT_KV}
     document = {"version": KV_FILE_VERSION, "weights": source.identity, "config": config, "dtype": str(dtype),
                 "kv_cache_dtype": kv_cache_dtype, "groups": [dataclasses.asdict(g) for g in groups],
                 "batch_invariant": env.batch_invariant}
+    if tp_size() > 1:  # each rank's files hold its slice of the rows: a root of their own
+        document["rank"] = f"{tp_rank()} of {tp_size()}"
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -102,8 +107,9 @@ class PrefixStore:
 
     # ---- the plan's operations ----------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> tuple[StepPlan, dict[str, list[str]]]:
-        """Save the plan's persist units, then per request read its loads and restore its
-        snapshot. Requests whose files fail are left out of the returned plan and reported."""
+        """Save the plan's persist units, read every request's loads, then restore the snapshots of
+        those whose loads all worked. Requests whose files fail (on any rank) are left out of the
+        returned plan and reported."""
         for op in plan.persist:
             self.persist(op)
         failed: dict[str, list[str]] = {}
@@ -111,12 +117,26 @@ class PrefixStore:
             bad = [op.path for op in s.loads if not self.load(op)]
             if bad:
                 failed[s.request_id] = bad
-            elif s.restore_from is not None:
+        failed = self._agreed(plan, failed)
+        for s in plan.scheduled:
+            if s.request_id not in failed and s.restore_from is not None:
                 self.restore(s)
         if failed:
             plan = StepPlan([s for s in plan.scheduled if s.request_id not in failed], plan.finished_request_ids,
                             plan.preempted_request_ids)
         return plan, failed
+
+    def _agreed(self, plan: StepPlan, failed: dict[str, list[str]]) -> dict[str, list[str]]:
+        """With several ranks, each reads its own slice files: a request whose files failed on any
+        rank fails on every rank (one all_reduce of a flag per request, in plan order), so all
+        ranks leave out the same requests. Rank 0 reports its own paths for them."""
+        if tp_size() == 1 or not any(s.loads for s in plan.scheduled):
+            return failed
+        device = self.cache.allocations[0].device
+        flags = torch.tensor([s.request_id in failed for s in plan.scheduled], dtype=torch.int32, device=device)
+        all_reduce(flags)  # [R]: how many ranks failed each request
+        return {s.request_id: failed.get(s.request_id) or [op.path for op in s.loads]
+                for s, flag in zip(plan.scheduled, flags.tolist(), strict=True) if flag}
 
     def finish(self, plan: StepPlan) -> None:
         """After the step: take the snapshots it asked for."""
@@ -137,6 +157,11 @@ class PrefixStore:
     def _kind(self, op: CachePersist | CacheLoad) -> str:
         return SNAPSHOT if op.group < 0 else self.groups[self.paged[op.group]].name
 
+    def _file(self, op: CachePersist | CacheLoad) -> str:
+        """This rank's file of the unit: the plan names rank 0's; another rank's sits under its
+        own root folder with the same name."""
+        return os.path.join(root_dir(self.disk.directory, self.disk.root), os.path.basename(op.path))
+
     def persist(self, op: CachePersist) -> None:
         """Copy the unit's bytes now; the disk store writes them in the background."""
         if self.disk is None:
@@ -145,11 +170,11 @@ class PrefixStore:
         if op.group < 0:
             state = self.model.read_state(self.first_snapshot_unit + op.unit)
             tensors.update({f"state.{name}": t.to("cpu", copy=True) for name, t in state.items()})
-        self.disk.save(op.path, self._kind(op), op.key, tensors, mtime_ns=op.mtime_ns)
+        self.disk.save(self._file(op), self._kind(op), op.key, tensors, mtime_ns=op.mtime_ns)
 
     def load(self, op: CacheLoad) -> bool:
         """Read one saved unit into its place; False (with a warning) if it cannot be used."""
-        loaded = self.disk.load(op.path, self._kind(op), op.key, op.mtime_ns) if self.disk is not None else None
+        loaded = self.disk.load(self._file(op), self._kind(op), op.key, op.mtime_ns) if self.disk is not None else None
         if loaded is None:
             return False
         targets = self._unit_tensors(op)
@@ -157,7 +182,7 @@ class PrefixStore:
         plain = {n: t for n, t in loaded.items() if not n.startswith("state.")}
         bad = _mismatch(plain, targets) or (op.group < 0 and _mismatch(state, self.model.read_state(0)))
         if bad:
-            logger.warning("saved KV cache file %s does not fit this cache (%s); recomputing", op.path, bad)
+            logger.warning("saved KV cache file %s does not fit this cache (%s); recomputing", self._file(op), bad)
             return False
         for name, t in plain.items():
             targets[name].copy_(t)

@@ -179,8 +179,6 @@ def test_parallel_sizes_are_checked_before_anything_starts():
         LLM(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="expert_parallel_size=2 must divide tensor_parallel_size=3"):
         LLM(tensor_parallel_size=3, expert_parallel_size=2)
-    with pytest.raises(ValueError, match="kv_cache_dir='/tmp/x' is not supported with tensor_parallel_size=2"):
-        LLM(tensor_parallel_size=2, kv_cache_dir="/tmp/x")
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: only 1 is supported"):
         LLM(pipeline_parallel_size=2)
 
