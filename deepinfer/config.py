@@ -211,8 +211,6 @@ class EngineConfig:
             raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} (1 <= ep <= tp)")
         if tp == 1:
             return
-        if self.speculative.method == "mtp":
-            raise ValueError(f"speculative_method='mtp' is not supported with tensor_parallel_size={tp} yet")
 
     def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
         """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too.

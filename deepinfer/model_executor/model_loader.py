@@ -188,7 +188,7 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
-    check_tensor_parallel_source(source, model_cls, speculative_method)
+    check_tensor_parallel_source(source, model_cls)
     check_expert_parallel(model_cls, cfg.model_type, expert_parallel_size)
     expert_kwargs = {"expert_parallel_size": expert_parallel_size} if expert_parallel_size > 1 else {}
     shapes_only = dummy and _SHAPES_ONLY.get()
@@ -221,11 +221,11 @@ def _checkpoint_weights(source, quantization: str):
     return source.iter_weights(torch.float32, keep_quantized)
 
 
-def check_tensor_parallel_source(source, model_cls, speculative_method: str | None) -> None:
+def check_tensor_parallel_source(source, model_cls) -> None:
     """With several ranks, refuse what is not split yet, naming tensor_parallel_size and the cause:
-    models without a split (Llama family, DeepSeek-V4 are split) and MTP drafting. GGUF files and
-    quantized weights are split (each rank reads its slices and keeps, or quantizes, them packed);
-    n-gram drafts are verified on every rank (rank 0 sends the kept counts)."""
+    models without a split (Llama family and DeepSeek-V4 are split, V4's MTP module too). GGUF files
+    and quantized weights are split (each rank reads its slices and keeps, or quantizes, them
+    packed)."""
     n = tp_size()
     if n == 1:
         return
@@ -234,8 +234,6 @@ def check_tensor_parallel_source(source, model_cls, speculative_method: str | No
     if not getattr(model_cls, "supports_tensor_parallel", False):
         raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
                          f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
-    if speculative_method == "mtp":
-        raise ValueError(f"{where} does not support speculative_method='mtp'")
 
 
 def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:

@@ -28,6 +28,8 @@ def draft_budget(s, samples: list, k: int) -> int:
 class NgramDrafter:
     """Prompt lookup: drafts from the request's own history (prompt + outputs + this step's)."""
 
+    runs_model = False  # rank 0 alone drafts
+
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)

@@ -12,7 +12,14 @@ import torch
 from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import BoundCaches, CachedModel
-from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan, describe_fault, is_fatal_fault
+from deepinfer.contracts.plan import (
+    ModelOutput,
+    SampleResult,
+    ScheduledRequest,
+    StepPlan,
+    describe_fault,
+    is_fatal_fault,
+)
 from deepinfer.environ import Environ
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.triton_backend import make_attention_backend
@@ -120,7 +127,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
-        self.kept_verified: dict[int, int] = {}  # the last step's kept tokens per verification span
+        # rank 0 of several: where each step's sampled token ids go (plan_channel.DriverRunner)
+        self.step_tokens_to: Callable[[dict[str, list[int]]], None] | None = None
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(self.model, self.groups, self.attention_backend.name, self.device, config,
@@ -250,9 +258,11 @@ class ModelRunner:
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
-        self.kept_verified = {}
+        share = self.step_tokens_to if self.step_tokens_to is not None and self.needs_step_tokens(plan) else None
         plan, load_failures = self.prefix.prepare(plan)  # saves, loads, restores before the forward
         if plan.is_empty:
+            if share is not None:
+                share({})
             return ModelOutput(load_failures=load_failures)
         inputs = build_step_inputs(plan, self.addressing, self.device)
         if self.graphs is not None and self.graphs.accepts(inputs):  # plain decodes: replay a CUDA graph
@@ -263,7 +273,9 @@ class ModelRunner:
         if inputs.sample_rows:
             output = self._sample(logits, inputs)
             self.prompt_logprobs.attach(inputs.sample_rows, output)
-        self._keep_verified(inputs, output)
+        if share is not None:  # the follower ranks wait for them before their own drafting passes
+            share({rid: [r.token_id for r in results] for rid, results in output.samples.items()})
+        self._keep_verified(inputs, output.samples)
         if self.drafter is not None:
             output.draft_token_ids = self.drafter.propose(inputs, output.samples)
         self.prefix.finish(plan)  # snapshots at the step's boundaries
@@ -271,25 +283,34 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def follow(self, plan: StepPlan, kept_verified: Callable[[], dict[int, int]] = dict) -> None:
+    def follow(self, plan: StepPlan, step_tokens: Callable[[], dict[str, list[int]]] = dict) -> None:
         """A follower rank's step (tensor parallelism, `worker/multiproc.py`): the cache copies and
         the forward of `execute`, with every collective in them (logits included: the LM head
-        gathers), and none of rank 0's own work: no sampling or drafting. A
-        plan that verifies drafts then waits for `kept_verified()`, what rank 0's sampling kept
-        (its `kept_verified`), and hands it to the model as rank 0 did, at the same point."""
-        verifies = any(s.verify for s in plan.scheduled)
+        gathers), and no sampling. A plan for which `needs_step_tokens` then waits for
+        `step_tokens()`, the tokens rank 0's sampling gave each request, and does with them what
+        rank 0 did, at the same point: the kept counts to the model (`keep_verified`), and the
+        passes of a drafter that runs the model (MTP: its drafts dropped, rank 0 has the same)."""
+        needs = self.needs_step_tokens(plan)
         plan, _ = self.prefix.prepare(plan)  # its own slice files; failures agreed with rank 0 inside
-        if not plan.is_empty:
-            inputs = build_step_inputs(plan, self.addressing, self.device)
+        inputs = None if plan.is_empty else build_step_inputs(plan, self.addressing, self.device)
+        if inputs is not None:
             if self.graphs is not None and self.graphs.accepts(inputs):
                 self.graphs.run(inputs)  # [N, V], dropped
             else:
                 self._forward(inputs, PromptLogprobs())  # prompt logprobs are rank 0's: gathered, dropped
-        kept = kept_verified() if verifies else {}
-        if kept:
-            self.model.keep_verified(kept)
-        if not plan.is_empty:
-            self.prefix.finish(plan)
+        samples = {rid: [SampleResult(t, 0.0) for t in ids] for rid, ids in step_tokens().items()} if needs else {}
+        if inputs is None:
+            return
+        self._keep_verified(inputs, samples)
+        if self.drafter is not None and self.drafter.runs_model:
+            self.drafter.propose(inputs, samples)
+        self.prefix.finish(plan)
+
+    def needs_step_tokens(self, plan: StepPlan) -> bool:
+        """Whether follower ranks need this step's sampled tokens (a plan that verifies drafts, or
+        any step with a drafter that runs the model)."""
+        runs_model = self.drafter is not None and self.drafter.runs_model
+        return bool(plan.scheduled) and (runs_model or any(s.verify for s in plan.scheduled))
 
     def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None) -> torch.Tensor | None:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
@@ -303,12 +324,11 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
 
-    def _keep_verified(self, inputs: StepInputs, output: ModelOutput) -> None:
+    def _keep_verified(self, inputs: StepInputs, samples: dict) -> None:
         """Tell the model how many tokens of each verification step were kept (the last token
         and the accepted drafts), so per-request state beside the caches forgets the rest."""
-        kept = {start: len(output.samples[s.request_id]) for s, start in inputs.spans
-                if s.verify and s.request_id in output.samples}
-        self.kept_verified = kept  # for the follower ranks (plan_channel.DriverRunner)
+        kept = {start: len(samples[s.request_id]) for s, start in inputs.spans
+                if s.verify and s.request_id in samples}
         if kept:
             self.model.keep_verified(kept)
 

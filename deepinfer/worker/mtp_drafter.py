@@ -48,7 +48,10 @@ class _Chain:
 
 
 class MtpDrafter:
-    """Runs the model's MTP module after each step (see the module docstring)."""
+    """Runs the model's MTP module after each step (see the module docstring). With several
+    ranks every rank runs it (its layers are split like the main ones); the drafts agree."""
+
+    runs_model = True
 
     def __init__(self, config: SpeculativeConfig, model, groups, addressing):
         if getattr(model, "mtp", None) is None:

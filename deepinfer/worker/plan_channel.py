@@ -6,12 +6,13 @@ that do not depend on how the followers were started.
     channel.send(follower_plan(plan)) ──────────────> plan = channel.recv()
     driver.execute(plan): forward + sample <────────> runner.follow(plan): forward
                           (the layers' collectives pair up inside the forward)
-    a plan that verifies drafts:
-    channel.send(driver.kept_verified) ─────────────> model.keep_verified(kept), as rank 0 did
+    a plan that verifies drafts, or any plan with a drafter that runs the model (MTP):
+    channel.send(step tokens) ──────────────────────> model.keep_verified(kept counts); MTP passes
     close(): channel.send(None) ────────────────────> None: leave the loop
 
-The kept counts (tokens kept per verification span) let a model with per-request state beside
-the caches (DeepSeek-V4's compressors) forget rejected drafts on every rank, not on rank 0 alone.
+The step tokens (each request's sampled token ids) let a model with per-request state beside the
+caches (DeepSeek-V4's compressors) forget rejected drafts on every rank, not on rank 0 alone, and
+let every rank run the MTP module's passes (their collectives pair up; the drafts are rank 0's).
 
 Two channels:
 - `PipeChannel`: one pipe per spawned worker on this machine (`worker/multiproc.py`); the plan is
@@ -37,12 +38,12 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower may wait for 
 
 
 class PlanChannel(Protocol):
-    """Rank 0 sends each plan, the kept counts of a verifying one after it, and None at close; a
-    follower receives them in order."""
+    """Rank 0 sends each plan, the step tokens after it where followers need them, and None at
+    close; a follower receives them in order."""
 
-    def send(self, message: StepPlan | dict[int, int] | None) -> None: ...
+    def send(self, message: StepPlan | dict[str, list[int]] | None) -> None: ...
 
-    def recv(self) -> StepPlan | dict[int, int] | None: ...
+    def recv(self) -> StepPlan | dict[str, list[int]] | None: ...
 
 
 class PipeChannel:
@@ -82,9 +83,12 @@ class BroadcastChannel:
         return box[0]
 
 
-def follower_plan(plan: StepPlan) -> StepPlan:
+def follower_plan(plan: StepPlan, histories: bool = False) -> StepPlan:
     """What a follower needs of a plan: all of it but the token histories kept for penalties and
-    drafting (the prompt stays where prompt logprobs score it)."""
+    drafting (the prompt stays where prompt logprobs score it); `histories`: all of it (MTP
+    drafting on every rank reads them)."""
+    if histories:
+        return plan
     scheduled = [dataclasses.replace(s, output_token_ids=[],
                                      prompt_token_ids=s.prompt_token_ids if s.prompt_logprobs is not None else [])
                  for s in plan.scheduled]
@@ -92,22 +96,22 @@ def follower_plan(plan: StepPlan) -> StepPlan:
 
 
 class _Closed(Exception):
-    """Rank 0 closed the channel where a follower waited for kept counts (its step failed)."""
+    """Rank 0 closed the channel where a follower waited for step tokens (its step failed)."""
 
 
 def follow_plans(runner, channel: PlanChannel) -> None:
-    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`, which reads the kept
-    counts of a verifying plan from the channel too) until None."""
+    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`, which reads a plan's
+    step tokens from the channel too, where it needs them) until None."""
 
-    def kept_verified() -> dict[int, int]:
-        kept = channel.recv()
-        if kept is None:
+    def step_tokens() -> dict[str, list[int]]:
+        tokens = channel.recv()
+        if tokens is None:
             raise _Closed
-        return kept
+        return tokens
 
     try:
         while (plan := channel.recv()) is not None:
-            runner.follow(plan, kept_verified)
+            runner.follow(plan, step_tokens)
     except _Closed:
         pass
 
@@ -130,12 +134,11 @@ class DriverRunner:
         a FatalStepError: the ranks are out of step (some may wait in a collective)."""
         if self.failure is not None:
             raise FatalStepError(self.failure)
+        drafter = self.driver.drafter
+        self.driver.step_tokens_to = self.channel.send  # mid-step: after sampling, before MTP's passes
         try:
-            self.channel.send(follower_plan(plan))
-            output = self.driver.execute(plan)
-            if any(s.verify for s in plan.scheduled):
-                self.channel.send(self.driver.kept_verified)
-            return output
+            self.channel.send(follower_plan(plan, histories=drafter is not None and drafter.runs_model))
+            return self.driver.execute(plan)
         except BaseException as exc:
             raise self._step_fault(exc) from exc
 

@@ -118,17 +118,11 @@ def test_bad_sizes_are_refused_naming_them(v4_path, tiny_checkpoint, as_rank):
     as_rank(0, 2)
     with pytest.raises(ValueError, match="expert_parallel_size=2 needs a model with routed experts"):
         _dummy_model(tiny_checkpoint("llama"), expert_parallel_size=2)
-    from deepinfer.model_executor.loader.source import load_model_source
-    from deepinfer.model_executor.model_loader import build_model
-
-    source = load_model_source(v4_path, load_format="dummy")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not support speculative_method='mtp'"):
-        build_model(source, torch.float32, torch.device("cpu"), 64, speculative_method="mtp")
 
 
 def test_drafts_verified_on_two_ranks_give_one_ranks_tokens(v4_path):
     """Drafts accepted and rejected over 2 ranks (scripted from the plain run's tokens, some
-    corrupted): every rank's compressors forget the rejected ones (rank 0 sends the kept counts),
+    corrupted): every rank's compressors forget the rejected ones (rank 0 sends the step's tokens),
     so the greedy tokens are one rank's without drafting."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "spec_decode"))
     from spec_helpers import ScriptedDrafter, mixed
@@ -148,3 +142,23 @@ def test_drafts_verified_on_two_ranks_give_one_ranks_tokens(v4_path):
         metrics = split.get_metrics()
     assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics["spec_decode_num_draft_tokens"]
     assert got == want
+
+
+def test_mtp_drafting_on_two_ranks_gives_one_ranks_drafts_and_tokens(v4_path):
+    """The MTP module split like the main layers (dummy weights: the one-rank draw's slices): every
+    rank runs its passes after each step (rank 0 sends the sampled tokens), and the drafts, the
+    acceptance counts and the tokens are one rank's."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (21, 13, 9)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    engine = dict(dtype="float32", block_size=2, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=16,
+                  max_model_len=75, enable_prefix_caching=False, load_format="dummy", speculative_method="mtp",
+                  num_speculative_tokens=3)
+    runs = []
+    for ranks in ({}, {"tensor_parallel_size": 2, "expert_parallel_size": 2}):
+        with LLM(v4_path, **engine, **ranks) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            metrics = llm.get_metrics()
+        runs.append(([o.outputs[0].token_ids for o in outs], metrics["spec_decode_num_draft_tokens"],
+                      metrics["spec_decode_num_accepted_tokens"]))
+    assert runs[1] == runs[0] and runs[0][1] > 0

@@ -14,6 +14,8 @@ class ScriptedDrafter:
     truth (everything accepted), `wrong=lambda *_: True` only wrong tokens (everything rejected).
     """
 
+    runs_model = False  # drafts on rank 0 alone
+
     def __init__(self, continuations: dict[tuple, list[int]], k: int, vocab: int, wrong=None):
         self.continuations, self.k, self.vocab, self.wrong = continuations, k, vocab, wrong
         self.num_proposed = 0
