@@ -52,24 +52,21 @@ class ModelSource:
         `model.layers.0.self_attn.q_proj.weight`; `lm_head.weight` appears only when the checkpoint
         stores it (otherwise `hf_config.tie_word_embeddings` is True).
         """
-        if self._weights is None:
-            raise ValueError(f"model source {self.path!r} has no weight reader")
-        if keep_quantized:
-            if self.format != "gguf":
-                raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
-            return self._weights(dtype, keep_quantized=True)
-        return self._weights(dtype)
+        return self._read(self._weights, dtype, keep_quantized)
 
     def iter_weight_slices(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, lazy tensor)`: `.shape`, `.narrow(dim, start, length)` and `.read()` read
         only what a tensor-parallel rank asks for; `keep_quantized` as in `iter_weights`."""
-        if self._weight_slices is None:
+        return self._read(self._weight_slices, dtype, keep_quantized)
+
+    def _read(self, reader, dtype: torch.dtype, keep_quantized: bool) -> Iterator[tuple[str, Any]]:
+        if reader is None:
             raise ValueError(f"model source {self.path!r} has no weight reader")
-        if keep_quantized:
-            if self.format != "gguf":
-                raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
-            return self._weight_slices(dtype, keep_quantized=True)
-        return self._weight_slices(dtype)
+        if not keep_quantized:
+            return reader(dtype)
+        if self.format != "gguf":
+            raise ValueError(f"keep_quantized needs a GGUF source; {self.path!r} is {self.format!r}")
+        return reader(dtype, keep_quantized=True)
 
 
 def compute_identity(path: str, files: list[str]) -> str:
