@@ -302,15 +302,19 @@ class ModelRunner:
         if inputs is None:
             return
         self._keep_verified(inputs, samples)
-        if self.drafter is not None and self.drafter.runs_model:
+        if self.drafts_on_every_rank:
             self.drafter.propose(inputs, samples)
         self.prefix.finish(plan)
+
+    @property
+    def drafts_on_every_rank(self) -> bool:
+        """Whether the drafter runs the model (MTP), so every rank runs its passes."""
+        return self.drafter is not None and self.drafter.runs_model
 
     def needs_step_tokens(self, plan: StepPlan) -> bool:
         """Whether follower ranks need this step's sampled tokens (a plan that verifies drafts, or
         any step with a drafter that runs the model)."""
-        runs_model = self.drafter is not None and self.drafter.runs_model
-        return bool(plan.scheduled) and (runs_model or any(s.verify for s in plan.scheduled))
+        return bool(plan.scheduled) and (self.drafts_on_every_rank or any(s.verify for s in plan.scheduled))
 
     def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None) -> torch.Tensor | None:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the

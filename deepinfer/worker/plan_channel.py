@@ -134,10 +134,9 @@ class DriverRunner:
         a FatalStepError: the ranks are out of step (some may wait in a collective)."""
         if self.failure is not None:
             raise FatalStepError(self.failure)
-        drafter = self.driver.drafter
         self.driver.step_tokens_to = self.channel.send  # mid-step: after sampling, before MTP's passes
         try:
-            self.channel.send(follower_plan(plan, histories=drafter is not None and drafter.runs_model))
+            self.channel.send(follower_plan(plan, histories=self.driver.drafts_on_every_rank))
             return self.driver.execute(plan)
         except BaseException as exc:
             raise self._step_fault(exc) from exc
