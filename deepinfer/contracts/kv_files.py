@@ -7,10 +7,13 @@ chains from), one safetensors file per cached unit:
     <dir>/<root16>/<key>.<group>.safetensors      one paged block of a cache group
     <dir>/<root16>/<key>.snapshot.safetensors     ring rows, per-request state and partial pages
                                                   at a boundary (sliding-window and V4 models)
+    <dir>/<root16>/canary                         the identity's canary: a digest of a few fixed
+                                                  rows, checked at start-up (worker/cache_canary.py)
 
 `key` is the unit's chained hash (hex), which already includes the identity root and the
 request's cache salt. Each file's metadata repeats format, version, root, key and kind and
 carries a checksum of its tensors, so a damaged, truncated or foreign file is never read as a hit.
+Only regular files are ever read there, never through a symlink (worker/kv_dir_io.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ KV_FILE_FORMAT = "deepinfer-kv"
 KV_FILE_VERSION = "1"
 KV_FILE_SUFFIX = ".safetensors"
 SNAPSHOT = "snapshot"
+CANARY_RECORD = "canary"
 
 
 def root_dir(directory: str, root: str) -> str:
@@ -31,3 +35,8 @@ def root_dir(directory: str, root: str) -> str:
 def unit_file(directory: str, root: str, key: str, kind: str) -> str:
     """The file of one cached unit: kind is a paged group's name or SNAPSHOT."""
     return os.path.join(root_dir(directory, root), f"{key}.{kind}{KV_FILE_SUFFIX}")
+
+
+def canary_file(directory: str, root: str) -> str:
+    """The canary record of one model identity (not a cache unit: counted in the budget, never evicted)."""
+    return os.path.join(root_dir(directory, root), CANARY_RECORD)

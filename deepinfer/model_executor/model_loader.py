@@ -3,6 +3,7 @@
     resolve_quantization   auto | none | gguf | int8 | int4  ->  what loading does, and why
     resolve_cpu_dtype      auto on a CPU                     ->  fp32 or bf16, and why
     build_model            modules (weights not initialized), checkpoint or dummy weights, swaps
+    numerics_record        every choice above that changes a cached row's bits, in one record
 
 `--dtype auto` on a CPU, by rule and measurement:
     batch-invariant mode      fp32
@@ -21,6 +22,7 @@ import contextlib
 import contextvars
 import ctypes
 import gc
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +31,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from deepinfer.config import check_load_format, check_quantization
+from deepinfer.contracts.numerics import NumericsRecord
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
-from deepinfer.model_executor.layers.ops.qmatmul import best_time, one_thread
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, best_time, one_thread
 from deepinfer.model_executor.layers.quant_linear import quantize_linears
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
 from deepinfer.model_executor.models.registry import get_model_class
@@ -211,6 +214,37 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model
+
+
+def numerics_record(model: nn.Module, device: torch.device, dtype: torch.dtype, quantization: str,
+                    attention_backend: str, kv_cache_dtype: str, batch_invariant: bool) -> NumericsRecord:
+    """Every choice that changes a cached row's bits, for the cache identity. Call it once the
+    model is final (after layer swaps such as batch-invariant or few-row linears): module types
+    and every weight's format are read off the model itself."""
+    tensor_types, formats = _tensor_types(model)
+    return NumericsRecord(device_type=device.type, compute_dtype=str(dtype).removeprefix("torch."),
+                          quantization=quantization, tensor_types=tensor_types, weight_formats=formats,
+                          kernel_isa=kernel_isa_name(), attention_backend=attention_backend,
+                          kv_cache_dtype=kv_cache_dtype, batch_invariant=batch_invariant,
+                          torch_version=torch.__version__)
+
+
+def _tensor_types(model: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """(blake2b of each module's type and each weight's name, dtype, shape and packed format;
+    the distinct formats): a tensor kept packed and the same tensor dequantized differ."""
+    digest, formats = hashlib.blake2b(digest_size=16), set()
+    for name, module in model.named_modules():
+        digest.update(f"{name}:{type(module).__qualname__}\n".encode())
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for tname, t in tensors:
+            digest.update(f"{name}.{tname}:{t.dtype}:{tuple(t.shape)}\n".encode())
+            formats.add(str(t.dtype).removeprefix("torch."))
+        for attr, w in vars(module).items():
+            if isinstance(w, QuantWeight):
+                digest.update(f"{name}.{attr}:{w.kind}:{w.bits}/{w.group}:{w.q.dtype}:{w.scale.dtype}:"
+                              f"{tuple(w.shape)}\n".encode())
+                formats.add(w.kind)
+    return digest.hexdigest(), tuple(sorted(formats))
 
 
 def _checkpoint_weights(source, quantization: str):

@@ -8,6 +8,11 @@ layout). Writes are queued and done by one daemon thread, so `save` never waits 
                                       os.replace(tmp, final), unlock
 
 Invariants:
+  * only regular files the store wrote are read: every path inside the directory is walked without
+    following a symlink, a FIFO or device node is never opened, and a file's size is checked
+    against what the unit must hold before it is read (memory stays bounded by one unit);
+    anything else is removed (a symlink itself, never its target) with one warning, a miss
+    (`kv_dir_io`); the start-up checks, the budget's scan and the lock file take the same care;
   * a reader never sees a partial file (the final name only ever appears by rename);
   * the total size of all *.safetensors files under the directory never exceeds max_bytes, even
     with several processes sharing it (all of them evict and rename under the same flock);
@@ -27,7 +32,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -35,12 +40,13 @@ from safetensors.torch import deserialize
 from safetensors.torch import save as serialize
 
 from deepinfer.contracts import kv_files
+from deepinfer.worker import kv_dir_io
 
 _log = logging.getLogger("deepinfer.kv_disk")
 
-_LOCK_NAME = ".lock"
 _TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 3600.0
+_MAX_HEADER_BYTES = 1 << 20  # a unit's safetensors header (names, shapes, metadata) is far smaller
 _RESERVED_META = ("format", "version", "root", "key", "kind", "checksum")
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -87,7 +93,7 @@ class KvDiskStore:
         self.directory = directory
         self.max_bytes = max_bytes
         self.root = root
-        _check_writable(directory, kv_files.root_dir(directory, root))
+        _check_writable(directory, root)
         self.bytes_written = self.bytes_read = 0
         self.files_written = self.files_read = self.files_evicted = self.load_failures = 0
         self._stats_lock = threading.Lock()
@@ -118,28 +124,50 @@ class KvDiskStore:
             self._pending.add(path)
             self._queue.put((path, kind, key, tensors, extra, mtime_ns))
 
-    def load(self, path: str, kind: str, key: str, touch_ns: int | None = None) -> dict[str, torch.Tensor] | None:
-        """Read and verify one file; None when missing (silently) or damaged, truncated or foreign
-        (logged; a damaged file of ours is deleted). A hit touches the file's mtime (LRU): now,
-        or `touch_ns`."""
+    def load(self, path: str, kind: str, key: str, touch_ns: int | None = None,
+             payload_bytes: int | None = None) -> dict[str, torch.Tensor] | None:
+        """Read and verify one file; None when missing (silently) or unusable, with one warning:
+        not a regular file (removed; a symlink is unlinked, never followed), of the wrong size
+        (checked before it is read: `payload_bytes`, the unit's tensor bytes, when given, and
+        never more than the directory's budget) or damaged (deleted), or foreign (left alone). A
+        hit touches the file's mtime (LRU): now, or `touch_ns`."""
+        parts, inode = kv_dir_io.parts_of(self.directory, path), None
         try:
-            with open(path, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                data = f.read()
+            with kv_dir_io.folder(self.directory, parts[:-1]) as parent:
+                data, inode = kv_dir_io.read_regular(parent, parts[-1], path, self._size_check(payload_bytes))
+                tensors = self._verify(data, kind, key)
+                _touch(parent, parts[-1], touch_ns)
         except FileNotFoundError:
+            return None
+        except kv_dir_io.Hostile as e:
+            self._count(load_failures=1)
+            _log.warning("kv cache entry %s", e)
+            return None
+        except kv_dir_io.BadSize as e:
+            self._reject(path, e.ino, _BadFile(str(e)))
+            return None
+        except _BadFile as e:
+            self._reject(path, inode, e)
             return None
         except OSError as e:
             self._count(load_failures=1)
             _log.warning("kv cache file %s could not be read: %s", path, e)
             return None
-        try:
-            tensors = self._verify(data, kind, key)
-        except _BadFile as e:
-            self._reject(path, inode, e)
-            return None
         self._count(bytes_read=len(data), files_read=1)
-        _touch(path, touch_ns)
         return tensors
+
+    def _size_check(self, payload_bytes: int | None) -> Callable[[int, bytes], str | None]:
+        """Why a file of `size` bytes starting with `head` cannot be a unit (None if it may be)."""
+        def check(size: int, head: bytes) -> str | None:
+            if size > self.max_bytes:
+                return f"{size} bytes, more than kv_cache_dir_size={self.max_bytes}"
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 <= header_len <= _MAX_HEADER_BYTES or 8 + header_len > size:
+                return f"a header of {header_len} bytes in a file of {size}"
+            if payload_bytes is not None and size - 8 - header_len != payload_bytes:
+                return f"{size - 8 - header_len} bytes of tensors where the unit holds {payload_bytes}"
+            return None
+        return check
 
     def flush(self) -> None:
         """Block until every queued write is on disk (or dropped)."""
@@ -171,20 +199,14 @@ class KvDiskStore:
             raise _BadFile("checksum mismatch")
         return tensors
 
-    def _reject(self, path: str, inode: int, error: _BadFile) -> None:
+    def _reject(self, path: str, inode: int | None, error: _BadFile) -> None:
         """Log a bad file; delete it when it is ours (and still the same file we read)."""
         self._count(load_failures=1)
         if error.foreign:
             _log.warning("kv cache file %s is foreign (%s); left alone, read as a miss", path, error)
             return
         _log.warning("kv cache file %s is damaged (%s); deleted", path, error)
-        try:
-            if os.stat(path).st_ino == inode:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            _log.warning("kv cache file %s could not be deleted: %s", path, e)
+        kv_dir_io.remove_file(self.directory, path, inode)
 
     # ---- writing -------------------------------------------------------------------------
 
@@ -206,53 +228,63 @@ class KvDiskStore:
 
     def _write(self, path: str, kind: str, key: str, tensors: dict[str, torch.Tensor],
                extra: dict[str, str], mtime_ns: int | None = None) -> None:
-        """Serialize to a temporary file next to `path`, make room under the lock, rename in."""
-        if os.path.exists(path):
-            return
-        tensors = {name: t.detach().contiguous() for name, t in tensors.items()}
-        meta = {**extra, "format": kv_files.KV_FILE_FORMAT, "version": kv_files.KV_FILE_VERSION,
-                "root": self.root, "key": key, "kind": kind, "checksum": tensors_checksum(tensors)}
-        data = serialize(tensors, metadata=meta)
-        if len(data) > self.max_bytes:
-            self._warn_oversize(path, len(data))
-            return
-        folder, name = os.path.split(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            with _dir_lock(self.directory):
-                if os.path.exists(path):
-                    return
-                if not self._make_room(len(data), mtime_ns):
-                    return  # it would be the first to go: keep what is there
-                if mtime_ns is not None:
-                    os.utime(tmp, ns=(mtime_ns, mtime_ns))
-                os.replace(tmp, path)
-        finally:
-            _remove_quietly(tmp)
+        """Serialize to a temporary file next to `path`, make room under the lock, rename in.
+        The folder is reached without following a symlink (one found is replaced by a folder)."""
+        parts = kv_dir_io.parts_of(self.directory, path)
+        name, tmp = parts[-1], f".{parts[-1]}.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
+        with kv_dir_io.folder(self.directory, parts[:-1], create=True) as parent:
+            if kv_dir_io.exists_regular(parent, name):
+                return
+            tensors = {n: t.detach().contiguous() for n, t in tensors.items()}
+            meta = {**extra, "format": kv_files.KV_FILE_FORMAT, "version": kv_files.KV_FILE_VERSION,
+                    "root": self.root, "key": key, "kind": kind, "checksum": tensors_checksum(tensors)}
+            data = serialize(tensors, metadata=meta)
+            if len(data) > self.max_bytes:
+                self._warn_oversize(path, len(data))
+                return
+            try:
+                kv_dir_io.write_new(parent, tmp, data, mtime_ns)
+                with self._dir_lock():
+                    if kv_dir_io.exists_regular(parent, name):
+                        return
+                    if not self._make_room(len(data), mtime_ns):
+                        return  # it would be the first to go: keep what is there
+                    os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            finally:
+                kv_dir_io.remove(parent, tmp)
         self._count(bytes_written=len(data), files_written=1)
+
+    @contextmanager
+    def _dir_lock(self) -> Iterator[None]:
+        """An exclusive flock on <directory>/.lock, shared by every process using the directory
+        (a regular file: anything else found under that name is replaced)."""
+        fd = kv_dir_io.open_lock(self.directory)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def _make_room(self, new_bytes: int, new_mtime_ns: int | None = None) -> bool:
         """Delete the least recently used files until the directory holds `new_bytes` more;
         False (nothing deleted) when the new file, of recency `new_mtime_ns`, would be the least
-        recently used itself. Call with the directory lock held."""
-        files = sorted(_scan_files(self.directory, clean_tmp=True))  # (mtime_ns, size, path)
-        total = sum(size for _, size, _ in files)
+        recently used itself, or when it cannot fit at all. Call with the directory lock held."""
+        files = _scan_files(self.directory, clean_tmp=True)  # (mtime_ns, size, path, inode)
+        total = sum(size for _, size, _, _ in files)
+        files = sorted(f for f in files if f[2].endswith(kv_files.KV_FILE_SUFFIX))  # canary records stay
         over = total + new_bytes - self.max_bytes
         if over > 0 and new_mtime_ns is not None and files and new_mtime_ns < files[0][0]:
             return False
-        for _, size, old in files:
+        for _, size, old, inode in files:
             if total + new_bytes <= self.max_bytes:
                 break
-            try:
-                os.unlink(old)
-                self._count(files_evicted=1)
-            except FileNotFoundError:
-                pass  # another process deleted it; it no longer counts either way
+            if kv_dir_io.remove_file(self.directory, old, inode) == "a regular file; removed":
+                self._count(files_evicted=1)  # else another process deleted it: it no longer counts
             total -= size
-        return True
+        return total + new_bytes <= self.max_bytes  # the canary records alone may leave too little
 
     def _warn_oversize(self, path: str, num_bytes: int) -> None:
         if not self._warned_oversize:
@@ -269,19 +301,19 @@ class KvDiskStore:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _check_writable(directory: str, folder: str) -> None:
-    """Create `folder` (under `directory`) and prove a file can be made and removed in it."""
+def _check_writable(directory: str, root: str) -> None:
+    """Create the root folder of `root` (under `directory`, never through a symlink) and the lock
+    file, and prove a file can be made and removed there."""
     try:
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
     except OSError as e:
         raise ValueError(f"kv_cache_dir={directory!r} cannot be created: {e}") from e
-    probe = os.path.join(folder, f".probe.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+    probe = f".probe.{os.getpid()}.{uuid.uuid4().hex}{_TMP_SUFFIX}"
     try:
-        with open(probe, "wb"):
-            pass
-        os.unlink(probe)
-        with open(os.path.join(directory, _LOCK_NAME), "ab"):
-            pass
+        with kv_dir_io.folder(directory, [os.path.basename(kv_files.root_dir(directory, root))], create=True) as parent:
+            kv_dir_io.write_new(parent, probe, b"")
+            os.unlink(probe, dir_fd=parent)
+        os.close(kv_dir_io.open_lock(directory))
     except OSError as e:
         raise ValueError(f"kv_cache_dir={directory!r} is not writable: {e}") from e
 
@@ -316,64 +348,33 @@ def _parse_tensors(data: bytes) -> dict[str, torch.Tensor]:
         raise _BadFile(f"unparsable safetensors: {type(e).__name__}: {e}") from e
 
 
-@contextmanager
-def _dir_lock(directory: str) -> Iterator[None]:
-    """An exclusive flock on <directory>/.lock, shared by every process using the directory."""
-    with open(os.path.join(directory, _LOCK_NAME), "ab") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
-def _walk(folder: str, clean_tmp: bool = False) -> Iterator[os.DirEntry]:
-    """Every *.safetensors file under `folder`, recursively; vanished entries are skipped.
+def _scan_files(directory: str, clean_tmp: bool = False) -> list[tuple[int, int, str, int]]:
+    """(mtime_ns, size, path, inode) of every cache file and canary record (regular files only:
+    symlinks, FIFOs and devices are neither followed nor opened nor counted) under `directory`.
     With clean_tmp, leftover temporary files older than an hour are removed on the way."""
-    try:
-        entries = list(os.scandir(folder))
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                yield from _walk(entry.path, clean_tmp)
-            elif entry.name.endswith(kv_files.KV_FILE_SUFFIX):
-                yield entry
-            elif clean_tmp and entry.name.endswith(_TMP_SUFFIX):
-                if time.time() - entry.stat().st_mtime > _STALE_TMP_S:
-                    _remove_quietly(entry.path)
-        except FileNotFoundError:
-            continue
+    def keep(name: str) -> bool:
+        return name.endswith(kv_files.KV_FILE_SUFFIX) or name == kv_files.CANARY_RECORD or \
+            (clean_tmp and name.endswith(_TMP_SUFFIX))
 
-
-def _scan_files(directory: str, clean_tmp: bool = False) -> list[tuple[int, int, str]]:
-    """(mtime_ns, size, path) of every cache file under `directory`."""
-    files = []
-    for entry in _walk(directory, clean_tmp):
-        try:
-            st = entry.stat()
-        except FileNotFoundError:
+    files, now = [], time.time()
+    for entry, st in kv_dir_io.scan(directory, keep):
+        if entry.name.endswith(_TMP_SUFFIX):
+            if now - st.st_mtime > _STALE_TMP_S:
+                kv_dir_io.remove_file(directory, entry.path, st.st_ino)
             continue
-        files.append((st.st_mtime_ns, st.st_size, entry.path))
+        files.append((st.st_mtime_ns, st.st_size, entry.path, st.st_ino))
     return files
 
 
-def _touch(path: str, mtime_ns: int | None = None) -> None:
+def _touch(parent: int, name: str, mtime_ns: int | None = None) -> None:
+    """Set entry `name`'s mtime (now, or mtime_ns), never through a symlink."""
     try:
         if mtime_ns is None:
-            os.utime(path)
+            os.utime(name, dir_fd=parent, follow_symlinks=False)
         else:
-            os.utime(path, ns=(mtime_ns, mtime_ns))
+            os.utime(name, ns=(mtime_ns, mtime_ns), dir_fd=parent, follow_symlinks=False)
     except OSError:
         pass  # evicted meanwhile, or a read-only directory: the hit still counts
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def scan_kv_dir(directory: str) -> dict:
@@ -382,7 +383,9 @@ def scan_kv_dir(directory: str) -> dict:
     {"path": directory, "entries": n, "bytes": b, "models": {root16: {"entries": n, "bytes": b}}};
     a missing directory gives 0 entries and 0 bytes."""
     report: dict = {"path": directory, "entries": 0, "bytes": 0, "models": {}}
-    for _, size, path in _scan_files(directory):
+    for _, size, path, _ in _scan_files(directory):
+        if not path.endswith(kv_files.KV_FILE_SUFFIX):
+            continue
         report["entries"] += 1
         report["bytes"] += size
         top = os.path.relpath(path, directory).split(os.sep)[0]

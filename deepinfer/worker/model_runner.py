@@ -21,6 +21,7 @@ from deepinfer.contracts.plan import (
     is_fatal_fault,
 )
 from deepinfer.environ import Environ
+from deepinfer.model_executor import model_loader
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.triton_backend import make_attention_backend
 from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
@@ -34,6 +35,8 @@ from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import device_tensor
 from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
+from deepinfer.structured_output import StructuredOutputError
+from deepinfer.worker.cache_canary import checked_identity
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
 from deepinfer.worker.cache_sizing import (
     RequestNeed,
@@ -121,7 +124,10 @@ class ModelRunner:
         self.addressing = group_addressing(self.groups)
         self.model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                            num_ring_units, self.attention_backend))
-        self.cache_identity = cache_identity(source, self.dtype, cache_config.kv_cache_dtype, self.groups, self.env)
+        self.numerics = model_loader.numerics_record(self.model, self.device, self.dtype, self.quantization.value,
+                                                     self.attention_backend.name, cache_config.kv_cache_dtype,
+                                                     self.env.batch_invariant)  # every choice in a row's bits
+        self.cache_identity = checked_identity(self, cache_identity(source, self.numerics, self.groups), cache_config)
         self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
                                   self._disk_store(cache_config))
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
@@ -348,8 +354,9 @@ class ModelRunner:
         except Exception as exc:
             if is_fatal_fault(exc):
                 raise
-            logger.warning("%s; sampling its %d requests one by one", describe_fault("sampling a batch", exc),
-                           len(rows))
+            if not isinstance(exc, StructuredOutputError):  # a request's grammar: the engine logs its one line
+                logger.warning("%s; sampling its %d requests one by one", describe_fault("sampling a batch", exc),
+                               len(rows))
         if saved is not None:  # greedy rows draw nothing: nothing to rewind
             self.sampler.restore_generators(saved)
         output, first = ModelOutput(), 0
@@ -359,7 +366,8 @@ class ModelRunner:
             except Exception as exc:
                 if is_fatal_fault(exc):
                     raise
-                logger.exception("request %r failed in sampling", row.request_id)
+                if not isinstance(exc, StructuredOutputError):
+                    logger.exception("request %r failed in sampling", row.request_id)
                 output.errors[row.request_id] = describe_fault("sampling", exc)
             first += size
         return output

@@ -27,6 +27,7 @@ import os
 import torch
 
 from deepinfer.contracts.kv_files import KV_FILE_VERSION, SNAPSHOT, root_dir
+from deepinfer.contracts.numerics import NumericsRecord
 from deepinfer.contracts.plan import CacheLoad, CachePersist, ScheduledRequest, StepPlan
 from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 
@@ -37,17 +38,17 @@ _NOT_KV = ("transformers_version", "architectures", "torch_dtype", "dtype", "use
            "output_hidden_states", "return_dict")
 
 
-def cache_identity(source, dtype: torch.dtype, kv_cache_dtype: str, groups, env) -> str:
+def cache_identity(source, numerics: NumericsRecord, groups) -> str:
     """sha256 over everything that changes cached K/V: the weights' content (`source.identity`),
     the model config (RoPE and its scaling, windows, layer types: the whole config, less
-    bookkeeping fields), the compute dtype, the row format, the cache layout and the kernels'
-    batch-invariant mode; with several tensor-parallel ranks, the rank and their number. Two
-    engines share saved units only when all of them agree."""
+    bookkeeping fields), the row identity `numerics` as a whole (quantization and every weight's
+    format, compute dtype, kernels' ISA, attention backend, device, batch-invariant mode, ...: see
+    `contracts/numerics.py`) and the cache layout; with several tensor-parallel ranks, the rank and
+    their number. Two engines share saved units only when all of them agree."""
     config = source.hf_config.to_dict() if hasattr(source.hf_config, "to_dict") else vars(source.hf_config)
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _NOT_KV}
-    document = {"version": KV_FILE_VERSION, "weights": source.identity, "config": config, "dtype": str(dtype),
-                "kv_cache_dtype": kv_cache_dtype, "groups": [dataclasses.asdict(g) for g in groups],
-                "batch_invariant": env.batch_invariant}
+    document = {"version": KV_FILE_VERSION, "weights": source.identity, "config": config,
+                "numerics": dataclasses.asdict(numerics), "groups": [dataclasses.asdict(g) for g in groups]}
     if tp_size() > 1:  # each rank's files hold its slice of the rows: a root of their own
         document["rank"] = f"{tp_rank()} of {tp_size()}"
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
@@ -173,14 +174,19 @@ class PrefixStore:
         self.disk.save(self._file(op), self._kind(op), op.key, tensors, mtime_ns=op.mtime_ns)
 
     def load(self, op: CacheLoad) -> bool:
-        """Read one saved unit into its place; False (with a warning) if it cannot be used."""
-        loaded = self.disk.load(self._file(op), self._kind(op), op.key, op.mtime_ns) if self.disk is not None else None
-        if loaded is None:
+        """Read one saved unit into its place; False (with a warning) if it cannot be used. The
+        file must hold exactly the unit's tensor bytes (checked before it is read)."""
+        if self.disk is None:
             return False
         targets = self._unit_tensors(op)
+        want_state = self.model.read_state(0) if op.group < 0 else {}
+        payload = sum(t.numel() * t.element_size() for t in (*targets.values(), *want_state.values()))
+        loaded = self.disk.load(self._file(op), self._kind(op), op.key, op.mtime_ns, payload_bytes=payload)
+        if loaded is None:
+            return False
         state = {n.removeprefix("state."): t for n, t in loaded.items() if n.startswith("state.")}
         plain = {n: t for n, t in loaded.items() if not n.startswith("state.")}
-        bad = _mismatch(plain, targets) or (op.group < 0 and _mismatch(state, self.model.read_state(0)))
+        bad = _mismatch(plain, targets) or (op.group < 0 and _mismatch(state, want_state))
         if bad:
             logger.warning("saved KV cache file %s does not fit this cache (%s); recomputing", self._file(op), bad)
             return False
