@@ -1,7 +1,10 @@
 """SamplingParams: how one request picks its tokens and when it stops. Pure Python.
 
 Every bad value raises ValueError naming the field and the value, so one bad request can be
-refused without touching the rest of a batch.
+refused without touching the rest of a batch. The lists are bounded (MAX_STOP_STRINGS and
+MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, MAX_BAD_WORDS and MAX_BAD_WORDS_CHARS, MAX_LOGIT_BIAS; a
+structured-output choice in `structured_output`): beyond a limit the ValueError names the field,
+its length and the limit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from deepinfer.structured_output import StructuredOutputsParams
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 INT64_MAX = 2**63 - 1  # token ids, top_k and counts stay within int64 (what a tensor holds)
 MAX_SAMPLES = 128  # most sequences one prompt may fan out to (n, best_of), as in OpenAI's API
+# Per-request lists: their length (and characters, where text is scanned) are bounded, so that no
+# request costs the engine more than a fixed amount per step (see README, "Request limits").
+MAX_STOP_STRINGS = 64  # stop strings (OpenAI allows 4)
+MAX_STOP_CHARS = 4096  # characters of all stop strings together
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids
+MAX_BAD_WORDS = 1024  # bad_words
+MAX_BAD_WORDS_CHARS = 65_536  # characters of all bad words together
+MAX_LOGIT_BIAS = 4096  # logit_bias entries
 
 
 @dataclass
@@ -46,6 +57,7 @@ class SamplingParams:
     # the model's EOS ids (masked with stop_token_ids under min_tokens), each bad word's tokenizations
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    _bad_words_tokenized: tuple[str, ...] | None = field(default=None, repr=False)  # the words tokenized
 
     def __init__(self, **kwargs):
         names = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -85,21 +97,34 @@ class SamplingParams:
     def set_bad_words_tokens(self, tokenizer) -> None:
         """Tokenize `bad_words` as vLLM does: each word alone and after a space, keeping the
         spaced form only when it starts with another token and has as many tokens (a new word
-        token rather than a space plus the word). ValueError when there is no tokenizer."""
+        token rather than a space plus the word). O(len(bad_words)) encodes, duplicates dropped
+        through a set. ValueError when there is no tokenizer. The server runs this in its
+        tokenizer pool, the engine when the request is added (unless already done for these words)."""
         if not self.bad_words:
-            self._bad_words_token_ids = ()
+            self._bad_words_token_ids, self._bad_words_tokenized = (), ()
             return
         if tokenizer is None:
             raise ValueError(f"bad_words {short_repr(self.bad_words)} need a tokenizer, and this model has none")
-        found: list[tuple[int, ...]] = []
+        found: dict[tuple[int, ...], None] = {}  # insertion-ordered set
         for word in self.bad_words:
             plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
             new_word = bool(plain) and bool(spaced) and spaced[0] != plain[0] and len(spaced) == len(plain)
             for ids in (plain, spaced) if new_word else (plain,):
-                if ids and ids not in found:
-                    found.append(ids)
+                if ids:
+                    found.setdefault(ids)
         self._bad_words_token_ids = tuple(found)
+        self._bad_words_tokenized = tuple(self.bad_words)
+
+    @property
+    def bad_words_tokenized(self) -> bool:
+        """`_bad_words_token_ids` is up to date with `bad_words` (set_bad_words_tokens ran for them)."""
+        return not self.bad_words or self._bad_words_tokenized == tuple(self.bad_words)
+
+    def first_banned_token_ids(self) -> set[int]:
+        """The ids no first output token may be: the one-token bad words (min_tokens, the other
+        first-token ban, cannot be combined with structured output)."""
+        return {word[0] for word in self._bad_words_token_ids if len(word) == 1}
 
     def validate(self) -> SamplingParams:
         """Check every field again (fields can be changed after construction); returns self.
@@ -112,6 +137,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_list("stop", self.stop, MAX_STOP_STRINGS, "strings")
+        _check_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS, "ids")
         _check_int("max_tokens", self.max_tokens, low=1, high=INT64_MAX)
         _check_number("temperature", self.temperature, low=0.0)
         _check_number("top_p", self.top_p)
@@ -131,6 +158,7 @@ class SamplingParams:
         self._validate_samples()
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {short_repr(self.stop)}")
+        _check_chars("stop", self.stop, MAX_STOP_CHARS)
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX
                    for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}], "
@@ -170,8 +198,10 @@ class SamplingParams:
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         self.bad_words = list(self.bad_words or [])
+        _check_list("bad_words", self.bad_words, MAX_BAD_WORDS, "words")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {short_repr(self.bad_words)}")
+        _check_chars("bad_words", self.bad_words, MAX_BAD_WORDS_CHARS)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
 
@@ -183,6 +213,7 @@ def _checked_logit_bias(bias) -> dict[int, float]:
         return {}
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be a dict of token id -> bias, got {short_repr(bias)}")
+    _check_list("logit_bias", bias, MAX_LOGIT_BIAS, "entries")
     checked = {}
     for key, value in bias.items():
         token_id = key
@@ -220,6 +251,23 @@ def generation_defaults(generation_config: dict | None) -> dict:
     return named
 
 
+# What a request's unset sampling fields take when the checkpoint's generation config names none of
+# them (GGUF files never carry one): mild randomness and a light repetition penalty, so that a small
+# model neither loops (as greedy decoding makes it) nor rambles (as temperature 1 does).
+FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.05}
+
+
+def model_sampling_defaults(generation_config: dict | None) -> dict:
+    """The one set of sampling defaults every entry point uses (the server, `LLM.generate` and `chat`,
+    the CLI and the chat page): the generation config's fields (`generation_defaults`), else
+    FALLBACK_SAMPLING. max_tokens comes only from the config's max_new_tokens."""
+    config = generation_config or {}
+    named = generation_defaults(config)
+    if named.keys() - {"max_tokens"} or "do_sample" in config:
+        return named
+    return {**FALLBACK_SAMPLING, **named}
+
+
 _MAX_SHOWN = 80  # characters of a value shown in an error message
 
 
@@ -232,6 +280,19 @@ def short_repr(value) -> str:
         return f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else \
             f"<a {type(value).__name__} too large to show>"
     return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
+
+
+def _check_list(name: str, values, limit: int, what: str) -> None:
+    """ValueError naming the field, its length and the limit when `values` is longer than `limit`."""
+    if len(values) > limit:
+        raise ValueError(f"{name} has {len(values)} {what}; the limit is {limit}")
+
+
+def _check_chars(name: str, strings: list[str], limit: int) -> None:
+    """ValueError when the strings hold more than `limit` characters together."""
+    total = sum(len(s) for s in strings)
+    if total > limit:
+        raise ValueError(f"{name} has {total} characters in all; the limit is {limit}")
 
 
 def _check_int(name, value, low=None, high=None):

@@ -6,6 +6,7 @@ bad specs are refused when the request is added; matchers are freed."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -107,9 +108,9 @@ def test_bad_spec_is_refused_at_add_request_and_the_batch_runs(tiny_llm):
         tiny_llm.engine.add_request("x", bad)
     with pytest.raises(ValueError, match="structured_output must be a StructuredOutputsParams"):
         SamplingParams(structured_output="[0-9]+")
-    outs = tiny_llm.generate(["Code:", "Code:"], [good, bad], use_tqdm=False)
-    _check(outs[:1], lambda t: re.fullmatch(CODE, t))
-    assert outs[1].error is not None and "structured_output.regex" in str(outs[1].error)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_output\.regex"):
+        tiny_llm.generate(["Code:", "Code:"], [good, bad], use_tqdm=False)
+    _check(tiny_llm.generate(["Code:"], [good], use_tqdm=False), lambda t: re.fullmatch(CODE, t))
     tiny_llm.engine.kv_manager.check_no_leaks()
 
 
@@ -127,7 +128,7 @@ def test_abort_frees_the_matcher(tiny_llm):
 
 
 def _greedy_texts(llm, prompts, pattern=LIST):
-    params = SamplingParams(max_tokens=80, temperature=0.0, structured_output={"regex": pattern})
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output={"regex": pattern})  # LIST: 21 tokens
     outs = llm.generate(prompts, params, use_tqdm=False)
     _check(outs, lambda t: re.fullmatch(pattern, t))
     return [o.outputs[0].token_ids for o in outs]
@@ -240,3 +241,60 @@ def test_a_forbidden_draft_is_never_accepted(structured, greedy):
         assert tokens[0] == digits[0] and tokens[1] != letter[0] and len(tokens) == 2
         assert re.fullmatch(r"[0-9]", tok.decode(tokens[1:])), tok.decode(tokens[1:])
     so.release(["v"])
+
+
+# -- compiled completely before admission; a dead end fails its request alone ------------------------
+
+REFUSED = [({"grammar": 'start: "a" start'}, "structured_output.grammar cannot be used"),
+           ({"json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}},
+            "structured_output.json cannot be used"),
+           ({"regex": "(a{1000}){1000}"}, "structured_output.regex cannot be used"),
+           ({"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(5000))}, "structured_output.grammar")]
+
+
+@pytest.mark.parametrize("spec,words", REFUSED, ids=["recursion", "self-ref", "regex", "wide-row"])
+def test_what_llguidance_refuses_is_a_value_error_at_add_time(tiny_llm, spec, words):
+    """Each passes validate_grammar but fails in a real matcher: refused before any step runs."""
+    engine = tiny_llm.engine
+    with pytest.raises(ValueError, match=re.escape(words)) as info:
+        engine.add_request("Answer:", SamplingParams(max_tokens=20, temperature=0.0, structured_output=spec))
+    assert len(str(info.value)) < 400 and "<" not in str(info.value)  # llguidance's first lines, no state dump
+    assert not engine.has_unfinished_requests()
+    engine.kv_manager.check_no_leaks()
+
+
+def test_a_grammar_whose_first_tokens_bad_words_ban_is_refused_at_add_time(tiny_llm):
+    params = SamplingParams(max_tokens=5, structured_output={"choice": ["yes"]}, bad_words=["yes"])
+    with pytest.raises(ValueError, match="structured_output.choice allows no first token that bad_words"):
+        tiny_llm.engine.add_request("Answer:", params)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_the_grammar_compiled_at_add_time_is_used_by_the_worker(tiny_llm, monkeypatch):
+    def no_compile(*args):
+        raise AssertionError("the worker compiled a grammar")
+
+    monkeypatch.setattr(tiny_llm.engine.runner.structured, "_compile", no_compile)
+    spec = StructuredOutputsParams(regex=CODE)
+    outs = tiny_llm.generate(["Code:"], [SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec)],
+                             use_tqdm=False)
+    _check(outs, lambda t: re.fullmatch(CODE, t))
+    assert spec.compiled is not None
+
+
+def test_a_mask_emptied_mid_generation_fails_that_request_alone_with_one_log_line(tiny_llm, caplog):
+    """"hello world" is two tokens; banning the pair leaves the grammar nothing after "hello"."""
+    bad = SamplingParams(max_tokens=20, temperature=0.0, structured_output={"choice": ["hello world"]},
+                         bad_words=["hello world"])
+    good = SamplingParams(max_tokens=40, temperature=0.0, structured_output={"regex": CODE})
+    with caplog.at_level("INFO"):
+        outs = tiny_llm.generate(["Answer:", "Code:"], [bad, good], use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "error" and failed.text == "hello", failed
+    assert "every token its structured_output grammar allows is banned by bad_words" in str(outs[0].error)
+    _check(outs[1:], lambda t: re.fullmatch(CODE, t))
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].exc_info is None and len(records[0].getMessage().splitlines()) == 1
+    tiny_llm.engine.kv_manager.check_no_leaks()
+    assert tiny_llm.engine.runner.structured.num_matchers == 0

@@ -1,4 +1,10 @@
-"""Turns sampled tokens into RequestOutputs: detokenization, stop strings, logprobs. Pure Python."""
+"""Turns sampled tokens into RequestOutputs: detokenization, stop strings, logprobs. Pure Python.
+
+When a request is added (`add`), its per-request preparation that needs the tokenizer happens
+here, before any step: its bad words are tokenized and its structured output compiled completely
+(`GrammarCompiler`), unless the server already did both in its tokenizer pool. A refusal is a
+ValueError naming the field.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from deepinfer.engine.detokenizer import IncrementalDetokenizer, NoTextDetokeniz
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured_output import GrammarCompiler
 
 
 @dataclass
@@ -24,14 +31,19 @@ class OutputProcessor:
     """Per request: its completion so far, detokenizer and stop checker; folds each step's
     sample in and builds the request's RequestOutput."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=()):
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        # structured output is compiled for the model's vocabulary (None: left to the worker)
+        self.grammars = None if vocab_size is None else GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
     def add(self, req: Request, prompt: str | None) -> None:
         p = req.sampling_params
         p.set_eos_token_ids(req.eos_token_ids)  # min_tokens masks them
-        p.set_bad_words_tokens(self.tokenizer)  # ValueError without a tokenizer
+        if not p.bad_words_tokenized:
+            p.set_bad_words_tokens(self.tokenizer)  # ValueError without a tokenizer
+        if p.structured_output is not None and self.grammars is not None:
+            self.grammars.prepare(p.structured_output, p.first_banned_token_ids())  # StructuredOutputError
         detok = NoTextDetokenizer() if self.tokenizer is None else \
             IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)

@@ -18,8 +18,15 @@ mask after d1..di:
 then the drafts are rolled back; the tokens the rejection sampler keeps come back as outputs and
 are consumed at the next step. A forbidden draft x at row i has p_i(x) = 0, so it is never kept.
 
-Each distinct grammar is compiled once (an LRU of compiled matchers, copied per request); the
-tokenizer's llguidance view is built once, on first use (about half a second for 49k tokens).
+A request's spec normally arrives compiled (`StructuredOutputsParams.compiled`, by the server's
+tokenizer pool or the engine's add path): its matcher is copied, and nothing is compiled on the
+engine thread. Otherwise (another vocabulary size or EOS set) the worker compiles each distinct
+grammar once itself (an LRU of compiled matchers, copied per request); the tokenizer's llguidance
+view is then built once, on first use (about half a second for 49k tokens).
+
+Every failure of a request's grammar here raises `StructuredOutputError` with a short message
+(llguidance's first lines): the runner reports it as that request's fault, and the engine logs
+one line for it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from deepinfer.structured_output import grammar_engine
+from deepinfer.structured_output import StructuredOutputError, first_lines, grammar_engine, grammar_limits
 
 if TYPE_CHECKING:
     import llguidance
@@ -79,7 +86,7 @@ class StructuredOutputs:
     def apply(self, logits: torch.Tensor, rows: Sequence) -> torch.Tensor:
         """logits [M, V] for `rows` (one per plain request, k + 1 per verification) -> a copy with
         -inf wherever a structured request's grammar forbids the token (unchanged rows as they are).
-        Raises ValueError for a request whose grammar cannot be used (engine isolates it)."""
+        Raises StructuredOutputError (a ValueError) for a request whose grammar cannot be used (engine isolates it)."""
         vocab_size = logits.shape[-1]
         index, masks, first = [], [], 0
         for s in rows:
@@ -123,28 +130,33 @@ class StructuredOutputs:
             consumed += 1
             _fill(matcher, bitmask[i], s.request_id)
         if consumed and not matcher.rollback(consumed):
-            raise ValueError(f"request {s.request_id!r}: the grammar matcher could not roll back "
-                             f"{consumed} drafts: {matcher.get_error()}")
+            raise StructuredOutputError(f"request {s.request_id!r}: the grammar matcher could not roll back "
+                                        f"{consumed} drafts: {first_lines(matcher.get_error())}")
         return bitmask
 
     def _tracked(self, s, vocab_size: int) -> _Tracked:
         tracked = self._matchers.get(s.request_id)
         if tracked is None:
-            compiled = self._compile(s.sampling_params.structured_output.grammar_text, vocab_size)
+            spec = s.sampling_params.structured_output
+            ready = spec.compiled
+            if ready is not None and ready.fits(vocab_size, self.eos_token_ids):
+                compiled = ready.matcher  # compiled before admission, off the engine thread
+            else:
+                compiled = self._compile(spec.grammar_text, vocab_size)
             tracked = self._matchers[s.request_id] = _Tracked(compiled.deep_copy())
         return tracked
 
     def _sync(self, tracked: _Tracked, s) -> None:
         """Consume the request's output tokens the matcher has not seen (skipping EOS and what
-        follows a completed grammar). ValueError when one does not fit the grammar."""
+        follows a completed grammar). StructuredOutputError when one does not fit the grammar."""
         outputs, matcher = s.output_token_ids, tracked.matcher
         if len(outputs) < tracked.num_synced:  # outputs never shrink; start over if they did
             matcher.reset()
             tracked.num_synced = 0
         for token in outputs[tracked.num_synced:]:
             if not (matcher.is_stopped() or token in self.eos_token_ids) and not matcher.consume_token(token):
-                raise ValueError(f"request {s.request_id!r}: output token {token} does not fit its "
-                                 f"structured_output grammar: {matcher.get_error()}")
+                raise StructuredOutputError(f"request {s.request_id!r}: output token {token} does not fit its "
+                                            f"structured_output grammar: {first_lines(matcher.get_error())}")
             tracked.num_synced += 1
 
     def _compile(self, grammar_text: str, vocab_size: int) -> llguidance.LLMatcher:
@@ -153,9 +165,11 @@ class StructuredOutputs:
         if compiled is not None:
             self._compiled.move_to_end(grammar_text)
             return compiled
-        compiled = grammar_engine().LLMatcher(self._tokenizer_info(vocab_size), grammar_text, log_level=0)
+        compiled = grammar_engine().LLMatcher(self._tokenizer_info(vocab_size), grammar_text, log_level=0,
+                                              limits=grammar_limits())
         if compiled.is_error():
-            raise ValueError(f"structured_output grammar does not compile: {compiled.get_error()}")
+            raise StructuredOutputError(f"structured_output grammar does not compile: "
+                                        f"{first_lines(compiled.get_error())}")
         self._compiled[grammar_text] = compiled
         if len(self._compiled) > _MAX_COMPILED:
             self._compiled.popitem(last=False)
@@ -175,11 +189,13 @@ class StructuredOutputs:
 
 def _fill(matcher: llguidance.LLMatcher, words: torch.Tensor, request_id: str) -> None:
     """Write the matcher's next-token bitmask into words [W] (int32, CPU, contiguous)."""
+    if not matcher.is_error():
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
     if matcher.is_error():
-        raise ValueError(f"request {request_id!r}: structured_output grammar error: {matcher.get_error()}")
-    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        raise StructuredOutputError(f"request {request_id!r}: structured_output grammar error: "
+                                    f"{first_lines(matcher.get_error())}")
     if not bool(words.any()):
-        raise ValueError(f"request {request_id!r}: its structured_output grammar allows no token here")
+        raise StructuredOutputError(f"request {request_id!r}: its structured_output grammar allows no token here")
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ Each server runs in a subprocess on a free 127.0.0.1 port and is killed in teard
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -59,12 +60,12 @@ def offline_llm(default_pair):
 def test_openai_client_matches_offline_generate(default_server, offline_llm):
     from openai import OpenAI
 
-    from deepinfer import SamplingParams
 
     client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     prompt = "The capital of France is"
-    params = SamplingParams(max_tokens=8, temperature=0)
+    # the server's unset fields take the model's defaults, as LLM.get_default_sampling_params() gives them
+    params = dataclasses.replace(offline_llm.get_default_sampling_params(), max_tokens=8, temperature=0)
     expected = offline_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
 
     whole = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
@@ -80,12 +81,11 @@ def test_openai_client_matches_offline_generate(default_server, offline_llm):
 def test_openai_client_chat_matches_offline_chat(default_server, offline_llm):
     from openai import OpenAI
 
-    from deepinfer import SamplingParams
 
     client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
-    expected = offline_llm.chat(messages, SamplingParams(max_tokens=12, temperature=0),
-                                use_tqdm=False)[0].outputs[0]
+    params = dataclasses.replace(offline_llm.get_default_sampling_params(), max_tokens=12, temperature=0)
+    expected = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
     model = "SmolLM2-135M-Instruct"
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     assert whole.choices[0].message.role == "assistant"

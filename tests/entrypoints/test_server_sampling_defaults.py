@@ -1,5 +1,5 @@
 """The server's unset sampling fields take the checkpoint's generation config (as vLLM's
-`--generation-config auto`), else OpenAI's defaults; a request's own values win."""
+`--generation-config auto`), else the one fallback every entry point uses; a request's own values win."""
 
 from __future__ import annotations
 
@@ -38,11 +38,12 @@ def test_unset_fields_take_the_checkpoints_values_and_the_request_wins():
     assert (own.temperature, own.top_p, own.max_tokens) == (0.0, 0.5, 16)
 
 
-def test_without_a_generation_config_openai_defaults_hold():
+def test_without_a_generation_config_the_one_fallback_holds():
+    """The server used OpenAI's temperature 1.0 where `deepinfer chat` used 0.7: now every entry point
+    takes FALLBACK_SAMPLING (see tests/test_defaults.py)."""
     params = _sampling_params(_state({}), CompletionRequest(prompt="hi"), 3, "prompt")
-    default = SamplingParams()
-    assert (params.temperature, params.top_p, params.repetition_penalty) == \
-        (default.temperature, default.top_p, default.repetition_penalty)
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (0.7, 0.9, 1.05)
+    assert SamplingParams().temperature == 1.0  # a SamplingParams built by hand keeps its own defaults
 
 
 def test_a_bad_generation_config_stops_the_start_naming_the_file_and_field():

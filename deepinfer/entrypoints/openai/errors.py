@@ -91,9 +91,13 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     """pydantic's error list -> one 400 naming the first bad field and its value."""
     if not errors:
         return bad_request("invalid request body")
-    err = errors[0]
+    unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
+    err = unknown[0] if unknown else errors[0]  # an unknown field first: it may explain the rest
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None  # the request field; the message gives the full location
+    if unknown:
+        return bad_request(f"Unrecognized request argument supplied: {_short_name('.'.join(loc))}",
+                           param=_short_name(param), code="unknown_parameter")
     message = err.get("msg", "invalid value")
     if "input" in err and err.get("type") != "missing":
         message += f" (got {_short_repr(err['input'])})"
@@ -102,6 +106,11 @@ def from_validation_errors(errors: list[dict]) -> APIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return bad_request(message, param=param)
+
+
+def _short_name(name: str | None) -> str | None:
+    """A client-chosen field name, bounded for a message."""
+    return name if name is None or len(name) <= 80 else name[:80] + "..."
 
 
 def _short_repr(value) -> str:

@@ -1,6 +1,11 @@
 """Request bodies of the OpenAI API as pydantic models, and their mapping to SamplingParams.
 
-Unknown fields are ignored. `cache_salt` (an extension, as in vLLM) keeps a request's prefix
+Unknown fields are refused, as OpenAI's API does (a 400 naming the field: a misspelled
+`max_tokns` never silently falls back to a default); every field the official `openai` client
+sends is declared. Fields that change nothing here are accepted and ignored (`user`, `metadata`,
+`store`, `service_tier`, `parallel_tool_calls`, `prediction`, `prompt_cache_key`,
+`safety_identifier`). Chat messages keep their extra fields (they reach the chat template).
+`cache_salt` (an extension, as in vLLM) keeps a request's prefix
 cache apart from requests with another salt. vLLM's sampling extensions `min_tokens`,
 `include_stop_str_in_output`, `bad_words` and `prompt_logprobs` (a top-level list in the
 response) are accepted beside OpenAI's `logit_bias`. Fields that would change the meaning of a request but that the
@@ -24,12 +29,13 @@ from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
 SEED_MIN, SEED_MAX, INT64_MAX = -(2**63), 2**64 - 1, 2**63 - 1
-_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding is sent)
 
 
 class _GenerationRequest(BaseModel):
@@ -51,7 +57,13 @@ class _GenerationRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # accepted and ignored: they change nothing in how this server answers
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
     cache_salt: str | None = None  # extension (as in vLLM): only requests with an equal salt share cached prefixes
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
@@ -144,7 +156,8 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    # a part of another type (image_url, ...) carries other fields: refused by its type, with a clear message
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
 
@@ -179,6 +192,13 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are refused)
+    prediction: dict[str, Any] | None = None  # accepted and ignored (a speed hint; the answer is the same)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -195,6 +215,9 @@ class ChatCompletionRequest(_GenerationRequest):
                    "function_call is not supported")
         _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
                    "top_logprobs requires logprobs to be true", code=None)
+        _refuse_if(self.modalities not in (None, ["text"]), "modalities", "only the text modality is supported")
+        for name in ("audio", "reasoning_effort", "verbosity", "web_search_options"):
+            _refuse_if(getattr(self, name) is not None, name, f"{name} is not supported with this model")
 
     def template_messages(self) -> list[dict]:
         return [m.template_dict() for m in self.messages]
@@ -212,24 +235,36 @@ _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice",
 
 def structured_output_of(body: _GenerationRequest) -> StructuredOutputsParams | None:
     """The request's output constraint, or None; a 400 naming the param when it is malformed,
-    invalid (a bad schema, regex or grammar) or given twice."""
+    invalid (a bad schema, regex or grammar, or over a limit) or given twice."""
+    spec = structured_spec(body)
+    if spec is None:
+        return None
+    try:
+        return StructuredOutputsParams.from_value(spec[2])
+    except ValueError as exc:
+        raise structured_output_error(body, exc) from None
+
+
+def structured_spec(body: _GenerationRequest) -> tuple[str, str, dict] | None:
+    """(param, name shown in messages, structured_outputs dict) of the request's one constraint."""
     specs = _response_format_spec(body.response_format)
     if body.structured_outputs is not None:
         specs.append(("structured_outputs", "structured_outputs", dict(body.structured_outputs)))
     specs += [(name, name, {key: getattr(body, name)}) for name, key in _GUIDED if getattr(body, name) is not None]
-    if not specs:
-        return None
     if len(specs) > 1:
         raise bad_request(f"{specs[0][0]} and {specs[1][0]} both constrain the output; send one of them",
                           specs[1][0])
-    param, shown, spec = specs[0]
-    try:
-        return StructuredOutputsParams.from_value(spec)
-    except ValueError as exc:
-        message = str(exc)
-        old = "structured_output" if param == "structured_outputs" else f"structured_output.{next(iter(spec))}"
-        raise bad_request(message.replace(old, shown, 1) if message.startswith(old) else f"{shown}: {message}",
-                          param) from None
+    return specs[0] if specs else None
+
+
+def structured_output_error(body: _GenerationRequest, exc: ValueError) -> APIError:
+    """A 400 for the structured output's ValueError, in the names the client used: the param
+    (e.g. `guided_grammar`, `response_format`) and `structured_output.<kind>` renamed in the message
+    (e.g. `structured_outputs.regex`)."""
+    param, shown, spec = structured_spec(body)
+    message = str(exc)
+    old = "structured_output" if param == "structured_outputs" else f"structured_output.{next(iter(spec))}"
+    return bad_request(message.replace(old, shown, 1) if message.startswith(old) else f"{shown}: {message}", param)
 
 
 def _response_format_spec(response_format: dict | None) -> list[tuple[str, str, dict]]:

@@ -10,7 +10,12 @@
 Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
 header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
 a small worker pool (`TokenizerPool`), never on the event loop, so `/health` and streams stay
-responsive while a large prompt is tokenized; the token ids then go to the engine thread.
+responsive while a large prompt is tokenized. There too, before admission, its sampling params
+are built and checked (every per-request list within its limit), its bad words tokenized and its
+structured output compiled completely (`GrammarCompiler`, within llguidance's limits and a time
+budget): whatever llguidance refuses is a 400 naming the param. The token ids and the prepared
+params (with the compiled grammar, which the worker copies) then go to the engine thread, which
+compiles and tokenizes nothing of them again.
 
 A generation body may carry `cache_salt` (a string, as in vLLM): only requests with an equal
 salt share cached prefixes; `usage.prompt_tokens_details.cached_tokens` reports the prompt
@@ -51,7 +56,7 @@ from deepinfer.entrypoints.openai.errors import (
     service_unavailable,
 )
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
-from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structured_output_error
 from deepinfer.entrypoints.openai.serving import (
     ChatFormatter,
     CompletionFormatter,
@@ -59,7 +64,8 @@ from deepinfer.entrypoints.openai.serving import (
     engine_closed,
     stream_events,
 )
-from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, generation_defaults
+from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, model_sampling_defaults
+from deepinfer.structured_output import GrammarCompiler
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -137,6 +143,8 @@ class ServerState:
         self.pool = TokenizerPool(self.tokenizer, max(1, settings.tokenizer_workers))
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.source.hf_config.vocab_size
+        # compiles structured output in the pool threads, with a tokenizer copy of its own
+        self.grammars = GrammarCompiler(copy.deepcopy(engine.tokenizer), self.vocab_size, engine.eos_token_ids)
         self.sampling_defaults = sampling_defaults(engine.source)
         self.created = int(time.time())
 
@@ -256,16 +264,16 @@ def _v1_routes(state: ServerState) -> APIRouter:
     async def completions(request: Request) -> Response:
         state.check_capacity()
         raw = await read_body(request)
-        body, prompt_ids = await state.pool.run(_prepare_completion, state, raw)
-        return await _generate(state, request, body, prompt_ids, "prompt",
+        body, prompt_ids, params = await state.pool.run(_prepare_completion, state, raw)
+        return await _generate(state, request, body, prompt_ids, params,
                                CompletionFormatter, f"cmpl-{uuid.uuid4().hex}")
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state.check_capacity()
         raw = await read_body(request)
-        body, prompt_ids = await state.pool.run(_prepare_chat, state, raw)
-        return await _generate(state, request, body, prompt_ids, "messages",
+        body, prompt_ids, params = await state.pool.run(_prepare_chat, state, raw)
+        return await _generate(state, request, body, prompt_ids, params,
                                ChatFormatter, f"chatcmpl-{uuid.uuid4().hex}")
 
     return router
@@ -274,7 +282,13 @@ def _v1_routes(state: ServerState) -> APIRouter:
 # -- on a TokenizerPool thread: parse, validate, tokenize ---------------------------------------------
 
 
-def _prepare_completion(tokenizer, state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[int]]:
+def _prepare_completion(tokenizer, state: ServerState, raw: bytes
+                        ) -> tuple[CompletionRequest, list[int], SamplingParams]:
+    body, prompt_ids = _completion_prompt(tokenizer, state, raw)
+    return body, prompt_ids, _prepared_params(tokenizer, state, body, prompt_ids, "prompt")
+
+
+def _completion_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[CompletionRequest, list[int]]:
     body = CompletionRequest.model_validate(parse_json(raw))
     body.check_supported()
     state.check_model(body.model)
@@ -286,7 +300,29 @@ def _prepare_completion(tokenizer, state: ServerState, raw: bytes) -> tuple[Comp
     return body, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
-def _prepare_chat(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+def _prepare_chat(tokenizer, state: ServerState, raw: bytes
+                  ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
+    body, prompt_ids = _chat_prompt(tokenizer, state, raw)
+    return body, prompt_ids, _prepared_params(tokenizer, state, body, prompt_ids, "messages")
+
+
+def _prepared_params(tokenizer, state: ServerState, body, prompt_ids: list[int], param: str) -> SamplingParams:
+    """The request's SamplingParams, ready for admission: checked, bad words tokenized, structured
+    output compiled (a 400 naming the param for anything refused)."""
+    params = _sampling_params(state, body, len(prompt_ids), param)
+    try:
+        params.set_bad_words_tokens(tokenizer)
+    except ValueError as exc:
+        raise from_value_error(exc, _PARAM_FIELDS) from exc
+    if params.structured_output is not None:
+        try:
+            state.grammars.prepare(params.structured_output, params.first_banned_token_ids())
+        except ValueError as exc:
+            raise structured_output_error(body, exc) from None
+    return params
+
+
+def _chat_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
     body = ChatCompletionRequest.model_validate(parse_json(raw))
     body.check_supported()
     state.check_model(body.model)
@@ -304,9 +340,10 @@ def _prepare_chat(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatComple
 
 def sampling_defaults(source) -> dict:
     """What a request's unset sampling fields take: the checkpoint's generation config (as vLLM's
-    `--generation-config auto`), else OpenAI's defaults. max_new_tokens is left out: an unset
-    max_tokens runs to the context. ValueError naming the file's bad value at start-up."""
-    defaults = generation_defaults(getattr(source, "generation_config", None))
+    `--generation-config auto`), else FALLBACK_SAMPLING, as everywhere (`model_sampling_defaults`).
+    max_new_tokens is left out: an unset max_tokens runs to the context. ValueError naming the
+    file's bad value at start-up."""
+    defaults = model_sampling_defaults(getattr(source, "generation_config", None))
     defaults.pop("max_tokens", None)
     try:
         SamplingParams(**defaults)
@@ -332,11 +369,10 @@ def _sampling_params(state: ServerState, body, num_prompt_tokens: int, param: st
         raise from_value_error(exc, _PARAM_FIELDS) from exc
 
 
-async def _generate(state: ServerState, request: Request, body, prompt_ids: list[int], param: str,
+async def _generate(state: ServerState, request: Request, body, prompt_ids: list[int], params: SamplingParams,
                     formatter_cls, response_id: str) -> Response:
-    """Hand the request to the engine thread; answer whole or as an SSE stream."""
+    """Hand the request (prepared in the pool) to the engine thread; answer whole or as an SSE stream."""
     arrival = time.monotonic()
-    params = _sampling_params(state, body, len(prompt_ids), param)
     try:
         handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt)
     except ValueError as exc:

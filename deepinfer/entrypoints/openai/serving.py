@@ -5,9 +5,12 @@ A formatter knows one endpoint's shapes (text completion or chat completion); `c
 through the handle, and so through the engine thread.
 
 `finish_reason` is one of OpenAI's values ("stop", "length"). A request that ends otherwise is
-an error, never a finish reason: aborted (the server is shutting down) -> 503, failed by the
-engine (finish_reason "error") or stopped with the engine -> 500 "internal error" with a request
-id. A stream reports the same error as an `{"error": ...}` event, then `data: [DONE]`.
+an error, never a finish reason: aborted (the server is shutting down) -> 503; its structured
+output unable to go on (a StructuredOutputError in the worker: the grammar failed, or it allows
+only tokens bad_words ban) -> 400 `structured_output_failed`, the request's own doing; failed by
+the engine otherwise (finish_reason "error") or stopped with the engine -> 500 "internal error"
+with a request id. A stream reports the same error as an `{"error": ...}` event, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
-from deepinfer.entrypoints.openai.errors import APIError, internal_error, service_unavailable
+from deepinfer.entrypoints.openai.errors import APIError, bad_request, internal_error, service_unavailable
 from deepinfer.entrypoints.openai.request_stream import RequestHandle
 from deepinfer.outputs import RequestOutput
+from deepinfer.structured_output import structured_output_failure
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -214,6 +218,9 @@ def request_failure(out: RequestOutput, response_id: str) -> APIError | None:
         return service_unavailable("the request was aborted: the server is shutting down; retry later",
                                    code="request_aborted")
     if "error" in reasons or (out.finished and out.error is not None):
+        reason = structured_output_failure(out.error)
+        if reason is not None:  # the engine logged its one line
+            return bad_request(f"the structured output could not go on: {reason}", code="structured_output_failed")
         return internal_error(out.error, f"generating {response_id} (the engine failed the request)")
     return None
 
