@@ -167,6 +167,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (worker/cuda_graphs.py)
     seed: int = 0
+    num_threads: int | None = None  # CPU threads per rank for the model's kernels; None: torch's default
     max_model_len: int | None = None  # None: min(the model's context, 4096)
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     load_format: str = "auto"  # one of LOAD_FORMATS
@@ -193,6 +194,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
         check_load_format(self.load_format)
         check_quantization(self.quantization)
         self._check_parallel()

@@ -28,8 +28,17 @@ def init_parallel(rank: int, world_size: int, init_method: str, device: torch.de
         dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size)
 
 
+def check_no_group() -> None:
+    """RuntimeError when this process is still in a tensor-parallel group: one multi-rank engine
+    at a time per process (an earlier one must be closed, or dropped and garbage collected)."""
+    if dist.is_initialized():
+        raise RuntimeError(f"this process is still in a process group (rank {dist.get_rank()} of "
+                           f"{dist.get_world_size()}): is another engine with tensor_parallel_size > 1 open? "
+                           f"Close it first (llm.close(), or `with LLM(...) as llm:`)")
+
+
 def destroy_parallel() -> None:
-    """Leave the group (back to one rank)."""
+    """Leave the group (back to one rank; idempotent)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD.update(rank=0, size=1)

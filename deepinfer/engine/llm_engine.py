@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.model import StepRunner
@@ -56,8 +57,10 @@ class LLMEngine:
                                          num_state_slots=runner.num_state_slots,
                                          prefix=prefix_settings(config, runner), unit=config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.outputs = OutputProcessor(self.tokenizer)
         self.eos_token_ids = eos_token_ids(source)
+        self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
+        # close() once: explicitly, when the engine is collected, or at exit (never holding the engine)
+        self._finalizer = weakref.finalize(self, close_engine, self.kv_manager, runner)
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
         self._lone_failures = 0  # one-request steps that failed in a row
@@ -80,7 +83,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
         self._check_free(request_id)
         text, ids = self._tokenize(prompt)
-        self._validate_prompt(ids)
+        self._validate_prompt(ids, params.max_tokens)
 
         def make(rid: str, p: SamplingParams) -> Request:
             return Request(rid, ids, p, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
@@ -177,15 +180,10 @@ class LLMEngine:
                 **self.scheduler.spec_stats.as_dict()}
 
     def close(self) -> None:
-        """Save what the cache directory still lacks and stop the runner's writer (idempotent).
-        Unfinished requests are left as they are."""
-        persist = self.kv_manager.take_persist()
-        if persist:
-            self.runner.execute(StepPlan([], persist=persist))
-        self.kv_manager.close_disk()
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        """Save what the cache directory still lacks, then close the runner (its writer; with several
+        ranks, their processes and group). Idempotent; also done when the engine is garbage collected
+        and at exit. Unfinished requests are left as they are; the engine must not step again."""
+        self._finalizer()
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -303,16 +301,34 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _validate_prompt(self, ids: list[int], max_tokens: int) -> None:
+        """The prompt is not empty, and it fits the context with max_tokens outputs (as the server checks)."""
         if not ids:
             raise ValueError("prompt is empty (0 tokens); give at least one token")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                              f"(the prompt plus at least one output token must fit)")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={max_tokens} with a prompt of {len(ids)} tokens exceeds max_model_len "
+                             f"{self.max_model_len}: use max_tokens <= {self.max_model_len - len(ids)}")
         vocab = self.source.hf_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {short_repr(bad[0])} is outside the vocabulary [0, {vocab})")
+
+
+def close_engine(kv_manager: KVCacheManager, runner: StepRunner) -> None:
+    """LLMEngine's finalizer: save the units the cache directory lacks; close the runner even if
+    saving fails."""
+    try:
+        persist = kv_manager.take_persist()
+        if persist:
+            runner.execute(StepPlan([], persist=persist))
+    finally:
+        kv_manager.close_disk()
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
 
 
 def checked_params(params: SamplingParams | None) -> SamplingParams:

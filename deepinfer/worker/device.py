@@ -42,3 +42,13 @@ def check_cuda(name: str, index: int | None) -> None:
     if index is not None and index >= count:
         raise ValueError(f"device {name!r}: this process sees {count} GPU{'s' if count != 1 else ''} "
                          f"(cuda:0 to cuda:{count - 1}): use one of them or --device cpu")
+
+
+def set_cpu_threads(num_threads: int | None, world_size: int = 1) -> None:
+    """This process's CPU threads for the model's kernels (torch's pool, which the C++ kernels' OpenMP
+    shares): `num_threads` when given; else, for one of several ranks, an even share of torch's
+    default (the ranks share the cores); else torch's default."""
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif world_size > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // world_size))

@@ -28,7 +28,6 @@ ranks are out of step (some may wait in a collective), so the engine must not re
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import os
@@ -38,6 +37,7 @@ import socket
 import sys
 import threading
 import traceback
+import weakref
 from dataclasses import dataclass
 from multiprocessing import connection
 
@@ -47,8 +47,9 @@ import torch.multiprocessing as mp
 
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.plan import FatalStepError, describe_fault
-from deepinfer.distributed.parallel_state import backend_for, destroy_parallel, init_parallel
+from deepinfer.distributed.parallel_state import backend_for, check_no_group, destroy_parallel, init_parallel
 from deepinfer.model_executor.loader import load_model_source
+from deepinfer.worker.device import set_cpu_threads
 from deepinfer.worker.model_runner import ModelRunner, resolve_device
 from deepinfer.worker.plan_channel import DriverRunner, PipeChannel, follow_plans
 
@@ -83,7 +84,9 @@ def rank_device(name: str | None, rank: int, world_size: int) -> str:
 
 
 def join_group(rank: int, world_size: int, init_method: str, device: str) -> None:
-    """Join the tensor-parallel group as `rank` (collectives time out after COLLECTIVE_TIMEOUT_S)."""
+    """Join the tensor-parallel group as `rank` (collectives time out after COLLECTIVE_TIMEOUT_S).
+    RuntimeError when this process is still in a group (`check_no_group`)."""
+    check_no_group()
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -111,7 +114,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config: EngineConf
         status.send(("joining", None))
         config.device = rank_device(config.device, rank, world_size)
         if torch.device(config.device).type == "cpu":  # the ranks share the cores
-            torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
+            set_cpu_threads(config.num_threads, world_size)
         join_group(rank, world_size, init_method, config.device)
         runner = ModelRunner(load_source(config), config)
         status.send(("ready", None))
@@ -241,7 +244,7 @@ class MultiprocRunner(DriverRunner):
 
     def __init__(self, source, config: EngineConfig):
         self.failure: str | None = None  # why the ranks can no longer step together
-        self._closed = False
+        check_no_group()  # before any worker starts
         world_size = config.tensor_parallel_size
         config.device = rank_device(config.device, 0, world_size)
         init_method = free_init_method()
@@ -257,39 +260,22 @@ class MultiprocRunner(DriverRunner):
             fault = self._startup_fault(exc)
             self._abandon()
             raise fault from exc
-        self._stop_r, self._stop_w = os.pipe()
-        self._watchdog = threading.Thread(target=self._watch, name="deepinfer-tp-watchdog", daemon=True)
-        self._watchdog.start()
-        atexit.register(self.close)
+        stop_r, stop_w = os.pipe()
+        watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), self.workers, stop_r),
+                                    name="deepinfer-tp-watchdog", daemon=True)
+        watchdog.start()
+        # holds what it stops, never this runner: one dropped without close() is still collected
+        self._finalizer = weakref.finalize(self, _shut_down, self.workers, self.driver, watchdog, stop_r, stop_w)
         logger.info("tensor parallel: rank 0 (pid %d) and %d worker processes (pids %s), device %s",
                     os.getpid(), len(self.workers), ", ".join(str(w.process.pid) for w in self.workers),
                     config.device)
 
     def close(self) -> None:
-        """Stop every worker, leave the group, close the driver (idempotent; also at exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        os.write(self._stop_w, b"x")  # the watchdog stops watching: these deaths are ours
-        self._watchdog.join()
-        stop_workers(self.workers, _JOIN_S)
-        os.close(self._stop_r)
-        os.close(self._stop_w)
-        self.driver.close()
-        destroy_parallel()
+        """Stop every worker, close the driver, leave the group (idempotent). Also done when the
+        runner is garbage collected, and at exit."""
+        self._finalizer()
 
     # ---- failures ---------------------------------------------------------------------------------
-
-    def _watch(self) -> None:
-        """Wait for the first worker death (or close()); then record it and stop the rest."""
-        by_sentinel = {w.process.sentinel: w for w in self.workers}
-        ready = connection.wait([*by_sentinel, self._stop_r])
-        if self._stop_r in ready:
-            return
-        self._record(by_sentinel[ready[0]])
-        logger.error("%s; stopping the other ranks", self.failure)
-        self._terminate()
 
     def _record(self, dead: Worker | None, otherwise: str = "") -> None:
         """Keep the first failure: `dead`'s story, else `otherwise`."""
@@ -298,9 +284,7 @@ class MultiprocRunner(DriverRunner):
                 self.failure = dead.why_dead() if dead is not None else otherwise
 
     def _terminate(self) -> None:
-        for w in self.workers:
-            if w.process.is_alive():
-                w.process.terminate()
+        _terminate(self.workers)
 
     def _step_fault(self, exc: BaseException) -> BaseException:
         """A failed step as the exception to raise: the dead rank's story when one died, else
@@ -334,6 +318,42 @@ class MultiprocRunner(DriverRunner):
 
     def _abandon(self) -> None:
         """After a failed start-up: stop the workers, leave the group."""
-        self._closed = True
         stop_workers(self.workers, 1)
+        destroy_parallel()
+
+
+def _watch(runner_ref: weakref.ref, workers: list[Worker], stop_r: int) -> None:
+    """The watchdog thread: wait for the first worker death (or close()); then record it on the
+    runner and stop the rest. It holds the runner weakly, so that an unclosed one is collected."""
+    by_sentinel = {w.process.sentinel: w for w in workers}
+    ready = connection.wait([*by_sentinel, stop_r])
+    if stop_r in ready:
+        return
+    runner = runner_ref()
+    if runner is None:  # collected: its finalizer stops the workers
+        return
+    runner._record(by_sentinel[ready[0]])
+    logger.error("%s; stopping the other ranks", runner.failure)
+    _terminate(workers)
+
+
+def _terminate(workers: list[Worker]) -> None:
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+
+
+def _shut_down(workers: list[Worker], driver: ModelRunner, watchdog: threading.Thread, stop_r: int,
+               stop_w: int) -> None:
+    """MultiprocRunner's finalizer (close(), collection or exit; runs once): stop the watchdog and
+    every worker, close the driver, leave the group."""
+    os.write(stop_w, b"x")  # the watchdog stops watching: these deaths are ours
+    if watchdog is not threading.current_thread():  # collected on the watchdog thread: it is ending
+        watchdog.join()
+    try:
+        stop_workers(workers, _JOIN_S)
+        driver.close()
+    finally:
+        os.close(stop_r)
+        os.close(stop_w)
         destroy_parallel()

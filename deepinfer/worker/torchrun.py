@@ -26,9 +26,9 @@ followers leave when rank 0's engine closes.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -112,7 +112,7 @@ class TorchrunRunner(DriverRunner):
     samples) plus the job's other ranks, fed plans by broadcast (`BroadcastChannel`)."""
 
     def __init__(self, source, config: EngineConfig, job: TorchrunJob):
-        self._closed = False
+        self._failure: list[str] = []  # the failure once there is one; shared with the finalizer
         config.device = job.device(config.device)
         join_group(0, job.world_size, _INIT_METHOD, config.device)
         try:
@@ -120,24 +120,37 @@ class TorchrunRunner(DriverRunner):
             self.channel.send(config)  # the followers build theirs from it
             self.driver = ModelRunner(source, config)
         except BaseException:
-            self._closed = True
             destroy_parallel()
             raise
-        atexit.register(self.close)
+        # holds what it closes, never this runner: one dropped without close() is still collected
+        self._finalizer = weakref.finalize(self, _leave, self.channel, self.driver, self._failure)
         logger.info("tensor parallel (torchrun): rank 0 of %d (pid %d), device %s",
                     job.world_size, os.getpid(), config.device)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the ranks can no longer step together (None while they can)."""
+        return self._failure[0] if self._failure else None
+
+    @failure.setter
+    def failure(self, text: str | None) -> None:
+        self._failure[:] = [] if text is None else [text]
+
     def close(self) -> None:
         """Tell the followers to leave (not after a failure: they may wait elsewhere and torchrun
-        tears them down), close the driver, leave the group (idempotent; also at exit)."""
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        if self.failure is None:
+        tears them down), close the driver, leave the group (idempotent). Also done when the runner
+        is garbage collected, and at exit."""
+        self._finalizer()
+
+
+def _leave(channel: BroadcastChannel, driver: ModelRunner, failure: list[str]) -> None:
+    """TorchrunRunner's finalizer (close(), collection or exit; runs once)."""
+    try:
+        if not failure:
             try:
-                self.channel.send(None)
+                channel.send(None)
             except Exception as exc:  # a follower is gone: torchrun ends the job anyway
                 logger.warning("tensor parallel (torchrun): could not stop the followers: %s", exc)
-        self.driver.close()
+        driver.close()
+    finally:
         destroy_parallel()
