@@ -71,13 +71,31 @@ def test_stop_token_and_stop_string(llm):
 
 @pytest.mark.parametrize("prompt, field", [([], "empty"), ([1] * 200, "max_model_len"),
                                            ([10**9], "vocabulary")])
-def test_bad_prompt_fails_alone(llm, prompt, field):
+def test_a_bad_prompt_raises_naming_its_index_before_anything_runs(llm, prompt, field):
+    """As the server answers 400: a prompt the engine refuses is a ValueError naming its index, and
+    the prompts queued before it are taken back (no block stays held)."""
     good = [7, 8, 9]
-    outs = llm.generate([good, prompt, good], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                        use_tqdm=False)
-    assert isinstance(outs[1].error, ValueError) and field in str(outs[1].error)
-    assert outs[1].outputs[0].finish_reason == "error"
-    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [4, 4]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: .*{field}"):
+        llm.generate([good, prompt, good], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.kv_manager.check_no_leaks()
+    outs = llm.generate([good, good], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+def test_max_tokens_beyond_the_context_is_refused_as_the_server_does(llm):
+    """SamplingParams(max_tokens=100000) used to run to the end of the context (minutes); the server
+    answered the same request with a 400."""
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=rf"^prompts\[0\]: max_tokens=100000 with a prompt of 3 tokens exceeds "
+                                         rf"max_model_len {limit}: use max_tokens <= {limit - 3}"):
+        llm.generate([[7, 8, 9]], SamplingParams(max_tokens=100000), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens=100000"):
+        next(llm.stream([7, 8, 9], SamplingParams(max_tokens=100000)))
+    out = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=limit - 3, temperature=0), use_tqdm=False)[0]
+    assert out.error is None
+    llm.engine.kv_manager.check_no_leaks()
     _no_leaks(llm)
 
 
@@ -153,9 +171,8 @@ def test_extreme_seeds_work_and_a_seed_changed_after_validation_is_refused(llm):
         assert out.error is None and len(out.outputs[0].token_ids) == 3
     params = SamplingParams(max_tokens=3)
     params.seed = 2**64
-    outs = llm.generate([[7, 8], [9, 10]], [params, SamplingParams(max_tokens=3, ignore_eos=True)], use_tqdm=False)
-    assert isinstance(outs[0].error, ValueError) and str(2**64) in str(outs[0].error)
-    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: .*{2**64}"):
+        llm.generate([[7, 8], [9, 10]], [params, SamplingParams(max_tokens=3, ignore_eos=True)], use_tqdm=False)
     _no_leaks(llm)
 
 

@@ -1,9 +1,13 @@
 """`deepinfer chat`: a REPL that keeps the conversation and applies the chat template.
 
 Replies sample with the model's defaults (`LLM.get_default_sampling_params`) unless a flag says
-otherwise, and may run to the end of the context (`--max-tokens` caps them). A conversation that
-outgrows the context drops its oldest turns (the system prompt stays). On a terminal, lines are
-edited with readline and its history is kept across sessions.
+otherwise, and stop after CHAT_MAX_TOKENS tokens (`--max-tokens` changes the cap) or at the end of
+the context. A conversation that outgrows the context drops its oldest turns (the system prompt
+stays). On a terminal, lines are edited with readline and its history is kept across sessions.
+
+Ctrl-C stops an answer. At the prompt, a first Ctrl-C only says how to leave and a second one in a
+row leaves (exit status 130): a Ctrl-C meant for an answer that ended just before it lands at the
+prompt, and must not end the session.
 """
 
 from __future__ import annotations
@@ -28,12 +32,10 @@ HELP = """commands:
   /exit, /quit    leave (so does Ctrl-D; Ctrl-C stops an answer, at the prompt it quits)"""
 INTERRUPTED = " [interrupted]"  # an answer stopped by Ctrl-C
 LENGTH_LIMIT = " [length limit]"  # an answer cut by --max-tokens or the end of the context
+CHAT_MAX_TOKENS = 1024  # a reply's default cap (--max-tokens): a small model may otherwise ramble for minutes
 MAX_REPLY_ROOM = 1024  # tokens kept free for a reply when old turns must go (at most half the context)
 HISTORY_FILE = "chat_history"  # readline history, in the cache directory unless --history-file says
-# the flags that default to the model's choice, with what LLM.get_default_sampling_params picks for a
-# model whose checkpoint names none (spelled out here: --help must not import the engine)
-MODEL_DEFAULT_FLAGS = {"temperature": "0.7", "top_p": "0.9", "top_k": "off", "min_p": "off",
-                       "repetition_penalty": "1.05"}
+QUIT_HINT = "(Ctrl-C again, Ctrl-D or /exit to quit)"  # the answer to a first Ctrl-C at the prompt
 
 
 class CtrlC:
@@ -301,48 +303,45 @@ def run_chat(llm, params, system: str | None = None, stdin=sys.stdin, stdout=sys
     save_history = line_editing(history_file) if interactive else None
     session = ChatSession(llm, params, system, stdout)
     session.say(BANNER)
+    quit_armed = False  # the last thing typed was a Ctrl-C at the prompt
     try:
         while True:
             try:
-                line = read_line(stdin, stdout, interactive)
-            except KeyboardInterrupt:
+                status = _one_line(session, stdin, stdout, interactive)
+            except KeyboardInterrupt:  # at the prompt, or between an answer's end and the prompt
                 stdout.write("\n")
-                return 130
-            if line is None:
-                return 0
-            text = line.strip()
-            if text.startswith("/"):
-                if not session.command(text):
-                    return 0
-            elif text:
-                session.send(line)
+                if quit_armed:
+                    return 130
+                session.say(QUIT_HINT)
+                quit_armed = True
+                continue
+            quit_armed = False
+            if status is not None:
+                return status
     finally:
         if save_history is not None:
             save_history()
 
 
+def _one_line(session: ChatSession, stdin, stdout, interactive: bool) -> int | None:
+    """Read and act on one line; the exit status when the session ends, else None."""
+    line = read_line(stdin, stdout, interactive)
+    if line is None:
+        return 0
+    text = line.strip()
+    if text.startswith("/"):
+        return None if session.command(text) else 0
+    if text:
+        session.send(line)
+    return None
+
+
 # -- the command line ----------------------------------------------------------------------------
 
 
-def use_model_defaults(parser) -> None:
-    """Make the chat parser's sampling flags default to None ("the model's") and say so in --help;
-    --max-tokens then means: no cap but the context."""
-    for action in parser._actions:
-        if action.dest in MODEL_DEFAULT_FLAGS:
-            action.default = None
-            action.help = (f"{action.help}; " if action.help else "") + \
-                f"default: the model's generation config, else {MODEL_DEFAULT_FLAGS[action.dest]}"
-        elif action.dest == "max_tokens":
-            action.default = None
-            action.help = "cap on each reply (default: none; a reply may run to the end of the context)"
-
-
 def chat_params(args, llm):
-    """The reply sampling: explicit flags, else the model's defaults; max_tokens: --max-tokens, else
-    the whole context (each turn then caps it at what the prompt leaves)."""
+    """The reply sampling: explicit flags, else the model's defaults; max_tokens: --max-tokens
+    (CHAT_MAX_TOKENS unless given; each turn also caps it at what the prompt leaves)."""
     from deepinfer.entrypoints.engine_args import sampling_params
 
-    params = sampling_params(args, llm.get_default_sampling_params())
-    if args.max_tokens is None:
-        params.max_tokens = llm.engine.max_model_len
-    return params
+    return sampling_params(args, llm.get_default_sampling_params())

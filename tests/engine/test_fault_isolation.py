@@ -204,9 +204,8 @@ def test_out_of_range_seed_is_refused_before_admission(llm):
         SamplingParams(seed=-2**63 - 1)
     params = SamplingParams(temperature=1.0)
     params.seed = 2**64  # changed after validation: add_request validates again
-    out = llm.generate(["hi"], params, use_tqdm=False)[0]
-    assert isinstance(out.error, ValueError) and "seed" in str(out.error) and str(2**64) in str(out.error)
-    assert out.outputs[0].finish_reason == "error"
+    with pytest.raises(ValueError, match=rf"prompts\[0\]: seed.*{2**64}"):
+        llm.generate(["hi"], params, use_tqdm=False)
     for seed in (2**64 - 1, -2**63):
         ok = llm.generate(["hi"], SamplingParams(seed=seed, temperature=1.0, max_tokens=3, ignore_eos=True),
                           use_tqdm=False)[0]

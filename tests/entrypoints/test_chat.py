@@ -10,9 +10,18 @@ import types
 import pytest
 
 from deepinfer.entrypoints import cli
-from deepinfer.entrypoints.chat import LENGTH_LIMIT, MessageTooLong, fit_history, reply_room, run_chat
+from deepinfer.entrypoints.chat import (
+    CHAT_MAX_TOKENS,
+    LENGTH_LIMIT,
+    QUIT_HINT,
+    MessageTooLong,
+    chat_params,
+    fit_history,
+    reply_room,
+    run_chat,
+)
 from deepinfer.entrypoints.engine_args import sampling_params
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import FALLBACK_SAMPLING, SamplingParams
 
 
 def words(messages: list[dict]) -> list[int]:
@@ -101,18 +110,57 @@ def test_hf_source_reads_generation_config(tiny_checkpoint, tmp_path):
 
 def test_chat_flags_default_to_the_model_and_explicit_ones_win():
     args = cli.build_parser().parse_args(["chat", "--top-p", "0.5"])
-    assert args.temperature is None and args.max_tokens is None and args.repetition_penalty is None
+    assert args.temperature is None and args.repetition_penalty is None
+    assert args.max_tokens == CHAT_MAX_TOKENS == 1024  # a reply is capped unless --max-tokens says otherwise
     model = SamplingParams(temperature=0.6, top_p=0.95, repetition_penalty=1.1, max_tokens=7)
     params = sampling_params(args, model)
-    assert (params.temperature, params.top_p, params.repetition_penalty, params.max_tokens) == (0.6, 0.5, 1.1, 7)
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.max_tokens) == (0.6, 0.5, 1.1, 1024)
     assert sampling_params(args).temperature == SamplingParams().temperature  # no defaults: SamplingParams'
-    gen = cli.build_parser().parse_args(["generate", "x"])  # other commands keep their own defaults
-    assert gen.temperature == 0.0 and gen.max_tokens == 128
+    assert cli.build_parser().parse_args(["chat", "--max-tokens", "5"]).max_tokens == 5
+    gen = cli.build_parser().parse_args(["generate", "x"])  # generate: the model's sampling too, 128 tokens
+    assert gen.temperature is None and gen.top_p is None and gen.max_tokens == 128
+
+
+def test_chat_params_cap_a_reply_by_default():
+    """The first answer of `deepinfer chat` used to have no cap but the context (minutes of text)."""
+    llm = llm_with_generation_config({})
+    params = chat_params(cli.build_parser().parse_args(["chat"]), llm)
+    assert params.max_tokens == CHAT_MAX_TOKENS
+    assert (params.temperature, params.top_p, params.repetition_penalty) == (0.7, 0.9, 1.05)
+
+
+class InterruptingStdin(io.StringIO):
+    """Lines to read, where the entry None stands for a Ctrl-C landing while the prompt waits."""
+
+    def __init__(self, lines):
+        super().__init__()
+        self.lines = list(lines)
+
+    def readline(self, *args):
+        line = self.lines.pop(0) if self.lines else ""
+        if line is None:
+            raise KeyboardInterrupt
+        return line
+
+
+def test_one_ctrl_c_at_the_prompt_does_not_end_the_session(tiny_checkpoint):
+    """A Ctrl-C meant for an answer that has just ended lands at the prompt: the session says how to
+    leave and goes on; only a second Ctrl-C in a row leaves with 130."""
+    from deepinfer import LLM
+
+    llm = LLM(tiny_checkpoint("llama"), num_blocks=32, max_model_len=48)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = io.StringIO()
+    assert run_chat(llm, params, stdin=InterruptingStdin(["hi\n", None, "again\n", "/exit\n"]), stdout=out) == 0
+    text = out.getvalue()
+    assert QUIT_HINT in text and text.count(LENGTH_LIMIT) == 2  # both answers came
+    out = io.StringIO()
+    assert run_chat(llm, params, stdin=InterruptingStdin(["hi\n", None, None]), stdout=out) == 130
+    out = io.StringIO()  # a line typed between two Ctrl-Cs disarms the first
+    assert run_chat(llm, params, stdin=InterruptingStdin([None, "/help\n", None, ""]), stdout=out) == 0
 
 
 def test_chat_help_says_the_flags_default_to_the_model(capsys):
-    from deepinfer.llm import FALLBACK_SAMPLING
-
     with pytest.raises(SystemExit):
         cli.main(["chat", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
@@ -120,7 +168,7 @@ def test_chat_help_says_the_flags_default_to_the_model(capsys):
         flag = "--" + name.replace("_", "-")
         assert f"{flag} {name.upper()} " in help_text
         assert help_text.split(f"{flag} {name.upper()} ")[1].split(" --")[0].endswith(f"else {value}")
-    assert "a reply may run to the end of the context" in help_text
+    assert "cap on each reply, which also stops at the end of the context (default: 1024)" in help_text
 
 
 def test_commands_and_a_context_that_overflows(tiny_checkpoint, tmp_path):

@@ -14,7 +14,7 @@ import pexpect
 import pytest
 from tp_processes import still_alive, workers
 
-from deepinfer.entrypoints.chat import INTERRUPTED, LENGTH_LIMIT
+from deepinfer.entrypoints.chat import INTERRUPTED, LENGTH_LIMIT, QUIT_HINT
 
 TIMEOUT_S = 120  # per step: loading two ranks on a busy 2-core machine takes a while
 STOP_S = 15  # from a way out to the end of the process (the pty closes once every rank is gone)
@@ -80,6 +80,8 @@ def test_a_two_rank_chat_stopped_during_an_answer_ends_promptly_with_no_worker(t
             child.expect_exact("\r\n> ")
             assert child.before.endswith(INTERRUPTED), child.before
             assert turn(child, TURNS[1]).endswith(LENGTH_LIMIT)
+            child.send(CTRL_C)  # the first at the prompt says how to leave, the second leaves
+            child.expect_exact(QUIT_HINT)
             child.send(CTRL_C)
         else:
             child.kill(signal.SIGTERM)

@@ -79,7 +79,10 @@ def test_chat_at_a_terminal(tmp_path):
 
         assert "history cleared" in turn(child, "/reset")
         assert "unknown command /bogus" in turn(child, "/bogus")
-        child.send(CTRL_C)  # at the prompt: leave with the shell's status for SIGINT
+        child.send(CTRL_C)  # at the prompt, one Ctrl-C only says how to leave (it may be late for an answer)
+        child.expect_exact("(Ctrl-C again, Ctrl-D or /exit to quit)")
+        child.expect_exact("> ")
+        child.send(CTRL_C)  # a second one in a row leaves with the shell's status for SIGINT
         child.expect(pexpect.EOF)
     finally:
         child.close(force=True)

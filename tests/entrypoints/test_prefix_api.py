@@ -88,16 +88,15 @@ def test_malformed_prompts_raise_naming_the_index_before_anything_runs(llm, name
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
-def test_bad_salts_are_refused_naming_the_field_while_the_batch_runs(llm):
-    prompts = [case[0] for case in BAD_SALTS]
-    outs = llm.generate([prompts[0], {"prompt": "Hello there", "cache_salt": "ok"}, *prompts[1:]],
-                        _params(), use_tqdm=False)
-    good = outs.pop(1)
-    assert good.error is None and good.finished and len(good.outputs[0].token_ids) == 3
-    for (_, words), out in zip(BAD_SALTS, outs, strict=True):
-        assert isinstance(out.error, ValueError)
-        assert out.finished and out.outputs[0].finish_reason == "error"
-        assert all(w in str(out.error) for w in words), str(out.error)
+def test_bad_salts_are_refused_naming_the_prompt_and_the_field(llm):
+    good = {"prompt": "Hello there", "cache_salt": "ok"}
+    for bad, words in BAD_SALTS:
+        with pytest.raises(ValueError) as exc:
+            llm.generate([good, bad], _params(), use_tqdm=False)
+        assert str(exc.value).startswith("prompts[1]: ") and all(w in str(exc.value) for w in words), exc.value
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([good], _params(), use_tqdm=False)[0]
+    assert out.error is None and out.finished and len(out.outputs[0].token_ids) == 3
     kv = llm.engine.kv_manager
     assert kv.num_free_blocks == kv.num_total_blocks
 

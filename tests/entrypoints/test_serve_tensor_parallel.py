@@ -3,6 +3,7 @@ that dies takes the server down with a message naming it, leaving no worker behi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 
@@ -10,7 +11,7 @@ import httpx
 from live_server import LiveServer
 from tp_processes import still_alive, workers
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77]
 
@@ -18,8 +19,9 @@ PROMPT = [5, 17, 99, 3, 250, 41, 8, 77]
 def test_two_ranks_serve_one_ranks_answer_and_a_dead_rank_stops_the_server(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     with LLM(path, device="cpu", max_model_len=64) as llm:
-        expected = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=8, temperature=0.0,
-                                                                              ignore_eos=True), use_tqdm=False)
+        # the server's unset fields (repetition_penalty) take the model's defaults, as these do
+        params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=8, temperature=0.0, ignore_eos=True)
+        expected = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
     expected_text = expected[0].outputs[0].text
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with LiveServer("--model", path, "--device", "cpu", "--max-model-len", "64", "--tensor-parallel-size", "2") as s:
