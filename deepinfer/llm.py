@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import time
@@ -10,11 +9,12 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
-from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from deepinfer.config import EngineConfig
 from deepinfer.engine.llm_engine import LLMEngine
-from deepinfer.llm_options import check_vllm_keywords
-from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.sampling_params import SamplingParams, generation_defaults, short_repr
+from deepinfer.llm_options import init_signature, llm_engine_args
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams, model_sampling_defaults, short_repr
+from deepinfer.worker.device import set_cpu_threads
 from deepinfer.worker.model_runner import ModelRunner, resolve_device
 from deepinfer.worker.multiproc import MultiprocRunner, load_source
 from deepinfer.worker.summary import startup_summary
@@ -26,9 +26,6 @@ logger = logging.getLogger("deepinfer")
 Prompt = str | list[int] | Mapping
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt"}
-# get_default_sampling_params: generation-config field -> SamplingParams field, and what a model
-# without one gets (mild randomness and a light repetition penalty, so replies do not loop)
-FALLBACK_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.05}
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -40,6 +37,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     rank 0 builds the engine, and any other rank serves rank 0's steps here and exits (SystemExit(0))."""
     start = time.perf_counter()
     resolve_device(config.device)  # a bad --device fails before the model loads
+    set_cpu_threads(config.num_threads)
     job = torchrun_job()
     if job is not None:
         config = dataclasses.replace(config, tensor_parallel_size=job.tensor_parallel_size(config.tensor_parallel_size))
@@ -65,6 +63,8 @@ def _build_runner(source, config: EngineConfig, job):
 
 class LLM:
     """An engine for offline use. `model=None` runs the embedded default model (SmolLM2-135M).
+    The keywords are the fields of `EngineArgs` (`deepinfer/engine_args.py` gives each one's type,
+    default and meaning; the CLI's engine flags are the same options), plus vLLM's below.
 
     `speculative_method="ngram"` (prompt lookup, any model) or `"mtp"` (DeepSeek-V4's next-n
     module) drafts up to `num_speculative_tokens` tokens per step, verified by the model in one
@@ -95,7 +95,9 @@ class LLM:
 
     `tensor_parallel_size=N` > 1 splits the model over N ranks: this process is rank 0 (it
     schedules and samples) and starts N - 1 worker processes, one device each (`worker/multiproc.py`);
-    outputs equal one rank's up to float rounding. `close()` (or the end of the process) stops them.
+    outputs equal one rank's up to float rounding. `close()` (or leaving `with`, or `del llm` and
+    garbage collection, or the end of the process) stops them and leaves their process group, so
+    the next multi-rank LLM can start in this process; two cannot be open at once (RuntimeError).
     For DeepSeek-V4, `expert_parallel_size=E` (dividing N) gives each rank n_routed_experts / E
     experts; activations stay whole on every rank and the partial outputs are summed. Under
     `torchrun`, N is its WORLD_SIZE and rank 0 runs the script (`worker/torchrun.py`).
@@ -104,51 +106,34 @@ class LLM:
     `trust_remote_code` (accepted; no code from a checkpoint is ever run: every architecture is
     DeepInfer's own), `tokenizer` (only the model's own), `swap_space`,
     `disable_log_stats` and `tokenizer_mode="auto"` (accepted, no effect: see `llm_options`).
-    Any other keyword raises TypeError listing the accepted ones.
+    Any other keyword raises TypeError, before anything loads, naming the closest accepted ones.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", quantization: str = "auto",
-                 device: str | None = None, attention_backend: str = "auto", enforce_eager: bool = False,
-                 max_model_len: int | None = None, kv_cache_memory: str | int = "auto",
-                 num_blocks: int | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, seed: int = 0,
-                 speculative_method: str | None = None, num_speculative_tokens: int | None = None,
-                 hf_overrides: dict | None = None, load_format: str = "auto",
-                 enable_prefix_caching: bool = True, kv_cache_dir: str | None = None,
-                 kv_cache_dir_size: str | int = "4GiB", prefix_snapshot_interval: int = 512,
-                 num_prefix_snapshots: int | None = None, gpu_memory_utilization: float = 0.9,
-                 revision: str | None = None, allow_long_max_model_len: bool = False,
-                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1, **vllm_keywords):
-        check_vllm_keywords(model, vllm_keywords, accepted=_init_keywords())
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_memory=kv_cache_memory,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching,
-                            kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
-                            prefix_snapshot_interval=prefix_snapshot_interval,
-                            num_prefix_snapshots=num_prefix_snapshots)
-        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        speculative = SpeculativeConfig(speculative_method, num_speculative_tokens)
-        config = EngineConfig(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed,
-                              attention_backend=attention_backend, enforce_eager=enforce_eager,
-                              max_model_len=max_model_len, scheduler=scheduler, cache=cache,
-                              speculative=speculative, hf_overrides=hf_overrides, load_format=load_format,
-                              revision=revision, allow_long_max_model_len=allow_long_max_model_len,
-                              tensor_parallel_size=tensor_parallel_size, expert_parallel_size=expert_parallel_size)
-        self.engine = build_engine(config)
-        self._closed = False
-        self._at_exit = bool(cache.kv_cache_dir and cache.enable_prefix_caching)  # only a cache dir needs it
-        if self._at_exit:
-            atexit.register(self.close)
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = build_engine(llm_engine_args(model, kwargs).create_engine_config())
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine; RuntimeError once this LLM is closed."""
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            raise RuntimeError("this LLM is closed (by close() or the end of its `with` block); "
+                               "create a new LLM(...) to generate again")
+        return engine
+
+    @engine.setter
+    def engine(self, engine: LLMEngine) -> None:
+        self._engine = engine
 
     def close(self) -> None:
-        """Save what the KV cache directory still lacks and stop its writer (idempotent; also
-        called on exit and by `with LLM(...) as llm:`)."""
-        if self._closed or self.engine is None:
-            return
-        self._closed = True
-        if self._at_exit:
-            atexit.unregister(self.close)
-        self.engine.close()
+        """Release the engine: save what the KV cache directory still lacks, stop the tensor-parallel
+        worker processes and leave their process group, and drop the model and its KV cache (freed
+        once nothing else holds them). Idempotent; `with LLM(...) as llm:` closes at the end of the
+        block. An LLM dropped without close() (`del llm`, then garbage collection) or still open at
+        exit is released the same way (`LLMEngine.close`). A closed LLM raises RuntimeError when used."""
+        engine = self.__dict__.pop("_engine", None)
+        if engine is not None:
+            engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -170,11 +155,9 @@ class LLM:
         becomes max_tokens), the rest SamplingParams' defaults. A checkpoint that names none of
         these (GGUF files never do) gets FALLBACK_SAMPLING: greedy decoding makes small models loop.
         ValueError naming the field and the value when the config holds a value we refuse."""
-        config = getattr(self.engine.source, "generation_config", None) or {}
-        named = generation_defaults(config)
-        sampling = {} if named.keys() - {"max_tokens"} or "do_sample" in config else dict(FALLBACK_SAMPLING)
+        config = getattr(self.engine.source, "generation_config", None)
         try:
-            return SamplingParams(**sampling, **named)
+            return SamplingParams(**model_sampling_defaults(config))
         except ValueError as exc:
             raise ValueError(f"generation config of {self.engine.source.path!r}: {exc}") from None
 
@@ -189,21 +172,26 @@ class LLM:
         `{"prompt_token_ids": [int, ...]}`, either with an optional `"cache_salt": str` (only
         requests with the same salt share cached prefixes).
 
-        A malformed prompt (not a string, a list of ints or such a dict; a dict with a missing or
-        unknown key) raises ValueError naming its index before anything runs. A prompt the engine
-        refuses (empty, too long, token ids outside the vocabulary, bad sampling params) gets an
-        output whose `error` holds the ValueError; a request failed by a fault
-        while it ran gets its output with finish_reason "error" and `error` set. The rest of the
-        batch still runs. When a fatal fault (or KeyboardInterrupt) ends the call, its requests
-        are aborted first.
+        `sampling_params=None` takes the model's defaults (`get_default_sampling_params`), as `chat`,
+        the CLI and the server do.
+
+        A prompt that cannot run raises ValueError naming its index (`prompts[i]: ...`) before any
+        step runs, as the server answers 400: a malformed prompt (not a string, a list of ints or such
+        a dict; a dict with a missing or unknown key), an empty one, one whose prompt plus
+        `max_tokens` exceeds max_model_len, token ids outside the vocabulary, bad sampling params.
+        A request failed by a fault while it ran gets its output with finish_reason "error" and
+        `error` set; the rest of the batch still runs. When a fatal fault (or KeyboardInterrupt)
+        ends the call, its requests are aborted first.
         """
         prompts = parse_prompts(prompts)  # malformed ones raise here, before anything runs
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                order.append(self._add(prompt, p, results))
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                order.append(self._add(i, prompt, p))
             self._run_to_completion(set(order), results, use_tqdm)
         finally:  # after any exception (a fatal fault, KeyboardInterrupt) nothing of ours stays queued
             self._abort_unfinished(order)
@@ -242,7 +230,8 @@ class LLM:
         `prompt` is one prompt in any form `generate` takes. With `n` > 1, `outputs` holds every
         sample (`index` 0..n-1), each with its own delta; with `best_of` > n, one final output."""
         inputs, cache_salt = parse_prompt(prompt)
-        request_id = self.engine.add_request(inputs, sampling_params, cache_salt=cache_salt)
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt)
         try:
             while True:
                 for out in self.engine.step():
@@ -253,27 +242,17 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)
 
-    def _add(self, prompt, params, results) -> str:
-        """Queue one parsed prompt (text or ids, cache_salt); a refused one gets its finished output
-        (`error` set) in `results`."""
+    def _add(self, index: int, prompt, params) -> str:
+        """Queue one parsed prompt (text or ids, cache_salt); ValueError `prompts[index]: ...` when the
+        engine refuses it (the caller aborts what it queued before)."""
         inputs, cache_salt = prompt
         try:
             return self.engine.add_request(inputs, params, cache_salt=cache_salt)
         except ValueError as exc:
-            rid = f"refused-{len(results)}-{id(exc)}"
-            done = CompletionOutput(index=0, finish_reason="error")
-            text, ids = (inputs, []) if isinstance(inputs, str) else (None, list(inputs))
-            results[rid] = RequestOutput(rid, text, ids, [done], finished=True, error=exc)
-            return rid
+            raise ValueError(f"prompts[{index}]: {exc}") from None
 
 
-def _init_keywords() -> list[str]:
-    """The keywords `LLM(...)` names in its signature."""
-    import inspect
-
-    return [name for name, p in inspect.signature(LLM.__init__).parameters.items()
-            if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and name != "self")]
-
+LLM.__init__.__signature__ = init_signature(LLM.__init__)  # inspect and help() list every keyword
 
 def parse_prompts(prompts) -> list[tuple[str | list[int], str | None]]:
     """(text or token ids, cache_salt) of each prompt: one prompt (a string, a list of token ids
@@ -341,8 +320,6 @@ def _as_prompt_list(prompts) -> list:
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

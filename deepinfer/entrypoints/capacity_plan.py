@@ -27,7 +27,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from deepinfer.config import parse_size
+from deepinfer.config import CacheConfig, parse_size
 from deepinfer.model_executor.layers.ops.cache_common import bf16_format, get_inference_swa_block_size, mxfp8_format
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
@@ -326,8 +326,9 @@ def llama_kv(cfg: dict, tp: int, kv_format: str) -> list[KVPart]:
 
 
 def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None = None,
-                  device_memory: int | str = DEFAULT_DEVICE_MEMORY, gpu_memory_utilization: float = 0.9,
-                  kv_cache_dtype: str = "auto") -> CapacityPlan:
+                  device_memory: int | str = DEFAULT_DEVICE_MEMORY,
+                  gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
+                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype) -> CapacityPlan:
     """The per-rank plan of a config at T and E (ValueError naming the sizes when they cannot split it)."""
     check_sizes(cfg, tp, ep)
     if not 0 < gpu_memory_utilization <= 1:

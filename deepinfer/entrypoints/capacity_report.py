@@ -150,7 +150,7 @@ def is_config_only(args) -> bool:
     path = getattr(args, "model", None)
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return False
-    return getattr(args, "load_format", "auto") != "dummy" and not any(
+    return args.load_format != "dummy" and not any(
         name.endswith(WEIGHT_SUFFIXES) for name in os.listdir(path))
 
 
@@ -158,8 +158,7 @@ def print_plan(args, cfg: dict | None = None) -> None:
     """Print the plan of `cfg` (default: --model's config.json) at the flags' sizes."""
     tp, ep = plan_sizes(args) or (1, 1)
     cfg = load_config(args.model) if cfg is None else cfg
-    plan = plan_capacity(cfg, tp, ep, max_model_len=getattr(args, "max_model_len", None),
+    plan = plan_capacity(cfg, tp, ep, max_model_len=args.max_model_len,
                          device_memory=getattr(args, "gpu_memory", DEFAULT_DEVICE_MEMORY),
-                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", 0.9),
-                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
     print("\n".join(plan_lines(plan, cfg, getattr(args, "model", None) or "")))

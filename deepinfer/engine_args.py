@@ -1,0 +1,192 @@
+"""EngineArgs: every engine option once, with its type, default, help and choices. Pure Python (no torch).
+
+`LLM(model, **kwargs)` is `EngineArgs(model=model, **kwargs).create_engine_config()` (through
+`llm_options`, which adds vLLM's keywords that have no option here); the CLI's engine flags are
+generated from the same fields (`EngineArgs.add_cli_args`) and parsed back (`EngineArgs.from_cli_args`).
+
+Each default is written once, in the config dataclass the option ends up in (config.py): a field
+names that config and its field there (`_option`), and takes the default from it. Field names are
+vLLM's where they mean the same thing; a flag is `--` plus the name in kebab case unless it says
+otherwise (`--threads` for num_threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+
+from deepinfer.config import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+
+PREFIX = "prefix caching"  # the argument group of the prefix-caching flags; the rest are "engine"
+
+
+def _option(config: type, name: str, help: str, *, flag: str | None = None, metavar: str | None = None,
+            choices: tuple[str, ...] | None = None, group: str = "engine"):
+    """A field of EngineArgs that sets `config`'s field `name` and takes its default from there."""
+    default = config.__dataclass_fields__[name].default
+    if default is dataclasses.MISSING:
+        raise TypeError(f"{config.__name__}.{name} has no default for EngineArgs to take")
+    return dataclasses.field(default=default, metadata=dict(
+        config=config, name=name, help=help, flag=flag, metavar=metavar, choices=choices, group=group))
+
+
+def json_object(text: str) -> dict:
+    """argparse type of --hf-overrides: a JSON object, else one line saying what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} (a {type(value).__name__})")
+    return value
+
+
+@dataclass
+class EngineArgs:
+    """The options of one engine (the keywords of `LLM`, the engine flags of every command)."""
+
+    model: str | None = _option(
+        EngineConfig, "model", "a directory, a .gguf file, a short name (smollm2-135m, gemma3-270m) or a Hugging "
+        "Face name org/name[/file.gguf] (default: the embedded smollm2-135m)")
+    dtype: str = _option(
+        EngineConfig, "dtype", "auto (CPU: fp32 or bf16, whichever is faster here; GPU: bf16), float32, bfloat16, "
+        "float16")
+    quantization: str = _option(
+        EngineConfig, "quantization", "auto: a GGUF's quantized weights stay quantized on a CPU with the kernels; "
+        "none: dequantize them (the reference path); gguf: keep them quantized; int8/int4: quantize linear layers "
+        "at load (groups of 32)", choices=QUANTIZATIONS)
+    revision: str | None = _option(
+        EngineConfig, "revision", "branch, tag or commit of a Hugging Face model name (default: its default branch)")
+    device: str | None = _option(EngineConfig, "device", "cpu, cuda, cuda:N (default: cuda if available)")
+    tensor_parallel_size: int = _option(
+        EngineConfig, "tensor_parallel_size", "split every layer over N ranks, one process and one device each "
+        "(cuda:N..: consecutive GPUs from --device's index); 1: one process, no torch.distributed", metavar="N")
+    expert_parallel_size: int = _option(
+        EngineConfig, "expert_parallel_size", "split the routed MoE experts into N slices over the tensor-parallel "
+        "ranks, each rank computing 1/N of them (must divide --tensor-parallel-size; DeepSeek-V4)", metavar="N")
+    attention_backend: str = _option(
+        EngineConfig, "attention_backend", "attention kernels: auto (triton on CUDA, torch on the CPU), torch (the "
+        "reference), triton (Triton store and decode kernels; interpreted, slowly, on the CPU)",
+        choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _option(
+        EngineConfig, "enforce_eager", "run every step eagerly: no CUDA graphs for decode steps (by default they "
+        "are captured at start-up on CUDA with the triton backend)")
+    max_model_len: int | None = _option(
+        EngineConfig, "max_model_len", "prompt + output tokens per request (default: min(the model's context, 4096))")
+    allow_long_max_model_len: bool = _option(
+        EngineConfig, "allow_long_max_model_len", "accept a --max-model-len beyond the model's context (also "
+        "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1); positions past it give garbage")
+    kv_cache_memory: str | int = _option(
+        CacheConfig, "kv_cache_memory", "KV cache size, e.g. 512MiB, 2GiB; auto: what --max-num-seqs requests at "
+        "--max-model-len need, at most --gpu-memory-utilization of the memory free after the weights")
+    gpu_memory_utilization: float = _option(
+        CacheConfig, "gpu_memory_utilization", "fraction of the free memory (GPU, or the CPU's MemAvailable) "
+        "--kv-cache-memory auto may take")
+    num_blocks: int | None = _option(CacheConfig, "num_blocks", "paged blocks (overrides --kv-cache-memory)")
+    block_size: int = _option(CacheConfig, "block_size", "tokens per paged block")
+    kv_cache_dtype: str = _option(
+        CacheConfig, "kv_cache_dtype", "cache row format: auto (the compute dtype), bfloat16, or fp8 (MXFP8: "
+        "e4m3 + UE8M0 per 32)", choices=KV_CACHE_DTYPES)
+    max_num_seqs: int = _option(SchedulerConfig, "max_num_seqs", "requests running at once")
+    max_num_batched_tokens: int = _option(SchedulerConfig, "max_num_batched_tokens", "token budget per step")
+    seed: int = _option(EngineConfig, "seed", "engine seed for unseeded sampling")
+    num_threads: int | None = _option(
+        EngineConfig, "num_threads", "CPU threads for the model's kernels, per rank (default: torch's choice, the "
+        "physical cores; with --tensor-parallel-size N each rank takes 1/N of them)", flag="--threads", metavar="N")
+    hf_overrides: dict | None = _option(
+        EngineConfig, "hf_overrides", 'JSON object of model config fields to override, e.g. \'{"sliding_window": '
+        "128}'")
+    speculative_method: str | None = _option(
+        SpeculativeConfig, "method", "draft tokens and verify them in one pass: ngram (prompt lookup, any model) "
+        "or mtp (DeepSeek-V4's next-n module); default: none", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = _option(
+        SpeculativeConfig, "num_speculative_tokens", "k: draft tokens a step may verify; rings keep S >= W + k + 1 "
+        "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
+    load_format: str = _option(
+        EngineConfig, "load_format", "auto: the checkpoint's weights; dummy: config.json only, seeded random "
+        "weights (benchmarks and memory figures without weight files)", choices=LOAD_FORMATS)
+    enable_prefix_caching: bool = _option(
+        CacheConfig, "enable_prefix_caching", "reuse the KV blocks of a prompt prefix computed before (requests "
+        "share them only when their cache_salt is equal)", group=PREFIX)
+    kv_cache_dir: str | None = _option(
+        CacheConfig, "kv_cache_dir", "save computed KV blocks in this directory; a later start-up of the same model "
+        "reads them (default: none, the cache lives in memory only; `bench --workload prefix`: the restart run's "
+        "directory, default a temporary one)", metavar="PATH", group=PREFIX)
+    kv_cache_dir_size: str | int = _option(
+        CacheConfig, "kv_cache_dir_size", "most bytes --kv-cache-dir may hold, e.g. 512MiB, 4GiB; the least "
+        "recently used files go first", metavar="SIZE", group=PREFIX)
+    prefix_snapshot_interval: int = _option(
+        CacheConfig, "prefix_snapshot_interval", "ring models (sliding window, DeepSeek-V4): tokens between "
+        "snapshots of a long prefill", metavar="N", group=PREFIX)
+    num_prefix_snapshots: int | None = _option(
+        CacheConfig, "num_prefix_snapshots", "ring models: snapshot slots kept for prefix hits (default: min(16, "
+        "--max-num-seqs))", metavar="N", group=PREFIX)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig (with its scheduler, cache and speculative configs) these options describe;
+        ValueError naming the field and the value when one is bad."""
+        parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, EngineConfig: {}}
+        for f in dataclasses.fields(self):
+            parts[f.metadata["config"]][f.metadata["name"]] = getattr(self, f.name)
+        cache = CacheConfig(**parts[CacheConfig])
+        scheduler = SchedulerConfig(**parts[SchedulerConfig])
+        speculative = SpeculativeConfig(**parts[SpeculativeConfig])
+        return EngineConfig(**parts[EngineConfig], scheduler=scheduler, cache=cache, speculative=speculative)
+
+    def create_cache_config(self) -> CacheConfig:
+        """The CacheConfig alone (ValueError naming the field and the value when one is bad)."""
+        return self.create_engine_config().cache
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field, in argument groups ("engine", "prefix caching"), with its default."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        hints = typing.get_type_hints(EngineArgs)
+        for f in dataclasses.fields(EngineArgs):
+            name = f.metadata["group"]
+            if name not in groups:
+                groups[name] = parser.add_argument_group(name)
+            groups[name].add_argument(cli_flag(f), default=f.default, help=f.metadata["help"],
+                                      **_cli_kind(hints[f.name], f))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options a namespace parsed by a parser with `add_cli_args` holds."""
+        return cls(**{f.name: getattr(args, cli_dest(f)) for f in dataclasses.fields(cls)})
+
+
+def cli_flag(f: dataclasses.Field) -> str:
+    """The flag of an EngineArgs field: its own (`--threads`), else `--` + the name in kebab case."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def cli_dest(f: dataclasses.Field) -> str:
+    """Where argparse puts the field's flag (`threads` for num_threads)."""
+    return cli_flag(f).removeprefix("--").replace("-", "_")
+
+
+def _cli_kind(hint, f: dataclasses.Field) -> dict:
+    """argparse's action / type / choices / metavar for a field of type `hint`: bools are switches
+    (--x, or --x / --no-x when on by default), ints and floats are converted, a dict is JSON; the rest
+    (names, sizes such as 2GiB) stay strings for the configs to check."""
+    kinds = set(typing.get_args(hint)) - {type(None)} or {hint}
+    if kinds == {bool}:
+        return {"action": argparse.BooleanOptionalAction if f.default else "store_true"}
+    kind = {"metavar": f.metadata["metavar"]} if f.metadata["metavar"] else {}
+    if f.metadata["choices"]:
+        kind["choices"] = list(f.metadata["choices"])
+    converter = {int: int, float: float, dict: json_object}.get(next(iter(kinds))) if len(kinds) == 1 else None
+    return kind | ({"type": converter} if converter else {})
