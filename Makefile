@@ -44,7 +44,7 @@ clean:
 	rm -rf $(VENV)
 
 # The llama.cpp peer of `deepinfer bench`: node-llama-cpp's prebuilt llama.cpp binaries (needs node >= 20
-# and npm) in the cache directory that bench_llama_cpp reads (DEEPINFER_NODE_LLAMA_CPP_DIR overrides it).
+# and npm) in the cache directory that bench/peers/node_llama_cpp.py reads (DEEPINFER_NODE_LLAMA_CPP_DIR overrides it).
 # NODE_LLAMA_CPP_SKIP_DOWNLOAD keeps its postinstall from fetching llama.cpp's source.
 DEEPINFER_NODE_LLAMA_CPP_DIR ?= $(HOME)/.cache/deepinfer/node-llama-cpp
 peers:

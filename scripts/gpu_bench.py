@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the checkout, when PYTHONPATH does not name it
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
-from deepinfer.entrypoints.bench_common import Workload, format_result, measure  # noqa: E402
+from deepinfer.entrypoints.bench.common import Workload, measure  # noqa: E402
+from deepinfer.entrypoints.bench.report import format_result  # noqa: E402
 
 QWEN3, LLAMA8B, V4_3L = (os.path.join(ROOT, "configs", name)
                          for name in ("qwen3_0_6b", "llama3_1_8b", "deepseek_v4_flash_3l"))
@@ -123,7 +124,7 @@ def run_nano(args) -> None:
 def hf_continuous_batching(model, workload: Workload, cpu: bool):
     """transformers' continuous batching (its manager, each request's own max_new_tokens, EOS
     off); where the installed version lacks it or it fails, padded batched `generate`."""
-    from deepinfer.entrypoints.bench_common import BenchResult
+    from deepinfer.entrypoints.bench.common import BenchResult
 
     try:
         produced, seconds = _hf_manager_run(model, workload, cpu)
@@ -175,7 +176,7 @@ def _workload_hints(workload: Workload):
 @torch.inference_mode()
 def _hf_padded(model, workload: Workload, batch: int):
     """Left-padded batched greedy `generate`, `batch` requests at a time, each batch to its longest output."""
-    from deepinfer.entrypoints.bench_common import BenchResult
+    from deepinfer.entrypoints.bench.common import BenchResult
 
     device = next(model.parameters()).device
     start = time.perf_counter()

@@ -20,9 +20,10 @@ def read_prompt(arg: str, stdin=sys.stdin) -> str:
 
 
 def cmd_generate(args) -> int:
-    params = sampling_params(args)
+    sampling_params(args)  # a bad flag is refused before the model loads
     text = read_prompt(args.prompt)  # before the model loads: an empty stdin fails at once
     with make_llm(args) as llm:  # closing saves what --kv-cache-dir still lacks
+        params = sampling_params(args, llm.get_default_sampling_params())
         prompt = text
         if not args.raw:
             prompt = llm.apply_chat_template([{"role": "user", "content": text}]) \
@@ -110,7 +111,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deepinfer.entrypoints.chat import use_model_defaults
+    from deepinfer.entrypoints.chat import CHAT_MAX_TOKENS
+    from deepinfer.entrypoints.engine_args import use_model_defaults
 
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer: LLM inference engine",
                                      formatter_class=DefaultsHelpFormatter)
@@ -130,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.entrypoints.bench import add_bench_args
 
     add_bench_args(bench)
-    from deepinfer.entrypoints.bench_serve import add_bench_serve_parser
+    from deepinfer.entrypoints.bench import add_bench_serve_parser
 
     add_bench_serve_parser(bench)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, metrics)")
@@ -146,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.entrypoints.capacity_report import add_plan_args
 
     add_plan_args(info)  # after the engine flags: they may define the parallel sizes already
-    use_model_defaults(chat)  # chat: sampling flags unset mean the model's defaults, replies run to the context
+    # generate and chat: sampling flags left unset mean the model's defaults, as in the server and LLM.generate
+    use_model_defaults(gen, 128, "most tokens generated")
+    use_model_defaults(chat, CHAT_MAX_TOKENS, "cap on each reply, which also stops at the end of the context")
     bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
     return parser
 

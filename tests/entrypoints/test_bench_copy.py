@@ -8,8 +8,8 @@ import re
 from types import SimpleNamespace
 
 from deepinfer.entrypoints import cli
-from deepinfer.entrypoints.bench_common import BenchResult, spec_between
-from deepinfer.entrypoints.bench_copy import COPY_TASKS, _compare, copy_workload, repeated_span_prompts
+from deepinfer.entrypoints.bench.common import BenchResult, spec_between
+from deepinfer.entrypoints.bench.workloads.copy import COPY_TASKS, _compare, copy_workload, repeated_span_prompts
 
 TOK_S = r"\d+ tokens in +\d+\.\d+ s = +\d+\.\d+ tok/s"
 

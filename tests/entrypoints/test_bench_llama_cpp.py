@@ -1,4 +1,4 @@
-"""The llama.cpp peer of `deepinfer bench` (bench_llama_cpp, peers/llama_cpp_peer.mjs): the job built
+"""The llama.cpp peer of `deepinfer bench` (bench.peers.node_llama_cpp, llama_cpp_peer.mjs): the job built
 from a workload, the parsed result, the errors without node or npm, the subprocess round trip
 through a stand-in for node, and (slow) node-llama-cpp itself on the embedded model."""
 
@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepinfer.entrypoints import bench_llama_cpp as nlc
-from deepinfer.entrypoints import bench_peers
-from deepinfer.entrypoints.bench_common import Workload, make_workload
+from deepinfer.entrypoints.bench import peers
+from deepinfer.entrypoints.bench.common import Workload
+from deepinfer.entrypoints.bench.peers import node_llama_cpp as nlc
+from deepinfer.entrypoints.bench.workloads import make_workload
 
 VOCAB = 49152
 
@@ -146,8 +147,8 @@ def test_peer_runs_both_modes_on_several_requests_and_one_on_decode1(monkeypatch
     monkeypatch.setattr(nlc, "run_node_llama_cpp", fake_run)
     monkeypatch.setattr(shutil, "which", _only_node("/usr/bin/node"))
     source = SimpleNamespace(format="gguf", path="/m.gguf")
-    cpu32 = bench_peers.run_peer("llama.cpp", source, make_workload("cpu32", VOCAB, num_requests=4))
-    decode1 = bench_peers.run_peer("llama.cpp", source, make_workload("decode1", VOCAB))
+    cpu32 = peers.run_peer("llama.cpp", source, make_workload("cpu32", VOCAB, num_requests=4))
+    decode1 = peers.run_peer("llama.cpp", source, make_workload("decode1", VOCAB))
     assert [r.engine for r in cpu32] == ["llama.cpp", "llama.cpp-np16"] and [r.engine for r in decode1] == ["llama.cpp"]
     assert calls == [("cpu32", 1), ("cpu32", 16), ("decode1", 1)]
     assert capsys.readouterr().out.count("peer     llama.cpp") == 3
@@ -161,9 +162,9 @@ def test_peer_without_node_or_llama_cpp_python_is_a_clear_error(monkeypatch):
                         lambda name, *args: None if name == "llama_cpp" else find_spec(name, *args))
     monkeypatch.setattr(shutil, "which", _only_node(None))
     with pytest.raises(ValueError, match="needs `node`"):
-        bench_peers.run_llama_cpp(SimpleNamespace(format="gguf", path="/m.gguf"), _tiny_workload())
+        peers.run_llama_cpp(SimpleNamespace(format="gguf", path="/m.gguf"), _tiny_workload())
     with pytest.raises(ValueError, match="needs a .gguf model"):
-        bench_peers.run_llama_cpp(SimpleNamespace(format="hf", path="/m"), _tiny_workload())
+        peers.run_llama_cpp(SimpleNamespace(format="hf", path="/m"), _tiny_workload())
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node")

@@ -7,8 +7,8 @@ import json
 import re
 
 from deepinfer.entrypoints import cli
-from deepinfer.entrypoints.bench_prefix import percentile
-from deepinfer.entrypoints.bench_prefix_prompts import random_prompts, shared_len, text_prompts
+from deepinfer.entrypoints.bench.workloads.prefix import percentile
+from deepinfer.entrypoints.bench.workloads.prefix_prompts import random_prompts, shared_len, text_prompts
 
 MS = r"\d+\.\dms"
 

@@ -18,7 +18,7 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints import cli
-from deepinfer.entrypoints.bench import make_workload
+from deepinfer.entrypoints.bench.workloads import make_workload
 from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size
 from deepinfer.model_executor.loader import load_model_source
 
@@ -196,7 +196,7 @@ def reduced_llm(reduced_mini):
 def test_hf_v4_state_dict_is_a_strict_load_and_shares_storage(reduced_llm):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4ForCausalLM
 
-    from deepinfer.entrypoints.bench_peers import hf_v4_model, hf_v4_state_dict
+    from deepinfer.entrypoints.bench.peers.hf import hf_v4_model, hf_v4_state_dict
 
     ours = reduced_llm.engine.runner.model
     state = hf_v4_state_dict(ours)
@@ -232,7 +232,7 @@ def test_hf_peer_logits_and_greedy_tokens_equal_the_engines(reduced_llm):
     from tiny_models import teacher_forcing_logprobs
 
     from deepinfer import SamplingParams
-    from deepinfer.entrypoints.bench_peers import hf_v4_model, hf_v4_state_dict
+    from deepinfer.entrypoints.bench.peers.hf import hf_v4_model, hf_v4_state_dict
 
     rng = random.Random(1)
     prompt = [rng.randrange(100, 512) for _ in range(40)]
@@ -260,7 +260,7 @@ def test_dummy_v4_peer_frees_the_engine_before_building_hf(reduced_mini):
     import weakref
 
     from deepinfer import LLM
-    from deepinfer.entrypoints.bench import run_dummy_v4_peer
+    from deepinfer.entrypoints.bench.peers import run_dummy_v4_peer
 
     llm = LLM(reduced_mini, load_format="dummy", max_num_seqs=2, kv_cache_memory="64MiB", max_model_len=512)
     engine, runner = weakref.ref(llm.engine), weakref.ref(llm.engine.runner)

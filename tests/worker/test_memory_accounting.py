@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM
-from deepinfer.entrypoints.bench_long import allocated_bytes_per_request
+from deepinfer.entrypoints.bench.workloads.long import allocated_bytes_per_request
 from deepinfer.entrypoints.info import info_lines
 from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size
 

@@ -16,9 +16,9 @@ One invocation runs the same requests under three configurations of the same mod
                    prefix in memory
     after restart  a first engine (this process) runs that warm-up with kv_cache_dir set and
                    closes (flushing the directory); then a fresh process (`python -m
-                   deepinfer.entrypoints.bench_prefix --child SPEC`) builds a new engine on the
-                   same directory and runs the workload: its first request reads the prefix
-                   from disk, the later ones find it in memory
+                   deepinfer.entrypoints.bench.workloads.prefix --child SPEC`) builds a new
+                   engine on the same directory and runs the workload: its first request reads
+                   the prefix from disk, the later ones find it in memory
 
 Each engine first runs a short unrelated request (kernels and allocations warm, nothing of the
 shared prefix cached). Then, per configuration:
@@ -53,8 +53,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.bench_common import BenchResult, engine_label
-from deepinfer.entrypoints.bench_prefix_prompts import PrefixPrompts, prefix_prompts
+from deepinfer.entrypoints.bench.common import BenchResult, engine_label
+from deepinfer.entrypoints.bench.report import format_prefix_table
+from deepinfer.entrypoints.bench.workloads.prefix_prompts import PrefixPrompts, prefix_prompts
 from deepinfer.entrypoints.engine_args import engine_kwargs
 from deepinfer.sampling_params import SamplingParams
 
@@ -205,7 +206,7 @@ def run_prefix(args) -> list[BenchResult]:
                     "kv_cache_dir": None if own_dir else cache_dir,
                     "kv_cache_memory": kwargs["kv_cache_memory"]}
     results = _results(runs, setup, engine_label(kwargs.get("speculative_method")))
-    for line in format_table(results):
+    for line in format_prefix_table(results):
         print(line, flush=True)
     return results
 
@@ -249,8 +250,8 @@ def run_child(model, kwargs: dict, cache_dir: str, prompts: PrefixPrompts, max_t
         spec_path = os.path.join(tmp, "spec.json")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
-        proc = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.bench_prefix", "--child", spec_path],
-                              check=False)
+        proc = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.bench.workloads.prefix", "--child",
+                               spec_path], check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"the restart run's process exited with status {proc.returncode}")
         with open(spec["out"]) as f:
@@ -258,9 +259,9 @@ def run_child(model, kwargs: dict, cache_dir: str, prompts: PrefixPrompts, max_t
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    """`python -m deepinfer.entrypoints.bench_prefix --child SPEC`: build an engine on the spec's
-    cache directory and run the workload; the figures go to the spec's `out` file."""
-    p = argparse.ArgumentParser(prog="python -m deepinfer.entrypoints.bench_prefix")
+    """`python -m deepinfer.entrypoints.bench.workloads.prefix --child SPEC`: build an engine on the
+    spec's cache directory and run the workload; the figures go to the spec's `out` file."""
+    p = argparse.ArgumentParser(prog="python -m deepinfer.entrypoints.bench.workloads.prefix")
     p.add_argument("--child", required=True, help="JSON spec written by the parent benchmark")
     with open(p.parse_args(argv).child) as f:
         spec = json.load(f)
@@ -273,7 +274,7 @@ def child_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# -- figures and the table ----------------------------------------------------------------------
+# -- figures ------------------------------------------------------------------------------------
 
 def percentile(values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
@@ -312,46 +313,6 @@ def _results(runs: dict, setup: dict, engine: str) -> list[PrefixResult]:
                          "identical_outputs": not mismatched, "mismatched_requests": mismatched}
         results.append(r)
     return results
-
-
-def format_table(results: list[PrefixResult]) -> list[str]:
-    s = results[0].setup
-    cold, hit, restart = results
-    n, q = s["num_requests"], s["question_tokens"]
-    lines = [
-        f"prefix   cpu: {s['cpu']} ({s['num_cpus']} cpus, load average {s['load_average'][0]:.2f} at start, "
-        f"{s['load_average'][1]:.2f} at end)",
-        f"prefix   model: {s['model']} ({s['model_type']}), {s['device']} {s['dtype']}, "
-        f"{s['num_kv_blocks']} KV blocks of {s['block_size']} tokens",
-        f"prefix   {n} requests one at a time, then {n} other questions at once: shared prefix "
-        f"{s['shared_prefix_tokens']} tokens (--prefix-len {s['prefix_len']}) + {q[0]}-{q[1]} tokens each, "
-        f"{s['max_tokens']} output tokens (greedy, ignore_eos)",
-        f"prefix   {'':15s} {'one at a time':^33s} | {'all at once':^38s}",
-        f"prefix   {'configuration':15s} {'TTFT p50':>10s} {'TTFT p90':>10s} {'cached/req':>11s} | "
-        f"{'seconds':>8s} {'out tok/s':>9s} {'all tok/s':>9s} {'cached/req':>10s}",
-    ]
-    for r in results:
-        lines.append(f"prefix   {r.config:15s} {r.ttft_p50_s * 1e3:8.1f}ms {r.ttft_p90_s * 1e3:8.1f}ms "
-                     f"{r.mean_num_cached_tokens:11.1f} | {r.seconds:8.2f} {r.tokens_per_s:9.2f} "
-                     f"{r.batch_total_tokens_per_s:9.1f} {r.batch_mean_num_cached_tokens:10.1f}")
-    w = hit.prefix_warmup
-    lines.append(f"prefix   memory hit: its prefix warm-up (cold, caching on): TTFT {w['ttft_s'] * 1e3:.1f}ms, "
-                 f"{w['num_cached_tokens']} cached tokens")
-    f = restart.first_request
-    disk = f.get("prefix_cache_disk_hits", 0)
-    lines.append(f"prefix   after restart: first request TTFT {f['ttft_s'] * 1e3:.1f}ms, {f['num_cached_tokens']} "
-                 f"cached tokens, {disk} of them read from the cache directory "
-                 f"({f.get('kv_cache_dir_files_read', 0)} files)"
-                 + ("" if disk > 0 else "  WARNING: no disk hit"))
-    lines.append(f"prefix   TTFT p50 cold / memory hit: {hit.vs_cold['ttft_p50_ratio']:.2f}x; "
-                 f"cold / after restart: {restart.vs_cold['ttft_p50_ratio']:.2f}x")
-    for r in (hit, restart):
-        mism = r.vs_cold["mismatched_requests"]
-        total = 2 * n
-        lines.append(f"prefix   outputs {r.config} vs cold: " + (
-            f"identical ({total} of {total} requests)" if not mism
-            else f"MISMATCH in {len(mism)} of {total} requests ({', '.join(map(str, mism))})"))
-    return lines
 
 
 def _describe(llm) -> dict:

@@ -32,7 +32,8 @@ import argparse
 import gc
 import random
 
-from deepinfer.entrypoints.bench_common import BenchResult, Workload, engine_label, format_result, format_spec, measure
+from deepinfer.entrypoints.bench.common import BenchResult, Workload, engine_label, measure
+from deepinfer.entrypoints.bench.report import format_result, format_spec
 from deepinfer.entrypoints.engine_args import make_llm
 from deepinfer.sampling_params import SamplingParams
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from deepinfer.entrypoints.bench_common import BenchResult, make_workload, run_deepinfer
+from deepinfer.entrypoints.bench.common import BenchResult, run_deepinfer
+from deepinfer.entrypoints.bench.workloads import make_workload
 from deepinfer.entrypoints.engine_args import make_llm
 
 

@@ -1,8 +1,4 @@
-"""Peers for `deepinfer bench --peer`: HF transformers and llama.cpp on the same requests.
-
-Both are optional: transformers is a test dependency; llama.cpp comes from the npm package
-node-llama-cpp (prebuilt binaries, `make peers`; see bench_llama_cpp), with llama-cpp-python (the
-`peers` extra) as a fallback where node is absent.
+"""The HF transformers peer of `deepinfer bench --peer hf`: the same requests in transformers, fp32.
 
 DeepSeek-V4 runs in transformers one request at a time (`hf-batch1`): its compressor windows
 align to tensor index 0, so a left-padded batch is not a valid V4 reference. With
@@ -19,21 +15,11 @@ import time
 
 import torch
 
-from deepinfer.entrypoints.bench_common import BenchResult, Workload
+from deepinfer.entrypoints.bench.common import BenchResult, Workload
 
 HF_BATCH = 8
 V4_MODEL_TYPE = "deepseek_v4"
 HF_BATCH1 = "hf-batch1"  # the engine name of a peer measured one request at a time
-
-
-def run_peer(name: str, source, workload: Workload, model=None) -> list[BenchResult]:
-    """The peer's results on `workload` (llama.cpp: one per mode, see run_llama_cpp). `model`: an
-    HF model already built (a dummy V4 peer holding our weights); else loaded from source."""
-    if name == "hf":
-        return [run_hf_batch1(model, workload) if model is not None else run_hf(source, workload)]
-    if name == "llama.cpp":
-        return run_llama_cpp(source, workload)
-    raise ValueError(f"unknown peer {name!r}")
 
 
 def _hf_model(source):
@@ -133,39 +119,3 @@ def hf_v4_model(hf_config, state_dict: dict[str, torch.Tensor]):
     if left:
         raise RuntimeError(f"{len(left)} tensors of the HF peer stayed on the meta device, e.g. {left[:3]}")
     return model.eval()
-
-
-def run_llama_cpp(source, workload: Workload) -> list[BenchResult]:
-    """llama.cpp on the same GGUF, 2 threads, greedy, EOS ignored, through node-llama-cpp's prebuilt
-    binaries (bench_llama_cpp): one request at a time (`llama.cpp`) and, for a workload of several
-    requests, also 16 parallel sequences (`llama.cpp-np16`). Prints a line on what ran before each
-    result. Without node, llama-cpp-python is used when importable (one request at a time)."""
-    import importlib.util
-
-    from deepinfer.entrypoints import bench_llama_cpp
-
-    if source.format != "gguf":
-        raise ValueError(f"the llama.cpp peer needs a .gguf model, got {source.path!r}")
-    if not bench_llama_cpp.node_available() and importlib.util.find_spec("llama_cpp") is not None:
-        return [run_llama_cpp_python(source, workload)]
-    results = []
-    for parallel in (1, bench_llama_cpp.PARALLEL) if len(workload.prompts) > 1 else (1,):
-        result, info = bench_llama_cpp.run_node_llama_cpp(source.path, workload, parallel)
-        print(bench_llama_cpp.describe(info), flush=True)
-        results.append(result)
-    return results
-
-
-def run_llama_cpp_python(source, workload: Workload) -> BenchResult:
-    """The fallback without node: llama-cpp-python on the same GGUF, 2 threads, one request at a time, EOS ignored."""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=source.path, n_threads=2, n_ctx=1024, verbose=False)
-    start = time.perf_counter()
-    for prompt, n in zip(workload.prompts, workload.output_lens, strict=True):
-        llm.reset()
-        for count, _ in enumerate(llm.generate(prompt, temp=0.0), start=1):
-            if count == n:
-                break
-    seconds = time.perf_counter() - start
-    return BenchResult("llama.cpp", workload.name, seconds, workload.num_output_tokens)

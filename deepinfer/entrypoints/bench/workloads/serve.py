@@ -15,9 +15,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.bench_common import make_workload
-
-PERCENTILES = (50, 90, 99)
+from deepinfer.entrypoints.bench.report import PERCENTILES, print_serve_summary
+from deepinfer.entrypoints.bench.workloads import make_workload
 
 
 @dataclass
@@ -66,7 +65,7 @@ def run_bench_serve(args) -> int:
     if args.request_rate is not None and args.request_rate <= 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
     summary = asyncio.run(_bench(args))
-    print_summary(summary)
+    print_serve_summary(summary)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
@@ -193,34 +192,3 @@ def _stats_ms(name: str, values: list[float]) -> dict:
     stats = {f"mean_{name}_ms": float(ms.mean())}
     stats.update({f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES})
     return stats
-
-
-def print_summary(s: dict) -> None:
-    rows = [("Successful requests", s["successful_requests"]), ("Failed requests", s["failed_requests"]),
-            ("Benchmark duration (s)", s["duration_s"]), ("Total input tokens", s["total_input_tokens"]),
-            ("Total generated tokens", s["total_output_tokens"]),
-            ("Request throughput (req/s)", s["request_throughput"]),
-            ("Output token throughput (tok/s)", s["output_throughput"]),
-            ("Total token throughput (tok/s)", s["total_token_throughput"])]
-    print(f"{' Serving Benchmark Result ':=^56}")
-    mode = (f"concurrency {s['concurrency']}" if s["concurrency"] else "") + \
-        (f" rate {s['request_rate']}/s" if s["request_rate"] else "")
-    print(f"{'Server':<36}{s['url']} ({s['model']}, {mode.strip()})")
-    for label, value in rows:
-        shown = f"{value:.2f}" if isinstance(value, float) else str(value)
-        print(f"{label + ':':<36}{shown:>20}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
-        print(f"{' ' + title + ' ':-^56}")
-        for key in [f"mean_{name}_ms"] + [f"p{p}_{name}_ms" for p in PERCENTILES]:
-            label = key.replace(f"_{name}_ms", "").replace("mean", "Mean").replace("p", "P")
-            value = s[key]
-            print(f"{label + ' ' + name.upper() + ' (ms):':<36}"
-                  f"{'n/a' if value is None else f'{value:.2f}':>20}")
-    if s["total_output_tokens"] != s["expected_output_tokens"] and not s["failed_requests"]:
-        print(f"note: {s['total_output_tokens']} tokens generated, the workload asks for "
-              f"{s['expected_output_tokens']}")
-    for error in s["errors"]:
-        print(f"error: {error}")
-    print("=" * 56)
-

@@ -4,8 +4,8 @@ The npm package `node-llama-cpp` (pinned, NODE_LLAMA_CPP_VERSION) ships prebuilt
 binaries and picks the CPU variant at run time (e.g. zen4 on an AVX-512 EPYC), so no source build
 is needed. It is installed once into a cache directory (`install_dir()`: $DEEPINFER_NODE_LLAMA_CPP_DIR,
 default ~/.cache/deepinfer/node-llama-cpp; `make peers` does the same) and driven by
-`peers/llama_cpp_peer.mjs`: a JSON job on stdin (the workload's token ids and output lengths),
-one JSON line of result on stdout.
+`llama_cpp_peer.mjs` (package data beside this module): a JSON job on stdin (the workload's token
+ids and output lengths), one JSON line of result on stdout.
 
 Two modes, as engines: `llama.cpp` runs the requests one at a time; `llama.cpp-np16` runs 16
 sequences in one context fed from a shared queue, so llama.cpp batches their decode steps (like
@@ -21,12 +21,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from deepinfer.entrypoints.bench_common import BenchResult, Workload
+from deepinfer.entrypoints.bench.common import BenchResult, Workload
 
 NODE_LLAMA_CPP_VERSION = "3.21.1"  # exact pin: newer releases fail here
 DIR_ENV = "DEEPINFER_NODE_LLAMA_CPP_DIR"
 DEFAULT_DIR = Path("~/.cache/deepinfer/node-llama-cpp")
-PEER_SCRIPT = Path(__file__).with_name("peers") / "llama_cpp_peer.mjs"
+PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.mjs")
 THREADS = 2  # the benchmark's convention
 PARALLEL = 16  # sequences of the batched mode
 CTX_ALIGN = 256  # llama.cpp pads a context to a multiple of 256 cells

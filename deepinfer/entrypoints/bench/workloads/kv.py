@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deepinfer.entrypoints.bench_common import Workload
+    from deepinfer.entrypoints.bench.common import Workload
 
 _ROW_DTYPES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
@@ -116,7 +116,7 @@ def kv_lines(llm) -> list[str]:
 def workload_kv_line(runner, workload: Workload) -> str:
     """Bytes the engine allocates for the workload's requests at their final lengths (rings,
     block padding and compressor state included), per token."""
-    from deepinfer.entrypoints.bench_long import allocated_bytes_per_request
+    from deepinfer.entrypoints.bench.workloads.long import allocated_bytes_per_request
     from deepinfer.entrypoints.info import fmt_bytes
 
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens, strict=True)]

@@ -1,7 +1,8 @@
-"""What every `deepinfer bench` mode shares: the fixed workloads and running one on our engine.
+"""What every `deepinfer bench` mode shares: a workload, a result, and running one on our engine.
 
-The workloads (cpu32, decode1, long, copy) are described in `bench`; `bench_long`, `bench_kv`,
-`bench_copy`, `bench_peers` and `bench serve` build on the same `Workload` and `BenchResult`.
+The workloads themselves (cpu32, decode1, long, copy, prefix, serve) are under `bench.workloads`;
+the peers (`bench.peers`) and the printed lines (`bench.report`) build on the same `Workload`
+and `BenchResult`.
 
 With a speculative method, a measured run also carries what speculative decoding did in it:
 the deltas of the engine's counters (`LLM.get_metrics()`) from just before the run to just after,
@@ -10,15 +11,12 @@ so a warm-up or an earlier run never counts.
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.sampling_params import SamplingParams
-
-WORKLOADS = ("cpu32", "decode1", "long", "copy")
 
 
 @dataclass
@@ -62,42 +60,6 @@ class BenchResult:
 def engine_label(speculative_method: str | None) -> str:
     """`deepinfer`, or `deepinfer+ngram` / `deepinfer+mtp` with a speculative method."""
     return "deepinfer" if speculative_method is None else f"deepinfer+{speculative_method}"
-
-
-def format_result(r: BenchResult) -> str:
-    batch = "" if r.batch is None else f"batch {r.batch:2d} "
-    return (f"{r.workload:8s} {r.engine:15s} {batch}{r.output_tokens:6d} tokens in {r.seconds:8.2f} s "
-            f"= {r.tokens_per_s:8.2f} tok/s")
-
-
-def format_spec(r: BenchResult) -> str:
-    """Acceptance rate and mean accepted length of a speculative run."""
-    s, batch = r.spec, "" if r.batch is None else f" batch {r.batch}"
-    return (f"{r.workload:8s} {r.engine}{batch}: acceptance rate {s.acceptance_rate:.3f} "
-            f"({s.num_accepted_tokens} of {s.num_draft_tokens} draft tokens), mean accepted length "
-            f"{s.mean_accepted_length:.2f} over {s.num_drafts} verification steps")
-
-
-def _capped(n: int, max_output_len: int | None) -> int:
-    return n if max_output_len is None else min(n, max_output_len)
-
-
-def make_workload(name: str, vocab_size: int, num_requests: int = 32, seed: int = 0,
-                  max_output_len: int | None = None) -> Workload:
-    """The workload's token-id prompts and output lengths; `max_output_len` caps the outputs of
-    cpu32 and decode1 (the prompts and the other draws stay the same). `copy` needs the model's
-    tokenizer: see `bench_copy.copy_workload`."""
-    rng = random.Random(seed)
-    if name == "cpu32":
-        lens = [(rng.randint(32, 256), rng.randint(32, 256)) for _ in range(num_requests)]
-        prompts = [[rng.randrange(100, vocab_size) for _ in range(p)] for p, _ in lens]
-        return Workload(name, prompts, [_capped(o, max_output_len) for _, o in lens])
-    if name == "decode1":
-        return Workload(name, [[rng.randrange(100, vocab_size) for _ in range(8)]], [_capped(128, max_output_len)])
-    if name == "long":
-        return Workload(name, [[rng.randrange(100, vocab_size) for _ in range(2048)] for _ in range(16)],
-                        [256] * 16)
-    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
 
 
 def run_deepinfer(llm, workload: Workload, engine: str = "deepinfer") -> BenchResult:
