@@ -10,7 +10,8 @@ its layers one after another:
 
 R is the block size of a paged group, or the ring size S of a ring group. A flat slot
 u * R + r (the book's b * S + p mod S) addresses view[u, r]. No second copy of the cache exists:
-every view aliases the group's one allocation.
+every view aliases the group's one allocation. The row codec and the layer view (`RowCodec`,
+`LayerCache`) live with the attention layer (model_executor/layers/attention/layer_cache.py).
 """
 
 from __future__ import annotations
@@ -20,100 +21,8 @@ import mmap
 
 import torch
 
-from deepinfer.contracts.cache import CacheGroupSpec, RowSpec
-from deepinfer.model_executor.layers.ops import fused
-from deepinfer.model_executor.layers.ops.addressing import cache_line
-from deepinfer.model_executor.layers.ops.cache_common import KVCacheFormat, mxfp8_format, unquantized_format
-from deepinfer.model_executor.layers.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class RowCodec:
-    """One layer's cached state of one token <-> one row of bytes.
-
-    Separate K and V (Llama family): the row is K|V of all KV heads, 2 * H_kv * D elements.
-    Shared K = V (a latent row, as DeepSeek-V4 stores one 512-element row per token): the row is
-    H_kv * D elements and serves as both K and V; a 512-element MXFP8 row is 528 bytes.
-    """
-
-    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str,
-                 shared_kv: bool = False):
-        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        self.row_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else dtype  # plain rows' element type
-        self.shared_kv = shared_kv
-        self.num_parts = 1 if shared_kv else 2
-        self.num_elements = self.num_parts * num_kv_heads * head_dim
-        self.fp8 = kv_cache_dtype == "fp8"
-        what = "K=V latent row" if shared_kv else "K|V row"
-        self.format: KVCacheFormat = (mxfp8_format(self.num_elements, f"MXFP8 {what}") if self.fp8 else
-                                      unquantized_format(self.num_elements, _DTYPE_NAMES[self.row_dtype], what))
-
-    @classmethod
-    def for_row(cls, row: RowSpec, dtype: torch.dtype, kv_cache_dtype: str) -> RowCodec:
-        """The codec of a declared row; a width the format cannot hold is refused naming row.field."""
-        try:
-            return cls(row.num_kv_heads, row.head_dim, dtype, kv_cache_dtype, shared_kv=row.shared_kv)
-        except ValueError as exc:
-            raise ValueError(f"{row.field}={row.head_dim} cannot be cached in this row format: {exc}") from exc
-
-    @property
-    def row_bytes(self) -> int:
-        return self.format.bytes_per_row
-
-    def encode(self, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
-        """k, v [T, H_kv, D] -> rows [T, row_bytes] uint8 (v is not stored when K = V)."""
-        flat = k.flatten(1) if self.shared_kv else torch.cat((k.flatten(1), v.flatten(1)), dim=1)  # [T, E]
-        if self.fp8:
-            return quantize_mxfp8(flat)  # [T, row_bytes]
-        return flat.to(self.row_dtype).contiguous().view(torch.uint8)  # [T, row_bytes]
-
-    def as_kv(self, flat: torch.Tensor) -> torch.Tensor:
-        """[..., E] -> [..., 2, H_kv, D]; a shared row is the same memory seen as K and as V."""
-        kv = flat.unflatten(-1, (self.num_parts, self.num_kv_heads, self.head_dim))  # [..., 1|2, H_kv, D]
-        return kv.expand(*kv.shape[:-3], 2, -1, -1) if self.shared_kv else kv
-
-    def decode(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [..., row_bytes] uint8 -> [..., 2, H_kv, D] in the compute dtype."""
-        if self.fp8:
-            return self.as_kv(dequantize_mxfp8(rows, self.num_elements, self.dtype))  # [..., 2, H_kv, D]
-        return self.as_kv(rows.contiguous().view(self.row_dtype).to(self.dtype))  # [..., 2, H_kv, D]
-
-
-class LayerCache:
-    """One layer's view of its group: load rows at flat slots, store rows at flat slots.
-
-    `view` is the book's (units, rows_per_unit, 1, row_bytes) view. Reads and writes go through
-    the same memory seen as one row per line, `rows2d` [units * layers * R, row], where the
-    row of flat slot u * R + r of layer l is line u * layers * R + l * R + r: one index_select
-    (a memcpy per row) instead of a two-index gather.
-    """
-
-    def __init__(self, view: torch.Tensor, rows2d: torch.Tensor, index_in_group: int, codec: RowCodec):
-        self.view = view  # (units, rows_per_unit, 1, row_bytes) uint8
-        self.rows2d = rows2d  # [units * layers * R, row] uint8, or the compute dtype for plain rows
-        self.codec = codec
-        self.rows_per_unit = view.shape[1]
-        self.lines_per_unit = rows2d.shape[0] // view.shape[0]
-        self.layer_offset = index_in_group * self.rows_per_unit
-
-    def _lines(self, slots: torch.Tensor) -> torch.Tensor:
-        return cache_line(slots, self.rows_per_unit, self.lines_per_unit, self.layer_offset)
-
-    def load(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots [...] (-1 reads some row: the caller masks it) -> [..., 2, H_kv, D]."""
-        lines = self._lines(slots.clamp(min=0))
-        rows = self.rows2d.index_select(0, lines.flatten()).view(*slots.shape, self.rows2d.shape[1])  # [..., row]
-        return self.codec.decode(rows) if self.codec.fp8 else self.codec.as_kv(rows)  # [..., 2, H_kv, D]
-
-    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write rows for k, v [T, H_kv, D] at distinct flat slots [T]."""
-        if fused.store_rows(self, slots, k, v):
-            return
-        rows = self.codec.encode(k, v)  # [T, row_bytes] uint8
-        if not self.codec.fp8:
-            rows = rows.view(self.rows2d.dtype)  # [T, row]
-        self.rows2d.index_copy_(0, self._lines(slots), rows)
+from deepinfer.contracts.cache import CacheGroupSpec
+from deepinfer.model_executor.layers.attention.layer_cache import LayerCache, RowCodec
 
 
 def make_codecs(groups: list[CacheGroupSpec], dtype: torch.dtype, kv_cache_dtype: str) -> list[RowCodec]:

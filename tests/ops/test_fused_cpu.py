@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.norm import RMSNorm, rms_norm, torch_rms_norm
 from deepinfer.model_executor.layers.ops import fused
 from deepinfer.model_executor.layers.ops.addressing import cache_line
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
@@ -17,6 +17,14 @@ from deepinfer.model_executor.layers.rotary import RotaryEmbedding, _rotate
 
 ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 OPS = torch.ops.deepinfer_cpu
+
+
+def _no_reference(*args):
+    raise AssertionError("the torch reference ran where the kernel serves the call")
+
+
+decode_attention = fused.decode_attention_op(_no_reference)  # the kernel, or a failure
+store_rows = fused.store_rows_op(_no_reference)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -112,7 +120,7 @@ def test_decode_attention_long_rows_and_extreme_scores():
     cache.rows2d[:, :64] *= 40  # large keys: scores span hundreds
     index = torch.arange(600).view(1, 600)
     q = torch.randn(1, 2, 64, generator=gen(5))
-    out = fused.decode_attention(cache, q, index, 0.125)
+    out = decode_attention(cache, q, index, 0.125)
     torch.testing.assert_close(out, attention_ref(cache, q, index, 0.125, 2), rtol=1e-4, atol=1e-4)
 
 
@@ -124,7 +132,7 @@ def test_store_rows_writes_k_v_at_their_lines_only(dtype):
     kv = torch.randn(3, 2 * (hkv + 1) * d, generator=gen(9))
     k, v = kv[:, : hkv * d].view(3, hkv, d), kv[:, hkv * d: 2 * hkv * d].view(3, hkv, d)  # strided views
     slots = torch.tensor([0, 5, 14])
-    assert fused.store_rows(cache, slots, k, v)
+    store_rows(cache, slots, k, v)
     expect = before.clone()
     lines = cache_line(slots, R, lpu, offset)
     expect[lines] = torch.cat((k.flatten(1), v.flatten(1)), dim=1).to(dtype)
@@ -136,14 +144,14 @@ def test_store_rows_takes_any_strides():
     cache = fake_cache(8, 4, 0, 2, 8, 2, torch.float32, units=2)
     pos = torch.tensor([3.0, 5.0])
     rows = pos[:, None, None].expand(-1, 2, 8)  # [2, H_kv, D], strides (1, 0, 0)
-    assert fused.store_rows(cache, torch.tensor([2, 7]), rows, rows)
+    store_rows(cache, torch.tensor([2, 7]), rows, rows)
     assert torch.equal(rows_at(cache, torch.tensor([2, 7])), pos[:, None].expand(-1, 32))
 
 
 def test_store_rows_of_a_shared_k_equals_v_row():
     cache = fake_cache(8, 4, 0, 1, 16, 1, torch.float32, units=2)
     k = torch.randn(2, 1, 16, generator=gen(4))
-    assert fused.store_rows(cache, torch.tensor([1, 6]), k, None)
+    store_rows(cache, torch.tensor([1, 6]), k, None)
     assert torch.equal(rows_at(cache, torch.tensor([1, 6])), k.flatten(1))
 
 
@@ -151,19 +159,20 @@ def test_kernels_refuse_slots_past_the_cache():
     cache = fake_cache(8, 4, 4, 1, 8, 2, torch.float32, units=2)
     k = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="slot 9 is past the cache"):
-        fused.store_rows(cache, torch.tensor([9]), k, k)
+        store_rows(cache, torch.tensor([9]), k, k)
     with pytest.raises(RuntimeError, match="slot 9 is past the cache"):
-        fused.decode_attention(cache, torch.zeros(1, 1, 8), torch.tensor([[0, 9]]), 1.0)
+        decode_attention(cache, torch.zeros(1, 1, 8), torch.tensor([[0, 9]]), 1.0)
 
 
 def test_fp8_and_bf16_activations_take_the_torch_paths():
     cache = fake_cache(8, 4, 0, 1, 8, 2, torch.float32)
     q = torch.randn(1, 1, 8)
-    assert fused.decode_attention(cache, q.bfloat16(), torch.tensor([[0]]), 1.0) is None
-    assert fused.rms_norm(q.bfloat16(), torch.ones(8), 1e-6) is None
+    decode, store = fused.decode_attention_op(lambda *a: "torch"), fused.store_rows_op(lambda *a: "torch")
+    assert decode(cache, q.bfloat16(), torch.tensor([[0]]), 1.0) == "torch"
+    assert fused.rms_norm_op(lambda *a: "torch")(q.bfloat16(), torch.ones(8), 1e-6) == "torch"
     cache.codec.fp8 = True
-    assert fused.decode_attention(cache, q, torch.tensor([[0]]), 1.0) is None
-    assert not fused.store_rows(cache, torch.tensor([0]), q, q)
+    assert decode(cache, q, torch.tensor([[0]]), 1.0) == "torch"
+    assert store(cache, torch.tensor([0]), q, q) == "torch"
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
@@ -178,7 +187,7 @@ def test_layers_agree_with_their_torch_paths(isa_env, offset):
     isa_env("avx512")
     fast = norm(x), rotary(positions, q, k)
     isa_env("none")
-    assert fused.rms_norm(x, norm.weight, 1e-6) is None
+    assert rms_norm.pick(rms_norm.kind(x, norm.weight, 1e-6), kernel_isa()) is torch_rms_norm
     plain = norm(x), rotary(positions, q, k)
     torch.testing.assert_close(fast[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast[1], plain[1], rtol=1e-6, atol=1e-6)

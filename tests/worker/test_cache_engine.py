@@ -8,7 +8,8 @@ import torch
 
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.plan import ScheduledRequest, StepPlan
-from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend, visibility
+from deepinfer.model_executor.layers.attention.backend import TorchAttentionBackend
+from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, page_rows
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 

@@ -1,7 +1,7 @@
 """A plain decode step's forward and sampling run no op that makes the host wait for the device.
 
 The CPU cannot show a wait, so this rehearses the CUDA path on it: the fused CPU kernels are off
-(`fused._isa` -> 0: the torch code CUDA runs), the sampler takes its device paths
+(`fused.kernel_isa` -> 0: the torch code CUDA runs), the sampler takes its device paths
 (`host_reads_are_free` -> False), and every aten op of the runner's `_forward` and the sampler's
 `draw` is recorded (a TorchDispatchMode). Ops that read a device value on the host (`item`,
 `bool(t)`, `nonzero`, boolean-mask indexing, `equal`, ...) must not appear. The sampled tokens are
@@ -98,7 +98,7 @@ def _record_decode_steps(runner, monkeypatch) -> list[list[str]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_decode_forward_and_sampling_never_read_the_device(checkpoints, monkeypatch, arch):
-    monkeypatch.setattr(fused, "_isa", lambda *tensors: 0)
+    monkeypatch.setattr(fused, "kernel_isa", lambda: 0)
     monkeypatch.setattr(token_draws, "host_reads_are_free", lambda t: False)
     llm = LLM(checkpoints[arch], device="cpu", dtype="float32", max_model_len=128, num_blocks=32, block_size=8,
               attention_backend="torch")

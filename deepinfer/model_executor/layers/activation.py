@@ -6,12 +6,13 @@ import torch.nn.functional as F
 from deepinfer.model_executor.layers.ops import fused
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    out = fused.silu_and_mul(x)
-    if out is not None:
-        return out
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I]."""
     gate, up = x.chunk(2, dim=-1)  # [T, I] each
     return F.silu(gate) * up  # [T, I]
+
+
+silu_and_mul = fused.silu_and_mul_op(torch_silu_and_mul)  # the C++ kernel for 2-d fp32 CPU x, else torch
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,15 @@ from torch import nn
 from deepinfer.model_executor.layers.ops import fused
 
 
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x [..., E] -> x / rms(x) * (offset + weight) [..., E], in fp32, cast back to x's dtype."""
+    w = weight.float() + offset if offset else weight.float()
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+
+
+rms_norm = fused.rms_norm_op(torch_rms_norm)  # the C++ kernel where it serves the call, else torch_rms_norm
+
+
 class RMSNorm(nn.Module):
     """y = x / rms(x) * (offset + w). Gemma stores w with offset 1; Llama-family with offset 0."""
 
@@ -17,8 +26,4 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fused.rms_norm(x, self.weight, self.eps, self.offset)
-        if out is not None:
-            return out
-        w = self.weight.float() + self.offset if self.offset else self.weight.float()
-        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)  # [..., E]

@@ -46,6 +46,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)  # [P, D]
         self._last: tuple | None = None  # (positions, cos, sin) of the step in flight
+        self._rope = fused.rope_op(self._torch_rope)  # the C++ kernel for fp32 CPU tensors, else _torch_rope
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [T, 1, D] at `positions`; every layer of a step shares one lookup."""
@@ -57,10 +58,12 @@ class RotaryEmbedding(nn.Module):
         return last[1], last[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        out = fused.rope(q, k, positions, self.cos, self.sin)
-        if out is not None:
-            return out
-        cos, sin = self.cos_sin(positions, q.dtype)
+        """-> (q, k) rotated at positions [T]: new tensors, the inputs are not written."""
+        return self._rope(q, k, positions, self.cos, self.sin)
+
+    def _torch_rope(self, q, k, positions, cos_table, sin_table):
+        """The torch reference of `forward` (the tables are this module's `cos`, `sin`)."""
+        cos, sin = self.cos_sin(positions, q.dtype)  # [T, 1, D] each
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

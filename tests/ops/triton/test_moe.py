@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS
 from deepinfer.model_executor.layers.ops.triton import moe as triton_moe
 from deepinfer.model_executor.layers.ops.triton.moe import align_pairs_by_expert, fused_experts, max_padded_blocks
 from deepinfer.model_executor.models.deepseek_v4.moe import FusedExperts
@@ -141,20 +142,21 @@ def test_empty_batch_and_bad_inputs():
 
 
 def test_fused_experts_module_dispatches_to_the_kernel(monkeypatch):
-    """With `use_triton` on (set by binding the Triton backend), `FusedExperts.forward` returns the kernel's result."""
+    """Bound to the Triton kernel set (as binding the Triton backend does), `FusedExperts.forward` returns the
+    kernel's result."""
     experts = make_experts()
     ids, weights = make_routing(11, 3, seed=8)
     x = torch.randn(11, H, generator=torch.Generator().manual_seed(7))  # [T, H]
     with torch.no_grad():
         expected = experts(x, ids, weights)  # [T, H] torch loop
-    assert not experts.use_triton  # off unless bound to the Triton backend
+    assert experts.kernels is not TRITON_KERNELS  # off unless bound to the Triton backend
     calls = []
 
     def spy(*args, **kwargs):
         calls.append(kwargs)
         return fused_experts(*args, **kwargs)
 
-    experts.use_triton = True
+    experts.kernels = TRITON_KERNELS
     monkeypatch.setattr(triton_moe, "fused_experts", spy)
     with torch.no_grad():
         got = experts(x, ids, weights)  # [T, H]

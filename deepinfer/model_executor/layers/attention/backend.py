@@ -13,15 +13,21 @@ Order inside one layer, for every backend (DESIGN.md invariants 1, 2, 4):
 No backend applies a causal mask of its own to a cache read: an index row lists exactly the
 slots a query may see, and -1 marks padding. Metadata comes per cache group, since a paged
 group and a ring group address the same token differently.
+
+`AttentionBackend.forward` writes this order once; each step is a hook that runs through the
+backend's kernel set (attention/kernels.py). The torch backend (below) adds the batch-invariant
+variant; the Triton backend (triton_backend.py) is the same skeleton on the Triton set.
 """
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
+from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.model_executor.layers.attention.layer_cache import LayerCache
 from deepinfer.model_executor.layers.attention.transfer import transfer
 
 
@@ -160,12 +166,74 @@ def move_step(metadata: AttentionMetadata, extra: list[torch.Tensor], device,
     return metadata.with_tensors(iter(moved[len(extra):])), moved[:len(extra)]
 
 
-class AttentionBackend(abc.ABC):
-    """Interface: one call per layer per step."""
+class AttentionBackend:
+    """One call per layer per step. `forward` is the step order, written once; the work of each
+    step is a hook (`load`, `store`, `decode`, `prefill`) that runs through the backend's kernel set
+    (attention/kernels.py: torch, fused C++ or Triton). A variant overrides hooks, never `forward`."""
 
-    name = "abstract"
+    name = "kernels"
 
-    @abc.abstractmethod
-    def forward(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def __init__(self, kernels: KernelSet):
+        self.kernels = kernels
+
+    def forward(self, cache: LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: AttentionMetadata, group: GroupMetadata, scale: float) -> torch.Tensor:
         """cache: the layer's LayerCache; q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
+        md, g = metadata, group
+        loaded = [self.load(cache, seg) for seg in g.prefills]  # 1. load before store
+        rows = g.store_rows
+        self.store(cache, g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
+        nd = md.num_decode_tokens
+        if nd and nd == q.shape[0]:  # a decode-only step: no copy into a packed output
+            return self.decode(cache, q, md, g, scale)  # [T, H, D]
+        out = torch.empty_like(q)  # [T, H, D]
+        if nd:  # 3. decode reads
+            out[:nd] = self.decode(cache, q[:nd], md, g, scale)
+        for i, (seg, old) in enumerate(zip(g.prefills, loaded, strict=True)):  # 4. prefill over [old | chunk]
+            s, e = seg.token_start, seg.token_end
+            out[s:e] = self.prefill(cache, q[s:e], k[s:e], v[s:e], old, md, g, i, scale)
+        return out
+
+    def load(self, cache: LayerCache, seg: PrefillSegment) -> torch.Tensor:
+        """The cached rows a prefill segment attends to -> [n_old, 2, H_kv, D]."""
+        return cache.load(seg.load_slots)
+
+    def store(self, cache: LayerCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [M, H_kv, D] -> the rows of flat slots [M]."""
+        self.kernels.store_rows(cache, slots, k, v)
+
+    def decode(self, cache: LayerCache, q: torch.Tensor, metadata: AttentionMetadata, group: GroupMetadata,
+               scale: float) -> torch.Tensor:
+        """Decode queries q [N, H, D] through their index rows -> [N, H, D]."""
+        return self.kernels.decode_attention(cache, q, group.decode_index, scale, group.decode_lens)
+
+    def prefill(self, cache: LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
+                metadata: AttentionMetadata, group: GroupMetadata, i: int, scale: float) -> torch.Tensor:
+        """Segment i: q [n, H, D], k, v [n, H_kv, D] over [loaded [n_old, 2, H_kv, D] | chunk] -> [n, H, D]."""
+        seg = group.prefills[i]
+        q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
+        return self.kernels.prefill_attention(q, k, v, loaded, q_pos, seg.load_positions, scale, group.window)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The torch backend: the fused C++ kernels where they serve (CPU), torch elsewhere. With
+    `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT) every query, decode or prefill, reduces over
+    exactly its visible keys in fixed blocks (attention/invariant.py), so its bits depend on neither
+    the batch nor the chunking."""
+
+    name = "torch"
+
+    def __init__(self, batch_invariant: bool = False, kernels: KernelSet = FUSED_KERNELS):
+        super().__init__(kernels)
+        self.batch_invariant = batch_invariant
+        self.layouts = StepLayouts() if batch_invariant else None
+
+    def decode(self, cache, q, metadata, group, scale):
+        if not self.batch_invariant:
+            return super().decode(cache, q, metadata, group, scale)
+        return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale)  # [N, H, D]
+
+    def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale):
+        if not self.batch_invariant:
+            return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale)
+        return invariant_prefill(cache, q, k, v, loaded, self.layouts.prefill(metadata, group, i), scale)  # [n, H, D]

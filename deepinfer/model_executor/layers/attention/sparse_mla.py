@@ -4,7 +4,8 @@
 the window cache with one index row per query, optionally an extra cache (compressed rows) with
 its own index rows, the softmax scale and the per-head sink. It is non-causal: it applies no mask
 of its own, so the index rows decide everything a query reads, and -1 marks padding. A GPU
-kernel replacing it keeps this signature.
+kernel replacing it keeps this signature. `indexer_scores` is the lightning indexer's score sum
+that picks the compressed rows such a call reads. Both are torch hooks of attention/kernels.py.
 """
 
 from __future__ import annotations
@@ -51,3 +52,13 @@ def decode_mla_mqa_sparse(q: torch.Tensor, key_cache, indices_in_kvcache: torch.
         rows = load_latent(key_cache_extra, indices_in_kvcache_extra).to(q.dtype)  # [N, L2, D]
         parts.append((rows, indices_in_kvcache_extra >= 0))
     return attention_over_parts(q, parts, attn_sink, softmax_scale)  # [N, H, D]
+
+
+def indexer_scores(q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor,
+                   softmax_scale: float) -> torch.Tensor:
+    """I(p, w) = sum_h w_h(p) * ReLU(q_h(p) . K_w) * scale. q [n, h, d], index_keys [R, d] (one
+    request's) or [n, R, d] (each query's own request's), weights [n, h] -> scores [n, R] (fp32)."""
+    spec = "nhd,rd->nhr" if index_keys.dim() == 2 else "nhd,nrd->nhr"
+    dots = torch.einsum(spec, q.float(), index_keys.float())  # [n, h, R]
+    dots = torch.relu(dots) * softmax_scale  # [n, h, R]
+    return (dots * weights[:, :, None]).sum(dim=1)  # [n, R]

@@ -1,29 +1,31 @@
-"""PyTorch reference attention: reads the cache through explicit index rows.
+"""PyTorch reference attention kernels: the torch hooks of attention/kernels.py.
 
-With `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT) every query, decode or prefill, reduces
-over exactly its visible keys in fixed blocks (attention/invariant.py), so its bits depend on
-neither the batch nor the chunking; otherwise decode and prefill use SDPA (the fast path).
+Each reads the cache through explicit index rows (decode) or attends over [loaded rows | chunk
+rows] with a position mask (prefill); no causal mask is applied to a cache read, -1 marks padding.
+The fused C++ and Triton kernels replace `store_rows` and `decode_attention` with the same
+contracts; prefill runs here on every kernel set.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model_executor.layers.attention.backend import (
-    AttentionBackend,
-    AttentionMetadata,
-    GroupMetadata,
-)
-from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
-from deepinfer.model_executor.layers.ops import fused
+if TYPE_CHECKING:
+    from deepinfer.model_executor.layers.attention.layer_cache import LayerCache
 
 
-def decode_attention(cache, q: torch.Tensor, kv_index: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, H, D], kv_index [N, L] -> [N, H, D]; index -1 contributes nothing."""
-    out = fused.decode_attention(cache, q, kv_index, scale)  # one pass over the named rows
-    if out is not None:
-        return out
+def store_rows(cache: LayerCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+    """k, v [M, H_kv, D] (v None: a shared K = V row) -> the rows of flat slots [M]."""
+    cache.store(slots, k, v)
+
+
+def decode_attention(cache: LayerCache, q: torch.Tensor, kv_index: torch.Tensor, scale: float,
+                     lens: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, D], kv_index [N, L] -> [N, H, D]; index -1 contributes nothing (`lens`, a bound on
+    each row's named columns, is not needed here)."""
     kv = cache.load(kv_index).to(q.dtype)  # [N, L, 2, H_kv, D]
     k = kv[:, :, 0].transpose(1, 2)  # [N, H_kv, L, D]
     v = kv[:, :, 1].transpose(1, 2)  # [N, H_kv, L, D]
@@ -52,33 +54,3 @@ def prefill_attention(q, k, v, loaded, q_pos, loaded_pos, scale, window):
         mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window)  # [n, L]
         out = F.scaled_dot_product_attention(qh, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [n, H, D]
-
-
-class TorchAttentionBackend(AttentionBackend):
-    name = "torch"
-
-    def __init__(self, batch_invariant: bool = False):
-        self.batch_invariant = batch_invariant
-        self.layouts = StepLayouts() if batch_invariant else None
-
-    def forward(self, cache, q, k, v, metadata: AttentionMetadata, group: GroupMetadata,
-                scale: float) -> torch.Tensor:
-        md, g = metadata, group
-        loaded = [cache.load(seg.load_slots) for seg in g.prefills]  # 1. load before store
-        rows = g.store_rows
-        cache.store(g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
-        nd, invariant = md.num_decode_tokens, self.batch_invariant
-        if nd == q.shape[0] and not invariant:  # a decode-only step: no copy into a packed output
-            return decode_attention(cache, q, g.decode_index, scale)
-        out = torch.empty_like(q)  # [T, H, D]
-        if nd:  # 3. decode reads
-            out[:nd] = invariant_decode(cache, q[:nd], self.layouts.decode(md, g), scale) if invariant \
-                else decode_attention(cache, q[:nd], g.decode_index, scale)
-        for i, (seg, old) in enumerate(zip(g.prefills, loaded, strict=True)):  # 4. prefill over [old | chunk]
-            s, e = seg.token_start, seg.token_end
-            if invariant:
-                out[s:e] = invariant_prefill(cache, q[s:e], k[s:e], v[s:e], old, self.layouts.prefill(md, g, i), scale)
-            else:
-                out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], old, md.positions[s:e],
-                                             seg.load_positions, scale, g.window)
-        return out

@@ -1,14 +1,13 @@
 """The Triton attention backend, and the choice between it and the torch reference.
 
-Same contract and order as the reference (attention/backend.py): prefill segments load their
-cached rows first, then the step's rows are stored, then decode queries read through their index
-rows, then prefill queries attend over [loaded rows | chunk rows]. The store and the decode read
+The step order is the base backend's (attention/backend.py: load, store, decode reads, prefill);
+this backend runs it on the Triton kernel set (attention/kernels.py): the store and the decode read
 are Triton kernels (ops/triton/store.py, decode_attention.py; paged and ring groups alike, plain
 or MXFP8 rows); prefill runs the torch reference (`torch_ref.prefill_attention`).
 
 DeepSeek-V4's attention (compressed groups, sparse MLA with a sink) does not call a backend's
-`forward`: bound to this backend, its layers take their own Triton kernels (ops/triton/sparse_mla.py,
-indexer.py, moe.py; see DeepseekV4ForCausalLM.bind_caches).
+`forward`: bound to this backend, its layers take the same kernel set's sparse MLA, indexer and
+grouped-MoE hooks (see DeepseekV4ForCausalLM.bind_caches).
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import ATTENTION_BACKENDS
-from deepinfer.model_executor.layers.attention.backend import AttentionBackend, AttentionMetadata, GroupMetadata
-from deepinfer.model_executor.layers.attention.torch_ref import TorchAttentionBackend, prefill_attention
+from deepinfer.model_executor.layers.attention.backend import AttentionBackend, TorchAttentionBackend
+from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS, kernels_for
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -26,27 +25,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self):
-        from deepinfer.model_executor.layers.ops.triton import decode_attention, store
-
-        self._store, self._decode = store.store_layer_rows, decode_attention.decode_layer_attention
-
-    def forward(self, cache, q, k, v, metadata: AttentionMetadata, group: GroupMetadata,
-                scale: float) -> torch.Tensor:
-        md, g = metadata, group
-        loaded = [cache.load(seg.load_slots) for seg in g.prefills]  # 1. load before store
-        rows = g.store_rows
-        self._store(cache, g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
-        nd = md.num_decode_tokens
-        if nd == q.shape[0]:  # a decode-only step
-            return self._decode(cache, q, g.decode_index, scale, g.decode_lens)  # [T, H, D]
-        out = torch.empty_like(q)  # [T, H, D]
-        if nd:  # 3. decode reads
-            out[:nd] = self._decode(cache, q[:nd], g.decode_index, scale, g.decode_lens)
-        for seg, old in zip(g.prefills, loaded, strict=True):  # 4. prefill over [old | chunk]
-            s, e = seg.token_start, seg.token_end
-            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], old, md.positions[s:e], seg.load_positions,
-                                         scale, g.window)
-        return out
+        super().__init__(TRITON_KERNELS)
 
 
 def triton_available() -> bool:
@@ -91,4 +70,4 @@ def make_attention_backend(choice: str, device: torch.device, batch_invariant: b
     """The backend `attention_backend=choice` names for this device (see resolve_attention_backend)."""
     if resolve_attention_backend(choice, device, batch_invariant) == "triton":
         return TritonAttentionBackend()
-    return TorchAttentionBackend(batch_invariant)
+    return TorchAttentionBackend(batch_invariant, kernels_for("torch", device))

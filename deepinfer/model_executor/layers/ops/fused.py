@@ -1,74 +1,126 @@
-"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`).
+"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`), each paired with the torch
+function it replaces.
 
 A batch-1 decode step of a small model is mostly small ops: per layer two RMSNorms (eight torch
 ops each), RoPE on q and k (ten), a cache store (six) and a gathered, masked SDPA over the cache.
 On fp32 CPU tensors with the kernel library built (`kernel_isa() > 0`) each is one call. Anywhere
-else (bf16 activations, another device, `DEEPINFER_CPU_ISA=none`) these functions return None
-(store_rows: False) and the caller runs its torch code, which computes the same function: results
-differ only in float rounding (the order of each sum).
+else (bf16 activations, another device, MXFP8 cache rows, `DEEPINFER_CPU_ISA=none`) the caller's
+torch reference runs, which computes the same function: results differ only in float rounding.
+
+A `FusedOp` is such a pair called as one function. The choice is made once per call class (the
+dtypes and devices of its tensors, the cache's row format, the instruction set; never values):
+the first call of a class picks the kernel or the reference, later calls of that class run the
+pick. Callers never test for "not available".
+
+    norm = rms_norm_op(torch_rms_norm)      # layers/norm.py
+    y = norm(x, weight, eps, offset)        # [..., E]: the kernel for fp32 CPU x, else torch_rms_norm
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
 
 import torch
 
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 
-
-def _isa(*tensors: torch.Tensor) -> int:
-    """The kernel instruction set for these tensors, or 0 where the torch path must run."""
-    for t in tensors:
-        if t.dtype is not torch.float32 or t.device.type != "cpu":
-            return 0
-    return kernel_isa()
+_FP32_CPU = (torch.float32, "cpu")
+_PLAIN_ROWS = (torch.float32, torch.bfloat16)  # cache rows the kernels read and write (not MXFP8)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor | None:
-    """x [..., E] -> x / rms(x) * (offset + weight) [..., E] (layers/norm.py's RMSNorm)."""
-    isa = _isa(x, weight)
-    return torch.ops.deepinfer_cpu.rms_norm(x, weight, eps, offset, isa) if isa else None
+class FusedOp:
+    """One op: `kernel(isa, *args)` for the call classes it serves, `reference(*args)` for the others.
+
+    `kind(*args)` names a call's class (hashable, from dtypes, devices and formats only);
+    `serves(kind)` says whether the kernel computes calls of that class."""
+
+    def __init__(self, kernel: Callable, kind: Callable[..., Hashable], serves: Callable[[Hashable], bool],
+                 reference: Callable):
+        self.kernel, self.kind, self.serves, self.reference = kernel, kind, serves, reference
+        self._picks: dict[tuple, Callable] = {}  # (kind, isa) -> the function its calls run
+
+    def __call__(self, *args):
+        key = (self.kind(*args), kernel_isa())
+        run = self._picks.get(key)
+        if run is None:
+            run = self._picks[key] = self.pick(*key)
+        return run(*args)
+
+    def pick(self, kind: Hashable, isa: int) -> Callable:
+        """The function calls of class `kind` run under instruction set `isa` (0: none)."""
+        return functools.partial(self.kernel, isa) if isa and self.serves(kind) else self.reference
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q [T, H, D], k [T, H_kv, D] rotated (rotate-half layout, layers/rotary.py) by the rows of
-    the tables cos, sin [P, D] at positions [T] -> new (q, k); the inputs are not written."""
-    isa = _isa(q, k, cos, sin)
-    return torch.ops.deepinfer_cpu.rope(q, k, positions, cos, sin, isa) if isa else None
+def _kinds(*tensors: torch.Tensor) -> tuple:
+    return tuple((t.dtype, t.device.type) for t in tensors)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I] (layers/activation.py)."""
-    isa = _isa(x) if x.dim() == 2 else 0
-    return torch.ops.deepinfer_cpu.silu_mul(x, isa) if isa else None
+def _all_fp32_cpu(kinds: tuple) -> bool:
+    return all(k == _FP32_CPU for k in kinds)
 
 
-def _plain_rows(cache) -> bool:
-    """True when a layer cache keeps plain fp32 / bf16 rows the kernels can read and write.
+def rms_norm_op(reference: Callable) -> FusedOp:
+    """(x [..., E], weight [E], eps, offset=0.0) -> x / rms(x) * (offset + weight) [..., E]
+    (layers/norm.py's RMSNorm)."""
+    def kernel(isa, x, weight, eps, offset=0.0):
+        return torch.ops.deepinfer_cpu.rms_norm(x, weight, eps, offset, isa)
 
-    A layer cache (worker/cache_engine.LayerCache) exposes `rows2d` [lines, row], `rows_per_unit`,
-    `lines_per_unit`, `layer_offset` and its `codec`."""
-    return not cache.codec.fp8 and cache.rows2d.dtype in (torch.float32, torch.bfloat16)
-
-
-def store_rows(cache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
-    """Write k, v [T, H_kv, D] (v None: a shared K = V row) as the rows of flat slots [T] in one
-    call; False: not done here (an fp8 cache, non-fp32 inputs, no kernels), the caller stores
-    them its own way."""
-    v = k if v is None else v  # a one-part row reads k only
-    if not (_isa(k, v) and _plain_rows(cache)):
-        return False
-    torch.ops.deepinfer_cpu.store_rows(cache.rows2d, slots, k, v, cache.rows_per_unit, cache.lines_per_unit,
-                                       cache.layer_offset)
-    return True
+    return FusedOp(kernel, lambda x, weight, eps, offset=0.0: _kinds(x, weight), _all_fp32_cpu, reference)
 
 
-def decode_attention(cache, q: torch.Tensor, index: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q [N, H, D] over the cached rows at index [N, L] (-1: nothing) -> [N, H, D], reading each
-    named row once and no padding; None where the kernel does not apply (see store_rows)."""
-    isa = _isa(q)
-    if not (isa and _plain_rows(cache)):
-        return None
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    return torch.ops.deepinfer_cpu.decode_attn(q, cache.rows2d, index, cache.codec.num_kv_heads,
-                                               cache.rows_per_unit, cache.lines_per_unit, cache.layer_offset,
-                                               scale, isa)
+def rope_op(reference: Callable) -> FusedOp:
+    """(q [T, H, D], k [T, H_kv, D], positions [T], cos, sin [P, D]) -> new (q, k), rotated
+    (rotate-half layout, layers/rotary.py) by the tables' rows at positions; the inputs are not written."""
+    def kernel(isa, q, k, positions, cos, sin):
+        return torch.ops.deepinfer_cpu.rope(q, k, positions, cos, sin, isa)
+
+    return FusedOp(kernel, lambda q, k, positions, cos, sin: _kinds(q, k, cos, sin), _all_fp32_cpu, reference)
+
+
+def silu_and_mul_op(reference: Callable) -> FusedOp:
+    """(x [T, 2I] = [gate | up]) -> silu(gate) * up [T, I] (layers/activation.py); 2-d x only."""
+    def kernel(isa, x):
+        return torch.ops.deepinfer_cpu.silu_mul(x, isa)
+
+    return FusedOp(kernel, lambda x: (_kinds(x), x.dim()), lambda kind: _all_fp32_cpu(kind[0]) and kind[1] == 2,
+                   reference)
+
+
+def _rows_kind(cache, *tensors: torch.Tensor) -> tuple:
+    """A cache call's class: its tensors' kinds and the cache's row format."""
+    return _kinds(*tensors), bool(cache.codec.fp8), cache.rows2d.dtype
+
+
+def _serves_rows(kind: tuple) -> bool:
+    """fp32 CPU inputs and plain (fp32 / bf16, not MXFP8) cache rows."""
+    kinds, fp8, row_dtype = kind
+    return _all_fp32_cpu(kinds) and not fp8 and row_dtype in _PLAIN_ROWS
+
+
+def store_rows_op(reference: Callable) -> FusedOp:
+    """(cache, slots [T], k [T, H_kv, D], v [T, H_kv, D] | None) -> None: write k, v (v None: a shared
+    K = V row) as the rows of flat slots in one call. `cache` is a layer cache
+    (attention/layer_cache.LayerCache): `rows2d` [lines, row], `rows_per_unit`, `lines_per_unit`,
+    `layer_offset` and its `codec`."""
+    def kernel(isa, cache, slots, k, v):
+        v = k if v is None else v  # a one-part row reads k only
+        torch.ops.deepinfer_cpu.store_rows(cache.rows2d, slots, k, v, cache.rows_per_unit, cache.lines_per_unit,
+                                           cache.layer_offset)
+
+    def kind(cache, slots, k, v):
+        return _rows_kind(cache, k, k if v is None else v)
+
+    return FusedOp(kernel, kind, _serves_rows, reference)
+
+
+def decode_attention_op(reference: Callable) -> FusedOp:
+    """(cache, q [N, H, D], index [N, L] (-1: nothing), scale, lens) -> [N, H, D], reading each named row
+    once and no padding (`lens`, a bound on each index row's named columns, is not needed)."""
+    def kernel(isa, cache, q, index, scale, lens=None):
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return torch.ops.deepinfer_cpu.decode_attn(q, cache.rows2d, index, cache.codec.num_kv_heads,
+                                                   cache.rows_per_unit, cache.lines_per_unit, cache.layer_offset,
+                                                   scale, isa)
+
+    return FusedOp(kernel, lambda cache, q, index, scale, lens=None: _rows_kind(cache, q), _serves_rows, reference)

@@ -11,8 +11,9 @@ tokens), and a CSA layer's indexer emits index keys into a third group. Per step
                   slot (decode requests of one token: all together; other spans one by one)
                   -> store the rows it completes
                   HCA: every visible row;  CSA: the indexer's top-k rows    -> index rows [n, L]
-    decode        decode_mla_mqa_sparse(q, ring, window index rows, scale, sinks,
-                                        compressed cache, compressed index rows)   (the book's call)
+    decode        kernels.sparse_mla(q, ring, window index rows, scale, sinks,
+                                     compressed cache, compressed index rows)   (the book's call,
+                                     decode_mla_mqa_sparse, on the bound kernel set)
     prefill chunk one softmax over [loaded | chunk] rows (shared, masked by position), the HCA rows
                   (shared, masked) or the CSA picks (per query), and the sink
     out           = output(attention)                                              [T, hidden]
@@ -38,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.forward_context import get_forward_context
-from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse, load_latent
+from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import (
@@ -77,23 +79,8 @@ class _Verified:
     projected: tuple  # kv, score [n, C]
 
 
-def _store(cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """rows [n, D] -> the cache, one latent row per slot."""
-    cache.store(slots, rows[:, None, :], None)
-
-
-def sparse_decode(use_triton: bool):
-    """The decode call: the Triton kernel (GPU, or the interpreter on CPU) or the torch reference."""
-    if not use_triton:
-        return decode_mla_mqa_sparse
-    from deepinfer.model_executor.layers.ops.triton.sparse_mla import decode_mla_mqa_sparse as triton_decode
-    return triton_decode
-
-
 class CachedV4Attention(DeepseekV4Attention):
     """One V4 layer's attention with its compressor; the model runner binds the caches."""
-
-    use_triton = False  # decode through the Triton kernel (`sparse_decode`) instead of the torch reference
 
     def __init__(self, config, layer_idx: int, layer_type: str | None = None):
         """`layer_type` defaults to `config.layer_types[layer_idx]` (an MTP block passes SLIDING)."""
@@ -109,6 +96,7 @@ class CachedV4Attention(DeepseekV4Attention):
         self.window_cache = self.rows_cache = self.index_cache = None  # LayerCaches, bound later
         self.window_group = self.rows_group = self.index_group = None  # indices into the step's group metadata
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
+        self.kernels: KernelSet = FUSED_KERNELS  # store, sparse MLA (and the indexer's scores): set by bind_kernels
         self._verified: list[_Verified] = []  # this step's verification spans
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -123,14 +111,23 @@ class CachedV4Attention(DeepseekV4Attention):
         if nd:  # decode queries: everything through index rows, batched
             if extra is None and reads:
                 extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd])  # [N, L_c]
-            decode = sparse_decode(self.use_triton)
-            out[:nd] = decode(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
-                              self.scale, self.sinks, self.rows_cache, extra)
+            out[:nd] = self.kernels.sparse_mla(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
+                                               self.scale, self.sinks, self.rows_cache, extra)
         for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
             s, e = seg.token_start, seg.token_end
             parts = [window] + ([reads[s].part(self.rows_cache, hidden.dtype)] if reads else [])
             out[s:e] = self.attend_parts(q[s:e], parts)
         return self.output(out, positions)  # [T, hidden]
+
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        """Run this layer's row stores, sparse MLA decode and (CSA) indexer scores on `kernels`."""
+        self.kernels = kernels
+        if self.layer_type == CSA:
+            self.compressor.indexer.scorer.kernels = kernels
+
+    def _store(self, cache, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [n, D] -> the cache, one latent row per slot."""
+        self.kernels.store_rows(cache, slots, rows[:, None, :], None)
 
     # ---- the window (ring group) -------------------------------------------------------------
     def store_window(self, kv: torch.Tensor, md) -> list:
@@ -139,7 +136,7 @@ class CachedV4Attention(DeepseekV4Attention):
         their visibility [n, n_old + n]. Decode queries read the ring later, through index rows."""
         g, cache = md.groups[self.window_group], self.window_cache
         loaded = [load_latent(cache, seg.load_slots) for seg in g.prefills]  # 1. load before store
-        _store(cache, g.store_slots, kv if g.store_rows is None else kv[g.store_rows])  # 2. store
+        self._store(cache, g.store_slots, kv if g.store_rows is None else kv[g.store_rows])  # 2. store
         chunks = []
         for seg, old in zip(g.prefills, loaded, strict=True):
             s, e = seg.token_start, seg.token_end
@@ -193,7 +190,7 @@ class CachedV4Attention(DeepseekV4Attention):
         """One token per request through the state bank; completed rows go to their slots in rows [n, L]."""
         new_rows, which, row_ids = self.states[name].step_tokens(compressor, slot_ids, positions, *projected)
         if new_rows.shape[0]:
-            _store(cache, rows[which, row_ids], new_rows)
+            self._store(cache, rows[which, row_ids], new_rows)
 
     def _index_inputs(self, hidden, q_residual, positions) -> tuple[torch.Tensor, ...]:
         """The indexer's per-token inputs for the whole step: its compressor's kv and score
@@ -214,7 +211,7 @@ class CachedV4Attention(DeepseekV4Attention):
             raise RuntimeError(f"layer {self.layer_idx} {name}: the compressor completed {new_rows.shape[0]} rows, "
                                f"the step's metadata has {slots.numel()} slots for them")
         if new_rows.shape[0]:
-            _store(cache, slots, new_rows)
+            self._store(cache, slots, new_rows)
         bank.write(span.state_ids[0], state)
 
     def keep_verified(self, kept: dict[int, int]) -> None:

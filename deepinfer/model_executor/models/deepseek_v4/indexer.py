@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.ops.addressing import visible_rows
 from deepinfer.model_executor.models.deepseek_v4.pooling import CSA, WindowCompressor, apply_interleaved_rope
 
@@ -53,13 +54,12 @@ def topk_visible_rows(scores: torch.Tensor, positions: torch.Tensor, k: int, rat
 class IndexerScorer(nn.Module):
     """Per-head query weights w_h (HF name ``scorer.weights_proj``) and the score sum."""
 
-    use_triton = False  # score through the Triton kernel (ops/triton/indexer.py) instead of einsum
-
     def __init__(self, config):
         super().__init__()
         self.softmax_scale = config.index_head_dim**-0.5
         self.weights_scaling = config.index_n_heads**-0.5
         self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
+        self.kernels: KernelSet = FUSED_KERNELS  # the indexer_scores hook: set when the model binds its caches
 
     def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
         """w_h per query: hidden [n, H] -> [n, h] (fp32)."""
@@ -68,13 +68,7 @@ class IndexerScorer(nn.Module):
     def score(self, q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [n, h, d], index_keys [R, d] (one request's) or [n, R, d] (each query's own request's),
         weights [n, h] -> scores [n, R] (fp32)."""
-        if self.use_triton:
-            from deepinfer.model_executor.layers.ops.triton.indexer import indexer_scores
-            return indexer_scores(q, index_keys, weights, self.softmax_scale)  # [n, R]
-        spec = "nhd,rd->nhr" if index_keys.dim() == 2 else "nhd,nrd->nhr"
-        dots = torch.einsum(spec, q.float(), index_keys.float())  # [n, h, R]
-        dots = torch.relu(dots) * self.softmax_scale  # [n, h, R]
-        return (dots * weights[:, :, None]).sum(dim=1)  # [n, R]
+        return self.kernels.indexer_scores(q, index_keys, weights, self.softmax_scale)  # [n, R]
 
     def forward(self, q: torch.Tensor, index_keys: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """q [n, h, d], index_keys [R, d], hidden [n, H] -> scores [n, R] (fp32)."""

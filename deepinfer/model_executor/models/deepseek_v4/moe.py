@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.model_executor.layers.moe import clamped_swiglu
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, expert_piece
 from deepinfer.model_executor.models.utils import MergedLinear
 
@@ -34,15 +36,6 @@ SCORE_FUNCS = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda logits: logits.softmax(dim=-1),
 }
-
-
-def clamped_swiglu(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """[..., 2I] (gate | up) -> [..., I]: silu(min(gate, limit)) * clamp(up, -limit, limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)  # [..., I] each
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up  # [..., I]
 
 
 def _finish_weights(scores: torch.Tensor, topk_ids: torch.Tensor, renormalize: bool,
@@ -104,18 +97,15 @@ class FusedExperts(nn.Module):
     """E routed SwiGLU experts with stacked weights, called like a grouped GEMM.
 
     Parameters: `gate_up_proj [E, 2I, H]` (gate rows, then up rows), `down_proj [E, H, I]`.
-    `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`. With `use_triton` (set
-    when the model is bound to the Triton attention backend) two grouped-GEMM launches
-    (ops/triton/moe.py) serve all experts. The torch path sorts the (token, slot) pairs by
-    expert, runs each active expert once over its contiguous rows, and scatter-adds the weighted
-    outputs in fp32.
+    `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`. The grouped GEMM is the
+    `grouped_moe` hook of the kernel set bound with the caches (attention/kernels.py): the torch
+    reference (layers/moe.py: pairs sorted by expert, each active expert once over its contiguous
+    rows, an fp32 scatter-add) or two Triton grouped-GEMM launches (ops/triton/moe.py).
 
     With `expert_parallel_size` ep > 1 the module holds experts [start, start + E/ep) of the
     E (`expert_piece`), ids stay global, and only the pairs of held experts are computed (their
     ids shifted to local ones); the others add nothing to the [T, H] partial output.
     """
-
-    use_triton = False  # the grouped Triton GEMM instead of the loop over experts
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None,
                  expert_parallel_size: int = 1):
@@ -123,6 +113,7 @@ class FusedExperts(nn.Module):
         self.num_experts, self.swiglu_limit = num_experts, swiglu_limit
         piece = expert_piece(num_experts, expert_parallel_size)
         self.expert_start, self.num_local = piece.start, piece.length
+        self.kernels: KernelSet = FUSED_KERNELS  # the grouped_moe hook: set when the model binds its caches
         self.gate_up_proj = nn.Parameter(torch.zeros(self.num_local, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden_size, intermediate_size))
         if self.num_local < num_experts:
@@ -177,33 +168,8 @@ class FusedExperts(nn.Module):
 
     def _all_pairs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], ids [T, k] of held experts (local ids), weights [T, k] -> [T, H]."""
-        T, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        if self.use_triton:
-            from deepinfer.model_executor.layers.ops.triton.moe import fused_experts
-            return fused_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, self.swiglu_limit,
-                                 check_ids=False)  # [T, H]
-        order = flat_ids.argsort(stable=True)  # [T*k] pairs grouped by expert
-        token_idx = order // k  # [T*k]
-        counts = torch.bincount(flat_ids, minlength=self.num_local).tolist()  # E local
-        hidden = self._grouped_mlp(x[token_idx], counts)  # [T*k, H]
-        weights = topk_weights.reshape(-1)[order].float().unsqueeze(-1)  # [T*k, 1]
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, H]
-        out.index_add_(0, token_idx, hidden.float() * weights)
-        return out.to(x.dtype)  # [T, H]
-
-    def _grouped_mlp(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows of `x_sorted [R, H]` grouped by expert (`counts[e]` rows each) -> [R, H]."""
-        out = torch.empty_like(x_sorted)  # [R, H]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = x_sorted[start:start + count]  # [n, H]
-            act = clamped_swiglu(F.linear(rows, self.gate_up_proj[expert]), self.swiglu_limit)  # [n, I]
-            out[start:start + count] = F.linear(act, self.down_proj[expert])  # [n, H]
-            start += count
-        return out
+        return self.kernels.grouped_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj,
+                                        self.swiglu_limit)  # [T, H]
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,109 @@
+"""Kernel sets: the one seam through which every layer reaches its kernels.
+
+A `KernelSet` is a table of hooks, one per kernel-level operation. Three sets exist:
+
+    hook               torch (reference)                fused (C++ CPU kernels)   triton
+    store_rows         LayerCache.store                 fused_cpu store_rows *    ops/triton/store.py
+    decode_attention   SDPA over the indexed rows       fused_cpu decode_attn *   ops/triton/decode_attention.py
+    prefill_attention  SDPA over [loaded | chunk]       torch                     torch
+    sparse_mla         sparse_mla.decode_mla_mqa_sparse torch                     ops/triton/sparse_mla.py
+    indexer_scores     sparse_mla.indexer_scores        torch                     ops/triton/indexer.py
+    grouped_moe        layers/moe.grouped_experts       torch                     ops/triton/moe.py
+
+    * where the C++ kernel serves the call class (fp32 CPU inputs, plain rows, the library built;
+      ops/fused.py picks once per class), else the torch hook: bit for bit what ran before.
+
+The set is chosen once per engine from the attention backend setting (`kernels_for`); the runner
+hands it to the model inside the backend (`BoundCaches.backend.kernels`), and each layer keeps
+it: the Llama family's attention backend (attention/backend.py), DeepSeek-V4's sparse MLA and
+indexer (models/deepseek_v4/cached_attn.py, indexer.py) and its routed experts (moe.py). The
+Triton hooks import their kernels on first call, so an engine on the torch set never imports
+triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from deepinfer.model_executor.layers.attention import torch_ref
+from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse, indexer_scores
+from deepinfer.model_executor.layers.moe import grouped_experts
+from deepinfer.model_executor.layers.ops import fused
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One implementation of each hook (contracts in the comments; every hook has them all)."""
+
+    name: str
+    store_rows: Callable  # (cache, slots [M], k [M, H_kv, D], v [M, H_kv, D] | None) -> None
+    decode_attention: Callable  # (cache, q [N, H, D], index [N, L], scale, lens [N] | None) -> [N, H, D]
+    # (q [n, H, D], k, v [n, H_kv, D], loaded [n_old, 2, H_kv, D], q_pos [n], loaded_pos [n_old], scale,
+    #  window) -> [n, H, D]
+    prefill_attention: Callable
+    # (q [N, H, D], cache, index [N, L], scale, sink [H], extra cache | None, extra index [N, L2] | None)
+    #  -> [N, H, D]: K = V latent rows, one softmax over both row sets and the sink
+    sparse_mla: Callable
+    indexer_scores: Callable  # (q [n, h, d], keys [R, d] | [n, R, d], weights [n, h], scale) -> [n, R] fp32
+    # (x [T, H], ids [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I], swiglu_limit) -> [T, H]
+    grouped_moe: Callable
+
+
+HOOKS = tuple(f.name for f in fields(KernelSet) if f.name != "name")
+
+TORCH_KERNELS = KernelSet("torch", torch_ref.store_rows, torch_ref.decode_attention, torch_ref.prefill_attention,
+                          decode_mla_mqa_sparse, indexer_scores, grouped_experts)
+
+FUSED_KERNELS = replace(TORCH_KERNELS, name="fused", store_rows=fused.store_rows_op(torch_ref.store_rows),
+                        decode_attention=fused.decode_attention_op(torch_ref.decode_attention))
+
+
+def _triton_store_rows(cache, slots, k, v) -> None:
+    from deepinfer.model_executor.layers.ops.triton import store
+
+    store.store_layer_rows(cache, slots, k, v)
+
+
+def _triton_decode_attention(cache, q, index, scale, lens=None) -> torch.Tensor:
+    from deepinfer.model_executor.layers.ops.triton import decode_attention
+
+    return decode_attention.decode_layer_attention(cache, q, index, scale, lens)  # [N, H, D]
+
+
+def _triton_sparse_mla(q, cache, index, scale, sink, extra_cache=None, extra_index=None) -> torch.Tensor:
+    from deepinfer.model_executor.layers.ops.triton import sparse_mla
+
+    return sparse_mla.decode_mla_mqa_sparse(q, cache, index, scale, sink, extra_cache, extra_index)  # [N, H, D]
+
+
+def _triton_indexer_scores(q, index_keys, weights, softmax_scale) -> torch.Tensor:
+    from deepinfer.model_executor.layers.ops.triton import indexer
+
+    return indexer.indexer_scores(q, index_keys, weights, softmax_scale)  # [n, R]
+
+
+def _triton_grouped_moe(x, topk_ids, topk_weights, gate_up, down, swiglu_limit) -> torch.Tensor:
+    """The ids were range-checked by the caller (FusedExperts.forward): no second host sync."""
+    from deepinfer.model_executor.layers.ops.triton import moe
+
+    return moe.fused_experts(x, topk_ids, topk_weights, gate_up, down, swiglu_limit, check_ids=False)  # [T, H]
+
+
+TRITON_KERNELS = KernelSet("triton", _triton_store_rows, _triton_decode_attention, torch_ref.prefill_attention,
+                           _triton_sparse_mla, _triton_indexer_scores, _triton_grouped_moe)
+
+KERNEL_SETS = {s.name: s for s in (TORCH_KERNELS, FUSED_KERNELS, TRITON_KERNELS)}
+
+
+def kernels_for(backend: str, device: torch.device) -> KernelSet:
+    """The set an attention backend setting ("torch" or "triton", resolved) runs on `device`: triton
+    -> TRITON_KERNELS; torch -> FUSED_KERNELS on the CPU (the C++ kernels where they serve), else
+    TORCH_KERNELS."""
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if backend == "triton":
+        return TRITON_KERNELS
+    return FUSED_KERNELS if torch.device(device).type == "cpu" else TORCH_KERNELS
