@@ -8,6 +8,8 @@ initialised, so single-device code pays nothing.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,19 @@ def destroy_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD.update(rank=0, size=1)
+
+
+@contextlib.contextmanager
+def as_rank(rank: int, world_size: int):
+    """Inside it, this process reads tp_rank() == rank of tp_size() == world_size without joining a
+    group: for building one rank's model (on the meta device) to read its shapes. Construction runs
+    no collective; nothing inside may run one."""
+    saved = dict(_WORLD)
+    _WORLD.update(rank=rank, size=world_size)
+    try:
+        yield
+    finally:
+        _WORLD.update(saved)
 
 
 def tp_rank() -> int:

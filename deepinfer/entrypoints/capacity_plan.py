@@ -1,6 +1,6 @@
-"""Capacity plan for tensor / expert parallelism, from a model's config.json alone (no weights, no model
-build): per-rank weight bytes in their stored formats, KV bytes per token and per request, and the
-requests that fit at a context length in what a device has left after the weights.
+"""Capacity plan for tensor / expert parallelism: per-rank weight bytes in their stored formats (from
+config.json), KV bytes per token and per request (from the model itself), and the requests that fit at a
+context length in what a device has left after the weights.
 
 Splits (T = tensor_parallel_size ranks, E = expert_parallel_size):
 
@@ -11,9 +11,12 @@ Splits (T = tensor_parallel_size ranks, E = expert_parallel_size):
                    shared expert: intermediate / T     routed experts: n_routed_experts / E per rank
                    (each slice held by T / E ranks)    embedding, LM head: ceil(vocab / T) rows
 
-KV of a Llama-family layer splits with its kv heads. DeepSeek-V4's latent is ONE shared row per token
-(MQA, K = V) that every rank's heads read, so it is replicated on every rank, not split; so are the
-index keys, the window rings and the compressor state.
+The KV cache is the engine's own sizing: rank 0 of T is built on the meta device (shapes, no values)
+and its declared cache groups and per-request state go through `worker.cache_sizing.plan_model_cache`
+with the engine's settings (block size, row format, the draft allowance k that sizes the rings), as
+`ModelRunner` sizes them. A Llama-family layer's rows hold the rank's kv heads; DeepSeek-V4's latent is
+ONE shared row per token (MQA, K = V) that every rank's heads read, so it is replicated on every rank,
+not split; so are the index keys, the window rings and the compressor state.
 
 Stored formats: DeepSeek-V4's `quantization_config` gives FP4 routed experts (0.5 B per value + one
 UE8M0 byte per 32 values) and FP8 projections (1 B per value + one scale per 128 x 128 block);
@@ -22,15 +25,20 @@ embeddings, LM head and routers stay in `torch_dtype`, mHC, sinks and position b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from deepinfer.config import CacheConfig, parse_size
-from deepinfer.model_executor.layers.ops.cache_common import bf16_format, get_inference_swa_block_size, mxfp8_format
+from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig, parse_size
+from deepinfer.environ import Environ
 
-CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+if TYPE_CHECKING:
+    from deepinfer.worker.cache_sizing import CacheSizing
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 DEFAULT_DEVICE_MEMORY = "141GB"  # one H200
 _DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "int64": 8}
 FP4_GROUP, FP8_BLOCK = 32, 128
@@ -74,34 +82,6 @@ class Weight:
 
 
 @dataclass(frozen=True)
-class KVPart:
-    """One kind of cache one rank keeps for `num_layers` layers: paged rows (one per `ratio` tokens),
-    a ring of `ring_rows` rows per request, or fixed `state_bytes` per request per layer."""
-
-    name: str
-    num_layers: int
-    row_bytes: int = 0
-    ratio: int = 0  # tokens per paged row; 0: not paged
-    ring_rows: int = 0
-    state_bytes: int = 0
-
-    @property
-    def per_token(self) -> float:
-        """Bytes each further token adds (all the part's layers)."""
-        return self.num_layers * self.row_bytes / self.ratio if self.ratio else 0.0
-
-    @property
-    def per_request(self) -> int:
-        """Fixed bytes one request holds whatever its length (rings, compressor state)."""
-        return self.num_layers * (self.ring_rows * self.row_bytes + self.state_bytes)
-
-    def bytes_at(self, num_tokens: int) -> int:
-        """Bytes one request of `num_tokens` tokens holds: its fixed part plus floor(L / m) rows per layer."""
-        rows = num_tokens // self.ratio if self.ratio else 0
-        return self.per_request + self.num_layers * rows * self.row_bytes
-
-
-@dataclass(frozen=True)
 class CapacityPlan:
     """What one rank holds for a model at tensor_parallel_size T and expert_parallel_size E."""
 
@@ -109,7 +89,7 @@ class CapacityPlan:
     tp: int
     ep: int
     weights: tuple[Weight, ...]
-    kv: tuple[KVPart, ...]
+    kv: CacheSizing  # one rank's cache, as the engine sizes it
     kv_format: str
     max_model_len: int
     device_memory: int
@@ -131,14 +111,15 @@ class CapacityPlan:
 
     @property
     def kv_per_token(self) -> float:
-        return sum(p.per_token for p in self.kv)
+        return self.kv.per_token
 
     @property
     def kv_per_request(self) -> int:
-        return sum(p.per_request for p in self.kv)
+        return self.kv.per_request
 
     def request_bytes(self, num_tokens: int) -> int:
-        return sum(p.bytes_at(num_tokens) for p in self.kv)
+        """Bytes one request of `num_tokens` tokens takes: its fixed part and its pages of the pool."""
+        return self.kv.request_bytes(num_tokens)
 
     @property
     def kv_budget(self) -> int:
@@ -146,7 +127,7 @@ class CapacityPlan:
         return int(self.device_memory * self.gpu_memory_utilization) - self.weight_bytes
 
     def requests_that_fit(self, num_tokens: int) -> int:
-        return max(0, self.kv_budget) // self.request_bytes(num_tokens)
+        return self.kv.requests_that_fit(self.kv_budget, num_tokens)
 
 
 def is_v4(cfg: dict) -> bool:
@@ -280,56 +261,56 @@ def v4_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
             *v4_compressors(cfg, proj, sb), *v4_residual(cfg), *vocab_weights(cfg, tp)]
 
 
-def row_bytes(elements: int, kv_format: str) -> int:
-    """One cache row of `elements` values: MXFP8 (+1 UE8M0 byte per 32) or bf16."""
-    fmt = mxfp8_format(elements) if kv_format == "fp8" else bf16_format(elements)
-    return fmt.bytes_per_row
+def hf_config_of(cfg: dict):
+    """The transformers config object of a config dict (as `AutoConfig.from_pretrained` reads it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
 
 
-def compressor_state_bytes(ratio: int, width: int, overlap: bool) -> int:
-    """fp32 state a compressor keeps per request: the open window's kv and scores [m, C] (C = 2D
-    for CSA, D for HCA) and, for CSA, half A of the last window [m, D] (kv and score)."""
-    prev = ratio if overlap else 0
-    return 4 * (2 * ratio * (2 if overlap else 1) * width + 2 * prev * width)
+def meta_model(cfg: dict, tp: int, ep: int, max_positions: int, speculative_method: str | None = None):
+    """Rank 0 of `tp` of the model `cfg` describes, built as the engine builds it but on the meta device
+    (`shapes_only_dummy_weights`: shapes and dtypes, no values, no memory)."""
+    import torch
+
+    from deepinfer.distributed.parallel_state import as_rank
+    from deepinfer.model_executor.loader.model_source import ModelSource
+    from deepinfer.model_executor.model_loader import build_model, shapes_only_dummy_weights
+
+    source = ModelSource(path="", format="hf", hf_config=hf_config_of(cfg), tokenizer=None, identity="",
+                         load_format="dummy")
+    with as_rank(0, tp), shapes_only_dummy_weights():
+        return build_model(source, torch.bfloat16, torch.device("meta"), max_positions, speculative_method,
+                           expert_parallel_size=ep)
 
 
-def v4_kv(cfg: dict, kv_format: str) -> list[KVPart]:
-    """Every layer's window ring; CSA latent + index rows (1 per m tokens) and HCA rows (1 per m'),
-    with their compressor state. All replicated on every rank (one shared latent row, MQA)."""
-    d, i, types = cfg["head_dim"], cfg["index_head_dim"], cfg["layer_types"]
-    m, m_hca = cfg["compress_rates"][CSA], cfg["compress_rates"][HCA]
-    latent, index = row_bytes(d, kv_format), row_bytes(i, kv_format)
-    num_csa, num_hca = types.count(CSA), types.count(HCA)
-    ring = get_inference_swa_block_size(cfg["sliding_window"])
-    return [KVPart("window ring", len(types), latent, ring_rows=ring),
-            KVPart("CSA latent rows", num_csa, latent, ratio=m),
-            KVPart("CSA index keys", num_csa, index, ratio=m),
-            KVPart("HCA latent rows", num_hca, latent, ratio=m_hca),
-            KVPart("CSA compressor state", num_csa,
-                   state_bytes=compressor_state_bytes(m, d, True) + compressor_state_bytes(m, i, True)),
-            KVPart("HCA compressor state", num_hca, state_bytes=compressor_state_bytes(m_hca, d, False))]
+def plan_kv(cfg: dict, tp: int, ep: int, kv_format: str, max_model_len: int, block_size: int,
+            engine: EngineConfig) -> CacheSizing:
+    """One rank's cache of the meta-built model, sized as the engine sizes it (bf16 compute, rows in
+    `kv_format`, the engine's block size and draft allowance k)."""
+    import torch
+
+    from deepinfer.worker.cache_sizing import plan_model_cache
+
+    model = meta_model(cfg, tp, ep, max_model_len, engine.speculative.method)
+    kv_cache_dtype = "fp8" if kv_format == "fp8" else "bfloat16"
+    return plan_model_cache(model, torch.bfloat16, kv_cache_dtype, block_size, engine.env,
+                            engine.speculative.num_speculative_tokens)[2]
 
 
-def llama_kv(cfg: dict, tp: int, kv_format: str) -> list[KVPart]:
-    """K and V of the rank's kv heads: paged for full layers, a ring of S rows for sliding layers."""
-    n, d = cfg["num_hidden_layers"], head_dim_of(cfg)
-    heads = cfg["num_attention_heads"]
-    kv = max(1, cfg.get("num_key_value_heads", heads) // tp)
-    row = row_bytes(2 * kv * d, kv_format)
-    types = cfg.get("layer_types") or ["full_attention"] * n
-    window = cfg.get("sliding_window")
-    num_sliding = types.count(SLIDING) if window else 0
-    parts = [KVPart("full-attention K|V rows", n - num_sliding, row, ratio=1)] if n > num_sliding else []
-    if num_sliding:
-        parts.append(KVPart("sliding-window ring", num_sliding, row, ring_rows=get_inference_swa_block_size(window)))
-    return parts
+def engine_settings(speculative: SpeculativeConfig | None, env: Environ | None) -> EngineConfig:
+    """The engine's resolution of the draft setting: k = num_speculative_tokens, else
+    DEEPINFER_USE_NEXTN_DECODE of `env` (the process environment when None)."""
+    return EngineConfig(speculative=dataclasses.replace(speculative) if speculative else None, env=env)
 
 
 def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None = None,
                   device_memory: int | str = DEFAULT_DEVICE_MEMORY,
                   gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization,
-                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype) -> CapacityPlan:
-    """The per-rank plan of a config at T and E (ValueError naming the sizes when they cannot split it)."""
+                  kv_cache_dtype: str = CacheConfig.kv_cache_dtype, block_size: int = CacheConfig.block_size,
+                  speculative: SpeculativeConfig | None = None, env: Environ | None = None) -> CapacityPlan:
+    """The per-rank plan of a config at T and E (ValueError naming the sizes when they cannot split it).
+    `speculative` and `env` are the engine's: k sizes the rings (S = W + max(backtracking, k + 1))."""
     check_sizes(cfg, tp, ep)
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
@@ -337,12 +318,22 @@ def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None
     kv_format = {"auto": "fp8" if v4 else "bf16", "bfloat16": "bf16", "fp8": "fp8"}[kv_cache_dtype]
     weights = v4_weights(cfg, tp, ep) if v4 else llama_weights(cfg, tp)
     whole = v4_weights(cfg, 1, 1) if v4 else llama_weights(cfg, 1)
-    kv = v4_kv(cfg, kv_format) if v4 else llama_kv(cfg, tp, kv_format)
-    notes = ()
-    if v4 and cfg.get("num_nextn_predict_layers"):
-        notes = (f"{cfg['num_nextn_predict_layers']} MTP layer(s) not counted: loaded only with "
-                 "--speculative-method mtp",)
-    return CapacityPlan(cfg["model_type"], tp, ep, tuple(weights), tuple(kv), kv_format,
-                        max_model_len or cfg.get("max_position_embeddings") or 4096,
+    max_model_len = max_model_len or cfg.get("max_position_embeddings") or 4096
+    engine = engine_settings(speculative, env)
+    kv = plan_kv(cfg, tp, ep, kv_format, max_model_len, block_size, engine)
+    return CapacityPlan(cfg["model_type"], tp, ep, tuple(weights), kv, kv_format, max_model_len,
                         parse_size(device_memory, "device memory"), gpu_memory_utilization,
-                        sum(w.nbytes for w in whole), notes)
+                        sum(w.nbytes for w in whole), plan_notes(cfg, kv_cache_dtype, engine))
+
+
+def plan_notes(cfg: dict, kv_cache_dtype: str, engine: EngineConfig) -> tuple[str, ...]:
+    """What the plan leaves out or assumes."""
+    notes = []
+    if is_v4(cfg) and kv_cache_dtype == "auto":
+        notes.append("--kv-cache-dtype auto is planned as MXFP8 rows for deepseek_v4 (the engine's auto is "
+                     "the compute dtype: pass --kv-cache-dtype fp8 to run what is planned)")
+    if is_v4(cfg) and cfg.get("num_nextn_predict_layers"):
+        mtp = engine.speculative.method == "mtp"
+        cache = "their window ring counted" if mtp else "nor their cache: loaded only with --speculative-method mtp"
+        notes.append(f"{cfg['num_nextn_predict_layers']} MTP layer(s): weights not counted, {cache}")
+    return tuple(notes)

@@ -1,4 +1,5 @@
-"""The capacity plan as `deepinfer info` prints it (see `capacity_plan` for the formulas).
+"""The capacity plan as `deepinfer info` prints it (see `capacity_plan`; the KV figures are the engine's
+sizing, `worker/cache_sizing.py`).
 
 Every figure is an exact byte count (commas) with a decimal GB beside the large ones, so a reader, or
 a test, can check it against the config's fields.
@@ -6,6 +7,7 @@ a test, can check it against the config's fields.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 
@@ -65,25 +67,35 @@ def weight_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
     return lines
 
 
-def kv_part_line(part) -> str:
-    if part.ratio:
-        per_token = f"{num(part.row_bytes / part.ratio)} B per token per layer"
-        return (f"  {part.name}: {part.num_layers} layers x {part.row_bytes:,} B / {part.ratio} ({per_token}) "
-                f"= {num(part.per_token)} B per token")
-    if part.ring_rows:
-        return (f"  {part.name}: {part.num_layers} layers x {part.ring_rows} rows (S) x {part.row_bytes:,} B "
-                f"= {part.per_request:,} B per request")
-    return f"  {part.name}: {part.num_layers} layers x {part.state_bytes:,} B = {part.per_request:,} B per request"
+_LABELS = {"full": "full-attention K|V rows", "csa": "CSA latent rows", "index": "CSA index keys",
+           "hca": "HCA latent rows", "mtp": "MTP window ring"}
+
+
+def group_label(group, v4: bool) -> str:
+    if group.is_ring and group.name != "mtp":
+        return "window ring" if v4 else f"sliding-window ring{'' if group.name == 'swa' else f' (W={group.window})'}"
+    return _LABELS.get(group.name, group.name)
+
+
+def kv_group_line(group, v4: bool) -> str:
+    """One cache group of the engine's sizing: bytes per token (paged) or per request (ring)."""
+    label = group_label(group, v4)
+    if group.is_ring:
+        return (f"  {label}: {group.num_layers} layers x {group.rows_per_unit} rows (S) x {group.row_bytes:,} B "
+                f"= {group.per_request:,} B per request (W = {group.window} visible rows)")
+    m = group.compress_ratio
+    per_token = f"{num(group.row_bytes / m)} B per token per layer"
+    return (f"  {label}: {group.num_layers} layers x {group.row_bytes:,} B / {m} ({per_token}) "
+            f"= {num(group.per_token)} B per token")
 
 
 def per_kind_line(plan: CapacityPlan, cfg: dict) -> str:
     """Bytes per token per layer of each compressed kind (DeepSeek-V4: CSA rows + index keys, HCA rows)."""
     kinds = []
     for kind, label in ((CSA, "CSA"), (HCA, "HCA")):
-        layers = cfg["layer_types"].count(kind)
-        per_token = sum(p.per_token for p in plan.kv if p.name.startswith(label))
+        layers = [i for i, t in enumerate(cfg["layer_types"]) if t == kind]
         if layers:
-            kinds.append(f"{label} {num(per_token / layers)} B per token per layer x {layers}")
+            kinds.append(f"{label} {num(plan.kv.layer_per_token(layers[0]))} B per token per layer x {len(layers)}")
         else:
             kinds.append(f"no {label} layers")
     return "  per kind: " + ", ".join(kinds)
@@ -91,13 +103,21 @@ def per_kind_line(plan: CapacityPlan, cfg: dict) -> str:
 
 def kv_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
     fmt = "MXFP8 rows (e4m3 + one UE8M0 byte per 32 values)" if plan.kv_format == "fp8" else "bf16 rows"
-    if is_v4(cfg):
+    v4 = is_v4(cfg)
+    if v4:
         where = ("replicated on every rank, not split: the latent is one shared row per token (MQA, K = V) "
                  "that every rank's heads read; so are the index keys, rings and compressor state")
     else:
         where = "split with the kv heads (each rank keeps K and V of its own kv heads)"
-    lines = [f"KV cache per rank ({fmt}; {where}):", *(kv_part_line(p) for p in plan.kv)]
-    if is_v4(cfg):
+    kv = plan.kv
+    lines = [f"KV cache per rank ({fmt}; {where}; rings sized for k = {kv.num_speculative_tokens} draft tokens):",
+             *(kv_group_line(g, v4) for g in kv.groups)]
+    if kv.state_bytes:
+        lines.append(f"  per-request state (compressor state, fp32): {kv.state_bytes:,} B per request")
+    if kv.paged:
+        rows = ", ".join(f"{group_label(g, v4)} {g.rows_per_unit}" for g in kv.paged)
+        lines.append(f"  pages of {kv.page_bytes:,} B, one pool for the paged groups; rows per block: {rows}")
+    if v4:
         lines.append(per_kind_line(plan, cfg))
     lines.append(f"  KV bytes per token: {num(plan.kv_per_token)} B; fixed per request: {plan.kv_per_request:,} B")
     return lines
@@ -112,8 +132,10 @@ def capacity_lines(plan: CapacityPlan) -> list[str]:
              "(before activations)"]
     if plan.kv_budget <= 0:
         return lines + [f"capacity: the weights do not fit: {plan.weight_bytes:,} B > {usable:,} B usable per rank"]
+    blocks = plan.kv.blocks_for(length)
+    pages = f": {plan.kv_per_request:,} fixed + {blocks:,} pages" if blocks else ""
     return lines + [f"capacity: {plan.requests_that_fit(length):,} requests at {length:,} tokens at once "
-                    f"({one:,} B = {gb(one)} each, per rank)"]
+                    f"({one:,} B = {gb(one)} each, per rank{pages})"]
 
 
 def plan_lines(plan: CapacityPlan, cfg: dict, source: str = "") -> list[str]:
@@ -156,9 +178,15 @@ def is_config_only(args) -> bool:
 
 def print_plan(args, cfg: dict | None = None) -> None:
     """Print the plan of `cfg` (default: --model's config.json) at the flags' sizes."""
+    from deepinfer.engine_args import EngineArgs
+
     tp, ep = plan_sizes(args) or (1, 1)
     cfg = load_config(args.model) if cfg is None else cfg
+    one_rank = argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1, "expert_parallel_size": 1})
+    engine = EngineArgs.from_cli_args(one_rank).create_engine_config()  # the flags as the engine reads them
     plan = plan_capacity(cfg, tp, ep, max_model_len=args.max_model_len,
                          device_memory=getattr(args, "gpu_memory", DEFAULT_DEVICE_MEMORY),
-                         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype)
+                         gpu_memory_utilization=engine.cache.gpu_memory_utilization,
+                         kv_cache_dtype=engine.cache.kv_cache_dtype, block_size=engine.cache.block_size,
+                         speculative=engine.speculative, env=engine.env)
     print("\n".join(plan_lines(plan, cfg, getattr(args, "model", None) or "")))

@@ -5,15 +5,14 @@ latent rows (head_dim wide; MXFP8: 512 e4m3 + 16 UE8M0 = 528 B) and its index ke
 (index_head_dim wide) differ. A paged group with a compression ratio m holds one row per m
 tokens, so a block of R rows covers R * m tokens and a layer costs row_bytes / m per token.
 Models with such groups (or per-group codecs) also get per-layer lines: the fixed ring bytes and
-compressor state per request, and the bytes each further token adds.
+compressor state per request, and the bytes each further token adds. Every byte figure comes from the
+engine's sizing record (`runner.sizing`, worker/cache_sizing.py) or its allocation; info has no formula.
 
 With `--kv-cache-dir`, the saved cache there is listed too: its files and bytes in all and per
 model folder (`worker.kv_disk.scan_kv_dir`), the folder of the model just built marked.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
 from deepinfer.worker.kv_disk import scan_kv_dir
@@ -56,49 +55,16 @@ def fmt_bytes(value: float) -> str:
     return f"{value:,.3f}".rstrip("0")
 
 
-@dataclass(frozen=True)
-class GroupBytes:
-    """One cache group's byte figures, from the engine's own allocation (no formula)."""
-
-    name: str
-    kind: str  # "ring" or "paged"
-    num_layers: int
-    row_bytes: int  # one row of one layer, in the group's own format
-    compress_ratio: int  # tokens per row (1: one row per token)
-    rows_per_unit: int  # block size (paged) or ring size S (ring)
-    unit_bytes: int  # one block or one state slot, all the group's layers
-
-    @property
-    def per_token(self) -> float:
-        """Bytes each further token adds (paged groups; 0 for a ring, whose size is fixed)."""
-        return 0.0 if self.kind == "ring" else self.unit_bytes / (self.rows_per_unit * self.compress_ratio)
-
-    @property
-    def per_request(self) -> int:
-        """Fixed bytes per request (a ring's state slot; 0 for a paged group)."""
-        return self.unit_bytes if self.kind == "ring" else 0
-
-
-def group_bytes(runner) -> list[GroupBytes]:
-    return [GroupBytes(g.name, g.kind, len(g.layer_ids), runner.codec_of(g).row_bytes, g.compress_ratio,
-                       g.rows_per_unit, runner.unit_bytes(g)) for g in runner.groups]
-
-
 def is_multi_format(runner) -> bool:
     """Groups of shared K = V rows or with compression ratios (DeepSeek-V4), not one K|V row kind for all."""
     return any(g.row.shared_kv or g.compress_ratio > 1 for g in runner.groups)
 
 
-def layer_state_bytes(attn) -> int:
-    """fp32 compressor state one request holds for this layer (0 without a compressor)."""
-    compressor = getattr(attn, "compressor", None)
-    if compressor is None:
-        return 0
-    from deepinfer.model_executor.models.deepseek_v4.state_bank import StateBank
-
-    total = StateBank.bytes_per_slot(compressor.init_state())
-    indexer = getattr(compressor, "indexer", None)
-    return total + (StateBank.bytes_per_slot(indexer.init_state()) if indexer is not None else 0)
+def allocated_state_bytes(layer) -> int:
+    """Per-request state the engine allocated for one layer: one slot of each state bank bound to
+    it (DeepSeek-V4's compressors; 0 for a layer without any)."""
+    banks = (getattr(layer, "states", None) or {}).values()
+    return sum(t[0].numel() * t.element_size() for b in banks for t in (b.kv, b.score, b.prev_a_kv, b.prev_a_score))
 
 
 def request_capacity(llm) -> tuple[int, int]:
@@ -150,19 +116,19 @@ def layer_lines(llm) -> list[str]:
     layers = runner.model.attention_layers()
     lines = []
     for i, attn in enumerate(layers):
-        fixed, per_token, parts = 0, 0.0, []
-        for g in runner.groups:
+        fixed, parts = 0, []
+        for g in runner.sizing.groups:  # the engine's sizing (worker/cache_sizing.py)
             if i not in g.layer_ids:
                 continue
-            row = runner.codec_of(g).row_bytes
-            if g.kind == "ring":
+            row = g.row_bytes
+            if g.is_ring:
                 fixed += g.rows_per_unit * row
                 parts.append(f"{g.name} {g.rows_per_unit} x {row:,} B = {g.rows_per_unit * row:,} B per request")
             else:
-                per_token += row / g.compress_ratio
                 parts.append(f"{g.name} {row:,} B / {g.compress_ratio} = {fmt_bytes(row / g.compress_ratio)} B "
                              f"per token")
-        state = layer_state_bytes(attn)
+        per_token = runner.sizing.layer_per_token(i)
+        state = allocated_state_bytes(attn)
         if state:
             parts.append(f"compressor state {state:,} B per request")
         kind = getattr(attn, "layer_type", None) or ("sliding" if getattr(attn, "sliding_window", None) else "full")
@@ -173,10 +139,8 @@ def layer_lines(llm) -> list[str]:
 
 def multi_format_lines(llm) -> list[str]:
     engine, runner = llm.engine, llm.engine.runner
-    figures = group_bytes(runner)
-    per_token = sum(f.per_token for f in figures)
-    rings = sum(f.per_request for f in figures)
-    state = runner.state_bytes()
+    sizing = runner.sizing
+    per_token, rings, state = sizing.per_token, sizing.ring_bytes, sizing.state_bytes
     requests, blocks = request_capacity(llm)
     max_len = engine.max_model_len
     return [
@@ -246,7 +210,7 @@ def prefix_cache_lines(llm) -> list[str]:
     lines = [f"prefix caching: {'on' if caching else 'off'}"
              + ("" if caching or not cache.enable_prefix_caching else " (this model has no snapshot slots)")]
     if cache.kv_cache_dir:
-        identity = getattr(engine.runner, "cache_identity", None)
+        identity = engine.runner.cache_identity
         lines += kv_dir_lines(cache.kv_cache_dir, cache.kv_cache_dir_size, identity[:16] if identity else None)
     return lines
 

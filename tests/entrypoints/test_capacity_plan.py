@@ -114,10 +114,19 @@ def test_v4_flash_plan_at_tp8_ep8_matches_the_formula_and_the_issue(flash, capsy
     assert abs(unsplit / 154e9 - 1) < 0.02
     per_rank = figure(out, r"total per rank: [\d,]+ params, ([\d,]+) B")
     assert unsplit / 8 < per_rank < unsplit / 6  # mostly split: replicated attention parts and routers
-    length = 131072
-    request = ring + state + 20 * (length // 4) * (528 + 132) + 23 * (length // 128) * 528
+    # a request takes whole pages of the pool the paged groups share, as the engine allocates them
+    # (worker/cache_sizing.py): one page = 16 rows of the widest group (HCA: 23 layers x 528 B), and
+    # each group fits as many of its rows as the page holds; so 2,334 pages, not 20 x 32,768 x 660
+    # + 23 x 1,024 x 528 B of exact rows (1.8% fewer than the engine needs)
+    length, page = 131072, 16 * 23 * 528
+    assert "pages of 194,304 B" in out
+    csa_rows, hca_rows, index_rows = page // (20 * 528), page // (23 * 528), page // (20 * 132)
+    assert (csa_rows, hca_rows, index_rows) == (18, 16, 73)
+    pages = -(-(length // 4) // csa_rows) + -(-(length // 128) // hca_rows) + -(-(length // 4) // index_rows)
+    request = ring + state + pages * page
     fits = (int(141e9 * 0.9) - per_rank) // request
     assert figure(out, r"capacity: ([\d,]+) requests at 131,072 tokens") == fits > 100
+    assert figure(out, r"at once \(([\d,]+) B = ") == request == 469_835_296
 
 
 def test_qwen3_at_tp2_splits_attention_mlp_and_vocab(capsys):

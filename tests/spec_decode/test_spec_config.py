@@ -73,7 +73,7 @@ def test_an_undersized_ring_corrupts_verification_and_the_chosen_one_does_not(ti
     """k + 1 stores, then each query reads its window W through its index row. The engine's
     S = W + max(6, k + 1) keeps every row; at S = W + k - 1 the store of p + k lands on the slot of
     p - W + 1, which query p still reads (the book's hazard, §3.5.1)."""
-    import deepinfer.worker.model_runner as model_runner
+    from deepinfer.worker import cache_sizing
 
     path, k, p = tiny_checkpoint("mistral_swa"), 5, 47
     window = [list(range(q - 15, q + 1)) for q in range(p, p + k + 1)]  # W = 16
@@ -81,8 +81,8 @@ def test_an_undersized_ring_corrupts_verification_and_the_chosen_one_does_not(ti
     assert good.engine.runner.groups[0].rows_per_unit == 16 + k + 1
     assert [sorted(r) for r in _positions_read(good, p, k)] == window
 
-    monkeypatch.setattr(model_runner, "ring_size", lambda w, env: w + k - 1)
-    monkeypatch.setattr(model_runner, "check_ring_fits_drafts", lambda *args: None)  # past the refusal
+    monkeypatch.setattr(cache_sizing, "ring_size", lambda w, env, drafts: w + k - 1)
+    monkeypatch.setattr(cache_sizing, "check_ring_fits_drafts", lambda *args: None)  # past the refusal
     bad = LLM(path, speculative_method="ngram", num_speculative_tokens=k, max_num_seqs=2)
     assert bad.engine.runner.groups[0].rows_per_unit == 16 + k - 1
     read = _positions_read(bad, p, k)
@@ -91,8 +91,8 @@ def test_an_undersized_ring_corrupts_verification_and_the_chosen_one_does_not(ti
 
 
 def test_the_start_up_refuses_a_ring_below_the_bound(tiny_checkpoint, monkeypatch):
-    import deepinfer.worker.model_runner as model_runner
+    from deepinfer.worker import cache_sizing
 
-    monkeypatch.setattr(model_runner, "ring_size", lambda w, env: w + 3)
+    monkeypatch.setattr(cache_sizing, "ring_size", lambda w, env, drafts: w + 3)
     with pytest.raises(ValueError, match="S=19 .* W=16 .* k=5: need S >= W \\+ k \\+ 1 = 22"):
         LLM(tiny_checkpoint("mistral_swa"), speculative_method="ngram", num_speculative_tokens=5)

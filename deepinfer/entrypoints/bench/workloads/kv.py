@@ -1,10 +1,12 @@
 """`deepinfer bench` on a model with compressed cache groups (DeepSeek-V4): `kv` lines with each
-group's bytes from the engine's allocation units against the formula from its config, per layer type:
+group's bytes as the engine allocated them against the sizing of the model's declared groups
+(`worker/cache_sizing.plan_model_cache`, the one formula), per group:
 
-    window ring (every layer)   S * row_bytes per request, fixed (S = W + allowance, 134 for W = 128)
-    CSA / HCA compressed rows   row_bytes / m per token (m = 4 / 128)
-    CSA index keys              index_row_bytes / m per token
-    compressor state            fp32, per request: CSA 6 * m * (D + D_index) * 4, HCA 2 * m' * D * 4
+    window ring (every layer)   layers x S x row_bytes per request, fixed (S = W + allowance, 134 for W = 128)
+    CSA / HCA compressed rows   layers x row_bytes / m per token (m = 4 / 128)
+    CSA index keys              layers x index_row_bytes / m per token
+    compressor state            fp32, per request: the model's `state_bytes_per_slot`, against the
+                                bytes of one slot of what it keeps (`read_state`)
 
 and the payload at L = max_model_len by the book's formulas (visible rows only).
 """
@@ -32,28 +34,31 @@ def row_format(elements: int, dtype, kv_cache_dtype: str):
     return unquantized_format(elements, "bf16" if kv_cache_dtype == "bfloat16" else _ROW_DTYPES[str(dtype)])
 
 
-def v4_kv_formula(cfg, dtype, kv_cache_dtype: str, env) -> dict:
-    """The formula's figures from the config and the engine's knobs `env` (the ring size S):
-    {group: (B per token, B per request, text)}, plus "state" (compressor state per request)."""
-    from deepinfer.worker.model_runner import ring_size
+def planned_sizing(runner, cache_config):
+    """The sizing of the model's declared groups with the engine's settings, derived afresh."""
+    from deepinfer.worker.cache_sizing import plan_model_cache
 
-    def row(elements: int) -> int:
-        return row_format(elements, dtype, kv_cache_dtype).bytes_per_row
+    return plan_model_cache(runner.model, runner.dtype, cache_config.kv_cache_dtype, cache_config.block_size,
+                            runner.env, runner.speculative.num_speculative_tokens)[2]
 
-    csa, hca = "compressed_sparse_attention", "heavily_compressed_attention"
-    m, m_hca = cfg.compress_rates[csa], cfg.compress_rates[hca]
-    n_layers, n_csa, n_hca = len(cfg.layer_types), cfg.layer_types.count(csa), cfg.layer_types.count(hca)
-    d, d_index, s = cfg.head_dim, cfg.index_head_dim, ring_size(cfg.sliding_window, env)
-    latent, index = row(d), row(d_index)
-    out = {"swa": (0.0, n_layers * s * latent, f"{n_layers} layers x S {s} x {latent} B")}
-    if n_csa:
-        out["csa"] = (n_csa * latent / m, 0, f"{n_csa} x {latent} B / {m}")
-        out["index"] = (n_csa * index / m, 0, f"{n_csa} x {index} B / {m}")
-    if n_hca:
-        out["hca"] = (n_hca * latent / m_hca, 0, f"{n_hca} x {latent} B / {m_hca}")
-    state = n_csa * 6 * m * (d + d_index) * 4 + n_hca * 2 * m_hca * d * 4
-    out["state"] = (0.0, state, f"{n_csa} x 6 x {m} x ({d} + {d_index}) x 4 B + {n_hca} x 2 x {m_hca} x {d} x 4 B")
-    return out
+
+def engine_group_bytes(runner, gi: int) -> tuple[float, int]:
+    """(bytes per token, fixed bytes per request) of group gi from the engine's allocation."""
+    group, cache = runner.groups[gi], runner.cache
+    if group.is_ring:
+        return 0.0, cache.allocations[gi].shape[1]  # one state slot: [units, unit_bytes]
+    return cache.unit_bytes(gi) / (group.rows_per_unit * group.compress_ratio), 0
+
+
+def formula_text(g) -> str:
+    if g.is_ring:
+        return f"{g.num_layers} layers x S {g.rows_per_unit} x {g.row_bytes} B"
+    return f"{g.num_layers} x {g.row_bytes} B / {g.compress_ratio}"
+
+
+def kept_state_bytes(model) -> int:
+    """Bytes of one state slot's per-request state as the model keeps it (its float tensors)."""
+    return sum(t.numel() * t.element_size() for t in model.read_state(0).values() if t.is_floating_point())
 
 
 def book_payload_bytes(cfg, dtype, kv_cache_dtype: str, num_tokens: int) -> int:
@@ -77,31 +82,28 @@ def book_payload_bytes(cfg, dtype, kv_cache_dtype: str, num_tokens: int) -> int:
 
 def kv_lines(llm) -> list[str]:
     """Engine figures (allocation units) per group against the formula, then the book's payload."""
-    from deepinfer.entrypoints.info import fmt_bytes, group_bytes
+    from deepinfer.entrypoints.info import fmt_bytes
 
     engine, runner = llm.engine, llm.engine.runner
     cfg = engine.source.hf_config
     if not has_compressed_groups(runner) or not hasattr(cfg, "compress_rates"):
         return []
     kv_dtype = engine.config.cache.kv_cache_dtype
-    formula = v4_kv_formula(cfg, runner.dtype, kv_dtype, runner.env)
+    plan = planned_sizing(runner, engine.config.cache)
     lines, total_token, total_request = [], 0.0, 0
-    for g in group_bytes(runner):
-        want_token, want_request, text = formula.get(g.name, (None, None, "?"))
-        ok = "ok" if (g.per_token, g.per_request) == (want_token, want_request) else "MISMATCH"
-        what = (f"{fmt_bytes(g.per_request)} B per request, fixed" if g.kind == "ring" else
-                f"{fmt_bytes(g.per_token)} B per token")
-        want = (f"{fmt_bytes(want_request)} B" if g.kind == "ring" else f"{fmt_bytes(want_token)} B") \
-            if want_token is not None else "none"
-        shape = (f"ring of S = {g.rows_per_unit} rows per layer" if g.kind == "ring" else
-                 f"1 row per {g.compress_ratio} tokens")
-        lines.append(f"kv       {g.name:6s} {g.kind:5s} {g.num_layers} layers, rows of {g.row_bytes:,} B, {shape}: "
-                     f"engine {what}; formula {text} = {want} [{ok}]")
-        total_token += g.per_token
-        total_request += g.per_request
-    state, (_, want_state, text) = runner.state_bytes(), formula["state"]
-    lines.append(f"kv       state  fp32 compressor state: engine {state:,} B per request; formula {text} = "
-                 f"{want_state:,} B [{'ok' if state == want_state else 'MISMATCH'}]")
+    for gi, (g, want) in enumerate(zip(runner.groups, plan.groups, strict=True)):
+        per_token, per_request = engine_group_bytes(runner, gi)
+        ok = "ok" if (per_token, per_request) == (want.per_token, want.per_request) else "MISMATCH"
+        what = f"{fmt_bytes(per_request)} B per request, fixed" if g.is_ring else f"{fmt_bytes(per_token)} B per token"
+        wanted = f"{fmt_bytes(want.per_request)} B" if g.is_ring else f"{fmt_bytes(want.per_token)} B"
+        shape = f"ring of S = {g.rows_per_unit} rows per layer" if g.is_ring else f"1 row per {g.compress_ratio} tokens"
+        lines.append(f"kv       {g.name:6s} {g.kind:5s} {want.num_layers} layers, rows of {want.row_bytes:,} B, "
+                     f"{shape}: engine {what}; formula {formula_text(want)} = {wanted} [{ok}]")
+        total_token += per_token
+        total_request += per_request
+    state, want_state = kept_state_bytes(runner.model), plan.state_bytes
+    lines.append(f"kv       state  fp32 compressor state: engine {state:,} B per request; formula "
+                 f"state_bytes_per_slot = {want_state:,} B [{'ok' if state == want_state else 'MISMATCH'}]")
     lines.append(f"kv       total  {fmt_bytes(total_token)} B per token + {total_request + state:,} B per request "
                  f"(rings {total_request:,} + state {state:,})")
     length = engine.max_model_len
@@ -116,10 +118,9 @@ def kv_lines(llm) -> list[str]:
 def workload_kv_line(runner, workload: Workload) -> str:
     """Bytes the engine allocates for the workload's requests at their final lengths (rings,
     block padding and compressor state included), per token."""
-    from deepinfer.entrypoints.bench.workloads.long import allocated_bytes_per_request
     from deepinfer.entrypoints.info import fmt_bytes
 
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens, strict=True)]
-    allocated = sum(allocated_bytes_per_request(runner, n) + runner.state_bytes() for n in lengths)
+    allocated = sum(runner.sizing.request_bytes(n) for n in lengths)
     return (f"kv       {workload.name:6s} allocated for its {len(lengths)} requests at their final lengths "
             f"({sum(lengths):,} tokens): {allocated:,} B = {fmt_bytes(round(allocated / sum(lengths), 3))} B per token")

@@ -19,12 +19,9 @@ from deepinfer.entrypoints.engine_args import make_llm
 
 
 def allocated_bytes_per_request(runner, num_tokens: int) -> int:
-    """KV bytes one request holds at num_tokens tokens, from the engine's own allocation units."""
-    total = 0
-    for g in runner.groups:
-        units = 1 if g.kind == "ring" else -(-num_tokens // g.rows_per_unit)
-        total += units * runner.unit_bytes(g)
-    return total
+    """KV bytes one request holds at num_tokens tokens: its ring slots and state, and its pages
+    (the engine's sizing, worker/cache_sizing.py)."""
+    return runner.sizing.request_bytes(num_tokens)
 
 
 def _engine_args(args, window: int | None):
