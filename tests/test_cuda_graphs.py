@@ -13,6 +13,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
+from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
 from deepinfer.worker.cuda_graphs import DecodeGraphs, capture_sizes, graphs_off_reason
@@ -55,7 +56,11 @@ def test_a_step_takes_the_smallest_bucket_that_holds_it():
 
 
 class _GraphSafe:
-    decode_graph_safe = True
+    capabilities = ModelCapabilities(graph_safe_decode=True)
+
+
+class _Eager:
+    capabilities = ModelCapabilities(tensor_parallel=True)
 
 
 @pytest.mark.parametrize("kwargs,reason", [
@@ -64,7 +69,7 @@ class _GraphSafe:
     (dict(backend="torch"), "attention backend 'torch'"),
     (dict(groups=TOKEN_GROUPS + [CacheGroupSpec("csa", PAGED, (1,), rows_per_unit=4, compress_ratio=4,
                                                 row=RowSpec(1, 64, shared_kv=True))]), "DeepSeek-V4 runs eager"),
-    (dict(model=object()), "object is not decode_graph_safe"),  # e.g. a sliding-only V4: token groups only
+    (dict(model=_Eager()), "_Eager does not declare graph_safe_decode"),  # e.g. a sliding-only V4: token groups only
 ])
 def test_graphs_are_off_where_they_cannot_serve(kwargs, reason):
     args = dict(enforce_eager=False, device=torch.device("cuda"), backend="triton", groups=TOKEN_GROUPS,

@@ -19,6 +19,9 @@ Rules:
    `deepinfer.contracts.*`; and no `torch`.
 6. No import cycles among `deepinfer` modules (function-level imports count; importing a package is an
    edge to its `__init__.py` only).
+7. No `hasattr(x, "name")` / `getattr(x, "name", ...)` anywhere in `deepinfer/` where "name" is a member
+   of a contracts Protocol (`CachedModel`, `StepRunner`, ...) or a field of `ModelCapabilities`: what
+   differs between implementations is declared, not probed (`tests/protocol_probes.py`).
 
 Besides the static rules, `deepinfer.engine` and `deepinfer.contracts` must import with torch blocked.
 The checker is `collect_imports`, `violations` and `cycles`; the synthetic-tree tests below show that
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from protocol_probes import declared_members, probes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "deepinfer"
@@ -467,3 +471,53 @@ def test_cycle_report_lists_every_import_inside_a_component(tmp_path):
         "deepinfer/z.py:1 imports deepinfer.x",
     ]
     assert "other imports inside this component of 3 modules:" in str(found)
+
+
+# ---------------------------------------------------------------- rule 7: no probes of protocol members
+
+
+def test_no_probes_of_protocol_members():
+    _fail_if_any(probes(REPO_ROOT, declared_members(REPO_ROOT)), "hasattr / getattr on a declared member")
+
+
+def test_declared_members_cover_the_seams():
+    """Guards the guard: the protocols' and the capability record's names are all collected."""
+    declared = declared_members(REPO_ROOT)
+    assert {name: declared[name] for name in ("execute", "stats", "close", "num_blocks")} == dict.fromkeys(
+        ("execute", "stats", "close", "num_blocks"), "StepRunner")
+    assert declared["cache_groups"] == declared["capabilities"] == "CachedModel"
+    assert declared["add_mtp"] == declared["last_streams"] == "DraftingModel"  # a subprotocol
+    assert declared["graph_safe_decode"] == "ModelCapabilities"
+    assert "BoundCaches" not in declared.values() and "group_index" not in declared  # a dataclass, not a protocol
+
+
+PROBE_TREE = {
+    "contracts/model.py": (
+        "from dataclasses import dataclass\nfrom typing import Protocol\n\n"
+        "@dataclass(frozen=True)\nclass ModelCapabilities:\n    graph_safe_decode: bool = False\n\n"
+        "class Runner(Protocol):\n    num_blocks: int\n    def close(self) -> None: ...\n"
+        "    def _private(self): ...\n\n"
+        "class Plain:\n    def helper(self): ...\n"
+    ),
+    "engine/loop.py": (
+        "def stop(runner, model, cfg, name):\n"
+        "    close = getattr(runner, 'close', None)\n"  # flagged
+        "    if hasattr(runner, 'num_blocks'):\n"  # flagged
+        "        pass\n"
+        "    safe = getattr(model, 'graph_safe_decode', False)\n"  # flagged: a capability field
+        "    size = getattr(cfg, 'hidden_size', 0)\n"  # a config field: fine
+        "    other = getattr(runner, name)\n"  # not a literal: fine
+        "    return hasattr(runner, '_private') or getattr(runner, 'helper', None)\n"  # not declared: fine
+    ),
+}
+
+
+def test_probe_rule_can_fail(tmp_path):
+    _write_tree(tmp_path, PROBE_TREE)
+    declared = declared_members(tmp_path)
+    assert declared == {"graph_safe_decode": "ModelCapabilities", "num_blocks": "Runner", "close": "Runner"}
+    assert [str(p) for p in probes(tmp_path, declared)] == [
+        "deepinfer/engine/loop.py:2 getattr(..., 'close') probes a member the contracts declare",
+        "deepinfer/engine/loop.py:3 hasattr(..., 'num_blocks') probes a member the contracts declare",
+        "deepinfer/engine/loop.py:5 getattr(..., 'graph_safe_decode') probes a member the contracts declare",
+    ]

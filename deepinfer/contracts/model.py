@@ -6,14 +6,17 @@
                            CachedModel: cache_groups() -> bind_caches(...) -> forward / compute_logits
 
 Both the Llama family and DeepSeek-V4 implement `CachedModel`; the runner has one path for all.
-Tensors are typed `Any` here: this floor does not import torch.
+What differs between model classes is declared, never probed: each class sets `capabilities`
+(`ModelCapabilities`), and code that needs more than the protocol reads that record (CUDA graphs,
+tensor and expert parallelism, MTP drafting through `DraftingModel`). Tensors are typed `Any`
+here: this floor does not import torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.plan import ModelOutput, StepPlan
@@ -40,9 +43,33 @@ class BoundCaches:
         return names.index(name)
 
 
+@dataclass(frozen=True)
+class ModelCapabilities:
+    """What a model class supports beyond `CachedModel`, declared as a class attribute
+    (`capabilities`) and read by the code that depends on it; everything defaults to no.
+
+    graph_safe_decode: its forward reads only ids, positions and token-group metadata and keeps
+        no per-request state, so decode steps may replay as CUDA graphs (`worker/cuda_graphs.py`);
+    tensor_parallel: its layers split over tensor_parallel_size ranks (weights read slice by slice);
+    expert_parallel: its routed experts split over expert_parallel_size rank groups;
+    mtp_drafting: it has next-n layers, and `add_mtp()` builds the draft module `mtp` before the
+        weights load (a `DraftingModel`; speculative_method="mtp");
+    drafting_streams: with the draft module on, `forward` keeps its pre-head residual streams in
+        `last_streams` [T, N, hidden], the draft module's input.
+    """
+
+    graph_safe_decode: bool = False
+    tensor_parallel: bool = False
+    expert_parallel: bool = False
+    mtp_drafting: bool = False
+    drafting_streams: bool = False
+
+
 @runtime_checkable
 class CachedModel(Protocol):
     """A decoder whose layers keep their K/V in the engine's cache groups."""
+
+    capabilities: ClassVar[ModelCapabilities]  # what the class supports beyond this protocol
 
     def cache_groups(self) -> list[CacheGroupSpec]:
         """The groups its layers use (unsized: rows_per_unit 0), each with its RowSpec."""
@@ -73,9 +100,22 @@ class CachedModel(Protocol):
         cache rows of the rest need no undo (they are overwritten before anything reads them)."""
 
 
+class DraftingModel(CachedModel, Protocol):
+    """A `CachedModel` whose capabilities say `mtp_drafting` (and `drafting_streams`): the
+    members the MTP drafter (`worker/mtp_drafter.py`) uses."""
+
+    mtp: Any  # the next-n draft module; None until `add_mtp()`
+    last_streams: Any  # [T, N, hidden] pre-head streams of the last forward (with `mtp` on)
+
+    def add_mtp(self) -> None:
+        """Build the draft module (before the weights load); ValueError when the config has no
+        next-n layers."""
+
+
 @runtime_checkable
 class StepRunner(Protocol):
-    """What the engine needs of the worker: the cache layout to manage, and the step itself."""
+    """What the engine needs of the worker: the cache layout to manage, the step itself, its
+    counters and its end."""
 
     groups: list[CacheGroupSpec]
     num_blocks: int
@@ -88,3 +128,11 @@ class StepRunner(Protocol):
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state (generators) of finished or aborted requests."""
+
+    def stats(self) -> dict[str, int]:
+        """The runner's own counters since start, by metric name (the KV cache directory's
+        `kv_cache_dir_*` bytes, files and load failures; {} without one)."""
+
+    def close(self) -> None:
+        """Finish writing the cache directory and stop what the runner started (follower ranks,
+        their process group). Idempotent; the runner must not step afterwards."""

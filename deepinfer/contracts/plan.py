@@ -1,7 +1,8 @@
 """The plain-data contract between the scheduler (engine/) and the model runner (worker/).
 
 No torch here: the scheduler builds a `StepPlan` from Python lists, the runner turns it into
-tensors and answers with a `ModelOutput` of `SampleResult`s.
+tensors and answers with a `ModelOutput` of `SampleResult`s. With several tensor-parallel ranks,
+rank 0 hands each follower the `StepPlan` and, mid-step, the `StepTokens` its sampling gave.
 """
 
 from __future__ import annotations
@@ -142,6 +143,26 @@ class ModelOutput:
         self.draft_token_ids.update(other.draft_token_ids)
         self.errors.update(other.errors)
         self.load_failures.update(other.load_failures)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Rank 0's second message of a step to the follower ranks (tensor parallelism), after its
+    sampling and before its drafting passes: the token ids each request's samples hold (a
+    verification step's accepted drafts and the target's token). Sent for a plan that verifies
+    drafts, or for any plan when the drafter runs the model (MTP); the followers finish the step
+    with them as rank 0 does (kept counts to `CachedModel.keep_verified`, then the MTP passes,
+    whose collectives pair with rank 0's)."""
+
+    token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, output: ModelOutput) -> StepTokens:
+        return cls({rid: [r.token_id for r in results] for rid, results in output.samples.items()})
+
+    def samples(self) -> dict[str, list[SampleResult]]:
+        """The tokens as samples (logprobs are rank 0's: 0.0 here)."""
+        return {rid: [SampleResult(t, 0.0) for t in ids] for rid, ids in self.token_ids.items()}
 
 
 class FatalStepError(RuntimeError):

@@ -162,14 +162,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or self.samples.has_pending
 
     def get_metrics(self) -> dict:
-        """Counters since start: running / waiting requests, preemptions, KV blocks, and the
+        """Counters since start, the one source of the engine's metrics (`LLM.get_metrics`, the
+        server's /metrics): running / waiting requests, preemptions, KV blocks, the prefix cache's
+        and the runner's counters (`StepRunner.stats`: the KV cache directory), and the
         speculative-decoding counters (`SpecDecodeStats.as_dict`: drafts, draft tokens, accepted
         tokens, acceptance per draft position, acceptance rate, mean accepted length)."""
         kv = self.kv_manager
-        disk = getattr(self.runner, "disk_stats", None)
         return {**kv.stats.as_dict(), "prefix_caching": kv.caching,
                 "num_cached_blocks": kv.num_cached_blocks, "num_prefix_snapshots": len(kv.snapshots.by_key),
-                **(disk() if disk is not None else {}),
+                **self.runner.stats(),
                 "num_requests_running": self.scheduler.num_running,
                 "num_requests_waiting": self.scheduler.num_waiting,
                 "num_preemptions": self.scheduler.num_preemptions_total,
@@ -197,8 +198,8 @@ class LLMEngine:
         failed = [self._fail(req, message) for rid, message in output.errors.items()
                   if (req := self.scheduler.get_request(rid)) is not None]
         updated = self.scheduler.update(plan, output)
-        results = [self._process(req, output.samples.get(req.request_id)) for req in updated]
-        self.runner.release([req.request_id for req in updated if req.is_finished])
+        results = [self._process(u.request, u.samples) for u in updated]
+        self.runner.release([u.request.request_id for u in updated if u.request.is_finished])
         failed += self._admit_siblings()
         aborted, self._aborted = self._aborted, []
         return self.samples.fold(aborted + failed + results)
@@ -267,10 +268,10 @@ class LLMEngine:
         logger.error("request %r failed: %s", req.request_id, message)
         return self.outputs.fail(req, RequestFailedError(req.request_id, message))
 
-    def _process(self, req: Request, samples) -> RequestOutput:
-        """Fold the step's samples into req's output; a fault here fails req alone."""
+    def _process(self, req: Request, samples: list) -> RequestOutput:
+        """Fold the step's kept samples into req's output; a fault here fails req alone."""
         try:
-            return self._process_sample(req, samples or [])
+            return self._process_sample(req, samples)
         except Exception as exc:
             if is_fatal_fault(exc):
                 raise
@@ -326,9 +327,7 @@ def close_engine(kv_manager: KVCacheManager, runner: StepRunner) -> None:
             runner.execute(StepPlan([], persist=persist))
     finally:
         kv_manager.close_disk()
-        close = getattr(runner, "close", None)
-        if close is not None:
-            close()
+        runner.close()
 
 
 def checked_params(params: SamplingParams | None) -> SamplingParams:

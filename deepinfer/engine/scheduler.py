@@ -41,12 +41,23 @@ newest running request and FCFS order holds across preemptions.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.contracts.plan import ModelOutput, ScheduledRequest, StepPlan
+from deepinfer.contracts.plan import ModelOutput, SampleResult, ScheduledRequest, StepPlan
 from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.spec_stats import SpecDecodeStats
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What `Scheduler.update` decided for one request that got tokens this step: the samples it
+    kept (appended to the request), in order. A verification run is cut after the first token
+    that ended the request; its later samples never were."""
+
+    request: Request
+    samples: list[SampleResult]
 
 
 class Scheduler:
@@ -262,13 +273,14 @@ class Scheduler:
         )
 
     # ---- update -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, output: ModelOutput) -> list[Request]:
-        """Apply a step's results: advance, append sampled tokens, stop, free.
+    def update(self, plan: StepPlan, output: ModelOutput) -> list[RequestUpdate]:
+        """Apply a step's results: advance, append sampled tokens, stop, free. `output` is read,
+        never changed.
 
-        Returns the requests that got new tokens this step (finished ones included), in plan
-        order. Requests aborted since `schedule()` are skipped. A verification step's tokens are
-        appended one by one, each checked for a stop as plain decoding would; the first that ends
-        the request ends the run (`output.samples[id]` is cut to the tokens kept).
+        Returns, for each request that got new tokens this step (finished ones included), in plan
+        order, the samples it kept. Requests aborted since `schedule()` are skipped. A
+        verification step's tokens are appended one by one, each checked for a stop as plain
+        decoding would; the first that ends the request ends the run (the kept samples stop there).
         """
         updated = []
         for sched in plan.scheduled:
@@ -288,11 +300,11 @@ class Scheduler:
                                    f"but the model output has {len(samples or [])} for its "
                                    f"{sched.num_tokens}-token step")
             self._advance(req, sched, samples)
-            output.samples[sched.request_id] = samples[:self._append(req, samples)]
+            kept = samples[:self._append(req, samples)]
             self.kv_manager.commit(req)  # a no-op once finished (committed before its cache was freed)
             req.draft_token_ids = [] if req.is_finished else output.draft_token_ids.get(req.request_id, [])
-            updated.append(req)
-        if any(req.is_finished for req in updated):
+            updated.append(RequestUpdate(req, kept))
+        if any(u.request.is_finished for u in updated):
             self.running = [req for req in self.running if not req.is_finished]
         return updated
 

@@ -186,8 +186,9 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     seeded random values when the source's load_format is "dummy" (no weight file is read).
     speculative_method="mtp" adds the model's next-n draft module, refused for a model without one.
     With tensor_parallel_size > 1 (distributed.parallel_state) the model holds this rank's slices,
-    read from the checkpoint slice by slice; `expert_parallel_size` > 1 (a model with
-    `supports_expert_parallel`, DeepSeek-V4) splits its routed experts over that many rank groups."""
+    read from the checkpoint slice by slice; `expert_parallel_size` > 1 (a model whose
+    `capabilities` say `expert_parallel`, DeepSeek-V4) splits its routed experts over that many rank
+    groups."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
@@ -198,11 +199,10 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     with torch.device("meta" if shapes_only else device), skip_weight_init():
         model = model_cls(cfg, max_positions, **expert_kwargs)
         if speculative_method == "mtp":
-            add_mtp = getattr(model, "add_mtp", None)
-            if add_mtp is None:
+            if not model_cls.capabilities.mtp_drafting:
                 raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
                                  f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
-            add_mtp()
+            model.add_mtp()
     if shapes_only:
         pass  # meta tensors: nothing to fill
     elif dummy:
@@ -265,14 +265,14 @@ def check_tensor_parallel_source(source, model_cls) -> None:
         return
     where = f"tensor_parallel_size={n}"
     model_type = source.hf_config.model_type
-    if not getattr(model_cls, "supports_tensor_parallel", False):
+    if not model_cls.capabilities.tensor_parallel:
         raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
                          f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
 
 
 def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:
     """Refuse expert_parallel_size > 1 for a model whose experts are not split (or that has none)."""
-    if expert_parallel_size > 1 and not getattr(model_cls, "supports_expert_parallel", False):
+    if expert_parallel_size > 1 and not model_cls.capabilities.expert_parallel:
         raise ValueError(f"expert_parallel_size={expert_parallel_size} needs a model with routed experts that "
                          f"splits them (deepseek_v4); model_type {model_type!r} does not (use 1)")
 

@@ -20,8 +20,8 @@ L_g is W for a ring group (`get_kv_index` rows) and max_model_len for a paged gr
 A step qualifies when every scheduled request decodes one token and samples it (no prefill
 chunk, no verification of drafts, no prompt_logprobs) and N <= Bmax; any other step runs eager.
 Graphs are captured only on CUDA, with the Triton attention backend (its kernels take the padding
-rows above), for a model that declares `decode_graph_safe = True` (its forward reads only ids,
-positions and token-group metadata: the Llama family, Gemma 3) and whose cache groups are all
+rows above), for a model whose `capabilities` declare `graph_safe_decode` (its forward reads only
+ids, positions and token-group metadata: the Llama family, Gemma 3) and whose cache groups are all
 token groups. DeepSeek-V4 (compressed groups, per-request compressor state, request spans) runs
 eager, and so does a tensor-parallel run. `enforce_eager` turns them off.
 
@@ -69,8 +69,8 @@ def graphs_off_reason(enforce_eager: bool, device: torch.device, backend: str, g
         return "tensor_parallel_size > 1 (graphs around the layers' collectives are not verified yet)"
     if backend != "triton":
         return f"attention backend {backend!r} (graphs need 'triton')"
-    if any(g.compress_ratio > 1 for g in groups) or not getattr(model, "decode_graph_safe", False):
-        return f"{type(model).__name__} is not decode_graph_safe (DeepSeek-V4 runs eager)"
+    if any(g.compress_ratio > 1 for g in groups) or not model.capabilities.graph_safe_decode:
+        return f"{type(model).__name__} does not declare graph_safe_decode (DeepSeek-V4 runs eager)"
     return None
 
 

@@ -5,7 +5,8 @@ for its next step, which the scheduler then verifies in one span of 1 + k' token
     MtpDrafter    DeepSeek-V4's next-n module, chained k times (`worker/mtp_drafter.py`)
 
 A drafter offers `propose(inputs, samples) -> {request_id: drafts}`, `draft_probs`
-(the proposal distribution q of drafts it handed out, None for one-hot) and `release(ids)`.
+(the proposal distribution q of drafts it handed out, None for one-hot), `release(ids)` and
+`runs_model` (True: its passes run the model, so every tensor-parallel rank runs them).
 It proposes no more than the request's max_tokens leaves room to verify.
 """
 

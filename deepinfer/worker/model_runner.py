@@ -2,50 +2,38 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig
+from deepinfer.config import EngineConfig, SpeculativeConfig
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.contracts.plan import (
     ModelOutput,
-    SampleResult,
     ScheduledRequest,
     StepPlan,
+    StepTokens,
     describe_fault,
     is_fatal_fault,
 )
-from deepinfer.environ import Environ
 from deepinfer.model_executor import model_loader
 from deepinfer.model_executor.forward_context import forward_context
+from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
 from deepinfer.model_executor.layers.attention.triton_backend import make_attention_backend
 from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
 from deepinfer.model_executor.layers.linear import use_few_row_linear
-from deepinfer.model_executor.layers.ops.cache_common import (
-    get_inference_swa_block_size,
-    get_kvstore_swa_block_size,
-)
-from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import device_tensor
 from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.structured_output import StructuredOutputError
 from deepinfer.worker.cache_canary import checked_identity
-from deepinfer.worker.cache_engine import CacheEngine, RowCodec, make_codecs, page_rows, size_groups
-from deepinfer.worker.cache_sizing import (
-    RequestNeed,
-    auto_cache_memory,
-    check_fits_one_request,
-    mib,
-    min_over_ranks,
-    wanted_snapshots,
-)
+from deepinfer.worker.cache_engine import CacheEngine
+from deepinfer.worker.cache_sizing import min_over_ranks, plan_model_cache, size_cache
 from deepinfer.worker.cuda_graphs import build_decode_graphs
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
@@ -73,15 +61,22 @@ def make_drafter(config: SpeculativeConfig, model, groups, addressing):
     return NgramDrafter(config) if config.method == "ngram" else MtpDrafter(config, model, groups, addressing)
 
 
-def ring_size(window: int, env: Environ) -> int:
-    """S for a window W: the kv-store size when the prefill extra state is on (book §3.4.3)."""
-    return get_kvstore_swa_block_size(window, env) if env.prefill_store_extra_state else \
-        get_inference_swa_block_size(window, env)
+@dataclass
+class Step:
+    """One step between `ModelRunner.start` and `ModelRunner.finish`: the plan after the cache
+    copies (requests whose saved files failed to load are left out), its inputs (None: nothing
+    left to compute), what rank 0 sampled (`output`: its samples, the load failures; empty on a
+    follower), and whether follower ranks need the step's tokens before they finish it."""
 
+    plan: StepPlan
+    inputs: StepInputs | None
+    output: ModelOutput
+    sampled: bool  # this rank sampled (rank 0, or a runner alone)
+    needs_tokens: bool  # see `ModelRunner.needs_step_tokens`
 
-def draft_environ(env: Environ, num_speculative_tokens: int) -> Environ:
-    """The environment the ring helpers see: the config's draft allowance k as USE_NEXTN_DECODE."""
-    return dataclasses.replace(env, use_nextn_decode=num_speculative_tokens)
+    def tokens(self) -> StepTokens:
+        """The message to the followers: the token ids this rank sampled."""
+        return StepTokens.of(self.output)
 
 
 class ModelRunner:
@@ -107,17 +102,22 @@ class ModelRunner:
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
                                               config.speculative.method, self.quantization.value,
                                               config.expert_parallel_size)
-        self.speculative = config.speculative
-        self.env = draft_environ(config.env, self.speculative.num_speculative_tokens)
+        self.speculative = config.speculative  # the one source of the draft allowance k
+        self.env = config.env
         self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T
         if self.env.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits in the invariant mode
             make_batch_invariant(self.model, source.hf_config.model_type)
         else:
             self.num_few_row_linear = use_few_row_linear(self.model)
-        self.groups, self.codecs = self._sized_groups(cache_config)
+        # the cache's one sizing (`cache_sizing`): groups sized for k drafts, their codecs, the byte record
+        self.groups, self.codecs, self.sizing = plan_model_cache(
+            self.model, self.dtype, cache_config.kv_cache_dtype, cache_config.block_size, self.env,
+            self.speculative.num_speculative_tokens)
         self.codec = self.codecs[0]
-        self.num_state_slots, self.num_snapshot_slots, self.num_blocks = min_over_ranks(self._size_cache(
-            cache_config, config.scheduler.max_num_seqs, config.max_model_len), self.device)  # alike on all ranks
+        self.cache_need = self.sizing.request_need(config.max_model_len)
+        self.num_state_slots, self.num_snapshot_slots, self.num_blocks = min_over_ranks(size_cache(
+            self.cache_need, cache_config, config.scheduler.max_num_seqs, config.max_model_len, self.device),
+            self.device)  # alike on all ranks
         num_ring_units = self.num_state_slots + self.num_snapshot_slots
         units = [num_ring_units if g.is_ring else self.num_blocks for g in self.groups]
         self.cache = CacheEngine(self.groups, units, self.codecs, self.device)
@@ -133,97 +133,32 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
-        # rank 0 of several: where each step's sampled token ids go (plan_channel.DriverRunner)
-        self.step_tokens_to: Callable[[dict[str, list[int]]], None] | None = None
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(self.model, self.groups, self.attention_backend.name, self.device, config,
                                           emulate=self.emulate_cuda_graphs)  # the cache is bound: its addresses hold
-
-    def _sized_groups(self, cache_config: CacheConfig) -> tuple[list[CacheGroupSpec], list[RowCodec]]:
-        """The model's declared groups, sized (block size, ring S, page rows), with their codecs."""
-        declared = self.model.cache_groups()
-        codecs = make_codecs(declared, self.dtype, cache_config.kv_cache_dtype)
-        groups = size_groups(declared, cache_config.block_size, self._ring_rows)
-        groups = page_rows(groups, cache_config.block_size, codecs)
-        for g in groups:
-            if g.is_ring:
-                check_ring_fits_drafts(g.window, g.rows_per_unit, self.speculative.num_speculative_tokens)
-        return groups, codecs
-
-    def _ring_rows(self, window: int) -> int:
-        return ring_size(window, self.env)
 
     def codec_of(self, group: CacheGroupSpec) -> RowCodec:
         return self.codecs[self.groups.index(group)]
 
     def unit_bytes(self, group: CacheGroupSpec) -> int:
         """Bytes of one block (paged) or one state slot (ring) of a group."""
-        return len(group.layer_ids) * group.rows_per_unit * self.codec_of(group).row_bytes
+        return self.sizing.groups[self.groups.index(group)].unit_bytes
 
     def state_bytes(self) -> int:
         """Per-request state beside the rings (DeepSeek-V4's compressor state), in bytes."""
-        return self.model.state_bytes_per_slot()
-
-    def _size_cache(self, cache_config: CacheConfig, max_num_seqs: int, max_model_len: int) -> tuple[int, int, int]:
-        """(state slots, snapshot slots, paged blocks), refused when one request at max_model_len
-        does not fit. kv_cache_memory "auto" sizes for the need, capped (`cache_sizing`); an
-        explicit size (or num_blocks) is split as `_num_state_slots` and `_num_blocks` say."""
-        self.cache_need = need = self.request_need(max_model_len)
-        snapshots = wanted_snapshots(cache_config, max_num_seqs) if self._per_request_bytes() else 0
-        memory = cache_config.kv_cache_memory
-        if cache_config.auto_sized:  # num_blocks alone: the rings get max_num_seqs slots, uncapped
-            memory = None if cache_config.num_blocks else auto_cache_memory(
-                need, max_num_seqs, snapshots, self.device, cache_config.gpu_memory_utilization)
-            if memory is None:  # the whole need fits under the cap
-                slots, blocks = max_num_seqs if need.ring_bytes else 0, max_num_seqs * need.num_blocks
-                blocks = (cache_config.num_blocks or blocks) if need.page_bytes else 0
-                check_fits_one_request(need, blocks, cache_config.num_blocks, 0, max_model_len)
-                return slots, snapshots, blocks
-        slots, snapshots = self._num_state_slots(memory, max_num_seqs, snapshots, need)
-        num_blocks = self._num_blocks(cache_config, memory, slots, snapshots, need)
-        check_fits_one_request(need, num_blocks, cache_config.num_blocks, memory, max_model_len)
-        return slots, snapshots, num_blocks
-
-    def request_need(self, max_model_len: int) -> RequestNeed:
-        """What one request at max_model_len takes: paged blocks (all paged groups draw on one
-        pool of equal pages) and the fixed bytes of its ring slots and state."""
-        paged = [g for g in self.groups if not g.is_ring]
-        blocks = sum(-(-(max_model_len // g.compress_ratio) // g.rows_per_unit) for g in paged)
-        page = max((self.unit_bytes(g) for g in paged), default=0)
-        return RequestNeed(blocks, page, self._per_request_bytes(), len(paged))
-
-    def _num_state_slots(self, memory: int, max_num_seqs: int, wanted: int, need: RequestNeed) -> tuple[int, int]:
-        """(state slots, snapshot slots) in `memory` bytes. One ring state slot per running
-        request: max_num_seqs of them, unless they would take more than the rings' share of the
-        cache memory (all of it without paged groups, else half; then as many as fit there;
-        requests beyond wait). Prefix-cache snapshots (ring models) take what the running
-        requests leave of that share, or a quarter of it."""
-        if not need.ring_bytes:
-            return 0, 0
-        share = memory // 2 if need.page_bytes else memory
-        fit = share // need.ring_bytes
-        if fit < 1:
-            raise ValueError(f"kv_cache_memory={memory:,} B ({mib(memory)}) cannot hold one request's "
-                             f"sliding-window rings and state ({need.ring_bytes:,} B, {mib(need.ring_bytes)}"
-                             f"{', with half the memory kept for paged blocks' if need.page_bytes else ''}); "
-                             f"raise --kv-cache-memory")
-        snapshots = min(wanted, max(fit - max_num_seqs, fit // 4))
-        return min(max_num_seqs, fit - snapshots), snapshots
-
-    def _per_request_bytes(self) -> int:
-        return sum(self.unit_bytes(g) for g in self.groups if g.is_ring) + self.state_bytes()
+        return self.sizing.state_bytes
 
     def _disk_store(self, cache_config) -> KvDiskStore | None:
         """The cache directory's store, refused at start-up if it cannot hold one unit."""
         if not cache_config.kv_cache_dir or not cache_config.enable_prefix_caching:
             return None
-        paged = [self.unit_bytes(g) for g in self.groups if not g.is_ring]
-        snapshot = self._per_request_bytes() + len(paged) * max(paged, default=0) if self.num_snapshot_slots else 0
+        sizing = self.sizing
+        snapshot = sizing.per_request + len(sizing.paged) * sizing.page_bytes if self.num_snapshot_slots else 0
         return KvDiskStore(cache_config.kv_cache_dir, cache_config.kv_cache_dir_size, self.cache_identity,
-                           min_file_bytes=max(paged + [snapshot]))
+                           min_file_bytes=max(sizing.page_bytes, snapshot))
 
-    def disk_stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """The cache directory's counters (empty without one)."""
         disk = self.prefix.disk
         if disk is None:
@@ -236,16 +171,6 @@ class ModelRunner:
         """Finish writing the cache directory (idempotent)."""
         self.prefix.close()
 
-    def _num_blocks(self, cache_config, memory: int, slots: int, snapshots: int, need: RequestNeed) -> int:
-        """Paged blocks: num_blocks when given, else what `memory` holds beside the rings."""
-        if not need.page_bytes:
-            return 0
-        if cache_config.num_blocks:
-            return cache_config.num_blocks
-        ring_bytes = need.ring_bytes * (slots + snapshots) + snapshots * need.num_paged_groups * need.page_bytes
-        # all paged groups share one pool of same-size pages (cache_engine.page_rows)
-        return max(0, (memory - ring_bytes) // need.page_bytes)
-
     def release(self, request_ids) -> None:
         """Drop per-request state (sampler generators, draft distributions) of finished or
         aborted requests."""
@@ -256,61 +181,76 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.release(request_ids)
 
+    # -- the step ------------------------------------------------------------------------------
+    #
+    #   start(plan)                              send point           finish(step, tokens)
+    #   ───────────────────────────────────      ──────────────       ──────────────────────────────
+    #   forget finished requests; cache copies   rank 0 -> ranks:     kept counts to the model
+    #   (saves, loads, restores); forward;       StepTokens, when     (keep_verified); drafting (MTP
+    #   sampling (rank 0 only)                   step.needs_tokens    passes on every rank); snapshots
+    #
+    # `execute` (one rank, or rank 0 via `DriverRunner`, which sends at the send point) and `follow`
+    # (a follower rank, which receives there) are this one skeleton. Rank 0 must send before its
+    # drafting passes: their collectives pair with the followers' passes, which need the tokens.
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Run the plan's forward, sample (verifying drafts), then propose the next drafts. A
         forward fault raises (the engine isolates it); a sampling fault is retried request by
         request and requests that still fail come back in `errors`."""
+        return self.finish(self.start(plan))
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan, receive_tokens: Callable[[], StepTokens] = StepTokens) -> None:
+        """A follower rank's step (tensor parallelism, `worker/plan_channel.py`): `start` without
+        sampling (the forward with every collective in it, logits included: the LM head gathers),
+        then, where `step.needs_tokens`, `receive_tokens()` (rank 0's `StepTokens`), and `finish`
+        with them: the kept counts to the model and the passes of a drafter that runs the model
+        (MTP: its drafts dropped, rank 0 has the same)."""
+        step = self.start(plan, sample=False)
+        self.finish(step, receive_tokens() if step.needs_tokens else None)
+
+    @torch.inference_mode()
+    def start(self, plan: StepPlan, sample: bool = True) -> Step:
+        """The step up to the send point: forget finished requests, the cache copies, the forward
+        and, with `sample`, the sampling (prompt logprobs attached). A follower (`sample` False)
+        gathers prompt logprobs nowhere: they are rank 0's."""
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
-        share = self.step_tokens_to if self.step_tokens_to is not None and self.needs_step_tokens(plan) else None
+        needs_tokens = self.needs_step_tokens(plan)
         plan, load_failures = self.prefix.prepare(plan)  # saves, loads, restores before the forward
+        step = Step(plan, None, ModelOutput(), sample, needs_tokens)
         if plan.is_empty:
-            if share is not None:
-                share({})
-            return ModelOutput(load_failures=load_failures)
-        inputs = build_step_inputs(plan, self.addressing, self.device)
+            step.output.load_failures = load_failures
+            return step
+        step.inputs = inputs = build_step_inputs(plan, self.addressing, self.device)
         if self.graphs is not None and self.graphs.accepts(inputs):  # plain decodes: replay a CUDA graph
             logits = self.graphs.run(inputs)  # [N, V]
         else:
-            logits = self._forward(inputs)  # [M, V] or None
-        output = ModelOutput()
-        if inputs.sample_rows:
-            output = self._sample(logits, inputs)
-            self.prompt_logprobs.attach(inputs.sample_rows, output)
-        if share is not None:  # the follower ranks wait for them before their own drafting passes
-            share({rid: [r.token_id for r in results] for rid, results in output.samples.items()})
-        self._keep_verified(inputs, output.samples)
-        if self.drafter is not None:
-            output.draft_token_ids = self.drafter.propose(inputs, output.samples)
-        self.prefix.finish(plan)  # snapshots at the step's boundaries
-        output.load_failures = load_failures
-        return output
+            logits = self._forward(inputs, None if sample else PromptLogprobs())  # [M, V] or None
+        if sample and inputs.sample_rows:
+            step.output = self._sample(logits, inputs)
+            self.prompt_logprobs.attach(inputs.sample_rows, step.output)
+        step.output.load_failures = load_failures
+        return step
 
     @torch.inference_mode()
-    def follow(self, plan: StepPlan, step_tokens: Callable[[], dict[str, list[int]]] = dict) -> None:
-        """A follower rank's step (tensor parallelism, `worker/multiproc.py`): the cache copies and
-        the forward of `execute`, with every collective in them (logits included: the LM head
-        gathers), and no sampling. A plan for which `needs_step_tokens` then waits for
-        `step_tokens()`, the tokens rank 0's sampling gave each request, and does with them what
-        rank 0 did, at the same point: the kept counts to the model (`keep_verified`), and the
-        passes of a drafter that runs the model (MTP: its drafts dropped, rank 0 has the same)."""
-        needs = self.needs_step_tokens(plan)
-        plan, _ = self.prefix.prepare(plan)  # its own slice files; failures agreed with rank 0 inside
-        inputs = None if plan.is_empty else build_step_inputs(plan, self.addressing, self.device)
-        if inputs is not None:
-            if self.graphs is not None and self.graphs.accepts(inputs):
-                self.graphs.run(inputs)  # [N, V], dropped
-            else:
-                self._forward(inputs, PromptLogprobs())  # prompt logprobs are rank 0's: gathered, dropped
-        samples = {rid: [SampleResult(t, 0.0) for t in ids] for rid, ids in step_tokens().items()} if needs else {}
-        if inputs is None:
-            return
-        self._keep_verified(inputs, samples)
-        if self.drafts_on_every_rank:
-            self.drafter.propose(inputs, samples)
-        self.prefix.finish(plan)
+    def finish(self, step: Step, tokens: StepTokens | None = None) -> ModelOutput:
+        """The step after the send point: the kept counts of verification steps to the model,
+        the next drafts (a follower runs only a drafter that runs the model, and drops its
+        drafts), the snapshots at the step's boundaries. `tokens`: rank 0's, on a follower; rank 0
+        uses its own samples."""
+        if step.inputs is None:
+            return step.output
+        samples = step.output.samples if step.sampled else (tokens.samples() if tokens is not None else {})
+        self._keep_verified(step.inputs, samples)
+        if self.drafter is not None and (step.sampled or self.drafter.runs_model):
+            drafts = self.drafter.propose(step.inputs, samples)
+            if step.sampled:
+                step.output.draft_token_ids = drafts
+        self.prefix.finish(step.plan)  # snapshots at the step's boundaries
+        return step.output
 
     @property
     def drafts_on_every_rank(self) -> bool:

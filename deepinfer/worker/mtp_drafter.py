@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.config import SpeculativeConfig
+from deepinfer.contracts.model import DraftingModel
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.worker.drafters import draft_budget
@@ -53,8 +54,9 @@ class MtpDrafter:
 
     runs_model = True
 
-    def __init__(self, config: SpeculativeConfig, model, groups, addressing):
-        if getattr(model, "mtp", None) is None:
+    def __init__(self, config: SpeculativeConfig, model: DraftingModel, groups, addressing):
+        caps = model.capabilities
+        if not (caps.mtp_drafting and caps.drafting_streams) or model.mtp is None:
             raise ValueError("speculative_method='mtp' needs a model built with its MTP module")
         self.k, self.model, self.mtp = config.num_speculative_tokens, model, model.mtp
         self.addressing = [a for a in addressing if a.group.name == "mtp"]

@@ -4,15 +4,20 @@ that do not depend on how the followers were started.
     rank 0: DriverRunner.execute(plan)                follower r: follow_plans(runner, channel)
     ───────────────────────────────────               ─────────────────────────────────────────
     channel.send(follower_plan(plan)) ──────────────> plan = channel.recv()
-    driver.execute(plan): forward + sample <────────> runner.follow(plan): forward
+    step = driver.start(plan): forward + sample <───> runner.follow(plan): start: forward
                           (the layers' collectives pair up inside the forward)
-    a plan that verifies drafts, or any plan with a drafter that runs the model (MTP):
-    channel.send(step tokens) ──────────────────────> model.keep_verified(kept counts); MTP passes
+    where step.needs_tokens (a plan that verifies drafts, or any plan with a drafter that runs the
+    model, MTP) -- the send point, after sampling and before any drafting pass:
+    channel.send(step.tokens()) ────────────────────> StepTokens = channel.recv()
+    driver.finish(step): keep_verified, MTP passes <> finish: keep_verified(kept counts), MTP passes
     close(): channel.send(None) ────────────────────> None: leave the loop
 
-The step tokens (each request's sampled token ids) let a model with per-request state beside the
-caches (DeepSeek-V4's compressors) forget rejected drafts on every rank, not on rank 0 alone, and
-let every rank run the MTP module's passes (their collectives pair up; the drafts are rank 0's).
+Both messages are contract types (`StepPlan`, `StepTokens` in `contracts/plan.py`). The step
+tokens (each request's sampled token ids) let a model with per-request state beside the caches
+(DeepSeek-V4's compressors) forget rejected drafts on every rank, not on rank 0 alone, and let
+every rank run the MTP module's passes (their collectives pair up; the drafts are rank 0's).
+Rank 0 sends them before its own drafting passes, or the ranks deadlock: its first pass would
+wait in a collective for followers that wait for the tokens.
 
 Two channels:
 - `PipeChannel`: one pipe per spawned worker on this machine (`worker/multiproc.py`); the plan is
@@ -32,18 +37,21 @@ from typing import Protocol
 
 import torch.distributed as dist
 
-from deepinfer.contracts.plan import FatalStepError, ModelOutput, StepPlan, describe_fault
+from deepinfer.contracts.plan import FatalStepError, ModelOutput, StepPlan, StepTokens, describe_fault
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # how long a follower may wait for the next plan
+
+
+Message = StepPlan | StepTokens | None
 
 
 class PlanChannel(Protocol):
     """Rank 0 sends each plan, the step tokens after it where followers need them, and None at
     close; a follower receives them in order."""
 
-    def send(self, message: StepPlan | dict[str, list[int]] | None) -> None: ...
+    def send(self, message: Message) -> None: ...
 
-    def recv(self) -> StepPlan | dict[str, list[int]] | None: ...
+    def recv(self) -> Message: ...
 
 
 class PipeChannel:
@@ -53,12 +61,12 @@ class PipeChannel:
     def __init__(self, connections):
         self.connections = list(connections)
 
-    def send(self, plan: StepPlan | None) -> None:
-        payload = pickle.dumps(plan)
+    def send(self, message: Message) -> None:
+        payload = pickle.dumps(message)
         for conn in self.connections:
             conn.send_bytes(payload)
 
-    def recv(self) -> StepPlan | None:
+    def recv(self) -> Message:
         return pickle.loads(self.connections[0].recv_bytes())
 
 
@@ -74,10 +82,10 @@ class BroadcastChannel:
         """A channel on a new gloo group of all ranks, with IDLE_TIMEOUT (collective: every rank calls it)."""
         return cls(dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
 
-    def send(self, plan) -> None:
-        dist.broadcast_object_list([plan], src=0, group=self.group)
+    def send(self, message: Message) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.group)
 
-    def recv(self):
+    def recv(self) -> Message:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
@@ -101,13 +109,16 @@ class _Closed(Exception):
 
 def follow_plans(runner, channel: PlanChannel) -> None:
     """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`, which reads a plan's
-    step tokens from the channel too, where it needs them) until None."""
+    `StepTokens` from the channel too, where it needs them) until None."""
 
-    def step_tokens() -> dict[str, list[int]]:
-        tokens = channel.recv()
-        if tokens is None:
+    def step_tokens() -> StepTokens:
+        message = channel.recv()
+        if message is None:
             raise _Closed
-        return tokens
+        if not isinstance(message, StepTokens):
+            raise RuntimeError(f"expected rank 0's StepTokens mid-step, got a {type(message).__name__}: "
+                               f"the ranks are out of step")
+        return message
 
     try:
         while (plan := channel.recv()) is not None:
@@ -120,7 +131,7 @@ class DriverRunner:
     """The engine's `StepRunner` on rank 0 of a tensor-parallel run: rank 0's ModelRunner (`driver`:
     it samples) plus followers reached through `channel`. Every other attribute (groups, num_blocks,
     model, cache, ...) is the driver's. Subclasses start the followers, set `driver` and `channel`,
-    and may override `_step_fault` to name a dead rank."""
+    implement `close`, and may override `_step_fault` to name a dead rank."""
 
     failure: str | None = None  # why the ranks can no longer step together
 
@@ -130,19 +141,31 @@ class DriverRunner:
         return getattr(self.driver, name)
 
     def execute(self, plan: StepPlan) -> ModelOutput:
-        """Send the plan to every follower, then run it here (forward and sampling). Any failure is
-        a FatalStepError: the ranks are out of step (some may wait in a collective)."""
+        """Send the plan to every follower, run it here up to the send point (forward and
+        sampling), send the step's tokens where the followers need them, then finish it (drafting
+        passes, snapshots). Any failure is a FatalStepError: the ranks are out of step (some may
+        wait in a collective)."""
         if self.failure is not None:
             raise FatalStepError(self.failure)
-        self.driver.step_tokens_to = self.channel.send  # mid-step: after sampling, before MTP's passes
         try:
             self.channel.send(follower_plan(plan, histories=self.driver.drafts_on_every_rank))
-            return self.driver.execute(plan)
+            step = self.driver.start(plan)
+            if step.needs_tokens:  # the send point: after sampling, before any drafting pass
+                self.channel.send(step.tokens())
+            return self.driver.finish(step)
         except BaseException as exc:
             raise self._step_fault(exc) from exc
 
     def release(self, request_ids) -> None:
         self.driver.release(request_ids)  # followers keep no per-request state outside the caches
+
+    def stats(self) -> dict[str, int]:
+        """Rank 0's counters (its cache directory's slice files)."""
+        return self.driver.stats()
+
+    def close(self) -> None:
+        """Stop the followers and close the driver; subclasses say how."""
+        raise NotImplementedError
 
     def _step_fault(self, exc: BaseException) -> BaseException:
         """A failed step as the exception to raise (interrupts stay what they are)."""

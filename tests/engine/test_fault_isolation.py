@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,11 +302,11 @@ class _FatalEngine:
     """Just enough of an LLMEngine for the engine loop; every step fails fatally."""
 
     def __init__(self):
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions_total=0,
-                                         spec_stats=SpecDecodeStats())
-        self.kv_manager = SimpleNamespace(usage=0.0, num_free_blocks=0, num_total_blocks=0)
         self.pending: list[str] = []
         self.fault = FatalStepError("injected: the device is gone")
+
+    def get_metrics(self) -> dict:
+        return {"num_requests_running": 0, "num_requests_waiting": len(self.pending), **SpecDecodeStats().as_dict()}
 
     def add_request(self, prompt, params, request_id):
         self.pending.append(request_id)

@@ -112,7 +112,7 @@ class Harness:
     def step(self) -> tuple[StepPlan, list[Request]]:
         plan = self.sched.schedule()
         check_plan(self, plan)
-        updated = self.sched.update(plan, self.runner.execute(plan))
+        updated = [u.request for u in self.sched.update(plan, self.runner.execute(plan))]
         self.done.update((r.request_id, r) for r in updated if r.is_finished)
         self.num_steps += 1
         return plan, updated
@@ -326,7 +326,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     assert h.abort("a")
     del h.done["a"]
     again = h.add("a", max_tokens=3)  # the id is free again; the old plan must not touch it
-    assert h.sched.update(plan, output) == [b]
+    assert [u.request for u in h.sched.update(plan, output)] == [b]
     assert a.output_token_ids == [] and a.status is ABORTED
     assert again.num_computed_tokens == 0 and again.output_token_ids == []
     plan, _ = h.step()

@@ -76,9 +76,10 @@ def test_a_stop_inside_the_run_ends_it_there():
     req = _decoding(sched, stop=(51,))
     plan = sched.schedule()
     out = ModelOutput({"r": _samples(50, 51, 52, 53)})
-    sched.update(plan, out)
+    [update] = sched.update(plan, out)
     assert req.is_finished and req.stop_reason == 51 and req.output_token_ids == [40, 50, 51]
-    assert [r.token_id for r in out.samples["r"]] == [50, 51]  # cut for output processing
+    assert update.request is req and [r.token_id for r in update.samples] == [50, 51]  # kept: for output processing
+    assert [r.token_id for r in out.samples["r"]] == [50, 51, 52, 53]  # the model output is left as it was
     sched.kv_manager.check_no_leaks()
     sched = _scheduler()
     req = _decoding(sched, max_tokens=3)

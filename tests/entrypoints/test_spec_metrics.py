@@ -1,17 +1,19 @@
 """Speculative-decoding counters on /metrics: deltas of EngineStats snapshots, the engine loop's
-snapshot of `scheduler.spec_stats`, and a live server after a repetitive completion."""
+snapshot of `scheduler.spec_stats`, and the app of `deepinfer serve` (in this process) after a
+repetitive completion."""
 
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
 
-import httpx
 import pytest
-from live_server import LiveServer
+from app_server import AppServer
 
+from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_stats import SpecDecodeStats
 from deepinfer.entrypoints.openai.engine_loop import EngineLoop
+from deepinfer.entrypoints.openai.loop_metrics import STATS_FROM_METRICS, engine_stats
 from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
 
 DRAFTS = "deepinfer_spec_decode_num_drafts_total"
@@ -56,9 +58,8 @@ def test_spec_counters_leave_preemptions_alone():
 
 
 def _fake_engine(spec_stats: SpecDecodeStats):
-    scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions_total=0, spec_stats=spec_stats)
-    return SimpleNamespace(scheduler=scheduler,
-                           kv_manager=SimpleNamespace(usage=0.0, num_free_blocks=4, num_total_blocks=4))
+    """An engine whose metrics are its scheduler's spec counters, read afresh at each call."""
+    return SimpleNamespace(get_metrics=lambda: {"num_free_blocks": 4, "num_total_blocks": 4, **spec_stats.as_dict()})
 
 
 def test_engine_loop_publishes_a_copy_of_the_schedulers_spec_stats():
@@ -75,10 +76,24 @@ def test_engine_loop_publishes_a_copy_of_the_schedulers_spec_stats():
     assert _counters(metrics, 4) == (3.0, 12.0, 5.0, [2.0, 2.0, 1.0, 0.0])
 
 
+def test_engine_stats_are_the_engines_own_metrics(tiny_checkpoint, tmp_path):
+    """The server's snapshot reads every field from `LLMEngine.get_metrics`, nothing on its own."""
+    with LLM(tiny_checkpoint("llama"), max_model_len=128, kv_cache_dir=str(tmp_path), speculative_method="ngram",
+             num_speculative_tokens=2) as llm:
+        llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        metrics, stats = llm.get_metrics(), engine_stats(llm.engine, 3)
+    assert set(STATS_FROM_METRICS.values()) <= set(metrics), "a key the engine does not report"
+    got = {name: getattr(stats, name) for name in STATS_FROM_METRICS}
+    want = {name: metrics[key] for name, key in STATS_FROM_METRICS.items()}
+    want["spec_accepted_per_position"] = tuple(want["spec_accepted_per_position"])
+    assert got == want and stats.num_active == 3
+    assert stats.prefix_queries > 0 and stats.num_running == 0 and stats.num_total_blocks > 0
+
+
 REPETITIVE_PROMPT = "Repeat this line ten times: red green blue yellow red green blue yellow red green blue yellow"
 
 
-def _metrics_after(server: LiveServer, name: str, timeout: float = 10.0) -> dict[str, float]:
+def _metrics_after(server: AppServer, name: str, timeout: float = 10.0) -> dict[str, float]:
     """/metrics once `name` is nonzero (the engine thread publishes right after the last step)."""
     deadline = time.monotonic() + timeout
     while (m := server.metrics())[name] == 0 and time.monotonic() < deadline:
@@ -89,10 +104,10 @@ def _metrics_after(server: LiveServer, name: str, timeout: float = 10.0) -> dict
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_server_metrics_count_drafts_after_a_completion():
-    with LiveServer("--speculative-method", "ngram", "--num-speculative-tokens", "3") as server:
+    with AppServer("--speculative-method", "ngram", "--num-speculative-tokens", "3") as server:
         assert server.metrics()[DRAFTS] == 0
-        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                       json={"prompt": REPETITIVE_PROMPT, "max_tokens": 32, "temperature": 0})
+        r = server.client.post("/v1/completions", json={"prompt": REPETITIVE_PROMPT, "max_tokens": 32,
+                                                         "temperature": 0})
         assert r.status_code == 200, r.text
         m = _metrics_after(server, ACCEPTED)
     assert m[DRAFTS] > 0 and m[DRAFT_TOKENS] >= m[DRAFTS]

@@ -66,6 +66,8 @@ class TableDrafter:
     """After a request's first token t, proposes table[t] (cut to the request's budget); nothing
     after later steps. One-hot draft distributions, like the n-gram drafter."""
 
+    runs_model = False  # drafts on rank 0 alone
+
     def __init__(self, table: dict[int, list[int]]):
         self.table = table
 

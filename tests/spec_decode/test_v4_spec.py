@@ -134,7 +134,7 @@ def test_cached_mtp_chain_equals_the_stateless_reference(v4_path):
         return drafts
 
     runner.drafter = type("Recording", (), {"propose": staticmethod(propose), "release": drafter.release,
-                                             "draft_probs": drafter.draft_probs})()
+                                             "draft_probs": drafter.draft_probs, "runs_model": drafter.runs_model})()
     prompt = _prompts(3)[1] + [5] * 9  # 22 tokens: two prefill chunks, then decoding past the window
     llm.generate([prompt], _greedy(16), use_tqdm=False)
     assert len(checks) >= 5

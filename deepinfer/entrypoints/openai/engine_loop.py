@@ -114,11 +114,8 @@ class EngineLoop:
                            "directory may miss the latest blocks)")
             return
         self._engine_closed = True
-        close = getattr(self.engine, "close", None)
-        if close is None:
-            return
         try:
-            close()
+            self.engine.close()
         except Exception:
             logger.exception("closing the engine failed (the KV cache directory may miss the latest blocks)")
 

@@ -3,8 +3,9 @@ state after each iteration.
 
     per open request (`TrackedRequest`, `account`)      after each iteration (`engine_stats`)
     ----------------------------------------------      -------------------------------------
-    TTFT at its first token, tokens per step,           scheduler counts, KV usage, speculative
-    mean TPOT and latency when it finishes              decoding and prefix-cache counters
+    TTFT at its first token, tokens per step,           `LLMEngine.get_metrics()`: scheduler
+    mean TPOT and latency when it finishes              counts, KV usage, speculative decoding,
+                                                        prefix-cache and cache-directory counters
 
 Engine thread only: `EngineLoop` keeps the records, accounts for each output of a step and
 publishes `engine_stats(...)` as its `stats`, a frozen snapshot the event loop thread reads.
@@ -55,33 +56,27 @@ def account(tracked: TrackedRequest, out: RequestOutput, now: float, stats_logge
         metrics.record_finished(out.outputs[0].finish_reason, now - tracked.arrival_time, tpot)
 
 
+# EngineStats field <- its `LLMEngine.get_metrics` key; a key the engine does not report (the cache
+# directory's, without one) leaves the field at zero
+STATS_FROM_METRICS = {
+    "num_running": "num_requests_running", "num_waiting": "num_requests_waiting",
+    "kv_usage": "kv_cache_usage", "num_free_blocks": "num_free_blocks", "num_total_blocks": "num_total_blocks",
+    "num_preemptions_total": "num_preemptions",
+    "spec_num_drafts": "spec_decode_num_drafts", "spec_num_draft_tokens": "spec_decode_num_draft_tokens",
+    "spec_num_accepted_tokens": "spec_decode_num_accepted_tokens",
+    "spec_accepted_per_position": "spec_decode_num_accepted_tokens_per_pos",
+    "prefix_queries": "prefix_cache_queries", "prefix_hits": "prefix_cache_hits",
+    "prefix_disk_hits": "prefix_cache_disk_hits", "prefix_load_failures": "prefix_cache_load_failures",
+    "num_cached_blocks": "num_cached_blocks",
+    "kv_dir_bytes_read": "kv_cache_dir_bytes_read", "kv_dir_bytes_written": "kv_cache_dir_bytes_written",
+}
+
+
 def engine_stats(engine, num_active: int) -> EngineStats:
-    """A snapshot of `engine` (its scheduler, KV cache manager and runner) with `num_active`
-    requests open in the server."""
-    scheduler, kv = engine.scheduler, engine.kv_manager
-    spec = scheduler.spec_stats
-    spec_fields = dict(  # copied: the engine thread mutates spec_stats
-        spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
-        spec_num_accepted_tokens=spec.num_accepted_tokens,
-        spec_accepted_per_position=tuple(spec.accepted_per_position))
-    return EngineStats(
-        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
-        num_active=num_active, kv_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
-        num_total_blocks=kv.num_total_blocks, num_preemptions_total=scheduler.num_preemptions_total,
-        **spec_fields, **_prefix_fields(engine))
-
-
-def _prefix_fields(engine) -> dict:
-    """The prefix cache's counters (`PrefixCacheStats`) and the cache directory's bytes, when
-    the engine has them (a stand-in engine in a test may not)."""
-    kv = engine.kv_manager
-    stats = getattr(kv, "stats", None)
-    disk_stats = getattr(getattr(engine, "runner", None), "disk_stats", None)
-    disk = disk_stats() if disk_stats is not None else {}
-    fields = dict(num_cached_blocks=getattr(kv, "num_cached_blocks", 0),
-                  kv_dir_bytes_read=disk.get("kv_cache_dir_bytes_read", 0),
-                  kv_dir_bytes_written=disk.get("kv_cache_dir_bytes_written", 0))
-    if stats is not None:
-        fields.update(prefix_queries=stats.queries, prefix_hits=stats.hits, prefix_disk_hits=stats.disk_hits,
-                      prefix_load_failures=stats.num_load_failures)
-    return fields
+    """A snapshot of `engine.get_metrics()` (the engine's one source of counters) with
+    `num_active` requests open in the server."""
+    metrics = engine.get_metrics()  # a fresh dict: later steps do not change it
+    fields = {name: metrics[key] for name, key in STATS_FROM_METRICS.items() if key in metrics}
+    if "spec_accepted_per_position" in fields:
+        fields["spec_accepted_per_position"] = tuple(fields["spec_accepted_per_position"])
+    return EngineStats(num_active=num_active, **fields)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.activation import gelu_tanh_and_mul
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.parallel_linear import vocab_parallel_embedding, vocab_parallel_head
@@ -114,6 +115,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     The LM head (tied unless the checkpoint has `lm_head.weight`), `attention_layers()` and
     `load_weights()` are the Llama family's; only the body and the logit cap differ.
     """
+
+    # as the Llama family: CUDA-graph-safe decode (token groups only, no per-request state), split
+    # over tensor-parallel ranks
+    capabilities = ModelCapabilities(graph_safe_decode=True, tensor_parallel=True)
 
     def __init__(self, cfg, max_positions: int):
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a Llama body

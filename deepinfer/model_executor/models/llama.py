@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.activation import silu_and_mul
 from deepinfer.model_executor.layers.attention.layer import Attention, attention_cache_groups, bind_attention_caches
 from deepinfer.model_executor.layers.norm import RMSNorm
@@ -134,9 +135,9 @@ class LlamaForCausalLM(nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
     # the forward reads only ids, positions and token-group metadata, and keeps no per-request
-    # state: decode steps may replay as CUDA graphs (worker/cuda_graphs.py)
-    decode_graph_safe = True
-    supports_tensor_parallel = True  # build_model refuses tensor_parallel_size > 1 for other models
+    # state: decode steps may replay as CUDA graphs (worker/cuda_graphs.py); the layers split
+    # over tensor-parallel ranks; no experts, no next-n layers
+    capabilities = ModelCapabilities(graph_safe_decode=True, tensor_parallel=True)
 
     def __init__(self, cfg, max_positions: int):
         super().__init__()

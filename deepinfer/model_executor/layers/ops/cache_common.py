@@ -177,25 +177,28 @@ def row_payload_bytes(num_rows: int, fmt: KVCacheFormat, num_layers: int = 1) ->
     return check_int("num_layers", num_layers, 1) * num_rows * fmt.bytes_per_row
 
 
-def get_inference_swa_block_size(window_size: int, env: Environ | None = None) -> int:
+def get_inference_swa_block_size(window_size: int, env: Environ | None = None, num_drafts: int | None = None) -> int:
     """Ring rows per state for inference: W + max(MAX_BACKTRACKING_TOKENS, USE_NEXTN_DECODE + 1).
 
     With the defaults, 128 + max(0, 5 + 1) = 134: the window plus a backtracking allowance for
     draft verification. The allowance is an engine choice, not part of the attention window.
+    `num_drafts`: the engine's draft allowance k (`SpeculativeConfig.num_speculative_tokens`) in
+    place of USE_NEXTN_DECODE; None: the knob, as the book reads it.
     """
     env = get_environ() if env is None else env
-    allowance = max(env.max_backtracking_tokens, env.use_nextn_decode + 1)
+    k = env.use_nextn_decode if num_drafts is None else num_drafts
+    allowance = max(env.max_backtracking_tokens, k + 1)
     return check_int("window_size", window_size, 1) + allowance
 
 
-def get_kvstore_swa_block_size(window_size: int, env: Environ | None = None) -> int:
+def get_kvstore_swa_block_size(window_size: int, env: Environ | None = None, num_drafts: int | None = None) -> int:
     """Ring rows per state in the kv store: the inference ring, plus prefill extra state if on.
 
     With DEEPINFER_PREFILL_STORE_EXTRA_STATE on, add DEEPINFER_PREFILL_STORE_EXTRA_SIZE and,
     inside that branch only, DEEPINFER_YOCO_PREFILL_KEEP_TOKENS when YOCO truncation is on.
     """
     env = get_environ() if env is None else env
-    size = get_inference_swa_block_size(window_size, env)
+    size = get_inference_swa_block_size(window_size, env, num_drafts)
     if env.prefill_store_extra_state:
         size += env.prefill_store_extra_size
         if env.yoco_prefill_truncation:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
-from deepinfer.contracts.model import BoundCaches
+from deepinfer.contracts.model import BoundCaches, ModelCapabilities
+from deepinfer.model_executor.layers.attention.kernels import KernelSet
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
@@ -82,8 +83,11 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
-    supports_tensor_parallel = True  # heads split; build_model refuses MTP with several ranks
-    supports_expert_parallel = True  # routed experts split over expert_parallel_size ranks
+    # heads split over tensor-parallel ranks, routed experts over expert_parallel_size rank groups;
+    # next-n layers draft (`add_mtp`, reading `last_streams`); compressor state per request and
+    # compressed groups: decode runs eager, never as a CUDA graph
+    capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True, mtp_drafting=True,
+                                     drafting_streams=True)
 
     def __init__(self, cfg, max_positions: int = 0, expert_parallel_size: int = 1):
         super().__init__()
@@ -135,9 +139,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def bind_caches(self, caches: BoundCaches) -> None:
         """Give each layer its cache views, the metadata index of each group it uses, and its
-        compressor state banks (one state per ring state slot). Bound to the Triton backend, the
-        sparse MLA decode, the indexer's scores and the routed experts run as Triton kernels too."""
-        self._use_triton(getattr(caches.backend, "name", "torch") == "triton")
+        compressor state banks (one state per ring state slot); and the backend's kernel set
+        (attention/kernels.py), on which the row stores, the sparse MLA decode, the indexer's scores
+        and the routed experts run."""
+        self._bind_kernels(caches.backend.kernels)
         views = {g.name: caches.layer_caches[gi] for gi, g in enumerate(caches.groups)}
         device = next(iter(views["swa"].values())).rows2d.device
         self.state_banks = []
@@ -157,11 +162,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                 layer.self_attn.window_cache = views["mtp"][layer.layer_idx]
                 layer.self_attn.window_group = 0
 
-    def _use_triton(self, on: bool) -> None:
-        """Every module with a Triton path (attention, indexer scorer, routed experts) takes it or not."""
-        for module in self.modules():
-            if hasattr(type(module), "use_triton"):
-                module.use_triton = on
+    def _bind_kernels(self, kernels: KernelSet) -> None:
+        """Each decoder and MTP layer's attention (with its indexer) and routed experts take `kernels`."""
+        layers = list(self.model.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+        for layer in layers:
+            layer.self_attn.bind_kernels(kernels)
+            layer.mlp.experts.kernels = kernels
 
     def keep_verified(self, kept: dict[int, int]) -> None:
         """Each compressor forgets the rejected tokens of the step's verification spans."""
