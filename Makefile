@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test lint labs clean peers
+.PHONY: run test test-fast lint labs clean peers
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,7 +27,13 @@ run: $(STAMP)
 
 test: $(STAMP) chromium
 	$(PY) -m ruff check deepinfer labs tests
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
+
+# The fast tier, for iterating: no real model, no server or other subprocess, no tensor-parallel ranks, no
+# whole-engine parity sweep, nothing marked slow (tests/conftest.py marks each test). `make test` runs everything.
+test-fast: $(STAMP)
+	$(PY) -m ruff check deepinfer labs tests
+	$(PY) -m pytest -q -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity"
 
 # The headless browser of the chat page test: Debian's chromium, installed when missing and apt-get is
 # usable (as root); otherwise the test fails with a message that says how to install it.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -67,3 +69,65 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
         return cache[key]
 
     return build
+
+
+# -- test tiers ------------------------------------------------------------------------------------
+# Every test's tier markers are decided here, in one place, from what the test (and the fixtures it
+# uses) does: `make test-fast` deselects the four heavy kinds, `make test` runs everything.
+#   multirank    starts tensor-parallel ranks (worker processes, torch.distributed)
+#   live_server  starts `deepinfer serve` as a subprocess
+#   subprocess   runs other programs or Python processes (CLI runs, a pseudo-terminal, builds)
+#   real_model   runs a real checkpoint (SmolLM2, Gemma 3 270M), not a tiny random one
+#   parity       a whole-engine sweep against a reference over many configurations (the modules in
+#                PARITY_MODULES: each takes tens of seconds to minutes on 2 cores)
+TIER_PATTERNS = {
+    "multirank": re.compile(r"tensor_parallel_size=[2-9]|tensor[-_]parallel[-_]size\", \"[2-9]|"
+                            r"--tensor-parallel-size|\bmp\.spawn|init_process_group|torchrun|\btp=[2-9]"),
+    "live_server": re.compile(r"\bLiveServer\("),
+    "subprocess": re.compile(r"subprocess\.(run|Popen|check_output|check_call)|pexpect\.spawn|"
+                             r"asyncio\.create_subprocess"),
+    "real_model": re.compile(r"\bLLM\(\)|LLM\(None|LLM\(default_gguf_path|gemma3_gguf_path\b|"
+                             r"\"(smollm2-135m|gemma3-270m)\"|default_server|offline_llm"),
+}
+PARITY_MODULES = ("models/deepseek_v4/test_v4_engine.py", "models/test_parity.py", "models/test_prefix_parity.py",
+                  "models/test_batch_invariant.py", "models/test_gemma3.py", "models/test_fp8_cache.py",
+                  "spec_decode/test_spec_greedy.py", "spec_decode/test_v4_spec.py", "worker/test_kv_restart.py",
+                  "ops/triton/test_triton_backend.py", "entrypoints/test_v4_bench_info.py",
+                  "worker/test_sizing_module.py")
+FAST_EXCLUDES = ("slow", *TIER_PATTERNS, "parity")
+_SHARED_FIXTURES = {"tokenizer_dir", "tiny_checkpoint", "default_gguf_path", "_deepinfer_cache_dir"}
+_NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _tier_source(item) -> str:
+    """The test's own source and that of the fixtures it uses (the shared tiny-model ones aside, which
+    only read the real model's tokenizer), plus its parameters' ids."""
+    parts = [_source(getattr(item, "function", None)), getattr(item, "name", "")]
+    info = getattr(item, "_fixtureinfo", None)
+    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
+        if name not in _SHARED_FIXTURES:
+            parts.extend(_source(d.func) for d in defs)
+    module = getattr(item, "module", None)
+    for name in set(_NAME.findall("\n".join(parts))):  # and the module's own helpers they call
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__ == getattr(module, "__name__", None):
+            parts.append(_source(helper))
+    return "\n".join(parts)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        text = _tier_source(item)
+        in_distributed = os.sep + "distributed" + os.sep in str(item.path)
+        if str(item.path).replace(os.sep, "/").endswith(PARITY_MODULES):
+            item.add_marker(pytest.mark.parity)
+        for marker, pattern in TIER_PATTERNS.items():
+            if pattern.search(text) or (marker == "multirank" and in_distributed):
+                item.add_marker(getattr(pytest.mark, marker))

@@ -87,13 +87,17 @@ class LiveServer:
 
     def metrics(self) -> dict[str, float]:
         """`/metrics` as {'name{label="v",...}': value} (labels sorted as the server prints them)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
-        values = {}
-        for line in text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
-            if m:
-                values[m.group(1)] = float(m.group(2))
-        return values
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10.0).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {'name{label="v",...}': value}."""
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
 
 
 def openai_client(server: LiveServer, api_key: str = "unused"):

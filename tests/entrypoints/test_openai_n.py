@@ -1,7 +1,8 @@
-"""`n` and `best_of` through `deepinfer serve`, with the official openai client: n choices indexed
-0..n-1 (whole and streamed, each chunk naming its choice), usage summing every choice's tokens,
-greedy choices equal to offline greedy generation, best_of refused with stream, and no KV block
-left behind."""
+"""`n` and `best_of` through the app of `deepinfer serve` (in this process), with the official
+openai client: n choices indexed 0..n-1 (whole and streamed, each chunk naming its choice), usage
+summing every choice's tokens, greedy choices equal to offline greedy generation, best_of refused
+with stream, and no KV block left behind by a client that leaves mid-stream (over a real
+connection)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import time
 from collections import defaultdict
 
 import pytest
-from live_server import LiveServer, openai_client
+from app_server import AppServer
+from live_server import openai_client
 
 from deepinfer import LLM, SamplingParams
 
@@ -19,13 +21,13 @@ EXTRA = {"ignore_eos": True}  # every choice runs to max_tokens, so usage is kno
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama"), "--served-model-name", "tiny") as live:
-        yield live
+    with AppServer("--model", tiny_checkpoint("llama"), "--served-model-name", "tiny") as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai_client(server)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,9 @@ def test_best_of_returns_n_choices_and_is_refused_with_stream(client):
     assert info.value.body["param"] == "best_of"
 
 
-def test_no_block_is_left_behind(client, server):
+def test_no_block_is_left_behind(server):
+    server.listen()  # a client that leaves mid-stream needs a real connection
+    client = openai_client(server)
     client.completions.create(model="tiny", prompt=PROMPT * 4, n=4, max_tokens=3)
     stream = client.completions.create(model="tiny", prompt=PROMPT, n=3, max_tokens=50, stream=True,
                                        extra_body=EXTRA)

@@ -1,15 +1,15 @@
-"""The server's vLLM sampling fields through the official openai client: logit_bias (OpenAI) and
-the extensions min_tokens, include_stop_str_in_output, bad_words and prompt_logprobs; bad values
-are 400s naming the param; logprobs keep OpenAI's shapes."""
+"""The server's vLLM sampling fields through the official openai client (on the app of `deepinfer
+serve` in this process): logit_bias (OpenAI) and the extensions min_tokens,
+include_stop_str_in_output, bad_words and prompt_logprobs; bad values are 400s naming the param;
+logprobs keep OpenAI's shapes."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
-from live_server import LiveServer, openai_client
+from app_server import AppServer
 from tiny_models import hf_reference
 
 EOS = 2
@@ -18,13 +18,13 @@ PROMPT = [5, 17, 301, 44, 9000, 12, 7, 600, 81, 3, 77]
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama")) as live:
-        yield live
+    with AppServer("--model", tiny_checkpoint("llama")) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai_client(server)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_chat_logprobs_keep_openai_shape(client):
 
 def test_streamed_prompt_logprobs_come_once(server):
     body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True, "prompt_logprobs": 0}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
+    with server.client.stream("POST", "/v1/completions", json=body) as resp:
         events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     found = [json.loads(e)["prompt_logprobs"] for e in events if "prompt_logprobs" in json.loads(e)]
     assert len(found) == 1 and len(found[0]) == len(PROMPT)
@@ -106,6 +106,6 @@ def test_streamed_prompt_logprobs_come_once(server):
 ])
 def test_bad_values_are_400_naming_the_param(server, field, value):
     body = {"prompt": PROMPT, "max_tokens": 8, field: value}
-    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    resp = server.client.post("/v1/completions", json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == field, resp.json()

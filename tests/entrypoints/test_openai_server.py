@@ -1,7 +1,9 @@
 """`deepinfer serve` against live clients: the official openai client, concurrent streams with
 disconnects, a table of bad requests, a full queue, and SIGTERM under load.
 
-Each server runs in a subprocess on a free 127.0.0.1 port and is killed in teardown.
+The API's semantics are tested on the app in this process (`AppServer`; served on a free
+127.0.0.1 port where a client must leave mid-answer or another program is the client); a full
+queue drained by SIGTERM on a `deepinfer serve` subprocess, killed in teardown.
 """
 
 from __future__ import annotations
@@ -11,12 +13,11 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from app_server import AppServer
 from live_server import LiveServer
 
 KEY = "test-key"
@@ -25,8 +26,8 @@ MAX_BODY = 64 * 1024
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama"), "--max-body-bytes", str(MAX_BODY),
-                    api_key=KEY) as server:
+    with AppServer("--model", tiny_checkpoint("llama"), "--max-body-bytes", str(MAX_BODY),
+                   api_key=KEY) as server:
         yield server
 
 
@@ -34,34 +35,17 @@ def tiny_server(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def default_pair():
-    """The default model behind a server, and offline in this process (loaded meanwhile)."""
+def offline_llm():
+    """The default model offline, an engine of its own beside the app's."""
     from deepinfer import LLM
 
-    server = LiveServer().start()
-    try:
-        llm = LLM()
-        yield server.wait_ready(), llm
-    finally:
-        server.kill()
-
-
-@pytest.fixture(scope="module")
-def default_server(default_pair):
-    return default_pair[0]
-
-
-@pytest.fixture(scope="module")
-def offline_llm(default_pair):
-    return default_pair[1]
+    with LLM() as llm:
+        yield llm
 
 
 @pytest.mark.slow
 def test_openai_client_matches_offline_generate(default_server, offline_llm):
-    from openai import OpenAI
-
-
-    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
+    client = default_server.openai()
     model = client.models.list().data[0].id
     prompt = "The capital of France is"
     # the server's unset fields take the model's defaults, as LLM.get_default_sampling_params() gives them
@@ -79,10 +63,7 @@ def test_openai_client_matches_offline_generate(default_server, offline_llm):
 
 @pytest.mark.slow
 def test_openai_client_chat_matches_offline_chat(default_server, offline_llm):
-    from openai import OpenAI
-
-
-    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
+    client = default_server.openai()
     messages = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]
     params = dataclasses.replace(offline_llm.get_default_sampling_params(), max_tokens=12, temperature=0)
     expected = offline_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
@@ -101,9 +82,7 @@ def test_openai_client_chat_matches_offline_chat(default_server, offline_llm):
 
 @pytest.mark.slow
 def test_openai_client_logprobs_shapes(default_server):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{default_server.url}/v1", api_key="unused", max_retries=0)
+    client = default_server.openai()
     model = client.models.list().data[0].id
     out = client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
@@ -142,6 +121,7 @@ async def _stream(client: httpx.AsyncClient, index: int, disconnect_after: int |
 
 
 def test_concurrent_streams_with_disconnects_free_the_cache(tiny_server):
+    tiny_server.listen()  # clients that leave mid-stream need real connections
     before = tiny_server.metrics()
 
     async def run():
@@ -174,8 +154,8 @@ def test_non_streaming_client_that_gives_up_is_aborted(tiny_server):
     aborted = 'deepinfer_requests_total{finish_reason="abort",status="aborted"}'
     before = tiny_server.metrics().get(aborted, 0)
     body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=_AUTH, timeout=0.5)
+    with pytest.raises(httpx.ReadTimeout):  # over a real connection, which the client closes
+        httpx.post(f"{tiny_server.listen()}/v1/completions", json=body, headers=_AUTH, timeout=0.5)
     deadline = time.monotonic() + 10
     while tiny_server.metrics().get(aborted, 0) == before and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -184,13 +164,15 @@ def test_non_streaming_client_that_gives_up_is_aborted(tiny_server):
     assert m["deepinfer_kv_free_blocks"] == m["deepinfer_kv_total_blocks"]
 
 
-def test_bench_serve_replays_cpu32(tiny_server, tmp_path):
+def test_bench_serve_replays_cpu32(tiny_server, tmp_path, capsys):
+    from deepinfer.entrypoints import cli
+
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "bench", "serve", "--url",
-                          tiny_server.url, "--api-key", KEY, "--num-requests", "4", "--concurrency", "4",
-                          "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "Serving Benchmark Result" in res.stdout and "P99 TTFT (ms)" in res.stdout
+    status = cli.main(["bench", "serve", "--url", tiny_server.listen(), "--api-key", KEY, "--num-requests", "4",
+                       "--concurrency", "4", "--json", str(out)])
+    res = capsys.readouterr()
+    assert status == 0, res.out + res.err
+    assert "Serving Benchmark Result" in res.out and "P99 TTFT (ms)" in res.out
     summary = json.loads(out.read_text())
     assert summary["successful_requests"] == 4 and summary["failed_requests"] == 0
     assert summary["total_output_tokens"] == summary["expected_output_tokens"] > 0
@@ -255,14 +237,13 @@ BAD_REQUESTS = [  # (name, path, body (bytes: raw), headers, status, type, param
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
 def test_bad_requests_get_openai_errors(tiny_server, case):
     _, path, body, headers, status, kind, param, code = case
-    url = tiny_server.url + path
+    client = tiny_server.client
     if body is None:
-        resp = httpx.get(url, headers=headers, timeout=30)
+        resp = client.get(path, headers=headers)
     elif isinstance(body, bytes):
-        resp = httpx.post(url, content=body, headers=headers | {"Content-Type": "application/json"},
-                          timeout=30)
+        resp = client.post(path, content=body, headers=headers | {"Content-Type": "application/json"})
     else:
-        resp = httpx.post(url, json=body, headers=headers, timeout=30)
+        resp = client.post(path, json=body, headers=headers)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -271,8 +252,7 @@ def test_bad_requests_get_openai_errors(tiny_server, case):
 
 
 def test_context_length_message_names_the_lengths(tiny_server):
-    resp = httpx.post(f"{tiny_server.url}/v1/completions", json={"prompt": [7] * 1500},
-                      headers=_AUTH, timeout=30)
+    resp = tiny_server.client.post("/v1/completions", json={"prompt": [7] * 1500}, headers=_AUTH)
     message = resp.json()["error"]["message"]
     assert resp.status_code == 400 and "1500" in message and "1024" in message
 
@@ -280,7 +260,7 @@ def test_context_length_message_names_the_lengths(tiny_server):
 def test_harmless_unknown_fields_are_ignored(tiny_server):
     body = {"prompt": [5, 6], "max_tokens": 3, "user": "u1", "metadata": {"x": 1}, "store": False,
             "ignore_eos": True, "temperature": 0}
-    resp = httpx.post(f"{tiny_server.url}/v1/completions", json=body, headers=_AUTH, timeout=30)
+    resp = tiny_server.client.post("/v1/completions", json=body, headers=_AUTH)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
                                     "prompt_tokens_details": {"cached_tokens": 0}}
@@ -344,8 +324,9 @@ def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_chec
     """One seat: a long stream holds it; a second stream waits, its client leaves before any
     chunk, and the request is aborted while still queued (the first one keeps running)."""
     aborted = 'deepinfer_requests_total{finish_reason="abort",status="aborted"}'
-    with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "1", "--max-model-len", "8192",
-                    "--allow-long-max-model-len") as server:
+    with AppServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "1", "--max-model-len", "8192",
+                   "--allow-long-max-model-len") as server:
+        server.listen()  # the client leaves by closing a real connection
         long_body = {"prompt": [5, 6, 7], "max_tokens": 8000, "ignore_eos": True, "stream": True}
 
         async def run():

@@ -1,7 +1,8 @@
-"""Structured output through `deepinfer serve`: OpenAI's response_format (json_object, json_schema),
-vLLM's structured_outputs and guided_* fields, bad specs refused with a 400 naming the param, and
-the acceptance test: 20 seeded random JSON schemas sent by the official openai client to the
-default model, every answer parsed with `json.loads` and validated with `jsonschema`."""
+"""Structured output through the app of `deepinfer serve` (in this process): OpenAI's
+response_format (json_object, json_schema), vLLM's structured_outputs and guided_* fields, bad
+specs refused with a 400 naming the param, and the acceptance test: 20 seeded random JSON schemas
+sent by the official openai client to the default model, every answer parsed with `json.loads`
+and validated with `jsonschema`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
-from live_server import LiveServer
+from app_server import AppServer
 
 _CHAT, _CMPL = "/v1/chat/completions", "/v1/completions"
 _MSG = [{"role": "user", "content": "Answer:"}]
@@ -21,12 +22,12 @@ _MSG = [{"role": "user", "content": "Answer:"}]
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama")) as server:
+    with AppServer("--model", tiny_checkpoint("llama")) as server:
         yield server
 
 
 def _post(server, path, body) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    return server.client.post(path, json=body, timeout=120)
 
 
 BAD = [  # (name, path, body, param, words the message must hold)
@@ -110,7 +111,7 @@ def test_json_object_streams_a_json_prefix(tiny_server):
     body = {"messages": _MSG, "max_tokens": 40, "temperature": 0.0, "stream": True,
             "response_format": {"type": "json_object"}}
     text = ""
-    with httpx.stream("POST", tiny_server.url + _CHAT, json=body, timeout=120) as resp:
+    with tiny_server.client.stream("POST", _CHAT, json=body, timeout=120) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -153,17 +154,9 @@ def _field(rng: random.Random, kind: str, depth: int) -> dict:
     return random_schema(rng, depth + 1)
 
 
-@pytest.fixture(scope="module")
-def default_server():
-    with LiveServer() as server:
-        yield server
-
-
 @pytest.mark.slow
 def test_openai_client_json_schema_answers_validate(default_server):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=default_server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    client = default_server.openai(api_key="none", timeout=600)
     model = client.models.list().data[0].id
     rng = random.Random(1234)
     schemas = [random_schema(rng) for _ in range(20)]

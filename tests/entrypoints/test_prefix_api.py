@@ -1,7 +1,8 @@
 """Prefix caching through the user-facing APIs: dict prompts with a cache_salt in
 `LLM.generate`, the CLI flags, `deepinfer info --kv-cache-dir`, and the OpenAI server's
-cache_salt, `usage.prompt_tokens_details.cached_tokens`, /metrics counters and the flush of the
-cache directory on shutdown (a restarted server reads it)."""
+cache_salt, `usage.prompt_tokens_details.cached_tokens`, /metrics counters (the app in this
+process) and the flush of the cache directory when a `deepinfer serve` process gets SIGTERM (a
+restarted server reads it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 
 import httpx
 import pytest
+from app_server import AppServer
 from live_server import LiveServer
 
 from deepinfer.entrypoints import cli
@@ -208,11 +210,13 @@ def test_prefix_counters_on_metrics_move_by_deltas():
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint, tmp_path_factory):
     cache_dir = str(tmp_path_factory.mktemp("kv-cache-dir"))
-    with LiveServer("--model", tiny_checkpoint("llama"), "--num-blocks", "64", "--kv-cache-dir", cache_dir) as server:
+    with AppServer("--model", tiny_checkpoint("llama"), "--num-blocks", "64", "--kv-cache-dir", cache_dir) as server:
         yield server
 
 
-def _post(server: LiveServer, path: str, body: dict) -> httpx.Response:
+def _post(server: LiveServer | AppServer, path: str, body: dict) -> httpx.Response:
+    if isinstance(server, AppServer):
+        return server.client.post(path, json=body)
     return httpx.post(server.url + path, json=body, timeout=60)
 
 
@@ -237,7 +241,7 @@ def test_server_streams_cached_tokens_in_the_usage_chunk(server):
     body = {"prompt": TEXT, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "cache_salt": "stream",
             "stream": True, "stream_options": {"include_usage": True}}
     for expect_hit in (False, True):
-        with httpx.stream("POST", server.url + CMPL, json=body, timeout=60) as resp:
+        with server.client.stream("POST", CMPL, json=body) as resp:
             assert resp.status_code == 200
             events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
         usage = events[-1]["usage"]
@@ -290,7 +294,7 @@ def test_the_app_closes_the_engine_once_after_its_loop_stops(llm, monkeypatch):
 
 def test_shutdown_saves_the_cache_dir_and_a_restart_reads_it(tiny_checkpoint, tmp_path):
     """SIGTERM closes the engine, which writes the blocks the directory still lacks; a new server
-    on the same directory finds the prompt's blocks there."""
+    (here the app in this process) on the same directory finds the prompt's blocks there."""
     flags = ("--model", tiny_checkpoint("llama"), "--num-blocks", "64", "--kv-cache-dir", str(tmp_path))
     body = {"prompt": list(reversed(IDS)), "max_tokens": 2, "temperature": 0, "ignore_eos": True,
             "cache_salt": "restart"}
@@ -300,7 +304,7 @@ def test_shutdown_saves_the_cache_dir_and_a_restart_reads_it(tiny_checkpoint, tm
         assert first.proc.wait(30) == 0, first.log_tail()
     files = [f for _, _, names in os.walk(tmp_path) for f in names if f.endswith(".safetensors")]
     assert len(files) >= 2, files
-    with LiveServer(*flags) as again:
+    with AppServer(*flags) as again:
         assert _cached(_post(again, CMPL, body)) == 32
         m = again.metrics()
     assert m["deepinfer_prefix_cache_disk_hits_total"] == 32

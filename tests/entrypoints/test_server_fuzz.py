@@ -1,10 +1,10 @@
 """Fuzzing `deepinfer serve`: no input gets a 5xx, nothing hangs, and the server is whole after.
 
-A live server on the tiny checkpoint (a short context, so that a valid request is quick) gets
-hypothesis-generated JSON bodies over the request fields of /v1/completions and
-/v1/chat/completions (right names with right and wrong types, huge and negative numbers, nested
-junk, lone surrogates, any unicode, sent as escaped ASCII or as raw UTF-8) and a table of
-hand-written hostile requests. Every answer must be a 2xx or an OpenAI-shaped 4xx within the
+The server's app in this process (`AppServer`) on the tiny checkpoint (a short context, so that
+a valid request is quick) gets hypothesis-generated JSON bodies over the request fields of
+/v1/completions and /v1/chat/completions (right names with right and wrong types, huge and
+negative numbers, nested junk, lone surrogates, any unicode, sent as escaped ASCII or as raw
+UTF-8) and a table of hand-written hostile requests. Every answer must be a 2xx or an OpenAI-shaped 4xx within the
 per-request timeout; a stream must end with `data: [DONE]` and carry no error event. Afterwards
 a normal request succeeds and every KV block is free again. `pytest -s` prints the counts.
 """
@@ -17,9 +17,9 @@ from collections import Counter
 
 import httpx
 import pytest
+from app_server import AppServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from live_server import LiveServer
 
 MODEL = "fuzz-model"
 MAX_BODY = 1 << 20
@@ -32,15 +32,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_checkpoint):
-    with LiveServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96", "--served-model-name", MODEL,
-                    "--max-body-bytes", str(MAX_BODY)) as server:
+    with AppServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96", "--served-model-name", MODEL,
+                   "--max-body-bytes", str(MAX_BODY)) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(fuzz_server):
-    with httpx.Client(base_url=fuzz_server.url, timeout=REQUEST_TIMEOUT_S) as c:
-        yield c
+    return fuzz_server.client
 
 
 def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | None = None,
@@ -48,7 +47,7 @@ def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | Non
     """One request; asserts no 5xx, no hang, an OpenAI-shaped 4xx, and a whole stream."""
     headers = {"Content-Type": "application/json"} if headers is None else headers
     try:
-        with client.stream(method, path, content=raw, headers=headers) as resp:
+        with client.stream(method, path, content=raw, headers=headers, timeout=REQUEST_TIMEOUT_S) as resp:
             body = resp.read()
     except httpx.TimeoutException:
         COUNTS["timeouts"] += 1
@@ -244,7 +243,7 @@ def test_server_is_whole_after_the_fuzz(fuzz_server, client):
             break
         time.sleep(0.1)
     assert m["deepinfer_kv_free_blocks"] == m["deepinfer_kv_total_blocks"] > 0
-    assert httpx.get(fuzz_server.url + "/health", timeout=5).status_code == 200
+    assert client.get("/health", timeout=5).status_code == 200
     print(f"\nfuzz totals: {COUNTS['cases']} cases, 2xx {COUNTS['2xx']}, 4xx {COUNTS['4xx']}, "
           f"5xx {COUNTS['5xx']}, timeouts {COUNTS['timeouts']}")
     assert COUNTS["5xx"] == 0 and COUNTS["timeouts"] == 0

@@ -2,8 +2,10 @@
 loop, bounded connections, strict request types, OpenAI-only finish reasons, and an exit on a
 fatal engine fault.
 
-Each live server runs in a subprocess on a free 127.0.0.1 port and is killed in teardown; the
-hardened one uses ~1 s connection timeouts to keep the tests short.
+What a request gets is tested on the app in this process (`AppServer`). Connection limits, a
+shutdown by SIGTERM and the exit status after a fatal fault need a `deepinfer serve` subprocess
+on a free 127.0.0.1 port, killed in teardown; the hardened one uses ~1 s connection timeouts to
+keep the tests short.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import httpx
 import pytest
+from app_server import AppServer
 from live_server import LiveServer
 
 KEY = "test-key"
@@ -31,6 +34,12 @@ INTERNAL_NAMES = ("Error", "Exception", "Traceback", "TypeError", "ValueError", 
 
 
 @pytest.fixture(scope="module")
+def app(tiny_checkpoint):
+    with AppServer("--model", tiny_checkpoint("llama"), api_key=KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def hardened(tiny_checkpoint):
     flags = ["--timeout-keep-alive", "--timeout-request-header", "--timeout-request-body"]
     timeouts = [x for flag in flags for x in (flag, str(TIMEOUT_S))]
@@ -39,9 +48,9 @@ def hardened(tiny_checkpoint):
         yield server
 
 
-def post_raw(server: LiveServer, path: str, raw: bytes, headers: dict | None = None) -> httpx.Response:
+def post_raw(server: AppServer, path: str, raw: bytes, headers: dict | None = None) -> httpx.Response:
     headers = (AUTH if headers is None else headers) | {"Content-Type": "application/json"}
-    return httpx.post(server.url + path, content=raw, headers=headers, timeout=60)
+    return server.client.post(path, content=raw, headers=headers, timeout=60)
 
 
 def dumps(body: dict) -> bytes:
@@ -95,9 +104,9 @@ HOSTILE = [  # (name, path, raw body, param, code)
 
 
 @pytest.mark.parametrize("case", HOSTILE, ids=[c[0] for c in HOSTILE])
-def test_hostile_bodies_get_a_400_naming_the_field(hardened, case):
+def test_hostile_bodies_get_a_400_naming_the_field(app, case):
     _, path, raw, param, code = case
-    error = assert_openai_error(post_raw(hardened, path, raw), 400, param, code)
+    error = assert_openai_error(post_raw(app, path, raw), 400, param, code)
     if param is not None:
         assert param in error["message"]
 
@@ -120,14 +129,14 @@ STRICT = [  # (name, path, body, param): OpenAI's types, no coercion
 
 
 @pytest.mark.parametrize("case", STRICT, ids=[c[0] for c in STRICT])
-def test_request_types_are_strict(hardened, case):
+def test_request_types_are_strict(app, case):
     _, path, body, param = case
-    assert_openai_error(post_raw(hardened, path, dumps(body)), 400, param)
+    assert_openai_error(post_raw(app, path, dumps(body)), 400, param)
 
 
-def test_a_strict_request_still_accepts_ints_for_floats(hardened):
+def test_a_strict_request_still_accepts_ints_for_floats(app):
     body = {"prompt": [5, 6], "max_tokens": 2, "temperature": 0, "top_p": 1, "ignore_eos": True, "stream": False}
-    resp = post_raw(hardened, CMPL, dumps(body))
+    resp = post_raw(app, CMPL, dumps(body))
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["finish_reason"] == "length"
 
@@ -182,7 +191,7 @@ def test_a_refusing_chat_template_gets_a_400_without_its_text():
 # -- 2. tokenization off the event loop -------------------------------------------------------------
 
 
-def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(hardened):
+def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
     max_body = 8 << 20  # the default --max-body-bytes
     prompt = "hello world, " * ((max_body - 100) // 13)
     raw = json.dumps({"prompt": prompt}).encode()
@@ -190,19 +199,18 @@ def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(hardened):
     result = {}
 
     def send():
-        result["resp"] = post_raw(hardened, CMPL, raw)
+        result["resp"] = post_raw(app, CMPL, raw)
 
     sender = threading.Thread(target=send)
     latencies = []
-    with httpx.Client(base_url=hardened.url, timeout=10) as client:
-        client.get("/health")  # connect first: probes measure the answer only
-        sender.start()
-        time.sleep(0.3)  # the body is uploaded; tokenizing it takes seconds
-        while sender.is_alive():
-            start = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - start)
-            time.sleep(0.05)
+    assert app.client.get("/health").status_code == 200
+    sender.start()
+    time.sleep(0.3)  # the body is handed over; tokenizing it takes seconds
+    while sender.is_alive():
+        start = time.perf_counter()
+        assert app.client.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
     sender.join()
     assert_openai_error(result["resp"], 400, "prompt", "context_length_exceeded")
     latencies.sort()
@@ -292,12 +300,11 @@ def test_connections_over_the_cap_get_503(hardened):
 # -- 4. names, auth, finish reasons -----------------------------------------------------------------
 
 
-def test_models_show_the_served_name_not_a_path(hardened, tiny_checkpoint):
-    card = httpx.get(hardened.url + "/v1/models", headers=AUTH, timeout=10).json()["data"][0]
+def test_models_show_the_served_name_not_a_path(app, tiny_checkpoint):
+    card = app.client.get("/v1/models", headers=AUTH).json()["data"][0]
     assert card["id"] == card["root"] == os.path.basename(tiny_checkpoint("llama"))
     assert os.sep not in json.dumps(card)
-    resp = httpx.post(hardened.url + CMPL, json={"prompt": [5], "max_tokens": 1, "model": card["id"]},
-                      headers=AUTH, timeout=30)
+    resp = app.client.post(CMPL, json={"prompt": [5], "max_tokens": 1, "model": card["id"]}, headers=AUTH)
     assert resp.status_code == 200 and resp.json()["model"] == card["id"]
 
 
@@ -314,9 +321,9 @@ def test_served_model_name_defaults_to_the_base_name(model, served, expected):
 
 @pytest.mark.parametrize("values", [[f"Bearer {KEY}", f"Bearer {KEY}"], [f"Bearer {KEY}", "Bearer nope"],
                                     ["Bearer nope", f"Bearer {KEY}"]])
-def test_duplicate_authorization_headers_are_refused(hardened, values):
+def test_duplicate_authorization_headers_are_refused(app, values):
     headers = [("Authorization", value) for value in values]
-    resp = httpx.get(hardened.url + "/v1/models", headers=headers, timeout=10)
+    resp = app.client.get("/v1/models", headers=headers)
     error = assert_openai_error(resp, 400, None, "invalid_api_key")
     assert "Authorization" in error["message"]
 
