@@ -33,7 +33,7 @@ test: $(STAMP) chromium
 # whole-engine parity sweep, nothing marked slow (tests/conftest.py marks each test). `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m ruff check deepinfer labs tests
-	$(PY) -m pytest -q -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity"
+	$(PY) -m pytest -q -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity and not bench"
 
 # The headless browser of the chat page test: Debian's chromium, installed when missing and apt-get is
 # usable (as root); otherwise the test fails with a message that says how to install it.

@@ -80,12 +80,14 @@ def tiny_checkpoint(tmp_path_factory, tokenizer_dir):
 #   real_model   runs a real checkpoint (SmolLM2, Gemma 3 270M), not a tiny random one
 #   parity       a whole-engine sweep against a reference over many configurations (the modules in
 #                PARITY_MODULES: each takes tens of seconds to minutes on 2 cores)
+#   bench        runs a `deepinfer bench` workload end to end
 TIER_PATTERNS = {
     "multirank": re.compile(r"tensor_parallel_size=[2-9]|tensor[-_]parallel[-_]size\", \"[2-9]|"
                             r"--tensor-parallel-size|\bmp\.spawn|init_process_group|torchrun|\btp=[2-9]"),
     "live_server": re.compile(r"\bLiveServer\("),
     "subprocess": re.compile(r"subprocess\.(run|Popen|check_output|check_call)|pexpect\.spawn|"
                              r"asyncio\.create_subprocess"),
+    "bench": re.compile(r"\brun_bench\(|\[\"bench\", \"--model\""),
     "real_model": re.compile(r"\bLLM\(\)|LLM\(None|LLM\(default_gguf_path|gemma3_gguf_path\b|"
                              r"\"(smollm2-135m|gemma3-270m)\"|default_server|offline_llm"),
 }
@@ -93,7 +95,7 @@ PARITY_MODULES = ("models/deepseek_v4/test_v4_engine.py", "models/test_parity.py
                   "models/test_batch_invariant.py", "models/test_gemma3.py", "models/test_fp8_cache.py",
                   "spec_decode/test_spec_greedy.py", "spec_decode/test_v4_spec.py", "worker/test_kv_restart.py",
                   "ops/triton/test_triton_backend.py", "entrypoints/test_v4_bench_info.py",
-                  "worker/test_sizing_module.py")
+                  "worker/test_sizing_module.py", "models/deepseek_v4/test_v4_checkpoint.py")
 FAST_EXCLUDES = ("slow", *TIER_PATTERNS, "parity")
 _SHARED_FIXTURES = {"tokenizer_dir", "tiny_checkpoint", "default_gguf_path", "_deepinfer_cache_dir"}
 _NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
