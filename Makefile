@@ -44,7 +44,8 @@ chromium:
 		|| echo "chromium is missing and cannot be installed here: run 'apt-get install -y chromium' as root"
 
 labs: $(STAMP)
-	$(PY) labs/07_attention.py && $(PY) labs/08_kv_layout.py && $(PY) labs/17_kv_bytes.py
+	$(PY) labs/07_attention.py && $(PY) labs/08_kv_layout.py && $(PY) labs/17_kv_bytes.py \
+		&& $(PY) labs/18_saved_cache.py
 
 clean:
 	rm -rf $(VENV)

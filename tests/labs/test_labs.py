@@ -16,14 +16,14 @@ def golden(name):
     return (GOLDEN / f"{name}.txt").read_text().splitlines()
 
 
-def run_lab(script, *args, tmp_path, variables=None, check=True):
+def run_lab(script, *args, tmp_path, variables=None, check=True, timeout=60):
     """Run a lab from the repository root with a clean DEEPINFER_* environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(variables or {})
     out = tmp_path / "out.txt"
     result = subprocess.run([sys.executable, f"labs/{script}", *args, "--out", str(out)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
+                            env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert result.returncode == 0, result.stderr
     return result, out
@@ -146,3 +146,44 @@ def test_lab17_flags(tmp_path):
     result, out = run_lab("17_kv_bytes.py", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                           "--tokens", "4096", "--bytes", "2", tmp_path=tmp_path)
     assert blocks(result, out)[0][-1] == "KV payload of 4,096 tokens: 536,870,912 B"
+
+
+# --- lab 18 -------------------------------------------------------------------------------------
+
+def golden_blocks(name):
+    return [block.splitlines() for block in (GOLDEN / f"{name}.txt").read_text().rstrip("\n").split("\n\n")]
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_lab18_saved_cache_matches_golden(tmp_path):
+    """The default model and the V4 mini config (small widths) save a prefix and start again: the
+    formula's payload, every file in the directory and the restart's cached tokens, as in the golden."""
+    result, out = run_lab("18_saved_cache.py", tmp_path=tmp_path, timeout=300)
+    assert blocks(result, out) == golden_blocks("18_saved_cache")
+
+
+def test_lab18_small_v4_config_keeps_the_mini_cache(tmp_path):
+    """The lab's V4 config differs from configs/deepseek_v4_flash_mini only in widths that leave the
+    cache alone: both build (on the meta device) the same groups, rows, rings and compressor state."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    from deepinfer.environ import read_environ
+    from deepinfer.model_executor.models.registry import get_model_class
+    from deepinfer.worker.cache_sizing import plan_model_cache
+
+    lab = load_lab("18_saved_cache")
+    (tmp_path / "config.json").write_text(json.dumps(lab.v4_config()))
+    sizings = []
+    for path in (lab.V4_MINI.parent, tmp_path):
+        cfg = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = get_model_class(cfg.model_type)(cfg, 4096)
+        sizings.append(plan_model_cache(model, torch.float32, "fp8", 16, read_environ({}), 0)[2])
+    mini, small = sizings
+    assert small == mini
+    assert [(g.name, g.row_bytes) for g in mini.groups] == [("swa", 528), ("csa", 528), ("hca", 528), ("index", 132)]
+    assert mini.state_bytes > 0
