@@ -99,6 +99,17 @@ class CachedModel(Protocol):
         beside the caches (DeepSeek-V4's compressors) must end as if only those were computed;
         cache rows of the rest need no undo (they are overwritten before anything reads them)."""
 
+    def begin_step(self) -> None:
+        """Before each step (the runner calls it): start recording what the step changes in the
+        per-request state beside the caches, forgetting the last step's record. No-op for
+        models without such state."""
+
+    def undo_step(self) -> None:
+        """After a step that raised: put the per-request state beside the caches back to where
+        `begin_step` found it (DeepSeek-V4: every compressor's token count, open window and half
+        A), so the step's requests can run again; then stop recording. Cache rows are not the
+        model's to restore (the runner puts back ring rows the step loaded and overwrote)."""
+
 
 class DraftingModel(CachedModel, Protocol):
     """A `CachedModel` whose capabilities say `mtp_drafting` (and `drafting_streams`): the
@@ -124,7 +135,10 @@ class StepRunner(Protocol):
     cache_identity: str  # everything that changes K/V (weights, config, dtype, row format, layout)
 
     def execute(self, plan: StepPlan) -> ModelOutput:
-        """Run one step's model call and sampling."""
+        """Run one step's model call and sampling. A step that raises a fault that is not fatal
+        (`contracts.plan.is_fatal_fault`) leaves what a re-run of any of its requests reads
+        (per-request state beside the caches, ring rows it loaded and overwrote) as it was
+        before the step, so the engine may run them again one at a time."""
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Drop the per-request state (generators) of finished or aborted requests."""

@@ -9,6 +9,8 @@ before admission (`add_request`, `SamplingParams.validate`). Inside a step:
 
     runner.execute(plan) raises ----> each request again, alone (sub-plans of one request); those
                                       whose solo step fails are failed, the others' results used
+                                      (the runner has put back what the step changed that a
+                                      re-run reads: `StepRunner.execute`)
     the runner's sampling fails ----> it retries row by row and reports failed rows in
                                       `ModelOutput.errors`; the engine fails those requests
     output processing raises -------> that request is failed
@@ -233,12 +235,10 @@ class LLMEngine:
     def _execute_alone(self, plan: StepPlan, exc: Exception) -> ModelOutput:
         """Re-run the plan one request at a time (finished / preempted ids go with the first).
 
-        Re-running is safe for token caches: a store writes the same values to the same slots.
-        DeepSeek-V4's compressor state banks are not idempotent: they advance during a forward
-        (`StateBank.read` refuses a start that does not match), so after a mid-forward fault the
-        solo re-run of a V4 request whose state already advanced fails too, and a V4 fault may
-        fail more requests than the culprit. Every solo re-run failing means the fault is not
-        one request's: the original exception propagates."""
+        Re-running is safe: a store writes the same values to the same slots, and a runner whose
+        step raised has put back what the step changed that a re-run reads (`StepRunner.execute`:
+        DeepSeek-V4's compressor states, ring rows a chunk loaded and overwrote). Every solo
+        re-run failing means the fault is not one request's: the original exception propagates."""
         output, failures = ModelOutput(), {}
         for i, sched in enumerate(plan.scheduled):
             solo = StepPlan([sched], plan.finished_request_ids if i == 0 else [],

@@ -42,6 +42,7 @@ from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.prefix_store import PrefixStore, cache_identity
 from deepinfer.worker.prompt_logprobs import PromptLogprobs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
+from deepinfer.worker.step_undo import StepUndo
 from deepinfer.worker.structured import StructuredOutputs, eos_ids_of
 
 logger = logging.getLogger("deepinfer.worker")
@@ -130,6 +131,7 @@ class ModelRunner:
         self.cache_identity = checked_identity(self, cache_identity(source, self.numerics, self.groups), cache_config)
         self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
                                   self._disk_store(cache_config))
+        self.undo = StepUndo(self.cache, self.model)  # what a failed step changed that its re-run reads
         self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
@@ -196,9 +198,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Run the plan's forward, sample (verifying drafts), then propose the next drafts. A
-        forward fault raises (the engine isolates it); a sampling fault is retried request by
-        request and requests that still fail come back in `errors`."""
-        return self.finish(self.start(plan))
+        forward fault raises (the engine isolates it) after the per-request state and ring rows
+        a re-run reads are put back (`worker/step_undo.py`); a sampling fault is retried request
+        by request and requests that still fail come back in `errors`."""
+        try:
+            return self.finish(self.start(plan))
+        except Exception as exc:
+            if not is_fatal_fault(exc):
+                self.undo.undo()
+            raise
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan, receive_tokens: Callable[[], StepTokens] = StepTokens) -> None:
@@ -218,6 +226,7 @@ class ModelRunner:
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
+        self.undo.begin(plan)  # before the cache copies: a re-run copies again
         needs_tokens = self.needs_step_tokens(plan)
         plan, load_failures = self.prefix.prepare(plan)  # saves, loads, restores before the forward
         step = Step(plan, None, ModelOutput(), sample, needs_tokens)

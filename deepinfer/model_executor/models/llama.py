@@ -165,6 +165,12 @@ class LlamaForCausalLM(nn.Module):
     def keep_verified(self, kept: dict[int, int]) -> None:
         """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
 
+    def begin_step(self) -> None:
+        """Nothing to record: no per-request state beside the caches."""
+
+    def undo_step(self) -> None:
+        """Nothing to put back (ring rows a chunk overwrites are the runner's to restore)."""
+
     def read_state(self, slot: int) -> dict:
         return {}  # no per-request state beside the caches
 
