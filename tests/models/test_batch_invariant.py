@@ -240,7 +240,11 @@ def test_without_the_knob_logprobs_move_with_the_batch(invariant_llm):
         assert all(abs(ours[t].logprob - theirs[t].logprob) < 1e-3 for t in ours)
 
 
-def test_deepseek_v4_is_refused_before_loading():
+def test_deepseek_v4_is_accepted_and_a_refusal_names_the_knob(monkeypatch):
+    """DeepSeek-V4 runs in the mode (tests/models/deepseek_v4/test_v4_batch_invariant.py); a model
+    type the mode does not cover is refused before loading, naming the knob and the type."""
+    bi.check_model_type("deepseek_v4")
+    monkeypatch.setattr(bi, "UNSUPPORTED_MODEL_TYPES", ("deepseek_v4",))
     with _knob(True), pytest.raises(ValueError, match=r"DEEPINFER_BATCH_INVARIANT.*deepseek_v4"):
         LLM(V4_MINI, load_format="dummy", max_model_len=256, kv_cache_memory="64MiB")
 

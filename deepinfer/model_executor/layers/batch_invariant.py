@@ -27,7 +27,8 @@ tests/models/test_batch_invariant.py repeats the checks), and what this module d
   the scalar function: for `exp`, `log`, `tanh`, `erf`, `rsqrt` and plain arithmetic both give
   the same bits, for `silu`, `sigmoid` and `gelu` they do not (the same value rounds differently
   at the end of an array). `silu`, `sigmoid` and `gelu` here are written with `exp` / `tanh` /
-  `erf` and IEEE arithmetic.
+  `erf` and IEEE arithmetic, `softplus` with `exp` and `log1p` (`sin`, `cos`, `log1p`, `sqrt` and
+  `relu` keep their bits too).
 - Attention. The reference backend pads decode reads to the widest query of the batch and runs
   prefill over [loaded | chunk] with a mask: different lengths and kernels for the same query.
   Here every query reduces over its visible keys in blocks of `KEY_BLOCK` at absolute position
@@ -41,17 +42,31 @@ tests/models/test_batch_invariant.py repeats the checks), and what this module d
 - The sampler (`Sampler(batch_invariant=True)`) takes its two vocabulary sums (logsumexp, top-p
   mass) through `row_sum`; its other stages (argmax, topk, per-block sums, float64 prefix sums,
   per-request generators) depend on the row alone.
+- DeepSeek-V4 (models/deepseek_v4/, their `batch_invariant` flags). Sparse MLA, decode and prefill
+  alike, is `latent_block_attention`: each query over its own rows (models/deepseek_v4/invariant.py
+  lays them out: the window in KEY_BLOCK blocks at absolute position offsets, the compressed rows
+  in ascending row id), the sink in the one softmax, a chunk's own rows as the cache returns them.
+  The lightning indexer's scores are `index_scores` (per query and block of rows, then a pairwise
+  sum over heads), so ties meet the stable-sort rule (score descending, lower row first) with the
+  same bits in every batch. The compressors pool with `slot_pool`; the routed experts run each
+  expert's rows through `linear` and add a token's k outputs in ascending expert id; the
+  hyper-connections' sums over streams are `pairwise_sum`s and their mix has no batched matmul;
+  the grouped output projection is one `linear` per group.
 
-`BatchInvariantMode` (a `TorchFunctionMode`) reroutes `F.linear`, `F.silu`, `F.gelu` and
-`sigmoid` while a wrapped model runs, so model files need no change; it refuses
+`BatchInvariantMode` (a `TorchFunctionMode`) reroutes `F.linear`, `F.silu`, `F.gelu`, `F.softplus`
+and `sigmoid` while a wrapped model runs, so model files need no change for those; it refuses
 `F.scaled_dot_product_attention`. `make_batch_invariant` wraps a model's `forward` and
-`compute_logits`; the runner calls it, and gives the attention backend and the sampler their flag,
-only when the knob is on (knob off: nothing here runs).
+`compute_logits`; the runner calls it, and gives the attention backend (the torch backend on the
+torch kernel set: no C++ or Triton kernel is shown to be invariant) and the sampler their flag,
+only when the knob is on (knob off: nothing here runs). DeepSeek-V4 reads the flag from the
+backend when it binds its caches.
 
 Scope: bits are the same across batches and chunkings of one engine (a fixed thread count, dtype
 and machine), not across machines or thread counts. Verified on the CPU (fp32, bf16; fp8 and bf16
-KV caches) for the Llama family and Gemma 3. Not covered: DeepSeek-V4 (its sparse attention and
-compressors), which the runner refuses in this mode; penalties are exact per row but untested.
+KV caches) for the Llama family and Gemma 3, and for DeepSeek-V4 (fp32, MXFP8 rows; sliding, CSA
+and HCA layers, hash and top-k MoE; tests/models/deepseek_v4/test_v4_batch_invariant.py). Not
+covered: V4's MTP draft module runs outside the mode (its drafts may move with the batch; V4 with
+speculative decoding is untested here); penalties are exact per row but untested.
 """
 
 from __future__ import annotations
@@ -70,7 +85,7 @@ KEY_BLOCK = 64  # keys per attention block
 VOCAB_BLOCK = 256  # elements per first-level block of `row_sum`
 DECODE_PAIR_BUDGET = 1 << 15  # query x key pairs per decode sub-batch (each pair gathers one cache row)
 PREFILL_PAIR_BUDGET = 1 << 20  # query x key pairs per prefill sub-batch (scores, expanded queries)
-UNSUPPORTED_MODEL_TYPES = ("deepseek_v4",)
+UNSUPPORTED_MODEL_TYPES: tuple[str, ...] = ()  # model types the mode refuses at start-up (none today)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,6 +128,13 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
         inner = (x + 0.044715 * x * x * x) * math.sqrt(2.0 / math.pi)  # [...]
         return 0.5 * x * (1.0 + torch.tanh(inner))
     return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
+    """log(1 + exp(beta x)) / beta, and x where beta x > threshold (F.softplus's rule), from `exp` and
+    `log1p`."""
+    scaled = x * beta
+    return torch.where(scaled > threshold, x, torch.log1p(torch.exp(scaled)) / beta)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +260,60 @@ def _from_first_block(x: torch.Tensor, first_block: torch.Tensor) -> torch.Tenso
     return shifted.movedim(1, 2)  # [n, Hkv, nb, ...]
 
 
+def latent_block_attention(q: torch.Tensor, parts, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """DeepSeek-V4: each query over its own K = V latent rows, one softmax over every part and a
+    per-head sink logit (which adds no value). q [n, H, D]; parts: (rows [n, L, D], visible [n, L])
+    with L a multiple of KEY_BLOCK and a part's blocks in a fixed order of their own (hidden columns
+    anywhere, trailing all-hidden blocks add exact zeros); sink [H]. Per (query, block) the scores
+    and the weights times the rows are `row_matmul`s of H rows; an exact max over all parts and the
+    sink, `exp`, per-block sums, a pairwise sum over each part's blocks, the parts added in order.
+    A query that sees nothing and has a sink of -inf gets zeros. -> [n, H, D] in q's dtype."""
+    heads, num_queries = q.float(), q.shape[0]
+    sink = sink.float()[None, :]  # [1, H]
+    scored, best = [], sink.expand(num_queries, -1)  # [n, H]
+    for rows, visible in parts:
+        num_blocks = rows.shape[1] // KEY_BLOCK
+        hidden = ~visible.view(num_queries, num_blocks, 1, KEY_BLOCK)  # [n, nb, 1, B]
+        blocks = rows.float().masked_fill(~visible[..., None], 0.0).view(num_queries, num_blocks, KEY_BLOCK, -1)
+        queries = heads[:, None].expand(-1, num_blocks, -1, -1)  # [n, nb, H, D]
+        scores = (row_matmul(queries, blocks.transpose(-1, -2)) * scale).masked_fill_(hidden, float("-inf"))
+        scored.append((blocks, scores))  # [n, nb, B, D], [n, nb, H, B]
+        best = torch.maximum(best, scores.amax(dim=(1, 3)))  # [n, H]
+    numerator = heads.new_zeros(heads.shape)  # [n, H, D]
+    denominator = (sink - best).exp()  # [n, H]
+    for blocks, scores in scored:
+        weights = (scores - best[:, None, :, None]).exp_()  # [n, nb, H, B]
+        numerator = numerator + pairwise_sum(row_matmul(weights, blocks), dim=1)  # [n, H, D]
+        denominator = denominator + pairwise_sum(weights.sum(dim=-1), dim=1)  # [n, H]
+    return (numerator / denominator[..., None]).nan_to_num_(0.0).to(q.dtype)  # [n, H, D]
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale: float) -> torch.Tensor:
+    """DeepSeek-V4's lightning indexer, I(p, w) = sum_h w_h * ReLU(q_h . K_w) * scale, with each
+    (query, row) the same bits whatever shares the call. q [n, h, d]; keys [n, R, d] (each query's
+    own rows) or [R, d] (shared); weights [n, h]. Per (query, block of KEY_BLOCK rows) one
+    `row_matmul` of h rows, then a pairwise sum over the heads. -> [n, R] fp32."""
+    num_queries, width = q.shape[0], keys.shape[-2]
+    out = q.new_empty(num_queries, width, dtype=torch.float32)  # [n, R]
+    for sub in query_slices(num_queries, width, DECODE_PAIR_BUDGET):
+        own = keys[sub] if keys.dim() == 3 else keys[None].expand(sub.stop - sub.start, -1, -1)  # [n', R, d]
+        blocks = pad_dim(own.float(), 1, KEY_BLOCK)  # [n', R', d]
+        blocks = blocks.view(blocks.shape[0], -1, KEY_BLOCK, blocks.shape[-1]).transpose(-1, -2)  # [n', nb, d, B]
+        queries = q[sub].float()[:, None].expand(-1, blocks.shape[1], -1, -1)  # [n', nb, h, d]
+        dots = row_matmul(queries, blocks).relu_().mul_(scale)  # [n', nb, h, B]
+        dots = dots * weights[sub].float()[:, None, :, None]  # [n', nb, h, B]
+        out[sub] = pairwise_sum(dots, dim=2).flatten(1)[:, :width]  # [n', R]
+    return out
+
+
+def slot_pool(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's compressor pooling: a softmax over the slots (dim 1) per channel, kv [r, S, D]
+    weighted by it. Elementwise `exp` after an exact max and pairwise sums over the slots, so a
+    window's row does not depend on how many windows share the call. score [r, S, D] -> [r, D]."""
+    weights = (score - score.amax(dim=1, keepdim=True)).exp_()  # [r, S, D]
+    return pairwise_sum(kv * weights, dim=1) / pairwise_sum(weights, dim=1)  # [r, D]
+
+
 def padded_width(width: int) -> int:
     """`width` keys rounded up to whole blocks (at least one)."""
     return max(1, -(-width // KEY_BLOCK)) * KEY_BLOCK
@@ -254,6 +330,7 @@ _HANDLERS = {
     F.linear: linear,
     F.silu: silu,
     F.gelu: gelu,
+    F.softplus: softplus,
     torch.sigmoid: sigmoid,
     torch.Tensor.sigmoid: sigmoid,
 }
@@ -288,8 +365,8 @@ def _under_mode(method):
 def check_model_type(model_type: str) -> None:
     """Refuse the models this mode does not cover, naming the knob and the model type."""
     if model_type in UNSUPPORTED_MODEL_TYPES:
-        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 is not supported for model_type={model_type!r}: its sparse "
-                         "attention and compressors have no batch-invariant path; unset DEEPINFER_BATCH_INVARIANT")
+        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 is not supported for model_type={model_type!r}: it has no "
+                         "batch-invariant path; unset DEEPINFER_BATCH_INVARIANT")
 
 
 def make_batch_invariant(model, model_type: str) -> None:

@@ -172,6 +172,7 @@ class AttentionBackend:
     (attention/kernels.py: torch, fused C++ or Triton). A variant overrides hooks, never `forward`."""
 
     name = "kernels"
+    batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: only the torch backend has the mode
 
     def __init__(self, kernels: KernelSet):
         self.kernels = kernels

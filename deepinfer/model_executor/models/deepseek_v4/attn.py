@@ -33,6 +33,7 @@ from torch import nn
 
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts
+from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -91,7 +92,11 @@ class GroupedLinear(nn.Module):
     ``in_per_group`` features goes to its own ``out_features / n_groups`` outputs.
 
     weight [out_features, in_per_group], group g owning rows ``[g·out/G, (g+1)·out/G)``.
+    ``batch_invariant`` (DEEPINFER_BATCH_INVARIANT): one `batch_invariant.linear` per group, whose
+    rows' bits do not depend on the row count (the einsum's bmm does).
     """
+
+    batch_invariant = False
 
     def __init__(self, in_per_group: int, out_features: int, n_groups: int):
         super().__init__()
@@ -101,6 +106,8 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in_per_group] -> [T, G, out/G]."""
         w = self.weight.view(self.n_groups, -1, self.weight.shape[-1])  # [G, out/G, in]
+        if self.batch_invariant:
+            return torch.stack([invariant_linear(x[:, g], w[g]) for g in range(self.n_groups)], dim=1)
         return torch.einsum("tgi,goi->tgo", x, w)  # [T, G, out/G]
 
 

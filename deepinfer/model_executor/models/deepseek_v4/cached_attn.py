@@ -42,6 +42,7 @@ from deepinfer.model_executor.forward_context import get_forward_context
 from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
+from deepinfer.model_executor.models.deepseek_v4 import invariant
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import (
     CSA,
@@ -98,6 +99,7 @@ class CachedV4Attention(DeepseekV4Attention):
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
         self.kernels: KernelSet = FUSED_KERNELS  # store, sparse MLA (and the indexer's scores): set by bind_kernels
         self._verified: list[_Verified] = []  # this step's verification spans
+        self.batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: set by `set_batch_invariant`
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
@@ -111,13 +113,35 @@ class CachedV4Attention(DeepseekV4Attention):
         if nd:  # decode queries: everything through index rows, batched
             if extra is None and reads:
                 extra = _pad_cat([reads[sp.token_start].index for sp in md.spans if sp.token_start < nd])  # [N, L_c]
-            out[:nd] = self.kernels.sparse_mla(q[:nd], self.window_cache, md.groups[self.window_group].decode_index,
-                                               self.scale, self.sinks, self.rows_cache, extra)
+            out[:nd] = self._decode(q[:nd], md, extra)
         for seg, window in zip(md.groups[self.window_group].prefills, chunk_windows, strict=True):
             s, e = seg.token_start, seg.token_end
+            if self.batch_invariant:
+                out[s:e] = invariant.prefill_attention(q[s:e], window[0], md.positions[s:e], self.sliding_window,
+                                                       self.sinks, self.scale, self.rows_cache,
+                                                       reads[s].index if reads else None)
+                continue
             parts = [window] + ([reads[s].part(self.rows_cache, hidden.dtype)] if reads else [])
             out[s:e] = self.attend_parts(q[s:e], parts)
         return self.output(out, positions)  # [T, hidden]
+
+    def _decode(self, q: torch.Tensor, md, extra: torch.Tensor | None) -> torch.Tensor:
+        """Decode queries q [N, H, D] over their ring rows and compressed rows `extra` [N, L_c]."""
+        index = md.groups[self.window_group].decode_index  # [N, W]
+        if self.batch_invariant:
+            return invariant.decode_attention(q, self.window_cache, index, md.positions[:q.shape[0]],
+                                              self.sliding_window, self.sinks, self.scale, self.rows_cache, extra)
+        return self.kernels.sparse_mla(q, self.window_cache, index, self.scale, self.sinks, self.rows_cache, extra)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """DEEPINFER_BATCH_INVARIANT: every query reads its rows through `invariant` (the same bits
+        in decode and prefill, alone or batched), and the output projection, the compressors and
+        the indexer take their invariant forms."""
+        self.batch_invariant = self.o_a_proj.batch_invariant = on
+        if self.compressor is not None:
+            self.compressor.batch_invariant = on
+        if self.layer_type == CSA:
+            self.compressor.indexer.batch_invariant = self.compressor.indexer.scorer.batch_invariant = on
 
     def bind_kernels(self, kernels: KernelSet) -> None:
         """Run this layer's row stores, sparse MLA decode and (CSA) indexer scores on `kernels`."""
@@ -142,7 +166,8 @@ class CachedV4Attention(DeepseekV4Attention):
             s, e = seg.token_start, seg.token_end
             key_pos = torch.cat([seg.load_positions, md.positions[s:e]])  # [n_old + n]
             visible = visibility(md.positions[s:e], key_pos, self.sliding_window)  # [n, n_old + n]
-            chunks.append((torch.cat([old.to(kv.dtype), kv[s:e]]), visible))
+            new = invariant.as_cached_rows(cache, kv[s:e]) if self.batch_invariant else kv[s:e]  # [n, D]
+            chunks.append((torch.cat([old.to(kv.dtype), new]), visible))
         return chunks
 
     # ---- compressed rows (paged groups with a ratio) --------------------------------------------

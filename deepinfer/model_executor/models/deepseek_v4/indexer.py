@@ -17,6 +17,11 @@ such guarantee: which of several tied rows it returns at the k-th boundary depen
 tensor's width and on k.
 
 When fewer than k rows are visible, all visible rows are taken and the remaining slots are -1.
+
+Under DEEPINFER_BATCH_INVARIANT (`batch_invariant`) the scores come from
+`batch_invariant.index_scores`: each (query, row) gets the same bits whatever shares the call, so
+the tie rule above compares exactly equal scores the same way in every batch and chunking; the
+picks are then handed on in ascending row id, the order the attention sums them in.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.model_executor.layers.batch_invariant import index_scores
 from deepinfer.model_executor.layers.ops.addressing import visible_rows
 from deepinfer.model_executor.models.deepseek_v4.pooling import CSA, WindowCompressor, apply_interleaved_rope
 
@@ -60,6 +66,7 @@ class IndexerScorer(nn.Module):
         self.weights_scaling = config.index_n_heads**-0.5
         self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
         self.kernels: KernelSet = FUSED_KERNELS  # the indexer_scores hook: set when the model binds its caches
+        self.batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: `index_scores` instead of the hook
 
     def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:
         """w_h per query: hidden [n, H] -> [n, h] (fp32)."""
@@ -68,6 +75,8 @@ class IndexerScorer(nn.Module):
     def score(self, q: torch.Tensor, index_keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """q [n, h, d], index_keys [R, d] (one request's) or [n, R, d] (each query's own request's),
         weights [n, h] -> scores [n, R] (fp32)."""
+        if self.batch_invariant:
+            return index_scores(q, index_keys, weights, self.softmax_scale)  # [n, R]
         return self.kernels.indexer_scores(q, index_keys, weights, self.softmax_scale)  # [n, R]
 
     def forward(self, q: torch.Tensor, index_keys: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -116,4 +125,12 @@ class Indexer(WindowCompressor):
         [R, d], or [n, R, d] when the queries belong to different requests (rows past a query's
         visible count may hold anything: they are masked)."""
         scores = self.scorer.score(q, index_keys, weights)  # [n, R]
-        return topk_visible_rows(scores, positions, self.index_topk, self.compress_rate)  # [n, k]
+        picks = topk_visible_rows(scores, positions, self.index_topk, self.compress_rate)  # [n, k]
+        return ascending_rows(picks) if self.batch_invariant else picks  # [n, k]
+
+
+def ascending_rows(picks: torch.Tensor) -> torch.Tensor:
+    """Row ids [n, k] (-1: none) sorted ascending, -1 last."""
+    last = torch.iinfo(picks.dtype).max
+    ordered = picks.masked_fill(picks < 0, last).sort(dim=-1).values  # [n, k]
+    return ordered.masked_fill_(ordered == last, -1)

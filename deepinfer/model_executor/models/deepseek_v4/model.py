@@ -52,10 +52,11 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """streams [T, N, hidden] -> [T, N, hidden]."""
+        fixed = self.attn_hc.batch_invariant  # DEEPINFER_BATCH_INVARIANT: mix in a fixed order
         x, post, comb = self.attn_hc(streams)  # [T, hidden], [T, N], [T, N, N]
-        streams = self.attn_hc.merge(self.self_attn(self.input_layernorm(x), positions), streams, post, comb)
+        streams = self.attn_hc.merge(self.self_attn(self.input_layernorm(x), positions), streams, post, comb, fixed)
         x, post, comb = self.ffn_hc(streams)
-        return self.ffn_hc.merge(self.mlp(self.post_attention_layernorm(x), input_ids), streams, post, comb)
+        return self.ffn_hc.merge(self.mlp(self.post_attention_layernorm(x), input_ids), streams, post, comb, fixed)
 
 
 class DeepseekV4Model(nn.Module):
@@ -143,6 +144,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         (attention/kernels.py), on which the row stores, the sparse MLA decode, the indexer's scores
         and the routed experts run."""
         self._bind_kernels(caches.backend.kernels)
+        self._set_batch_invariant(caches.backend.batch_invariant)
         views = {g.name: caches.layer_caches[gi] for gi, g in enumerate(caches.groups)}
         device = next(iter(views["swa"].values())).rows2d.device
         self.state_banks = []
@@ -162,6 +164,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 layer.self_attn.window_cache = views["mtp"][layer.layer_idx]
                 layer.self_attn.window_group = 0
 
+    def _set_batch_invariant(self, on: bool) -> None:
+        """DEEPINFER_BATCH_INVARIANT (the backend's flag): the decoder layers' attention (with its
+        compressors and indexer), routed experts and hyper-connections, and the head's collapse,
+        take their batch-invariant forms. The draft module (MTP) keeps its own."""
+        for layer in self.model.layers:
+            layer.self_attn.set_batch_invariant(on)
+            layer.mlp.experts.batch_invariant = on
+            layer.attn_hc.batch_invariant = layer.ffn_hc.batch_invariant = on
+        self.model.hc_head.batch_invariant = on
+
     def _bind_kernels(self, kernels: KernelSet) -> None:
         """Each decoder and MTP layer's attention (with its indexer) and routed experts take `kernels`."""
         layers = list(self.model.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
@@ -173,6 +185,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Each compressor forgets the rejected tokens of the step's verification spans."""
         for attn in self.attention_layers():
             attn.keep_verified(kept)
+
+    def begin_step(self) -> None:
+        """Every compressor's state bank records what this step changes (`StateBank.begin_step`)."""
+        for bank in self.state_banks:
+            bank.begin_step()
+
+    def undo_step(self) -> None:
+        """Every compressor's state back to where `begin_step` found it: token counts, open
+        windows and half A (the window ring's rows are the runner's, `worker/step_undo.py`)."""
+        for bank in self.state_banks:
+            bank.undo_step()
 
     def read_state(self, slot: int) -> dict[str, torch.Tensor]:
         """Copies of every compressor's state in `slot` (for prefix-cache snapshots)."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
 from deepinfer.model_executor.layers.moe import clamped_swiglu
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, expert_piece
 from deepinfer.model_executor.models.utils import MergedLinear
@@ -105,7 +106,12 @@ class FusedExperts(nn.Module):
     With `expert_parallel_size` ep > 1 the module holds experts [start, start + E/ep) of the
     E (`expert_piece`), ids stay global, and only the pairs of held experts are computed (their
     ids shifted to local ones); the others add nothing to the [T, H] partial output.
+
+    `batch_invariant` (DEEPINFER_BATCH_INVARIANT): `_per_token` instead of the hook, so a token's
+    output does not depend on which other tokens share its experts.
     """
+
+    batch_invariant = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None,
                  expert_parallel_size: int = 1):
@@ -151,9 +157,32 @@ class FusedExperts(nn.Module):
         checked = not x.is_cuda and flat_ids.numel()
         if checked and not 0 <= int(flat_ids.min()) <= int(flat_ids.max()) < self.num_experts:
             raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got {flat_ids.min()}..{flat_ids.max()}")
+        if self.batch_invariant:
+            return self._per_token(x, topk_ids, topk_weights)  # [T, H]
         if self.num_local < self.num_experts:
             return self._local_pairs(x, topk_ids, topk_weights)  # [T, H]
         return self._all_pairs(x, topk_ids, topk_weights)  # [T, H]
+
+    def _per_token(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Each held expert over its rows through `batch_invariant.linear` (a row's bits do not
+        depend on the rows beside it); then per token its weighted expert outputs added in
+        ascending expert id (a stable sort of its k ids), in fp32. Other ranks' experts add 0."""
+        num_tokens, k = topk_ids.shape
+        ids, order = topk_ids.sort(dim=1, stable=True)  # [T, k] each token's experts ascending
+        weights = topk_weights.gather(1, order).float()  # [T, k]
+        flat = ids.reshape(-1) - self.expert_start  # [T*k] local ids
+        outs = torch.zeros(num_tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)  # [T*k, H]
+        for e in torch.unique(flat).tolist():
+            if not 0 <= e < self.num_local:
+                continue
+            pairs = torch.nonzero(flat == e).squeeze(-1)  # [P]
+            act = clamped_swiglu(invariant_linear(x[pairs // k], self.gate_up_proj[e]), self.swiglu_limit)  # [P, I]
+            outs[pairs] = invariant_linear(act, self.down_proj[e]).float()  # [P, H]
+        terms = outs.view(num_tokens, k, -1) * weights[..., None]  # [T, k, H]
+        total = terms[:, 0]  # [T, H]
+        for j in range(1, k):
+            total = total + terms[:, j]
+        return total.to(x.dtype)  # [T, H]
 
     def _local_pairs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The partial output [T, H] of the pairs whose expert this rank holds, run as one pair per row."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.model_executor.layers.batch_invariant import slot_pool
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.rotary import rope_inv_freq
 
@@ -97,7 +98,11 @@ class WindowCompressor(nn.Module):
     """Softmax-gated window pooling with HF parameter names (kv_proj, gate_proj, position_bias, kv_norm).
 
     ``overlap=True`` is the CSA form (2m slots from two series), ``False`` the HCA form.
+    ``batch_invariant`` (DEEPINFER_BATCH_INVARIANT) pools with `batch_invariant.slot_pool`: a row's
+    bits then do not depend on how many windows, of how many requests, share the call.
     """
+
+    batch_invariant = False
 
     def __init__(self, config, head_dim: int, ratio: int, overlap: bool):
         super().__init__()
@@ -170,10 +175,13 @@ class WindowCompressor(nn.Module):
         """Pool complete windows [r, m, C]; CSA also takes each one's half A of the window before,
         a_kv / a_score [r, m, D]. -> [r, D]"""
         if not self.overlap:
-            return (win_kv * win_score.softmax(dim=1)).sum(dim=1)  # [r, D]
-        d = self.head_dim
-        slots_kv = torch.cat([a_kv, win_kv[:, :, d:]], dim=1)  # [r, 2m, D]
-        slots_score = torch.cat([a_score, win_score[:, :, d:]], dim=1)  # [r, 2m, D]
+            slots_kv, slots_score = win_kv, win_score  # [r, m, D]
+        else:
+            d = self.head_dim
+            slots_kv = torch.cat([a_kv, win_kv[:, :, d:]], dim=1)  # [r, 2m, D]
+            slots_score = torch.cat([a_score, win_score[:, :, d:]], dim=1)  # [r, 2m, D]
+        if self.batch_invariant:
+            return slot_pool(slots_kv, slots_score)  # [r, D]
         return (slots_kv * slots_score.softmax(dim=1)).sum(dim=1)  # [r, D]
 
     def rows_at(self, pooled: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
