@@ -117,10 +117,18 @@ def _tier_source(item) -> str:
         if name not in _SHARED_FIXTURES:
             parts.extend(_source(d.func) for d in defs)
     module = getattr(item, "module", None)
-    for name in set(_NAME.findall("\n".join(parts))):  # and the module's own helpers they call
+    seen: set[str] = set()
+    pending = set(_NAME.findall("\n".join(parts)))
+    while pending:  # and the module's own helpers they call, and the helpers those call
+        name = pending.pop()
         helper = getattr(module, name, None)
-        if inspect.isfunction(helper) and helper.__module__ == getattr(module, "__name__", None):
-            parts.append(_source(helper))
+        if name in seen or not (inspect.isfunction(helper) or inspect.isclass(helper)) \
+                or helper.__module__ != getattr(module, "__name__", None):
+            continue
+        seen.add(name)
+        text = _source(helper)
+        parts.append(text)
+        pending |= set(_NAME.findall(text)) - seen
     return "\n".join(parts)
 
 
