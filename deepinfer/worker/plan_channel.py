@@ -30,6 +30,7 @@ Two channels:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import datetime
 import pickle
@@ -127,7 +128,7 @@ def follow_plans(runner, channel: PlanChannel) -> None:
         pass
 
 
-class DriverRunner:
+class DriverRunner(abc.ABC):
     """The engine's `StepRunner` on rank 0 of a tensor-parallel run: rank 0's ModelRunner (`driver`:
     it samples) plus followers reached through `channel`. Every other attribute (groups, num_blocks,
     model, cache, ...) is the driver's. Subclasses start the followers, set `driver` and `channel`,
@@ -163,9 +164,9 @@ class DriverRunner:
         """Rank 0's counters (its cache directory's slice files)."""
         return self.driver.stats()
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Stop the followers and close the driver; subclasses say how."""
-        raise NotImplementedError
 
     def _step_fault(self, exc: BaseException) -> BaseException:
         """A failed step as the exception to raise (interrupts stay what they are)."""

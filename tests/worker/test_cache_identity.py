@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from test_kv_restart import KW, generate, prompts_for, tokens
+from test_kv_restart import KW, generate, prompts_for, tiny_v4_dir, tokens
 
 from deepinfer import LLM
 from deepinfer.contracts import kv_files
@@ -146,11 +146,7 @@ def test_canary_mismatch_takes_a_new_root(tiny_checkpoint, tmp_path, caplog):
 
 @pytest.fixture(scope="module")
 def v4_path(tmp_path_factory) -> str:
-    from v4_tiny import CSA, HCA, SLIDING, make_tiny_v4
-
-    path = str(tmp_path_factory.mktemp("v4-canary"))
-    make_tiny_v4(path, [SLIDING, CSA, HCA, CSA])
-    return path
+    return tiny_v4_dir(tmp_path_factory, "v4-canary")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "v4"])

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from test_kv_restart import KW, PARAMS, generate, prompts_for, tokens, unit_path
+from test_kv_restart import KW, PARAMS, generate, prompts_for, saved_llama_dir, tokens, unit_path
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.contracts import kv_files
@@ -201,15 +201,7 @@ def test_scan_counts_and_evicts_only_regular_files(saved, tmp_path):
 
 @pytest.fixture(scope="module")
 def llama_dir(tiny_checkpoint, tmp_path_factory):
-    """A tiny llama's cache directory after one run, its identity and the caching-off tokens."""
-    path = tiny_checkpoint("llama")
-    prompts = prompts_for(49152, seed=31)
-    ref = tokens(generate(LLM(path, enable_prefix_caching=False, **KW), prompts))
-    cache_dir = str(tmp_path_factory.mktemp("kv-hostile"))
-    with LLM(path, kv_cache_dir=cache_dir, **KW) as llm:
-        assert tokens(generate(llm, prompts)) == ref
-        identity = llm.engine.runner.cache_identity
-    return dict(path=path, dir=cache_dir, identity=identity, prompts=prompts, ref=ref)
+    return saved_llama_dir(tiny_checkpoint, tmp_path_factory, seed=31, name="kv-hostile")
 
 
 def copy_dir(llama_dir, tmp_path) -> str:

@@ -104,13 +104,18 @@ def unit_path(directory: str, identity: str, prompt: list[int], index: int, kind
 
 # ---- a new process reads what the first one saved -------------------------------------------------
 
-@pytest.fixture(scope="module")
-def v4_path(tmp_path_factory) -> str:
+def tiny_v4_dir(tmp_path_factory, name: str) -> str:
+    """A tiny DeepSeek-V4 checkpoint (sliding, CSA, HCA, CSA layers) in a new temporary folder."""
     from v4_tiny import CSA, HCA, SLIDING, make_tiny_v4
 
-    path = str(tmp_path_factory.mktemp("v4-restart"))
+    path = str(tmp_path_factory.mktemp(name))
     make_tiny_v4(path, [SLIDING, CSA, HCA, CSA])
     return path
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory) -> str:
+    return tiny_v4_dir(tmp_path_factory, "v4-restart")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "v4"])
@@ -165,17 +170,21 @@ def test_two_processes_share_one_directory_at_once(tiny_checkpoint, tmp_path):
 
 # ---- damaged, truncated and foreign files --------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def llama_saved(tiny_checkpoint, tmp_path_factory):
+def saved_llama_dir(tiny_checkpoint, tmp_path_factory, seed: int, name: str) -> dict:
     """A tiny llama's cache directory after one run, its identity and the caching-off tokens."""
     path = tiny_checkpoint("llama")
-    prompts = prompts_for(49152, seed=5)
+    prompts = prompts_for(49152, seed=seed)
     ref = tokens(generate(LLM(path, enable_prefix_caching=False, **KW), prompts))
-    cache_dir = str(tmp_path_factory.mktemp("kv-llama"))
+    cache_dir = str(tmp_path_factory.mktemp(name))
     with LLM(path, kv_cache_dir=cache_dir, **KW) as llm:
         assert tokens(generate(llm, prompts)) == ref
         identity = llm.engine.runner.cache_identity
     return dict(path=path, dir=cache_dir, identity=identity, prompts=prompts, ref=ref)
+
+
+@pytest.fixture(scope="module")
+def llama_saved(tiny_checkpoint, tmp_path_factory):
+    return saved_llama_dir(tiny_checkpoint, tmp_path_factory, seed=5, name="kv-llama")
 
 
 @pytest.fixture(scope="module")
