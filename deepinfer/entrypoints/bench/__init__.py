@@ -14,6 +14,11 @@ Workloads (same requests for every engine):
           --max-tokens (16) outputs, run cold (no prefix cache), with the prefix cached in memory
           and after a restart on a --kv-cache-dir (a fresh process); reports TTFT p50/p90 one
           request at a time, mean cached tokens, batch tokens/s and the TTFT ratios (workloads.prefix).
+  pp512   llama-bench's prompt figure: a fresh 512-token prompt (prefix caching off) alone, 512 / TTFT,
+          mean ± stddev over --repetitions (5) runs after a warm-up, on --threads (default 2) threads.
+  tg128   llama-bench's generation figure: 128 decode steps after a 16-token prompt (the prompt's time
+          left out), tokens/s as pp512; then a STREAM-like copy probe and, per engine, its weight bytes
+          per token x tokens/s as a share of the copy bandwidth (workloads.llama_bench, bench.bandwidth).
 
 Without --workload only cpu32 runs. Each workload prints a line as it starts, and a progress bar
 over the workloads goes to stderr when it is a terminal. cpu32 and decode1 share one engine, whose
@@ -29,7 +34,8 @@ With `--speculative-method`, every workload runs with it (engine `deepinfer+ngra
 
 `--peer hf` / `--peer llama.cpp` run the same requests (cpu32, decode1) in a peer after ours, and
 the ratios are printed. llama.cpp (node-llama-cpp's prebuilt binaries, see peers.node_llama_cpp) runs
-one request at a time (`llama.cpp`) and, for cpu32, also 16 parallel sequences (`llama.cpp-np16`).
+one request at a time (`llama.cpp`) and, for cpu32, also 16 parallel sequences (`llama.cpp-np16`);
+pp512 and tg128 have the llama.cpp peer only, on the same thread count.
 With `--load-format dummy` only DeepSeek-V4 has a peer: `--peer hf` runs
 transformers' DeepseekV4ForCausalLM on our engine's own dummy weights, after our workloads and
 with our engine dropped, one request at a time (`hf-batch1`; see peers.hf).
@@ -48,13 +54,18 @@ import json
 
 from deepinfer.entrypoints.bench.report import WorkloadProgress, print_ratios, print_spec
 from deepinfer.entrypoints.bench.workloads import WORKLOADS
+from deepinfer.entrypoints.bench.workloads.llama_bench import (
+    LLAMA_BENCH_WORKLOADS,
+    add_llama_bench_args,
+    run_llama_bench,
+)
 from deepinfer.entrypoints.bench.workloads.long import run_long
 from deepinfer.entrypoints.bench.workloads.serve import add_bench_serve_parser
 from deepinfer.entrypoints.bench.workloads.throughput import run_engine_workloads
 
 __all__ = ["BENCH_WORKLOADS", "add_bench_args", "add_bench_serve_parser", "run_bench", "selected_workloads"]
 
-BENCH_WORKLOADS = (*WORKLOADS, "prefix")
+BENCH_WORKLOADS = (*WORKLOADS, "prefix", *LLAMA_BENCH_WORKLOADS)
 
 
 def add_bench_args(p) -> None:
@@ -71,6 +82,7 @@ def add_bench_args(p) -> None:
     p.add_argument("--window", type=int, default=128, help="sliding window W of the long workload")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     add_prefix_args(p)
+    add_llama_bench_args(p)
 
 
 def selected_workloads(args) -> list[str]:
@@ -107,6 +119,10 @@ def run_bench(args) -> int:
         progress.start("prefix")
         results += run_prefix(args)
         names = [n for n in names if n != "prefix"]
+    llama_bench = [n for n in names if n in LLAMA_BENCH_WORKLOADS]
+    if llama_bench:
+        results += run_llama_bench(args, llama_bench, progress)
+        names = [n for n in names if n not in LLAMA_BENCH_WORKLOADS]
     if names:
         results += run_engine_workloads(args, names, progress, dummy_peer)
     progress.close()

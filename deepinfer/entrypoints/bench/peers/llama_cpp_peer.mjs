@@ -11,8 +11,10 @@
 // steps together (like `llama-server -np N`); parallel 1 runs the requests one at a time.
 // Only the generation is timed, after the model load and a short warm-up on every sequence.
 //
-// Prints one JSON line on stdout: {seconds, output_tokens, threads, parallel, ctx_size,
+// Prints one JSON line on stdout: {seconds, output_tokens, requests, threads, parallel, ctx_size,
 // node_llama_cpp_version, llama_cpp_release, build_type, cpu_variant}; llama.cpp's logs go to stderr.
+// `requests` holds, per request in job order, {tokens, prompt_s, decode_s}: the seconds to its first
+// token and from its first token to its last (meaningful one sequence at a time, parallel 1).
 
 import { readFileSync } from "node:fs";
 import { createRequire } from "node:module";
@@ -74,31 +76,42 @@ function loadedCpuVariant() {
     }
 }
 
-/** Greedy generation of exactly `count` tokens after `prompt` on a cleared sequence; EOS does not stop it. */
+/** Seconds since `start` (a process.hrtime.bigint()). */
+function secondsSince(start) {
+    return Number(process.hrtime.bigint() - start) / 1e9;
+}
+
+/** Greedy generation of exactly `count` tokens after `prompt` on a cleared sequence; EOS does not stop it.
+ *  Returns the tokens and the request's timings: prompt_s (to the first token: the prompt's evaluation
+ *  and the first sampling) and decode_s (from the first token to the last: count - 1 decode steps). */
 async function generate(sequence, prompt, count) {
     await sequence.clearHistory();
     let produced = 0;
+    const start = process.hrtime.bigint();
+    let first = null, last = null;
     for await (const _token of sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true })) {
+        last = process.hrtime.bigint();
+        first ??= last;
         produced += 1;
         if (produced === count)
             break;
     }
-    return produced;
+    return { tokens: produced, prompt_s: Number(first - start) / 1e9, decode_s: Number(last - first) / 1e9 };
 }
 
-/** Run every request on `sequences`, each sequence taking the next request from a shared queue. */
+/** Run every request on `sequences`, each sequence taking the next request from a shared queue;
+ *  returns each request's generate() result, in request order. */
 async function runQueue(sequences, prompts, outputLens) {
     let next = 0;
+    const requests = new Array(prompts.length);
     const worker = async (sequence) => {
-        let produced = 0;
         while (next < prompts.length) {
             const i = next++;
-            produced += await generate(sequence, prompts[i], outputLens[i]);
+            requests[i] = await generate(sequence, prompts[i], outputLens[i]);
         }
-        return produced;
     };
-    const counts = await Promise.all(sequences.map(worker));
-    return counts.reduce((a, b) => a + b, 0);
+    await Promise.all(sequences.map(worker));
+    return requests;
 }
 
 /** Load the model, warm up, time the job's requests; returns the result object. */
@@ -119,10 +132,11 @@ async function runJob(job, installDir) {
         const sequences = Array.from({ length: job.parallel }, () => context.getSequence());
         await runQueue(sequences, sequences.map(() => WARMUP_PROMPT), sequences.map(() => WARMUP_TOKENS));
         const start = process.hrtime.bigint();
-        const outputTokens = await runQueue(sequences, job.prompts, job.output_lens);
-        const seconds = Number(process.hrtime.bigint() - start) / 1e9;
+        const requests = await runQueue(sequences, job.prompts, job.output_lens);
+        const seconds = secondsSince(start);
         return {
-            seconds, output_tokens: outputTokens, threads: job.threads, parallel: job.parallel,
+            seconds, output_tokens: requests.reduce((sum, r) => sum + r.tokens, 0), requests,
+            threads: job.threads, parallel: job.parallel,
             ctx_size: context.contextSize, node_llama_cpp_version: version,
             llama_cpp_release: llama.llamaCppRelease?.release ?? null, build_type: llama.buildType,
             cpu_variant: loadedCpuVariant(),
