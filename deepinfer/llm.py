@@ -48,7 +48,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
     runner = _build_runner(source, config, job)
     engine = LLMEngine(config, source, runner)
-    logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start))
+    logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start, source))
     return engine
 
 

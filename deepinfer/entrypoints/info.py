@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
 from deepinfer.worker.kv_disk import scan_kv_dir
+from deepinfer.worker.summary import packed_summary
 
 
 def human_bytes(num: int) -> str:
@@ -168,7 +169,7 @@ def info_lines(llm) -> list[str]:
         f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
         f"dtype: {runner.dtype}, kv cache dtype: {engine.config.cache.kv_cache_dtype}, device: {runner.device}, "
         f"max_model_len: {engine.max_model_len}, max_num_seqs: {engine.config.scheduler.max_num_seqs}",
-        *weight_lines(runner),
+        *weight_lines(runner, engine.source),
         *group_lines(llm),
     ]
     if is_multi_format(runner):
@@ -185,18 +186,14 @@ def _dummy_kind(model) -> str:
     return "shapes only, no values" if meta else "seeded random values"
 
 
-def weight_lines(runner) -> list[str]:
-    """What `--dtype` and `--quantization` resolved to and why, and the weights' formats and bytes."""
+def weight_lines(runner, source=None) -> list[str]:
+    """What `--dtype` and `--quantization` resolved to and why, and the weights' formats and bytes:
+    the packed matrices beside the file's bytes for them (`packed_summary`)."""
     lines = [f"dtype choice: {runner.dtype_choice.value} ({runner.dtype_choice.reason})",
              f"quantization: {runner.quantization.value} ({runner.quantization.reason})"]
-    packed = [m.qweight for m in runner.model.modules() if hasattr(m, "qweight")]
+    packed = packed_summary(runner.model, source)
     if packed:
-        kinds: dict[str, int] = {}
-        for w in packed:
-            kinds[w.kind] = kinds.get(w.kind, 0) + 1
-        layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
-        mib = sum(w.nbytes for w in packed) / 2**20
-        lines.append(f"  quantized matrices: {len(packed)} ({layout}), {mib:,.1f} MiB")
+        lines.append(f"  quantized matrices: {packed}")
     dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     lines.append(f"  dense parameters: {dense / 2**20:,.1f} MiB")
     return lines

@@ -7,8 +7,8 @@
 
 `--dtype auto` on a CPU, by rule and measurement:
     batch-invariant mode      fp32
-    quantized weights         fp32: the kernels take fp32 activations; attention and norms are a
-                              small share of the step and stay exact
+    quantized weights         fp32: the integer kernels quantize fp32 activations (int8 per 32
+                              values); attention and norms are a small share of the step and stay exact
     < 32M matmul weights      fp32: a step of a small model is mostly overhead, not matmul
     otherwise                 a start-up probe (~0.1 s) times the model's MLP shape for 1 and 16
                               rows in fp32 and bf16; bf16 is chosen if it takes < 90% of fp32's time
@@ -34,7 +34,7 @@ from deepinfer.config import check_load_format, check_quantization
 from deepinfer.contracts.numerics import NumericsRecord
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
-from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, best_time, one_thread
+from deepinfer.model_executor.layers.ops.qmatmul import QUANTIZE_SCHEMES, best_time, one_thread, qdot_variant
 from deepinfer.model_executor.layers.quant_linear import quantize_linears
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
 from deepinfer.model_executor.models.registry import get_model_class
@@ -65,7 +65,8 @@ def resolve_quantization(requested: str, source, device: torch.device, batch_inv
     _check_quantization_request(requested, source, device, batch_invariant)
     if requested == "gguf":
         return Choice("gguf", f"requested; {kernel_status()}")
-    return Choice(requested, f"requested: linear layers quantized at load ({requested}, groups of 32); "
+    return Choice(requested, f"requested: linear layers quantized at load ({requested}: "
+                             f"{QUANTIZE_SCHEMES[requested]} blocks of 32); "
                              f"{kernel_status()}")
 
 
@@ -74,19 +75,16 @@ def _auto_quantization(source, device: torch.device, batch_invariant: bool) -> C
         return Choice("none", "auto: not a GGUF checkpoint with weights")
     if device.type != "cpu":
         return Choice("none", f"auto: the quantized kernels are CPU kernels; on {device.type} weights are dequantized")
-    if batch_invariant:
-        return Choice("none", "auto: batch-invariant mode uses dequantized weights")
     if not kernel_isa():
         return Choice("none", f"auto: {kernel_status()}; weights are dequantized")
-    return Choice("gguf", f"auto: GGUF weights stay quantized, {kernel_isa_name()} kernels")
+    return Choice("gguf", f"auto: GGUF weights stay quantized, {kernel_isa_name()} kernels, "
+                          f"integer dot products {qdot_variant()}")
 
 
 def _check_quantization_request(requested: str, source, device: torch.device, batch_invariant: bool) -> None:
     where = f"quantization={requested!r}"
     if device.type != "cpu":
         raise ValueError(f"{where} runs on the CPU only; device is {device.type!r} (use quantization='none')")
-    if batch_invariant:
-        raise ValueError(f"{where} is not available in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1)")
     if source.load_format == "dummy":
         raise ValueError(f"{where} needs real weights; load_format is 'dummy'")
     if requested == "gguf" and source.format != "gguf":
@@ -116,7 +114,7 @@ def torch_dtype(choice: Choice) -> torch.dtype:
 
 def resolve_cpu_dtype(source, quantization: str) -> Choice:
     if quantization != "none":
-        return Choice("float32", "auto: quantized matmuls take fp32 activations")
+        return Choice("float32", "auto: quantized matmuls take fp32 activations (quantized to int8 per 32)")
     cfg = getattr(source, "hf_config", None)
     hidden, inter = getattr(cfg, "hidden_size", 0), getattr(cfg, "intermediate_size", 0)
     layers = getattr(cfg, "num_hidden_layers", 0)
@@ -239,11 +237,9 @@ def _tensor_types(model: nn.Module) -> tuple[str, tuple[str, ...]]:
         for tname, t in tensors:
             digest.update(f"{name}.{tname}:{t.dtype}:{tuple(t.shape)}\n".encode())
             formats.add(str(t.dtype).removeprefix("torch."))
-        for attr, w in vars(module).items():
-            if isinstance(w, QuantWeight):
-                digest.update(f"{name}.{attr}:{w.kind}:{w.bits}/{w.group}:{w.q.dtype}:{w.scale.dtype}:"
-                              f"{tuple(w.shape)}\n".encode())
-                formats.add(w.kind)
+        for i, w in enumerate(getattr(module, "qweights", ())):
+            digest.update(f"{name}.qweights.{i}:{w.kind}:{tuple(w.shape)}\n".encode())
+            formats.add(w.kind)
     return digest.hexdigest(), tuple(sorted(formats))
 
 

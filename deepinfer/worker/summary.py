@@ -3,26 +3,50 @@ dtype, quantization, attention backend and device."""
 
 from __future__ import annotations
 
+from deepinfer.model_executor.layers.ops.qmatmul import qdot_variant
+from deepinfer.model_executor.layers.quant_linear import packed_weights
+from deepinfer.model_executor.loader.gguf import packed_file_bytes
 from deepinfer.worker.cache_sizing import max_concurrency, mib
 
 
 def weight_bytes(model) -> int:
     """Bytes of the model's weights: dense parameters plus packed quantized matrices."""
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = sum(m.qweight.nbytes for m in model.modules() if hasattr(m, "qweight"))
-    return dense + packed
+    return dense + sum(w.nbytes for w in packed_weights(model))
 
 
-def startup_summary(runner, max_model_len: int, load_s: float) -> str:
+def packed_summary(model, source=None) -> str | None:
+    """The packed matrices against the file's bytes of the same matrices, e.g. '211 (Q4_1 x210,
+    Q8_0 x1), 93.8 MiB packed for 93.8 MiB in the file (1.00x), qdot avx2'; None when nothing is packed.
+    `source`: the model source; a GGUF's tensor table gives the file's side (one rank holds its slices)."""
+    packed = packed_weights(model)
+    if not packed:
+        return None
+    kinds: dict[str, int] = {}
+    for w in packed:
+        kinds[w.kind] = kinds.get(w.kind, 0) + 1
+    layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
+    held = sum(w.nbytes for w in packed)
+    text = f"{len(packed)} ({layout}), {mib(held)} packed"
+    if source is not None and getattr(source, "format", None) == "gguf":
+        in_file = sum(packed_file_bytes(source.path).values())
+        text += f" for {mib(in_file)} in the file ({held / max(in_file, 1):.2f}x)"
+    return f"{text}, qdot {qdot_variant()}"
+
+
+def startup_summary(runner, max_model_len: int, load_s: float, source=None) -> str:
     """e.g. 'engine ready in 2.1 s: weights 258.3 MiB, KV cache 384.0 MiB (6,144 blocks), max
-    concurrency 24 requests at max_model_len 4,096, dtype float32, quantization gguf, attention torch, device cpu'."""
+    concurrency 24 requests at max_model_len 4,096, dtype float32, quantization gguf, attention torch, device cpu';
+    with matrices kept packed, the weights' part adds what `packed_summary` says."""
     requests = max_concurrency(runner.cache_need, runner.num_blocks, runner.num_state_slots)
     units = f"{runner.num_blocks:,} blocks" if runner.num_blocks else ""
     if runner.num_state_slots:
         units += (", " if units else "") + f"{runner.num_state_slots:,} state slots"
     if runner.device.type == "cpu":
         units += "; reserved, resident only as rows are written"
-    return (f"engine ready in {load_s:.1f} s: weights {mib(weight_bytes(runner.model))}, "
+    packed = packed_summary(runner.model, source)
+    weights = mib(weight_bytes(runner.model)) + (f" (quantized matrices: {packed})" if packed else "")
+    return (f"engine ready in {load_s:.1f} s: weights {weights}, "
             f"KV cache {mib(runner.cache.num_bytes)} ({units}), max concurrency {requests:,} requests at "
             f"max_model_len {max_model_len:,}, dtype {runner.dtype_choice.value}, quantization "
             f"{runner.quantization.value}, attention {runner.attention_backend.name}, device {runner.device}")

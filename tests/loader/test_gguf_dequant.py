@@ -1,4 +1,5 @@
-"""Dequantization through the loader's GGUF reader, per ggml type.
+"""Dequantization through the loader's GGUF reader, per ggml type, and of the same tensors kept
+in their blocks (`packed_gguf`, `dequantize_ref`).
 
 Types with a Python quantizer in `gguf.quants` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) are
 quantized from a known array; Q4_K and Q6_K have no quantizer, so blocks are packed by hand from
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.model_executor.layers.ops.qmatmul import dequantize_ref
 from deepinfer.model_executor.loader.gguf import dequantize_tensor
 from deepinfer.model_executor.loader.gguf_file import read_gguf_file
+from deepinfer.model_executor.loader.gguf_repack import packed_gguf
 
 Q = gguf.GGMLQuantizationType
 QK_K = 256
@@ -55,6 +58,9 @@ def test_python_quantizable_types(tmp_path, qtype):
 
     ours = dequantize_tensor(tensor, torch.float32).numpy()
     np.testing.assert_array_equal(ours, _reference_bytes(path).reshape(6, 128))
+    packed = packed_gguf(qtype.name, tensor.data, tensor.shape)  # kept in its blocks: the same values
+    if packed is not None:
+        np.testing.assert_array_equal(dequantize_ref(packed).numpy(), ours)
     error = np.abs(ours - original)
     if qtype in _RELATIVE_ERROR:
         assert (error <= _RELATIVE_ERROR[qtype] * np.abs(original) + 1e-30).all()
@@ -164,3 +170,5 @@ def test_k_quants_from_documented_layout(tmp_path, qtype, make_case):
     ours = dequantize_tensor(tensor, torch.float32).numpy()
     np.testing.assert_allclose(ours, expected.reshape(rows, -1), rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(ours, _reference_bytes(path).reshape(ours.shape))
+    packed = dequantize_ref(packed_gguf(qtype.name, tensor.data, tensor.shape)).numpy()  # kept in its blocks
+    np.testing.assert_allclose(packed, expected.reshape(rows, -1), rtol=1e-6, atol=1e-7)

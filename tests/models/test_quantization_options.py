@@ -106,7 +106,7 @@ def test_auto_quantization_follows_source_device_and_kernels(monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", gguf, cpu).value == "gguf"
     assert resolve_quantization("auto", gguf, torch.device("cuda")).value == "none"
-    assert resolve_quantization("auto", gguf, cpu, batch_invariant=True).value == "none"
+    assert resolve_quantization("auto", gguf, cpu, batch_invariant=True).value == "gguf"  # integer kernels: invariant
     assert resolve_quantization("auto", SimpleNamespace(format="gguf", load_format="dummy"), cpu).value == "none"
     assert resolve_quantization("auto", SimpleNamespace(format="hf", load_format="auto"), cpu).value == "none"
     monkeypatch.setenv("DEEPINFER_CPU_ISA", "none")

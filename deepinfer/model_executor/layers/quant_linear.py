@@ -2,23 +2,26 @@
 
 A model is built with plain `nn.Linear` / `MergedLinear` / `nn.Embedding` modules; loading swaps a
 module for its quantized twin when the checkpoint hands it a `QuantWeight` (a GGUF tensor kept in
-its own quantization) or when `quantize_linears` quantizes it at load (`--quantization int8|int4`).
+its own blocks) or when `quantize_linears` quantizes it at load (`--quantization int8|int4`).
 The twins keep the module's name and shard sizes, so the model code does not change:
 
-    nn.Linear / MergedLinear  ->  QuantLinear      forward: qmatmul(x, W) (+ bias)
+    nn.Linear / MergedLinear  ->  QuantLinear      forward: qmatmul(x, parts) (+ bias)
     nn.Embedding              ->  QuantEmbedding   forward: dequantize the looked-up rows only;
                                                    as a tied LM head: qmatmul(hidden, W)
     RowParallelLinear         ->  QuantRowParallelLinear     all_reduce(qmatmul(x_r, W_r)) (+ bias)
     VocabParallelEmbedding    ->  QuantVocabParallelEmbedding  the rank's rows; others zero, all_reduce
 (a ColumnParallelLinear needs no collective: a QuantLinear of the rank's rows is its twin)
 
-The shards of a merged projection (q|k|v, gate|up) may come in different formats (Gemma 3's v is
-Q8_0 in some layers, its q and k Q5_0): they are brought to one layout first (`widen`), exactly.
+Every quantized module lists its weights in `qweights`. The shards of a merged projection (q|k|v,
+gate|up) may come in different types (Gemma 3's v is Q8_0 in some layers, its q and k Q5_0): a run
+of shards of one type is one part, and the parts are multiplied with one quantization of the
+activations and their outputs concatenated; nothing is converted.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,26 +34,32 @@ from deepinfer.model_executor.layers.parallel_linear import RowParallelLinear, V
 logger = logging.getLogger("deepinfer.quantization")
 
 QUANTIZATION_SCHEMES = ("int8", "int4")
+_BLOCK = 32  # values per Q8_0 / Q4_1 block: a quantized layer's K is a multiple of it
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W packed; `shard_sizes` kept for a merged projection."""
+    """y = x W^T + b with W packed, as parts stacked on the output axis (one per run of a type);
+    `shard_sizes` kept for a merged projection."""
 
-    def __init__(self, qweight: QuantWeight, bias: torch.Tensor | None, shard_sizes: list[int] | None = None):
+    def __init__(self, qweights: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None,
+                 shard_sizes: list[int] | None = None):
         super().__init__()
-        self.qweight = qweight
-        self.out_features, self.in_features = qweight.shape
+        self.qweights = (qweights,) if isinstance(qweights, QuantWeight) else tuple(qweights)
+        self.out_features = sum(w.shape[0] for w in self.qweights)
+        self.in_features = self.qweights[0].shape[1]
+        if any(w.shape[1] != self.in_features for w in self.qweights):
+            raise ValueError(f"QuantLinear parts have different input sizes: {[w.shape for w in self.qweights]}")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         if shard_sizes is not None:
             self.shard_sizes = list(shard_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = qmatmul(x, self.qweight)  # [..., out]
+        y = qmatmul(x, self.qweights)  # [..., out]
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        w = self.qweight
-        return f"in={self.in_features}, out={self.out_features}, {w.kind} as {w.bits}-bit/{w.group}"
+        kinds = "+".join(f"{w.kind}[{w.shape[0]}]" for w in self.qweights)
+        return f"in={self.in_features}, out={self.out_features}, {kinds}"
 
 
 class QuantEmbedding(nn.Module):
@@ -61,6 +70,10 @@ class QuantEmbedding(nn.Module):
         self.qweight = qweight
         self.num_embeddings, self.embedding_dim = qweight.shape
         self.dtype = dtype
+
+    @property
+    def qweights(self) -> tuple[QuantWeight, ...]:
+        return (self.qweight,)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = dequantize_ref(self.qweight.rows(ids.reshape(-1)))  # [T, hidden] fp32
@@ -78,7 +91,7 @@ class QuantRowParallelLinear(QuantLinear):
     """The rank's input columns of W packed: one all_reduce sums the ranks' products, the bias after."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(qmatmul(x, self.qweight))  # [..., out], summed over ranks
+        y = all_reduce(qmatmul(x, self.qweights))  # [..., out], summed over ranks
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -99,8 +112,13 @@ class QuantVocabParallelEmbedding(QuantEmbedding):
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] @ head^T for an LM head given as a Linear or a (tied) Embedding, either form."""
     if isinstance(head, QuantLinear | QuantEmbedding):
-        return qmatmul(hidden, head.qweight)  # [N, V]
+        return qmatmul(hidden, head.qweights)  # [N, V]: the integer kernels, as every quantized matmul
     return F.linear(hidden, head.weight)  # [N, V]
+
+
+def packed_weights(model: nn.Module) -> list[QuantWeight]:
+    """Every packed weight (part) the model's quantized modules hold."""
+    return [w for m in model.modules() for w in getattr(m, "qweights", ())]
 
 
 # ---- swapping modules ---------------------------------------------------------------------------
@@ -115,10 +133,11 @@ def install_quantized(model: nn.Module, pending: dict[str, list[tuple[int | None
         _set_submodule(model, module_name, _twin(module, weight))
 
 
-def _joined(name: str, module: nn.Module, pieces: list[tuple[int | None, QuantWeight]]) -> QuantWeight:
+def _joined(name: str, module: nn.Module,
+            pieces: list[tuple[int | None, QuantWeight]]) -> tuple[QuantWeight, ...]:
     sizes = getattr(module, "shard_sizes", None)
     if pieces[0][0] is None:
-        return _checked(name, module, pieces[0][1])
+        return _checked(name, module, (pieces[0][1],))
     got = sorted(shard for shard, _ in pieces)
     if sizes is None or got != list(range(len(sizes))):
         raise ValueError(f"quantized weight {name!r} got shards {got}, expected {len(sizes or [])} of them")
@@ -126,24 +145,28 @@ def _joined(name: str, module: nn.Module, pieces: list[tuple[int | None, QuantWe
     for w, rows in zip(ordered, sizes, strict=True):
         if w.shape[0] != rows:
             raise ValueError(f"quantized shard of {name!r} has {w.shape[0]} rows, expected {rows}")
-    return _checked(name, module, concat_rows(ordered))
+    return _checked(name, module, kind_runs(ordered))
 
 
-def _checked(name: str, module: nn.Module, w: QuantWeight) -> QuantWeight:
+def _checked(name: str, module: nn.Module, parts: tuple[QuantWeight, ...]) -> tuple[QuantWeight, ...]:
     expected = tuple(module.weight.shape)
-    if w.shape != expected:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {w.shape}, expected {expected}")
-    return w
+    got = (sum(w.shape[0] for w in parts), parts[0].shape[1])
+    if got != expected or any(w.shape[1] != got[1] for w in parts):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {[w.shape for w in parts]}, expected {expected}")
+    return parts
 
 
-def _twin(module: nn.Module, weight: QuantWeight) -> nn.Module:
-    if isinstance(module, VocabParallelEmbedding):
-        return QuantVocabParallelEmbedding(weight, module.weight.dtype, module.vocab_start, module.vocab_rows)
+def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...]) -> nn.Module:
+    parts = (weight,) if isinstance(weight, QuantWeight) else weight
     if isinstance(module, nn.Embedding):
-        return QuantEmbedding(weight, module.weight.dtype)
+        if len(parts) != 1:
+            raise ValueError(f"an embedding table arrived in {len(parts)} parts")
+        if isinstance(module, VocabParallelEmbedding):
+            return QuantVocabParallelEmbedding(parts[0], module.weight.dtype, module.vocab_start, module.vocab_rows)
+        return QuantEmbedding(parts[0], module.weight.dtype)
     if isinstance(module, nn.Linear):
         cls = QuantRowParallelLinear if isinstance(module, RowParallelLinear) else QuantLinear
-        return cls(weight, module.bias, getattr(module, "shard_sizes", None))
+        return cls(parts, module.bias, getattr(module, "shard_sizes", None))
     raise ValueError(f"a quantized weight arrived for a {type(module).__name__}, which has no quantized twin")
 
 
@@ -152,43 +175,34 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def concat_rows(weights: list[QuantWeight]) -> QuantWeight:
-    """Stack weights on the output axis, widened to one layout (4 bits -> 8 bits, 32 -> 16 per group)."""
-    bits, group = max(w.bits for w in weights), min(w.group for w in weights)
-    same = [widen(w, bits, group) for w in weights]
-    kinds = "+".join(dict.fromkeys(w.kind for w in weights))
-    return QuantWeight(torch.cat([w.q for w in same]), torch.cat([w.scale for w in same]),
-                       torch.cat([w.minv for w in same]), bits, group, kinds)
+def kind_runs(weights: list[QuantWeight]) -> tuple[QuantWeight, ...]:
+    """Weights stacked on the output axis as parts: each run of consecutive weights of one type is
+    joined into one (their rows concatenated, bytes unchanged)."""
+    runs: list[list[QuantWeight]] = []
+    for w in weights:
+        if runs and runs[-1][0].kind == w.kind:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return tuple(run[0] if len(run) == 1 else QuantWeight(torch.cat([w.data for w in run]), run[0].kind)
+                 for run in runs)
 
 
-def widen(w: QuantWeight, bits: int, group: int) -> QuantWeight:
-    """The same values in a wider layout: every value and scale is kept exactly."""
-    if (w.bits, w.group) == (bits, group):
-        return w
-    n, k = w.shape
-    q = w.q
-    if w.bits == 4:  # 0..15 into int8, natural order
-        packed = q.view(n, k // 32, 16)  # [N, groups, 16]
-        q = torch.cat([packed & 0xF, packed >> 4], dim=-1).to(torch.int8).reshape(n, k)  # [N, K]
-    repeat = w.group // group
-    return QuantWeight(q.contiguous(), w.scale.repeat_interleave(repeat, dim=1),
-                       w.minv.repeat_interleave(repeat, dim=1), bits, group, w.kind)
-
-
-def quantize_linears(model: nn.Module, scheme: str, group: int = 32) -> int:
-    """`--quantization int8|int4`: swap every plain Linear whose K is a multiple of `group` for a
-    QuantLinear of its weight (and a tied or untied head alike); returns how many were swapped."""
+def quantize_linears(model: nn.Module, scheme: str) -> int:
+    """`--quantization int8|int4`: swap every plain Linear whose K is a multiple of 32 (the block of
+    Q8_0 and Q4_1) for a QuantLinear of its weight in Q8_0 (int8) or Q4_1 (int4) blocks
+    (and a tied or untied head alike); returns how many were swapped."""
     if scheme not in QUANTIZATION_SCHEMES:
         raise ValueError(f"quantization scheme must be one of {QUANTIZATION_SCHEMES}, got {scheme!r}")
     swapped, kept = 0, []
     for name, module in list(model.named_modules()):
         if type(module) is nn.Embedding or not isinstance(module, nn.Linear) or isinstance(module, QuantLinear):
             continue
-        if module.in_features % group:
+        if module.in_features % _BLOCK:
             kept.append(name)
             continue
-        _set_submodule(model, name, _twin(module, quantize_weight(module.weight, scheme, group)))
+        _set_submodule(model, name, _twin(module, quantize_weight(module.weight, scheme)))
         swapped += 1
     if kept:
-        logger.info("%d linear layers stay unquantized (K not a multiple of %d), e.g. %s", len(kept), group, kept[0])
+        logger.info("%d linear layers stay unquantized (K not a multiple of %d), e.g. %s", len(kept), _BLOCK, kept[0])
     return swapped

@@ -1,6 +1,6 @@
 """GGUF files: one header pass (`gguf_file`) for metadata and tensors, each dequantized once
 with `gguf.quants.dequantize`, straight into the compute dtype, or (`keep_quantized`) its matrices
-repacked into `QuantWeight`s that stay quantized (`gguf_repack`). With several tensor-parallel
+kept as `QuantWeight`s of the file's own blocks (`gguf_repack`). With several tensor-parallel
 ranks, each rank decodes only its slices (`iter_gguf_slices`, `gguf_slice`).
 
 Layout facts this module undoes (llama.cpp's converter applies them when it writes the file):
@@ -31,11 +31,12 @@ import torch
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
-from deepinfer.model_executor.loader.gguf_repack import repack_gguf
+from deepinfer.model_executor.loader.gguf_repack import is_packed, packed_gguf
 from deepinfer.model_executor.loader.gguf_slice import GGUFSlice
 from deepinfer.model_executor.loader.model_source import ModelSource, compute_identity
 
-__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor"]
+__all__ = ["SUPPORTED_GGUF_ARCHITECTURES", "load_gguf_source", "gguf_to_hf_name", "dequantize_tensor",
+           "packed_file_bytes"]
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -147,7 +148,7 @@ def iter_gguf_weights(
     tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """Yield `(hf_name, tensor)` for every parameter tensor in file order, in HF layout and `dtype`;
-    with `keep_quantized`, matrices of a repacked type come as `QuantWeight`s instead.
+    with `keep_quantized`, matrices of a packed type come as `QuantWeight`s instead.
 
     Names are checked before any tensor is decoded; decoding runs on a few threads (numpy and
     torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
@@ -191,7 +192,7 @@ def _head_rows(tensor: GGUFTensor, arch: str, config: Any) -> int | None:
 def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype,
                  keep_quantized: bool = False, num_heads: int | None = None) -> torch.Tensor | QuantWeight:
     """One tensor decoded into HF layout: Gemma norms lose their +1 (in float32), llama q/k rows
-    get their HF order back (in a QuantWeight, its rows of values, scales and mins alike);
+    get their HF order back (in a QuantWeight, whole rows of blocks are moved);
     `num_heads`: how many heads a q/k tensor holds, when it is a slice of whole heads."""
     part = tensor.name.split(".")[-2]
     if arch == "gemma3" and part.endswith("norm"):
@@ -214,7 +215,7 @@ def _quantized(tensor: GGUFTensor) -> QuantWeight | None:
     kind = tensor.tensor_type.name
     if kind in _FLOAT_TYPES or len(tensor.shape) != 2:
         return None
-    weight = repack_gguf(kind, tensor.data, tensor.shape)
+    weight = packed_gguf(kind, tensor.data, tensor.shape)
     if weight is None and kind not in _UNPACKED_LOGGED:
         _UNPACKED_LOGGED.add(kind)
         logger.warning("GGUF type %s has no quantized kernel: its tensors (e.g. %s) are dequantized", kind, tensor.name)
@@ -224,11 +225,22 @@ def _quantized(tensor: GGUFTensor) -> QuantWeight | None:
 _UNPACKED_LOGGED: set[str] = set()
 
 
+def packed_file_bytes(path: str) -> dict[str, int]:
+    """ggml type -> bytes in the file of the matrices that loading keeps packed (from the tensor
+    table; nothing is read): what `deepinfer info` sets the packed weights' bytes against."""
+    sizes: dict[str, int] = {}
+    for tensor in read_gguf_file(path).tensors:
+        kind = tensor.tensor_type.name
+        if is_packed(kind, tensor.shape):
+            sizes[kind] = sizes.get(kind, 0) + tensor.data.nbytes
+    return sizes
+
+
 def _map_rows(weight: torch.Tensor | QuantWeight, fn) -> torch.Tensor | QuantWeight:
-    """Apply a row permutation to a dense weight, or to every row-indexed part of a QuantWeight."""
+    """Apply a row permutation to a dense weight, or to a QuantWeight's rows of blocks."""
     if isinstance(weight, torch.Tensor):
         return fn(weight)
-    return dataclasses.replace(weight, q=fn(weight.q), scale=fn(weight.scale), minv=fn(weight.minv))
+    return dataclasses.replace(weight, data=fn(weight.data))
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

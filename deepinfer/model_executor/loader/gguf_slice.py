@@ -10,8 +10,8 @@ bytes it decodes are those of the slice, taken from the file's mapping:
 
 A slice of a llama q/k weight must hold whole heads (the file's rows are interleaved per head).
 Decoded slices are what the whole tensor decodes to, cut the same way: values alike, a `QuantWeight`
-when the tensor is kept quantized. Columns of a quantized weight that cut a group of 32 (16 for
-Q6_K) cannot stay packed: those are dequantized, with one log line.
+when the tensor is kept quantized. Columns of a quantized weight that cut a block (32 values, 256
+for K-quants) cannot stay packed: those are dequantized, with one log line.
 """
 
 from __future__ import annotations
@@ -76,12 +76,12 @@ class GGUFSlice:
 
 
 def _cut_columns(w: torch.Tensor | QuantWeight, start: int, length: int, name: str) -> torch.Tensor | QuantWeight:
-    """Columns [start, start + length) of a decoded block range; a QuantWeight whose groups they cut
+    """Columns [start, start + length) of a decoded block range; a QuantWeight whose blocks they cut
     is dequantized first."""
-    if isinstance(w, QuantWeight) and (start % w.group or length % w.group):
+    if isinstance(w, QuantWeight) and (start % w.block or length % w.block):
         if w.kind not in _CUT_LOGGED:
             _CUT_LOGGED.add(w.kind)
-            logger.warning("a rank's columns of %s tensor %s cut its groups of %d: dequantized", w.kind, name, w.group)
+            logger.warning("a rank's columns of %s tensor %s cut its blocks of %d: dequantized", w.kind, name, w.block)
         w = dequantize_ref(w)  # [N, columns of the blocks] fp32
     return w.narrow(1, start, length)
 

@@ -1,4 +1,4 @@
-"""The CPU kernel library (`qmatmul_cpu.cpp`, `fused_cpu.cpp`): built once per content with
+"""The CPU kernel library (`fused_cpu.cpp`, `qdot_cpu.cpp`): built once per content with
 `torch.utils.cpp_extension` (the system's C++ compiler and ninja) and loaded on first use.
 
 `make run` / `make test` build it at install time (`python -m deepinfer.model_executor.layers.ops.cpu_kernels`);
@@ -22,8 +22,16 @@ build is taken over at once (and torch's own `build/lock` it left behind is remo
 build is not retried for `FAILURE_RETRY_S` by processes that only load the kernels; the
 `python -m` build above always retries.
 
-`DEEPINFER_CPU_ISA` (`avx512`, `avx2`, `none`; read once per process) caps the instruction set the
-kernels use, e.g. to run the AVX2 path on an AVX-512 machine, or none at all.
+`DEEPINFER_CPU_ISA` (read once per process) caps the instruction set the kernels use, e.g. to run
+the AVX2 path on an AVX-512 machine, or none at all. The integer dot products (`qdot_level`) and
+the other kernels (`kernel_isa`) read it as:
+
+    avx512_vnni, avx512   qdot AVX512-VNNI   others AVX-512   (the default: the best this CPU runs)
+    avx_vnni              qdot AVX-VNNI      others AVX2
+                          (each: or the best variant below it that this CPU runs)
+    avx2                  qdot AVX2          others AVX2
+    plain                 qdot portable C++  others plain torch (no instruction-set-specific code)
+    none                  torch reference everywhere (the library is not even loaded)
 """
 
 from __future__ import annotations
@@ -47,9 +55,13 @@ import torch
 
 logger = logging.getLogger("deepinfer.kernels")
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("qmatmul_cpu.cpp", "fused_cpu.cpp")]
+_SOURCES = [os.path.join(os.path.dirname(__file__), name)
+            for name in ("fused_cpu.cpp", "qdot_cpu.cpp", "invariant_cpu.cpp")]
 _LIB_NAME = "deepinfer_cpu"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
+_QDOT_NAMES = {0: "none", 1: "plain", 2: "avx2", 3: "avx_vnni", 4: "avx512_vnni"}
+# DEEPINFER_CPU_ISA -> (cap of kernel_isa, cap of qdot_level)
+_CAPS = {"none": (0, 0), "plain": (0, 1), "avx2": (1, 2), "avx_vnni": (1, 3), "avx512": (2, 4), "avx512_vnni": (2, 4)}
 # -fno-trapping-math: nothing here reads floating-point exception flags, and it lets the compiler
 # vectorize loops with selects (fused_cpu.cpp's exp).
 _CFLAGS = ["-O3", "-fopenmp", "-DNDEBUG", "-fno-trapping-math"]
@@ -230,12 +242,16 @@ def _load() -> tuple[int, str]:
     return isa, f"CPU kernels built for this CPU: {_ISA_NAMES[isa]}"
 
 
+def _caps() -> tuple[int, int]:
+    """(kernel_isa cap, qdot_level cap) from DEEPINFER_CPU_ISA."""
+    name = os.environ.get("DEEPINFER_CPU_ISA", "avx512_vnni").strip().lower()
+    if name not in _CAPS:
+        raise ValueError(f"DEEPINFER_CPU_ISA must be one of {', '.join(_CAPS)}; got {name!r}")
+    return _CAPS[name]
+
+
 def _isa_cap() -> int:
-    name = os.environ.get("DEEPINFER_CPU_ISA", "avx512").strip().lower()
-    caps = {v: k for k, v in _ISA_NAMES.items()}
-    if name not in caps:
-        raise ValueError(f"DEEPINFER_CPU_ISA must be one of {', '.join(caps)}; got {name!r}")
-    return caps[name]
+    return _caps()[0]
 
 
 @functools.cache
@@ -252,10 +268,36 @@ def kernel_isa_name() -> str:
     return _ISA_NAMES[kernel_isa()]
 
 
+@functools.cache
+def qdot_levels() -> tuple[int, ...]:
+    """The integer dot-product variants (qdot_cpu.cpp) this CPU and build run, ascending: 1 portable
+    C++, 2 AVX2, 3 AVX-VNNI, 4 AVX512-VNNI (not nested: AVX512-VNNI CPUs may lack AVX-VNNI);
+    () without the library. Ignores DEEPINFER_CPU_ISA."""
+    _load()
+    try:
+        mask = int(torch.ops.deepinfer_cpu.qdot_cpu_isas())
+    except (AttributeError, RuntimeError):  # no library
+        return ()
+    return tuple(level for level in sorted(_QDOT_NAMES) if level and mask >> level & 1)
+
+
+@functools.cache
+def qdot_level(cap: bool = True) -> int:
+    """The integer dot-product variant this process uses: the best of `qdot_levels()` at or below
+    DEEPINFER_CPU_ISA's cap (all of them if `cap` is false); 0 none (the torch reference). Decided
+    once per process (`qdot_level.cache_clear()` makes the next call read DEEPINFER_CPU_ISA again)."""
+    limit = _caps()[1] if cap else max(_QDOT_NAMES)
+    if not limit:
+        return 0
+    return max((level for level in qdot_levels() if level <= limit), default=0)
+
+
 def kernel_status() -> str:
     """One line: what was built and what runs (for `deepinfer info` and logs)."""
-    isa, status = _load() if _isa_cap() else (0, "CPU kernels off (DEEPINFER_CPU_ISA=none)")
-    return status if kernel_isa() == isa else f"{status}; capped to {kernel_isa_name()} by DEEPINFER_CPU_ISA"
+    isa, status = _load() if _caps()[1] else (0, "CPU kernels off (DEEPINFER_CPU_ISA=none)")
+    if kernel_isa() != isa:
+        status = f"{status}; capped to {kernel_isa_name()} by DEEPINFER_CPU_ISA"
+    return f"{status}; integer dot products: {_QDOT_NAMES[qdot_level()]}"
 
 
 def main() -> int:

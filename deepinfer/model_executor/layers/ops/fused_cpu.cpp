@@ -15,7 +15,7 @@
 // on its own row alone (the row count and thread count never change a result). The same loops
 // are compiled for AVX-512 and AVX2 + FMA: generic bodies are inlined into wrappers with
 // function-level target attributes (the compiler vectorizes them for that set), and `isa`
-// (2 or 1, as in qmatmul_cpu.cpp) picks one per call.
+// (2 or 1, what `cpu_isa()` below reports) picks one per call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -347,9 +347,18 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Te
   return out;
 }
 
+// Instruction sets this CPU can run: 2 = AVX-512 (F, BW, VL, DQ), 1 = AVX2 + FMA (+ F16C), 0 = neither.
+int64_t cpu_isa() {
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 0;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return avx512 ? 2 : 1;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("cpu_isa() -> int", cpu_isa);
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset, int isa) -> Tensor");
   m.def("silu_mul(Tensor x, int isa) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin, int isa) -> (Tensor, Tensor)");

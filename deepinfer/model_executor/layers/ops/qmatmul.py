@@ -1,140 +1,144 @@
-"""Quantized weights and their matmul: `QuantWeight` (the one packed layout every source format is
-repacked into) and `qmatmul(x, w)`, which runs the CPU kernel (`qmatmul_cpu.cpp`) or, without one,
-the plain-torch reference that computes the same function (dequantize, then F.linear).
+"""Quantized weights and their matmul: `QuantWeight` keeps a matrix in ggml's own blocks, byte for
+byte as a GGUF file stores them, and `qmatmul(x, w)` multiplies it with the integer kernels
+(`qdot.py`: activations quantized to int8 per 32 values, integer dot products per block) on the
+CPU, or dequantizes it for torch's F.linear elsewhere.
 
-    bits 4   q uint8 [N, K/2]  per group of 32: low nibbles hold values 0..15, high nibbles 16..31
-    bits 8   q int8  [N, K]    groups of 16 or 32
-    scale, minv  [N, K/G]      w = q * scale + minv; both fp32, or both fp16 where fp16 holds
-                               every one exactly (`compact_scales`: GGUF's d and m are fp16)
+    data  uint8 [N, row_bytes]   row n: the K / block ggml blocks of weight row n, in order
+    kind  the ggml type name     block (values, bytes) in BLOCKS
 
-Sources (`loader/gguf_repack.py`, `quantize_weight` here): GGUF Q4_0, Q4_1, Q4_K -> 4 bits;
-Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits in groups of 32; Q6_K (16-value sub-blocks) -> 8 bits in groups
-of 16; an fp checkpoint quantized at load -> int8 (symmetric) or int4 (asymmetric), groups of 32.
-Every repacking is exact: scales and mins are the products GGUF's own dequantization forms, in fp32,
-or in fp16 when that loses nothing (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): 2 bytes fewer per 32 weights
-each, which batch-1 decode, bound by reading the weights, turns into time.
+Batch-1 decode reads every weight once per token, so the bytes held are what bounds its speed:
+they are the file's tensor bytes, nothing is widened. Sources: a GGUF file's matrices of the types
+in BLOCKS (`loader/gguf_repack.py`), and an fp checkpoint quantized at load (`quantize_weight`:
+`int8` -> Q8_0, `int4` -> Q4_1, as llama.cpp's reference quantizer writes them).
 
-From DENSE_MIN_ROWS (128) rows on (prefill chunks) the weight is dequantized once and torch's GEMM
-multiplies, faster there than re-widening each group per row tile; whether that GEMM runs in bf16
-(2x fp32's speed with AVX-512 BF16) is measured once per process.
+`dequantize_ref` decodes every type in plain torch (any device; `qdot.py`'s decoders), with ggml's
+formulas:
+
+    Q4_0  d | 16 B nibbles                      d (q - 8)             q 0..15
+    Q4_1  d m | 16 B nibbles                    d q + m               q 0..15
+    Q5_0  d | 4 B high bits | 16 B nibbles      d (q - 16)            q 0..31
+    Q5_1  d m | 4 B high bits | 16 B nibbles    d q + m               q 0..31
+    Q8_0  d | 32 int8                           d q
+    Q4_K  d dmin | 12 B 6-bit sc, mn | 128 B    d sc_j q - dmin mn_j  per 32 values, q 0..15
+    Q5_K  d dmin | 12 B sc, mn | 32 B hi | 128  d sc_j q - dmin mn_j  per 32 values, q 0..31
+    Q6_K  128 B low 4 | 64 B high 2 | 16 sc | d d sc_j (q - 32)       per 16 values, q 0..63
+
+(d, m, dmin: fp16. Q4_0..Q5_1: byte j's low nibble is value j, its high nibble value 16 + j; a
+high-bit word's bit j belongs to value j. Q4_K/Q5_K: per 32 bytes of nibbles, the low nibbles are
+sub-block 2c, the high ones 2c + 1.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
+from deepinfer.model_executor.layers.ops import qdot
 
-GROUP_SIZES = {4: (32,), 8: (16, 32)}
+# ggml type -> (values per block, bytes per block)
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+QUANTIZE_SCHEMES = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization at load -> the ggml type written
 
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A [N, K] weight kept quantized; `kind` names the source format (e.g. "Q4_1", "int8")."""
+    """A [N, K] weight kept in ggml blocks: `data` holds each row's blocks exactly as a GGUF file does."""
 
-    q: torch.Tensor  # uint8 [N, K/2] (4 bits) or int8 [N, K] (8 bits)
-    scale: torch.Tensor  # fp32 or fp16 [N, K/G]
-    minv: torch.Tensor  # the same dtype as scale [N, K/G]
-    bits: int
-    group: int
+    data: torch.Tensor  # uint8 [N, row_bytes]
     kind: str
 
     def __post_init__(self) -> None:
-        if self.group not in GROUP_SIZES.get(self.bits, ()):
-            raise ValueError(f"QuantWeight: bits={self.bits} group={self.group} is not a packed layout; "
-                             f"have {GROUP_SIZES}")
-        n, k = self.shape
-        if self.scale.shape != (n, k // self.group) or self.minv.shape != self.scale.shape:
-            raise ValueError(f"QuantWeight {self.kind}: scale {tuple(self.scale.shape)} / minv "
-                             f"{tuple(self.minv.shape)} do not match [{n}, {k // self.group}]")
-        if self.scale.dtype != self.minv.dtype or self.scale.dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"QuantWeight {self.kind}: scale and minv must both be float32 or both float16, "
-                             f"got {self.scale.dtype} and {self.minv.dtype}")
+        if self.kind not in BLOCKS:
+            raise ValueError(f"QuantWeight: no block layout for ggml type {self.kind!r}; have {', '.join(BLOCKS)}")
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or not self.data.is_contiguous():
+            raise ValueError(f"QuantWeight {self.kind}: data must be a contiguous 2-D uint8 tensor, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+        if self.data.shape[1] % self.block_bytes:
+            raise ValueError(f"QuantWeight {self.kind}: {self.data.shape[1]} bytes per row is not a whole "
+                             f"number of {self.block_bytes}-byte blocks")
+
+    @property
+    def block(self) -> int:
+        """Values per block: columns are cut only at multiples of it."""
+        return BLOCKS[self.kind][0]
+
+    @property
+    def block_bytes(self) -> int:
+        return BLOCKS[self.kind][1]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * (2 if self.bits == 4 else 1)
+        return self.data.shape[0], self.data.shape[1] // self.block_bytes * self.block
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+        return self.data.numel()
 
-    def rows(self, index: torch.Tensor) -> QuantWeight:
-        """The weight rows `index` (an embedding lookup), still packed."""
-        return QuantWeight(self.q[index], self.scale[index], self.minv[index], self.bits, self.group, self.kind)
+    def rows(self, index) -> QuantWeight:
+        """The weight rows `index` (a slice, or ids for an embedding lookup), still packed."""
+        return QuantWeight(self.data[index].contiguous(), self.kind)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
-        """Rows (dim 0) or columns (dim 1) [start, start + length), still packed; columns only on
-        group boundaries (ValueError otherwise: a group's scale cannot be cut)."""
+        """Rows (dim 0) or columns (dim 1) [start, start + length), still packed; columns only on block
+        boundaries (ValueError otherwise: a block's scales cover all of its values)."""
         if dim == 0:
             return self.rows(slice(start, start + length))
-        if start % self.group or length % self.group:
-            raise ValueError(f"QuantWeight {self.kind}: columns [{start}, {start + length}) cut its groups "
-                             f"of {self.group}")
-        per_byte = 2 if self.bits == 4 else 1
-        groups = slice(start // self.group, (start + length) // self.group)
-        parts = (self.q[:, start // per_byte:(start + length) // per_byte], self.scale[:, groups], self.minv[:, groups])
-        return QuantWeight(*(t.contiguous() for t in parts), self.bits, self.group, self.kind)
+        if start % self.block or length % self.block:
+            raise ValueError(f"QuantWeight {self.kind}: columns [{start}, {start + length}) cut its blocks "
+                             f"of {self.block} values")
+        first, count = start // self.block * self.block_bytes, length // self.block * self.block_bytes
+        return QuantWeight(self.data[:, first:first + count].contiguous(), self.kind)
 
     def padded_rows(self, rows: int) -> QuantWeight:
-        """`rows` rows: these, then rows whose values are all zero (q, scale and min 0)."""
+        """`rows` rows: these, then zero rows (an all-zero block decodes to 0 in every type)."""
         extra = rows - self.shape[0]
         if extra <= 0:
             return self
-        pad = [torch.cat([t, t.new_zeros(extra, t.shape[1])]) for t in (self.q, self.scale, self.minv)]
-        return QuantWeight(*pad, self.bits, self.group, self.kind)
-
-
-def compact_scales(scale: torch.Tensor, minv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 scale, minv -> fp16 if fp16 holds every value exactly, else unchanged."""
-    half = scale.half(), minv.half()
-    if torch.equal(half[0].float(), scale) and torch.equal(half[1].float(), minv):
-        return half
-    return scale, minv
+        return QuantWeight(torch.cat([self.data, self.data.new_zeros(extra, self.data.shape[1])]), self.kind)
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight as a dense [N, K] tensor of `dtype` (kernel when available, else torch)."""
-    isa = kernel_isa()
-    if isa and w.q.device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        bf16 = dtype == torch.bfloat16
-        return torch.ops.deepinfer_cpu.qdequant.default(w.q, w.scale, w.minv, w.bits, w.group, isa, bf16)  # [N, K]
+    """The weight as a dense [N, K] tensor of `dtype`, on the weight's device."""
     return dequantize_ref(w).to(dtype)
 
 
 def dequantize_ref(w: QuantWeight) -> torch.Tensor:
-    """Plain torch: the same values as the kernel's, fp32 [N, K]."""
-    n, k = w.shape
-    if w.bits == 4:
-        packed = w.q.view(n, k // 32, 16)  # [N, groups, 16]
-        values = torch.cat([packed & 0xF, packed >> 4], dim=-1)  # [N, groups, 32]
-    else:
-        values = w.q.view(n, k // w.group, w.group)  # [N, groups, G]
-    out = values.float() * w.scale.float()[..., None] + w.minv.float()[..., None]  # [N, groups, G]
-    return out.reshape(n, k)
+    """Plain torch, ggml's formulas (the kernels' decoding, `qdot.dequantize_ref`): fp32 [N, K], the
+    same values as `gguf.quants.dequantize`."""
+    return qdot.dequantize_ref(w)
 
 
-def qmatmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, W never materialized for a few rows."""
-    isa = kernel_isa()
-    if isa and x.dim() == 2 and x.dtype is torch.float32 and x.shape[0] < dense_path().min_rows \
-            and x.device.type == "cpu":  # the decode step's case, without reshapes or casts
-        return torch.ops.deepinfer_cpu.qmatmul.default(x, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
-    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
-    if not isa or x.device.type != "cpu":
-        y = F.linear(x2, dequantize(w))  # [M, N]: the plain-torch path, fp32
-    elif x2.shape[0] < dense_path().min_rows:
-        y = torch.ops.deepinfer_cpu.qmatmul.default(x2, w.q, w.scale, w.minv, w.bits, w.group, isa)  # [M, N]
+def qmatmul(x: torch.Tensor, w: QuantWeight | Sequence[QuantWeight]) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype. `w` may be the parts of a merged weight stacked on
+    the output axis (each its own type): on the CPU the activations are quantized once for all of
+    them; elsewhere every part is dequantized and torch multiplies."""
+    parts = (w,) if isinstance(w, QuantWeight) else tuple(w)
+    x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x.device.type == "cpu":
+        y = _integer_matmul(x2.float(), parts)  # [M, N] fp32
     else:
-        dtype = dense_path().dtype
-        y = F.linear(x2.to(dtype), dequantize(w, dtype)).float()  # [M, N]
-    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
+        weight = torch.cat([dequantize(p, x.dtype) for p in parts])  # [N, K]
+        y = F.linear(x2, weight)  # [M, N]
+    return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _integer_matmul(x: torch.Tensor, parts: tuple[QuantWeight, ...]) -> torch.Tensor:
+    """fp32 x [M, K] times each part through the integer kernels, one activation quantization."""
+    if len(parts) == 1:
+        return qdot.qlinear(x, parts[0])  # [M, N]
+    acts = qdot.quantize_acts(x)
+    return torch.cat([qdot.qdot(acts, p) for p in parts], dim=-1)  # [M, N]
+
+
+def qdot_variant() -> str:
+    """The integer kernels' variant (instruction set) this process multiplies with."""
+    return qdot.qdot_isa()
 
 
 def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -142,37 +146,21 @@ def qmatmul_ref(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     return F.linear(x.float(), dequantize_ref(w))  # [..., N]
 
 
-@dataclass(frozen=True)
-class DensePath:
-    """Where many rows go: from `min_rows` rows on, dequantize the weight and multiply with torch's
-    GEMM in `dtype` (bf16 only where it is clearly faster than fp32, e.g. AVX-512 BF16 or AMX)."""
+def quantize_weight(weight: torch.Tensor, scheme: str) -> QuantWeight:
+    """An fp weight [N, K] quantized at load: "int8" -> Q8_0 (d = absmax / 127 per 32 values), "int4"
+    -> Q4_1 (d = (max - min) / 15, m = min per 32), by gguf's port of llama.cpp's reference quantizer.
+    K must be a multiple of 32."""
+    from gguf import GGMLQuantizationType, quants
 
-    min_rows: int
-    dtype: torch.dtype
-
-
-# From this many rows (prefill chunks) the dense path runs; a decode batch of up to 64 requests
-# stays on the kernel. Measured end to end (cpu32, AMD EPYC): the kernel for 32-row decode steps
-# gave 152 tok/s, dequantizing every weight for them 129 tok/s, although an isolated [2048, 2048]
-# probe favoured the dense path from 32 rows: per-shape probes miss the whole model's traffic.
-DENSE_MIN_ROWS = 128
-_BF16_WIN = 0.75  # bf16 GEMM for many rows only when it takes under 75% of fp32's time
-_PROBE_SHAPE = (2048, 2048)  # 2 MiB packed, 8 MiB as bf16
-
-
-@functools.cache
-def dense_path() -> DensePath:
-    """The GEMM dtype measured once per process (~0.1 s) on a 4-bit weight of _PROBE_SHAPE and a
-    256-row chunk, on one thread: the ratio carries over to more threads, and one thread is not
-    stalled by a busy core."""
-    if not kernel_isa():
-        return DensePath(0, torch.float32)
-    with torch.inference_mode(), one_thread():
-        w = quantize_weight(torch.randn(*_PROBE_SHAPE), "int4")
-        x = torch.randn(256, _PROBE_SHAPE[1])  # [256, k]: a prefill chunk
-        fp32 = best_time(lambda: F.linear(x, dequantize(w)))
-        bf16 = best_time(lambda: F.linear(x.bfloat16(), dequantize(w, torch.bfloat16)))
-    return DensePath(DENSE_MIN_ROWS, torch.bfloat16 if bf16 < _BF16_WIN * fp32 else torch.float32)
+    if scheme not in QUANTIZE_SCHEMES:
+        raise ValueError(f"quantization scheme must be 'int8' or 'int4', got {scheme!r}")
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"cannot quantize a weight with K={k} in blocks of 32")
+    kind = QUANTIZE_SCHEMES[scheme]
+    values = weight.detach().float().cpu().numpy()  # [N, K]
+    data = quants.quantize(values, GGMLQuantizationType[kind])  # uint8 [N, row_bytes]
+    return QuantWeight(torch.from_numpy(data).to(weight.device).contiguous(), kind)
 
 
 @contextlib.contextmanager
@@ -195,27 +183,3 @@ def best_time(fn, repeats: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def quantize_weight(weight: torch.Tensor, scheme: str, group: int = 32) -> QuantWeight:
-    """An fp weight [N, K] quantized at load: "int8" symmetric (absmax / 127 per group) or "int4"
-    asymmetric (min..max over 15 steps per group). K must be a multiple of `group`."""
-    n, k = weight.shape
-    if k % group:
-        raise ValueError(f"cannot quantize a weight with K={k} in groups of {group}")
-    w = weight.detach().float().reshape(n, k // group, group)  # [N, groups, G]
-    if scheme == "int8":
-        scale = w.abs().amax(-1) / 127.0  # [N, groups]
-        q = torch.round(w / _nonzero(scale)[..., None]).clamp_(-127, 127).to(torch.int8)  # [N, groups, G]
-        return QuantWeight(q.reshape(n, k), scale, torch.zeros_like(scale), 8, group, "int8")
-    if scheme == "int4":
-        lo, hi = w.amin(-1), w.amax(-1)  # [N, groups]
-        scale = (hi - lo) / 15.0
-        q = torch.round((w - lo[..., None]) / _nonzero(scale)[..., None]).clamp_(0, 15).to(torch.uint8)
-        packed = q[..., :16] | (q[..., 16:] << 4)  # [N, groups, 16]
-        return QuantWeight(packed.reshape(n, k // 2), scale, lo.contiguous(), 4, 32, "int4")
-    raise ValueError(f"quantization scheme must be 'int8' or 'int4', got {scheme!r}")
-
-
-def _nonzero(scale: torch.Tensor) -> torch.Tensor:
-    return torch.where(scale == 0, torch.ones_like(scale), scale)

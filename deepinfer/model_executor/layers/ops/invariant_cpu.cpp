@@ -1,0 +1,412 @@
+// Row-independent CPU kernels of the batch-invariant path (the CPU default): a query's or a row's
+// result depends on its own inputs alone, never on how many rows share the call, where the row
+// sits in it, how a prompt was chunked or how threads split the work.
+//
+//   invariant_decode_attn    q [N, H, D] over the cache rows each index row [N, L] names
+//                            (column c = absolute position first[n] + c; -1: not visible)
+//   invariant_prefill_attn   q [n, H, D] of a chunk over [loaded | chunk] rows: loaded
+//                            [n_old, 2, H_kv, D] in the cache's element type, the chunk's k, v
+//                            [n, H_kv, D] fp32 (rounded to that type, as a later cache read returns
+//                            them); query p sees positions max(0, p - W + 1) .. p (W: window)
+//   gelu_tanh_mul            x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]
+//
+// Attention, decode and prefill alike, runs one function per (query, KV head) over the query's
+// visible keys in position order (`attend_blocks`):
+//
+//   s_j   = dot(q_h, k_j) * scale     16 lanes over D (element d in lane d % 16), then a fixed tree
+//   m     = max_j s_j                 exact in any order
+//   w_j   = exp(s_j - m)              elementwise (a polynomial, the same bits at any position)
+//   per block b of KEY_BLOCK = 64 keys at absolute position offsets (position x in block x / 64):
+//     S_b = sum of w_j                16 lanes keyed by x % 16 (each lane its 4 positions in order),
+//                                     then a fixed tree over the lanes
+//     P_b = sum of w_j * v_j          per element, the block's keys in position order
+//   S, P  = the blocks' S_b, P_b added in position order (blocks without a visible key skipped)
+//   out   = P / S                     (a query that sees nothing gets zeros)
+//
+// Nothing in it depends on the call: the same query reads the same keys in the same order from a
+// decode index row (whatever its padding) or from a prefill chunk (wherever it was cut), so a
+// query's output has the same bits in both and in any batch. Threads split (query, KV head)
+// pairs; each pair is computed by one thread. The bits are those of one build and instruction
+// set; `isa` (2: AVX-512, 1: AVX2 + FMA, as in fused_cpu.cpp) picks a variant per call.
+//
+// Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, one line per (unit, layer, row):
+// flat slot u * R + r of the layer at `offset` is line u * LPU + offset + r (fused_cpu.cpp's
+// layout). A shared K = V row (parts = 1) serves as both K and V.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#define INLINE inline __attribute__((always_inline))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+
+constexpr int64_t kKeyBlock = 64;  // keys per block, at absolute position offsets
+constexpr int kLanes = 16;  // lanes of the dot products and block sums
+
+INLINE float as_float(float v) { return v; }
+INLINE float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+
+INLINE int64_t line_of(int64_t slot, int64_t R, int64_t lpu, int64_t offset) {
+  return slot + slot / R * (lpu - R) + offset;
+}
+
+// x[0] + ... + x[15] as a fixed tree (x is overwritten).
+INLINE float lane_tree(float* x) {
+  static_assert(kLanes == 16, "the tree below adds 16 lanes");
+  for (int l = 0; l < 8; ++l) x[l] += x[l + 8];
+  for (int l = 0; l < 4; ++l) x[l] += x[l + 4];
+  for (int l = 0; l < 2; ++l) x[l] += x[l + 2];
+  return x[0] + x[1];
+}
+
+// sum_d a[d] * b[d]: element d in lane d % 16, each lane in order of d, then the lane tree.
+template <int DC, class T>
+INLINE float dot_lanes(const float* a, const T* b, int64_t head_dim) {
+  const int64_t D = DC ? DC : head_dim;
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= D; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * as_float(b[i + l]);
+  for (int l = 0; i + l < D; ++l) acc[l] += a[i + l] * as_float(b[i + l]);
+  return lane_tree(acc);
+}
+
+template <int DC, class T>
+INLINE void axpy(float* y, float a, const T* x, int64_t head_dim) {
+  const int64_t D = DC ? DC : head_dim;
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) y[i] += a * as_float(x[i]);
+}
+
+// e^x for x <= 0 (an exact 0 below -87), within 2 ulp (fused_cpu.cpp's function, branch-free, so
+// loops over it vectorize and every position gets the same bits).
+INLINE float exp_nonpositive(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float u = xc * 1.44269504f + 12582912.f;  // 1.5 * 2^23 + n, n = round(x / ln2) in -126 .. 0
+  const float t = u - 12582912.f;  // n
+  const float r = xc - t * 0.693359375f + t * 2.12194440e-4f;  // x - n ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t n = __builtin_bit_cast(int32_t, u) - 0x4B400000;  // the bits of 1.5 * 2^23 are 0x4B400000
+  const float v = p * __builtin_bit_cast(float, (n + 127) << 23);  // p * 2^n
+  return x < -87.f ? 0.f : v;
+}
+
+// One query's KV-head group: the G heads at q (head stride qs) over columns j = 0 .. n-1, column j
+// the key at absolute position first + j, read at kp[j] / vp[j] (nullptr: not visible).
+// Scratch: s [G * n], wb [G * (64 + D)], sums [G]. out [G, D] (head stride os).
+template <int DC, class T>
+INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_dim, const T* const* kp,
+                          const T* const* vp, int64_t n, int64_t first, float scale, float* s, float* wb,
+                          float* sums, float* out, int64_t os) {
+  const int64_t D = DC ? DC : head_dim;
+  for (int64_t h = 0; h < G; ++h)
+    for (int64_t d = 0; d < D; ++d) out[h * os + d] = 0.f;
+  int64_t lo = n, hi = -1;  // first and last visible column
+  for (int64_t j = 0; j < n; ++j) {
+    if (kp[j] == nullptr) {  // e^-inf = 0 below: a hidden column weighs exactly 0
+      for (int64_t h = 0; h < G; ++h) s[h * n + j] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    lo = std::min(lo, j);
+    hi = j;
+    for (int64_t h = 0; h < G; ++h) s[h * n + j] = dot_lanes<DC>(q + h * qs, kp[j], D) * scale;
+  }
+  if (hi < 0) return;  // nothing visible: zeros
+  for (int64_t h = 0; h < G; ++h) {  // w = exp(s - max)
+    float* sh = s + h * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = lo; j <= hi; ++j) m = std::max(m, sh[j]);
+#pragma omp simd
+    for (int64_t j = lo; j <= hi; ++j) sh[j] = exp_nonpositive(sh[j] - m);
+  }
+  float* total = sums;  // [G] running S
+  bool started = false;
+  int64_t j0 = lo - (first + lo) % kKeyBlock;  // column of the first block's boundary (may be < 0)
+  for (; j0 <= hi; j0 += kKeyBlock) {
+    const int64_t a = std::max<int64_t>(j0, lo), b = std::min<int64_t>(j0 + kKeyBlock, hi + 1);
+    bool any = false;
+    for (int64_t j = a; j < b && !any; ++j) any = kp[j] != nullptr;
+    if (!any) continue;
+    // S_b per head: the block's weights laid out at x % 64 (zeros elsewhere), 16 lanes keyed by x % 16
+    for (int64_t h = 0; h < G; ++h) {
+      const float* w = s + h * n + j0;  // a whole block: its weights in place
+      if (a != j0 || b != j0 + kKeyBlock) {  // a partial one: laid out at x % 64, zeros elsewhere
+        float* c = wb + h * kKeyBlock;
+        for (int64_t x = 0; x < kKeyBlock; ++x) c[x] = 0.f;
+        for (int64_t j = a; j < b; ++j) c[j - j0] = s[h * n + j];
+        w = c;
+      }
+      float lanes[kLanes] = {};
+      for (int64_t r = 0; r < kKeyBlock; r += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += w[r + l];
+      const float block_sum = lane_tree(lanes);
+      total[h] = started ? total[h] + block_sum : block_sum;
+    }
+    // P_b per head (wb after the weights: [G, D]), the block's keys outer so each v row is read once
+    for (int64_t h = 0; h < G; ++h) {
+      float* acc = wb + G * kKeyBlock + h * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+    }
+    for (int64_t j = a; j < b; ++j) {
+      if (vp[j] == nullptr) continue;
+      for (int64_t h = 0; h < G; ++h) axpy<DC>(wb + G * kKeyBlock + h * D, s[h * n + j], vp[j], D);
+    }
+    for (int64_t h = 0; h < G; ++h) {
+      const float* acc = wb + G * kKeyBlock + h * D;
+      float* o = out + h * os;
+      if (started) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] += acc[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+      }
+    }
+    started = true;
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* o = out + h * os;
+    const float S = total[h];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] = o[d] / S;
+  }
+}
+
+// gelu_tanh(g) * u over one row: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3),
+// tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|) (never overflows).
+INLINE void gelu_tanh_mul_row(const float* gate, const float* up, int64_t I, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gate[i];
+    const float inner = (g + 0.044715f * g * g * g) * 0.7978845608028654f;
+    const float e = exp_nonpositive(-2.f * std::fabs(inner));
+    const float t = (1.f - e) / (1.f + e);
+    const float th = inner < 0.f ? -t : t;
+    y[i] = 0.5f * g * (1.f + th) * up[i];
+  }
+}
+
+// ---- one wrapper per instruction set ------------------------------------------------------
+
+#define DEFINE_FOR(SUFFIX, TARGET)                                                                              \
+  template <int DC, class T>                                                                                    \
+  TARGET void attend_##SUFFIX(const float* q, int64_t qs, int64_t G, int64_t D, const T* const* kp,             \
+                              const T* const* vp, int64_t n, int64_t first, float scale, float* s, float* wb,   \
+                              float* sums, float* out, int64_t os) {                                            \
+    attend_blocks<DC>(q, qs, G, D, kp, vp, n, first, scale, s, wb, sums, out, os);                              \
+  }                                                                                                             \
+  TARGET void gelu_mul_##SUFFIX(const float* g, const float* u, int64_t I, float* y) {                          \
+    gelu_tanh_mul_row(g, u, I, y);                                                                              \
+  }
+
+DEFINE_FOR(512, AVX512_TARGET)
+DEFINE_FOR(256, AVX2_TARGET)
+
+template <class T>
+using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t, int64_t,
+                          float, float*, float*, float*, float*, int64_t);
+using GeluFn = void (*)(const float*, const float*, int64_t, float*);
+
+template <int DC, class T>
+AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
+
+// Head sizes of the supported models get unrolled code; any other runs the generic loops.
+template <class T>
+AttendFn<T> attend_fn(int64_t isa, int64_t D) {
+  return D == 64 ? attend_for<64, T>(isa) : D == 128 ? attend_for<128, T>(isa) : D == 256 ? attend_for<256, T>(isa)
+                                                                                         : attend_for<0, T>(isa);
+}
+
+GeluFn gelu_fn(int64_t isa) { return isa >= 2 ? gelu_mul_512 : gelu_mul_256; }
+
+// Per-thread scratch of one (query, KV head) task over at most `n` columns.
+struct Scratch {
+  std::vector<float> s, wb, sums;
+  Scratch(int64_t G, int64_t D, int64_t n) : s(G * std::max<int64_t>(n, 1)), wb(G * (kKeyBlock + D)), sums(G) {}
+};
+
+// ---- ops ----------------------------------------------------------------------------------
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+void check_q(const at::Tensor& q, int64_t num_kv_heads) {
+  check_f32(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, D] with contiguous heads");
+  TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "H = ", q.size(1),
+              " is not a multiple of H_kv = ", num_kv_heads);
+}
+
+// lines [N, L]: each index entry's cache line, -1 where the entry is -1.
+template <class T>
+void decode_typed(const at::Tensor& q, const at::Tensor& rows, const int64_t* lines, int64_t L, const int64_t* fp,
+                  int64_t parts, int64_t Hkv, double scale, int64_t isa, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), G = H / Hkv, ld = rows.stride(0);
+  const float* qp = q.data_ptr<float>();
+  const T* rp = rows.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const AttendFn<T> fn = attend_fn<T>(isa, D);
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    Scratch scratch(G, D, L);
+    std::vector<const T*> kp(L), vp(L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t n = i / Hkv, g = i % Hkv;
+      for (int64_t c = 0; c < L; ++c) {
+        const int64_t line = lines[n * L + c];
+        const T* row = line >= 0 ? rp + line * ld : nullptr;
+        kp[c] = row ? row + g * D : nullptr;
+        vp[c] = row ? row + (parts - 1) * Hkv * D + g * D : nullptr;
+      }
+      fn(qp + n * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data(), vp.data(), L, fp[n], float(scale),
+         scratch.s.data(), scratch.wb.data(), scratch.sums.data(), op + (n * H + g * G) * D, D);
+    }
+  });
+}
+
+at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index,
+                                 const at::Tensor& first, int64_t num_kv_heads, int64_t rows_per_unit,
+                                 int64_t lines_per_unit, int64_t offset, double scale, int64_t isa) {
+  check_q(q, num_kv_heads);
+  const int64_t D = q.size(2);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
+              "cache rows must be float32 or bfloat16, got ", rows.scalar_type());
+  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) % (num_kv_heads * D) == 0,
+              "cache rows must be [lines, parts * H_kv * D] with contiguous lines");
+  const int64_t parts = rows.size(1) / (num_kv_heads * D);
+  TORCH_CHECK(parts == 1 || parts == 2, "cache rows hold ", parts, " parts per head (1 or 2)");
+  const at::Tensor idx = index.to(at::kLong).contiguous(), fst = first.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == q.size(0), "index must be [N, L] for N queries");
+  TORCH_CHECK(fst.dim() == 1 && fst.size(0) == q.size(0), "first must be [N] for N queries");
+  const int64_t *ip = idx.data_ptr<int64_t>(), *fp = fst.data_ptr<int64_t>();
+  std::vector<int64_t> lines(idx.numel());
+  for (int64_t i = 0; i < idx.numel(); ++i) {
+    lines[i] = ip[i] < 0 ? -1 : line_of(ip[i], rows_per_unit, lines_per_unit, offset);
+    TORCH_CHECK(lines[i] < rows.size(0), "slot ", ip[i], " is past the cache");
+  }
+  for (int64_t i = 0; i < fst.numel(); ++i) TORCH_CHECK(fp[i] >= 0, "first position ", fp[i], " is negative");
+  at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
+  if (rows.scalar_type() == at::kFloat)
+    decode_typed<float>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, isa, out);
+  else
+    decode_typed<c10::BFloat16>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, isa, out);
+  return out;
+}
+
+// Query i of n at p = pos[i] over rows [loaded | chunk], row r at position start + r.
+template <class T>
+void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tensor& k, const at::Tensor& v,
+                   const int64_t* pos, int64_t start, int64_t window, double scale, int64_t isa, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
+  const int64_t n_old = loaded.size(0), L = n_old + n;
+  // the chunk's rows as the cache stores them (T), then one pointer per (KV head, row)
+  const at::Tensor ck = k.to(loaded.scalar_type()).contiguous(), cv = v.to(loaded.scalar_type()).contiguous();
+  std::vector<const T*> kp(Hkv * L), vp(Hkv * L);
+  const T* lp = loaded.data_ptr<T>();
+  for (int64_t g = 0; g < Hkv; ++g) {
+    for (int64_t r = 0; r < n_old; ++r) {
+      kp[g * L + r] = lp + r * loaded.stride(0) + g * loaded.stride(2);
+      vp[g * L + r] = lp + r * loaded.stride(0) + loaded.stride(1) + g * loaded.stride(2);
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      kp[g * L + n_old + r] = ck.data_ptr<T>() + (r * Hkv + g) * D;
+      vp[g * L + n_old + r] = cv.data_ptr<T>() + (r * Hkv + g) * D;
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const AttendFn<T> fn = attend_fn<T>(isa, D);
+  // tasks in the order 0, n-1, 1, n-2, ...: a thread's range holds short and long queries alike
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    Scratch scratch(G, D, L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hkv, g = i % Hkv;
+      const int64_t qi = t % 2 == 0 ? t / 2 : n - 1 - t / 2;
+      const int64_t p = pos[qi], first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const int64_t c0 = first - start;  // the query's first row
+      fn(qp + qi * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data() + g * L + c0,
+         vp.data() + g * L + c0, p - first + 1, first, float(scale), scratch.s.data(), scratch.wb.data(),
+         scratch.sums.data(), op + (qi * H + g * G) * D, D);
+    }
+  });
+}
+
+at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& loaded, const at::Tensor& positions, int64_t start,
+                                  int64_t window, double scale, int64_t isa) {
+  check_f32(k, "k");
+  check_f32(v, "v");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0), "k and v must both be [n, H_kv, D]");
+  check_q(q, k.size(1));
+  const int64_t n = q.size(0), Hkv = k.size(1), D = q.size(2);
+  TORCH_CHECK(k.size(2) == D, "k has head size ", k.size(2), ", q ", D);
+  TORCH_CHECK(loaded.scalar_type() == at::kFloat || loaded.scalar_type() == at::kBFloat16,
+              "loaded rows must be float32 or bfloat16, got ", loaded.scalar_type());
+  TORCH_CHECK(loaded.dim() == 4 && loaded.size(1) == 2 && loaded.size(2) == Hkv && loaded.size(3) == D &&
+                  loaded.stride(3) == 1, "loaded must be [n_old, 2, H_kv, D] with contiguous heads");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == n, "positions must be [n] for n queries");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t n_old = loaded.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(pp[i] == start + n_old + i, "the chunk's positions must follow the loaded rows: query ", i, " at ",
+                pp[i], ", expected ", start + n_old + i);
+    const int64_t first = window > 0 ? std::max<int64_t>(0, pp[i] - window + 1) : 0;
+    TORCH_CHECK(first >= start, "query at ", pp[i], " sees position ", first, ", before the first row (", start, ")");
+  }
+  at::Tensor out = at::empty({n, q.size(1), D}, q.options());
+  if (n == 0) return out;
+  if (loaded.scalar_type() == at::kFloat)
+    prefill_typed<float>(q, loaded, k, v, pp, start, window, scale, isa, out);
+  else
+    prefill_typed<c10::BFloat16>(q, loaded, k, v, pp, start, window, scale, isa, out);
+  return out;
+}
+
+// x [T, 2I] = [gate | up] (last dim contiguous) -> gelu_tanh(gate) * up [T, I].
+at::Tensor gelu_tanh_mul(const at::Tensor& x, int64_t isa) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2I] with contiguous rows");
+  const int64_t T = x.size(0), I = x.size(1) / 2, ld = x.stride(0);
+  at::Tensor y = at::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const GeluFn fn = gelu_fn(isa);
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(xp + t * ld, xp + t * ld + I, I, yp + t * I);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("invariant_decode_attn(Tensor q, Tensor rows, Tensor index, Tensor first, int num_kv_heads, "
+        "int rows_per_unit, int lines_per_unit, int offset, float scale, int isa) -> Tensor");
+  m.def("invariant_prefill_attn(Tensor q, Tensor k, Tensor v, Tensor loaded, Tensor positions, int start, "
+        "int window, float scale, int isa) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor x, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("invariant_decode_attn", invariant_decode_attn);
+  m.impl("invariant_prefill_attn", invariant_prefill_attn);
+  m.impl("gelu_tanh_mul", gelu_tanh_mul);
+}

@@ -1,0 +1,1064 @@
+// Integer dot products over GGUF blocks as stored in the file: y[M, N] = x[M, K] @ W[N, K]^T.
+//
+//   quantize_acts(x fp32 [M, K], isa) -> q int8 [M, K], d fp32 [M, K/32], sums int32 [M, K/16]
+//   qdot(q, d, sums, w uint8 [N, row_bytes], kind (ggml type id), K, isa) -> y fp32 [M, N]
+//
+// qdot.py states the function (its torch reference computes the same bits). In short: every
+// weight block splits into units of U values (16 for Q6_K, else 32) whose values are
+// A * (code - offset) + B; per output (m, n) the units are taken in ascending order and
+//
+//   i = sum (code - offset) * q   (exact, int32)      c = (A * d_act) * float(i)
+//   c = c + (B * d_act) * float(s)   (kinds with a min; s = the unit's sum of q)      acc = acc + c
+//
+// each a separately rounded fp32 operation: every product goes through an empty asm statement
+// (`opaque`, V::mul) so that no compiler fuses it into the add that follows, whatever
+// -ffp-contract says.
+//
+// How (the SIMD variants): threads split the N weight rows in tiles of R rows (R = the lanes of
+// one vector: 16 with AVX-512, 8 with AVX2). A tile's blocks are decoded into unsigned byte codes
+// laid out across rows: for every 4 consecutive values, R x 4 bytes (row r's 4 codes in lane r),
+// read with 16-byte loads and an in-register transpose. One `vpdpbusd` (or AVX2 maddubs + madd)
+// of such a vector with an activation row's 4 bytes broadcast adds 4 products to each of the R
+// rows' sums. Up to kFusedRows activation rows (decode, short verification) take the codes
+// straight from registers as each block is decoded; more rows (batches, prefill chunks) decode a
+// chunk of the tile (16 KB of codes, in L1) once and run every panel of MR activation rows over
+// it (register blocking: MR rows share each code vector; the panels' activations are packed so
+// that one pointer walks them). Signed codes use unsigned codes and start the sum at
+// -offset * s (Q8_0 with VNNI: code ^ 0x80, offset 128; with AVX2 the sign trick |w| * (sign(w) x)
+// instead, as maddubs saturates int16). The float steps run with lanes across the tile's rows,
+// so each output's order of operations is the same whatever M, the row's position, the thread
+// count or the instruction set.
+//
+// The same body is compiled three times (AVX512-VNNI, AVX-VNNI, AVX2) by including this file
+// into itself under `#pragma GCC target` (GCC 11 or newer: AVX-VNNI); `isa` picks one per call:
+// 4 AVX512-VNNI, 3 AVX-VNNI, 2 AVX2, 1 portable C++ (one weight row at a time, the same integers
+// and floats).
+
+#ifndef DEEPINFER_QDOT_BODY
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace deepinfer_qdot {
+
+#define INLINE inline __attribute__((always_inline))
+
+// A ggml block type: ggml id, values and bytes per block, values per unit, code offset, min.
+struct Kind {
+  int64_t id, block_values, block_bytes, unit, offset;
+  bool has_min;
+};
+
+constexpr Kind kKinds[] = {
+    {2, 32, 18, 32, 8, false},    // Q4_0: d, 16 bytes of nibbles
+    {3, 32, 20, 32, 0, true},     // Q4_1: d, m, nibbles
+    {6, 32, 22, 32, 16, false},   // Q5_0: d, qh (32 high bits), nibbles
+    {7, 32, 24, 32, 0, true},     // Q5_1: d, m, qh, nibbles
+    {8, 32, 34, 32, 0, false},    // Q8_0: d, 32 signed bytes
+    {12, 256, 144, 32, 0, true},  // Q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    {13, 256, 176, 32, 0, true},  // Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
+    {14, 256, 210, 16, 32, false},  // Q6_K: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d
+};
+
+const Kind& kind_of(int64_t id) {
+  for (const Kind& k : kKinds)
+    if (k.id == id) return k;
+  TORCH_CHECK(false, "qdot: no kernel for ggml type ", id, " (have Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, ",
+              "Q4_K 12, Q5_K 13, Q6_K 14)");
+}
+
+// A value the compiler cannot see into: a product passed through it is never fused with a later add.
+INLINE float opaque(float v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+INLINE float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int e = -1;
+    uint32_t m = man;
+    do {
+      ++e;
+      m <<= 1;
+    } while ((m & 0x400) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+INLINE int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The activation scale a block of 32 values gets (see qdot.py): max|x| / 127, 0 below FLT_MIN.
+INLINE float act_scale(float amax) {
+  const float d = amax / 127.0f;
+  return d < FLT_MIN ? 0.0f : d;
+}
+
+INLINE float act_inverse(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
+
+// Activation rows m0 .. m0 + rows - 1 packed for the SIMD kernels: row i's values 4g .. 4g+3 at
+// q[g * rows + i] (one int32), and per unit u (of U values) its scale, -offset * s and float(s)
+// at [u * rows + i].
+struct Panel {
+  int64_t m0, rows;
+  const int32_t* q;     // [K/4][rows]
+  const float* d;       // [K/U][rows]
+  const int32_t* init;  // [K/U][rows], kinds with an offset (else null)
+  const float* sf;      // [K/U][rows], kinds with a min (else null)
+};
+
+constexpr int64_t kFusedRows = 4;  // up to this many activation rows: decoded codes go straight from registers
+
+// What a qdot call reads: activations (plain and packed), weight bytes, the per-unit terms.
+struct Problem {
+  const int8_t* q;      // [M, K]
+  const float* d;       // [M, K/32]
+  const float* sf;      // [M, K/U]: float(s), kinds with a min (else null)
+  const uint8_t* w;     // [N, row_bytes]
+  float* y;             // [M, N]
+  int64_t M, N, K, row_bytes;
+  Kind kind;
+  const Panel* panels;  // covering rows 0 .. M-1 in order
+  int64_t num_panels;
+};
+
+// ---- portable C++ (isa 1): one weight row at a time ------------------------------------------
+
+// Row `n`'s values (code - offset) and unit scales/mins, read from its blocks.
+void decode_row(const Kind& kd, const uint8_t* row, int64_t K, int16_t* vals, float* A, float* B) {
+  const int64_t nb = K / kd.block_values;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = row + b * kd.block_bytes;
+    int16_t* v = vals + b * kd.block_values;
+    const int64_t u0 = b * kd.block_values / kd.unit;
+    switch (kd.id) {
+      case 2: case 3: case 6: case 7: {
+        const int64_t qs_at = kd.id == 2 ? 2 : kd.id == 3 ? 4 : kd.id == 6 ? 6 : 8;
+        const int64_t qh_at = kd.id == 6 ? 2 : 4;
+        const int16_t off = static_cast<int16_t>(kd.offset);
+        for (int j = 0; j < 16; ++j) {
+          v[j] = static_cast<int16_t>((p[qs_at + j] & 0xF) - off);
+          v[j + 16] = static_cast<int16_t>((p[qs_at + j] >> 4) - off);
+        }
+        if (kd.id >= 6) {  // the fifth bits
+          uint32_t qh;
+          std::memcpy(&qh, p + qh_at, 4);
+          for (int j = 0; j < 32; ++j) v[j] = static_cast<int16_t>(v[j] + (((qh >> j) & 1) << 4));
+        }
+        A[u0] = half_to_float(p);
+        if (kd.has_min) B[u0] = half_to_float(p + 2);
+        break;
+      }
+      case 8:
+        for (int j = 0; j < 32; ++j) v[j] = static_cast<int8_t>(p[2 + j]);
+        A[u0] = half_to_float(p);
+        break;
+      case 12: case 13: {
+        const float d = half_to_float(p), dmin = half_to_float(p + 2);
+        const uint8_t* s = p + 4;
+        const uint8_t* qs = p + (kd.id == 12 ? 16 : 48);
+        for (int j = 0; j < 8; ++j) {
+          const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+          const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+          A[u0 + j] = d * static_cast<float>(sc);
+          B[u0 + j] = -(dmin * static_cast<float>(mn));
+          for (int l = 0; l < 32; ++l) {
+            const int nib = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 0xF;
+            const int hi = kd.id == 13 ? ((p[16 + l] >> j) & 1) << 4 : 0;
+            v[j * 32 + l] = static_cast<int16_t>(nib | hi);
+          }
+        }
+        break;
+      }
+      case 14: {
+        const float d = half_to_float(p + 208);
+        for (int j = 0; j < 16; ++j) A[u0 + j] = d * static_cast<float>(static_cast<int8_t>(p[192 + j]));
+        for (int h = 0; h < 2; ++h)
+          for (int r = 0; r < 128; ++r) {
+            const int nib = (p[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
+            const int hi = (p[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+            v[128 * h + r] = static_cast<int16_t>((nib | (hi << 4)) - 32);
+          }
+        break;
+      }
+    }
+  }
+}
+
+void qdot_plain(const Problem& pb, int64_t n0, int64_t n1) {
+  const Kind& kd = pb.kind;
+  const int64_t K = pb.K, U = kd.unit, units = K / U;
+  std::vector<int16_t> vals(K);
+  std::vector<float> A(units), B(units);
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_row(kd, pb.w + n * pb.row_bytes, K, vals.data(), A.data(), B.data());
+    for (int64_t m = 0; m < pb.M; ++m) {
+      const int8_t* q = pb.q + m * K;
+      float acc = 0.0f;
+      for (int64_t u = 0; u < units; ++u) {
+        int32_t isum = 0;
+        for (int64_t j = u * U; j < (u + 1) * U; ++j) isum += static_cast<int32_t>(vals[j]) * q[j];
+        const float da = pb.d[m * (K / 32) + u * U / 32];
+        float c = opaque(opaque(A[u] * da) * static_cast<float>(isum));
+        if (kd.has_min) c = c + opaque(opaque(B[u] * da) * pb.sf[m * units + u]);
+        acc = acc + c;
+      }
+      pb.y[m * pb.N + n] = acc;
+    }
+  }
+}
+
+void quantize_plain(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b * 32 + j]));
+    d[b] = act_scale(amax);
+    const float inv = act_inverse(d[b]);
+    for (int half = 0; half < 2; ++half) {
+      int32_t s = 0;
+      for (int j = half * 16; j < half * 16 + 16; ++j) {
+        const float r = std::nearbyint(x[b * 32 + j] * inv);  // the default rounding: half to even
+        const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, r)));
+        q[b * 32 + j] = static_cast<int8_t>(v);
+        s += v;
+      }
+      sums[b * 2 + half] = s;
+    }
+  }
+}
+
+}  // namespace deepinfer_qdot
+
+// ---- the SIMD variants: this file's body below, once per instruction set --------------------
+
+#define DEEPINFER_QDOT_BODY 1
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")
+namespace deepinfer_qdot::v512 {
+
+struct V {
+  static constexpr int R = 16;  // lanes: weight rows per tile
+  static constexpr int MR = 8;  // activation rows per register tile
+  static constexpr bool kSignTrick = false;
+  static constexpr bool kInt16 = false;  // vpdpbusd sums in int32
+  using I = __m512i;
+  using F = __m512;
+  static INLINE I load(const void* p) { return _mm512_loadu_si512(p); }
+  static INLINE void store(void* p, I v) { _mm512_storeu_si512(p, v); }
+  static INLINE F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static INLINE void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static INLINE I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static INLINE F set1f(float v) { return _mm512_set1_ps(v); }
+  static INLINE F zerof() { return _mm512_setzero_ps(); }
+  static INLINE I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static INLINE I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static INLINE I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static INLINE I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static INLINE I srl(I v, int s) { return _mm512_srl_epi32(v, _mm_cvtsi32_si128(s)); }
+  static INLINE I sll(I v, int s) { return _mm512_sll_epi32(v, _mm_cvtsi32_si128(s)); }
+  static INLINE I sra(I v, int s) { return _mm512_sra_epi32(v, _mm_cvtsi32_si128(s)); }
+  static INLINE F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static INLINE F mul(F a, F b) {  // a product never fused into a later add
+    F p = _mm512_mul_ps(a, b);
+    __asm__("" : "+v"(p));
+    return p;
+  }
+  static INLINE I abs8(I v) { return _mm512_abs_epi8(v); }
+  // Bits s .. s+3 of each lane -> bit 4 of its bytes 0..3 (Q5_0/Q5_1's high bits): a 16-entry table.
+  static INLINE I spread(I qh, int s) {
+    const I table = _mm512_setr_epi32(0x0, 0x10, 0x1000, 0x1010, 0x100000, 0x100010, 0x101000, 0x101010,
+                                      0x10000000, 0x10000010, 0x10001000, 0x10001010, 0x10100000, 0x10100010,
+                                      0x10101000, 0x10101010);
+    return _mm512_permutexvar_epi32(and_(srl(qh, s), set1(0xF)), table);
+  }
+  static INLINE F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static INLINE F neg(F a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), set1(INT32_MIN))); }
+  // fp16 in the low 16 bits of each lane -> fp32
+  static INLINE F half_lo(I v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+  // The 16 bytes at p + r * stride of rows r < 16 -> out[j] = their dword j (lane r).
+  static INLINE void load_t4(const uint8_t* p, int64_t stride, I out[4]) {
+    I z[4];
+    const uint8_t* base[4] = {p, p + 4 * stride, p + 8 * stride, p + 12 * stride};
+    const int64_t step[4] = {0, stride, 2 * stride, 3 * stride};
+    for (int r = 0; r < 4; ++r) {
+      z[r] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base[0] + step[r])));
+      for (int q = 1; q < 4; ++q)
+        z[r] = _mm512_inserti32x4(z[r], _mm_loadu_si128(reinterpret_cast<const __m128i*>(base[q] + step[r])), q);
+    }
+    const I t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const I t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+  }
+  // acc + the dot of each lane's 4 unsigned codes with the 4 signed bytes at a
+  static INLINE I dp(I acc, I w, const int32_t* a) {  // the 4 bytes at a broadcast by the instruction itself
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*a));
+    return acc;
+  }
+  static INLINE I madd16(I, int32_t) { return set1(0); }  // (the int16 steps: AVX2 only)
+  static INLINE I madd16_sign(I, I, int32_t) { return set1(0); }
+  static INLINE I add16(I a, I) { return a; }
+  static INLINE I widen(I acc, I) { return acc; }
+  // quantize_acts: 32 values = 2 vectors
+  static constexpr int kPerBlock = 2;
+  static INLINE F absf(F v) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), set1(0x7FFFFFFF))); }
+  static INLINE F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  static INLINE float hmax(F v) { return _mm512_reduce_max_ps(v); }
+  static INLINE I round_clamp(F v) {
+    const I r = _mm512_cvt_roundps_epi32(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_max_epi32(_mm512_min_epi32(r, set1(127)), set1(-127));
+  }
+  static INLINE void store_i8(int8_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+  static INLINE void sums16(const I* v, int32_t* out) {
+    out[0] = _mm512_reduce_add_epi32(v[0]);
+    out[1] = _mm512_reduce_add_epi32(v[1]);
+  }
+};
+
+#include "qdot_cpu.cpp"  // this file: its body below, for this instruction set
+
+}  // namespace deepinfer_qdot::v512
+#pragma GCC pop_options
+
+// AVX2 (+ AVX-VNNI): 8 lanes. VNNI selects vpdpbusd (VEX); without it maddubs + madd.
+#define DEEPINFER_QDOT_V256(NAME, VNNI)                                                                              \
+  struct NAME {                                                                                                      \
+    static constexpr int R = 8;                                                                                      \
+    static constexpr int MR = 4;                                                                                     \
+    static constexpr bool kSignTrick = !(VNNI);                                                                      \
+    static constexpr bool kInt16 = !(VNNI); /* maddubs: int16 pair sums, widened by madd */                          \
+    using I = __m256i;                                                                                               \
+    using F = __m256;                                                                                                \
+    static INLINE I load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }         \
+    static INLINE void store(void* p, I v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }               \
+    static INLINE F loadf(const float* p) { return _mm256_loadu_ps(p); }                                             \
+    static INLINE void storef(float* p, F v) { _mm256_storeu_ps(p, v); }                                             \
+    static INLINE I set1(int32_t v) { return _mm256_set1_epi32(v); }                                                 \
+    static INLINE F set1f(float v) { return _mm256_set1_ps(v); }                                                     \
+    static INLINE F zerof() { return _mm256_setzero_ps(); }                                                          \
+    static INLINE I and_(I a, I b) { return _mm256_and_si256(a, b); }                                                \
+    static INLINE I or_(I a, I b) { return _mm256_or_si256(a, b); }                                                  \
+    static INLINE I xor_(I a, I b) { return _mm256_xor_si256(a, b); }                                                \
+    static INLINE I addi(I a, I b) { return _mm256_add_epi32(a, b); }                                                \
+    static INLINE I srl(I v, int s) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(s)); }                            \
+    static INLINE I sll(I v, int s) { return _mm256_sll_epi32(v, _mm_cvtsi32_si128(s)); }                            \
+    static INLINE I sra(I v, int s) { return _mm256_sra_epi32(v, _mm_cvtsi32_si128(s)); }                            \
+    static INLINE F cvt(I v) { return _mm256_cvtepi32_ps(v); }                                                       \
+    static INLINE F mul(F a, F b) {                                                                                  \
+      F p = _mm256_mul_ps(a, b);                                                                                     \
+      __asm__("" : "+x"(p));                                                                                        \
+      return p;                                                                                                      \
+    }                                                                                                                \
+    static INLINE I abs8(I v) { return _mm256_abs_epi8(v); }                                                         \
+    /* Bits s .. s+3 of each lane -> bit 4 of its bytes 0..3: that nibble's byte copied to all 4, then a test */     \
+    static INLINE I spread(I qh, int s) {                                                                            \
+      const int b = s / 8;                                                                                           \
+      const I copy = _mm256_shuffle_epi8(qh, _mm256_setr_epi8(b, b, b, b, 4 + b, 4 + b, 4 + b, 4 + b, 8 + b, 8 + b,  \
+                                                              8 + b, 8 + b, 12 + b, 12 + b, 12 + b, 12 + b, b, b, b, \
+                                                              b, 4 + b, 4 + b, 4 + b, 4 + b, 8 + b, 8 + b, 8 + b,    \
+                                                              8 + b, 12 + b, 12 + b, 12 + b, 12 + b));               \
+      const I bits = set1(s % 8 ? static_cast<int32_t>(0x80402010u) : 0x08040201);                                  \
+      return and_(_mm256_cmpeq_epi8(and_(copy, bits), bits), set1(0x10101010));                                     \
+    }                                                                                                                \
+    static INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }                                                    \
+    static INLINE F neg(F a) {                                                                                       \
+      return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(a), set1(INT32_MIN)));                         \
+    }                                                                                                                \
+    static INLINE F half_lo(I v) {                                                                                   \
+      const I m = and_(v, set1(0xFFFF));                                                                             \
+      return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1)));           \
+    }                                                                                                                \
+    static INLINE void load_t4(const uint8_t* p, int64_t stride, I out[4]) {                                         \
+      I z[4];                                                                                                        \
+      for (int r = 0; r < 4; ++r)                                                                                    \
+        z[r] = _mm256_inserti128_si256(                                                                              \
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + r * stride))),               \
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r + 4) * stride)), 1);                             \
+      const I t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);                        \
+      const I t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);                        \
+      out[0] = _mm256_unpacklo_epi64(t0, t2);                                                                        \
+      out[1] = _mm256_unpackhi_epi64(t0, t2);                                                                        \
+      out[2] = _mm256_unpacklo_epi64(t1, t3);                                                                        \
+      out[3] = _mm256_unpackhi_epi64(t1, t3);                                                                        \
+    }                                                                                                                \
+    static INLINE I dp(I acc, I w, const int32_t* a) { return dp_impl(acc, w, set1(*a)); }                           \
+    static INLINE I madd16(I w, int32_t a) { return _mm256_maddubs_epi16(w, set1(a)); }                             \
+    static INLINE I madd16_sign(I wabs, I w, int32_t a) {                                                            \
+      return _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(set1(a), w));                                               \
+    }                                                                                                                \
+    static INLINE I add16(I a, I b) { return _mm256_add_epi16(a, b); }                                               \
+    static INLINE I widen(I acc, I s16) {                                                                            \
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(s16, _mm256_set1_epi16(1)));                                    \
+    }                                                                                                                \
+    static constexpr int kPerBlock = 4;                                                                              \
+    static INLINE F absf(F v) { return _mm256_castsi256_ps(and_(_mm256_castps_si256(v), set1(0x7FFFFFFF))); }        \
+    static INLINE F maxf(F a, F b) { return _mm256_max_ps(a, b); }                                                   \
+    static INLINE float hmax(F v) {                                                                                  \
+      __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));                                 \
+      s = _mm_max_ps(s, _mm_movehl_ps(s, s));                                                                        \
+      s = _mm_max_ss(s, _mm_movehdup_ps(s));                                                                         \
+      return _mm_cvtss_f32(s);                                                                                       \
+    }                                                                                                                \
+    static INLINE I round_clamp(F v) {                                                                               \
+      const I r = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));            \
+      return _mm256_max_epi32(_mm256_min_epi32(r, set1(127)), set1(-127));                                           \
+    }                                                                                                                \
+    static INLINE void store_i8(int8_t* p, I v) {                                                                    \
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));               \
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w16, w16));                                    \
+    }                                                                                                                \
+    static INLINE int32_t hsum(I v) {                                                                                \
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));                          \
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));                                                              \
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));                                                              \
+      return _mm_cvtsi128_si32(s);                                                                                   \
+    }                                                                                                                \
+    static INLINE void sums16(const I* v, int32_t* out) {                                                            \
+      out[0] = hsum(_mm256_add_epi32(v[0], v[1]));                                                                   \
+      out[1] = hsum(_mm256_add_epi32(v[2], v[3]));                                                                   \
+    }                                                                                                                \
+    static INLINE I dp_impl(I acc, I w, I a) {                                                                       \
+      if constexpr (VNNI) {                                                                                          \
+        return DEEPINFER_QDOT_DPBUSD256(acc, w, a);                                                                  \
+      } else {                                                                                                       \
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));          \
+      }                                                                                                              \
+    }                                                                                                                \
+  };
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c,avxvnni")
+namespace deepinfer_qdot::vnni256 {
+#define DEEPINFER_QDOT_DPBUSD256(acc, w, a) _mm256_dpbusd_avx_epi32(acc, w, a)
+DEEPINFER_QDOT_V256(V, true)
+#undef DEEPINFER_QDOT_DPBUSD256
+#include "qdot_cpu.cpp"  // this file: its body below, for this instruction set
+}  // namespace deepinfer_qdot::vnni256
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+namespace deepinfer_qdot::avx2 {
+#define DEEPINFER_QDOT_DPBUSD256(acc, w, a) acc
+DEEPINFER_QDOT_V256(V, false)
+#undef DEEPINFER_QDOT_DPBUSD256
+#include "qdot_cpu.cpp"  // this file: its body below, for this instruction set
+}  // namespace deepinfer_qdot::avx2
+#pragma GCC pop_options
+
+#undef DEEPINFER_QDOT_BODY
+
+// ---- dispatch and the ops -------------------------------------------------------------------
+
+namespace deepinfer_qdot {
+namespace {
+
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"); }
+
+bool has_avx512_vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+bool has_avx_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+
+// The variants this CPU runs, bit `isa` set for each: 1 portable C++ (always), 2 AVX2, 3 AVX-VNNI,
+// 4 AVX512-VNNI. (Not nested: AVX512-VNNI CPUs such as Zen 4 or Ice Lake lack the VEX AVX-VNNI.)
+int64_t qdot_cpu_isas() {
+  return (1 << 1) | (has_avx2() ? 1 << 2 : 0) | (has_avx_vnni() ? 1 << 3 : 0) | (has_avx512_vnni() ? 1 << 4 : 0);
+}
+
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= 1 && isa <= 4, "qdot: isa must be 1 (plain), 2 (AVX2), 3 (AVX-VNNI) or 4 (AVX512-VNNI), got ",
+              isa);
+  TORCH_CHECK(qdot_cpu_isas() >> isa & 1, "qdot: this CPU cannot run isa ", isa);
+}
+
+// The residual of a quantized row: r = x - float(q) * d, a separately rounded product and difference
+// (never contracted into one fused operation: compiled for the baseline instruction set, which has
+// none, and with contraction off; so the torch reference's `x - q * d` gives the same bits).
+__attribute__((optimize("fp-contract=off"))) void residual_row(const float* x, const int8_t* q, const float* d,
+                                                              int64_t K, float* r) {
+  for (int64_t k = 0; k < K; ++k) r[k] = x[k] - static_cast<float>(q[k]) * d[k / 32];
+}
+
+void quantize_row(int64_t isa, const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  if (isa == 4) v512::quantize_row(x, K, q, d, sums);
+  else if (isa >= 2) avx2::quantize_row(x, K, q, d, sums);
+  else quantize_plain(x, K, q, d, sums);
+}
+
+// levels 1: x [M, K] -> rows [M]; levels 2: rows [2M], x's quantization (rows 0..M-1) then that of
+// its residual x - q * d (rows M..2M-1), so that the two levels' products summed carry ~15 bits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_acts(const at::Tensor& x, int64_t isa, int64_t levels) {
+  check_isa(isa);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantize_acts: x must be a 2-D float32 tensor");
+  TORCH_CHECK(levels == 1 || levels == 2, "quantize_acts: levels must be 1 or 2, got ", levels);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  TORCH_CHECK(K % 32 == 0, "quantize_acts: K=", K, " is not a multiple of 32");
+  at::Tensor q = at::empty({levels * M, K}, xc.options().dtype(at::kChar));
+  at::Tensor d = at::empty({levels * M, K / 32}, xc.options());
+  at::Tensor sums = at::empty({levels * M, K / 16}, xc.options().dtype(at::kInt));
+  const float* xp = xc.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int32_t* sp = sums.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    std::vector<float> residual(levels == 2 ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(isa, xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16));
+      if (levels == 1) continue;
+      residual_row(xp + m * K, qp + m * K, dp + m * (K / 32), K, residual.data());
+      const int64_t r = M + m;
+      quantize_row(isa, residual.data(), K, qp + r * K, dp + r * (K / 32), sp + r * (K / 16));
+    }
+  });
+  return {q, d, sums};
+}
+
+at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, const at::Tensor& w, int64_t kind,
+                int64_t K, int64_t isa) {
+  check_isa(isa);
+  const Kind kd = kind_of(kind);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) == K, "qdot: q must be int8 [M, K=", K, "]");
+  const int64_t M = q.size(0), N = w.size(0);
+  TORCH_CHECK(K % kd.block_values == 0, "qdot: K=", K, " is not a multiple of the block size ", kd.block_values);
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == M && d.size(1) == K / 32,
+              "qdot: d must be float32 [M, K/32]");
+  TORCH_CHECK(sums.scalar_type() == at::kInt && sums.dim() == 2 && sums.size(0) == M && sums.size(1) == K / 16,
+              "qdot: sums must be int32 [M, K/16]");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / kd.block_values * kd.block_bytes,
+              "qdot: w must be uint8 [N, ", K / kd.block_values * kd.block_bytes, "] for K=", K);
+  const at::Tensor qc = q.contiguous(), dc = d.contiguous(), sc = sums.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty({M, N}, qc.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return y.zero_();
+  // The unit terms of the activations: -offset * s starts a unit's sum, float(s) its min term.
+  const int64_t offset = kd.id == 8 ? (isa >= 3 ? 128 : 0) : kd.offset;
+  const int64_t units = K / kd.unit;
+  std::vector<float> sf(kd.has_min && isa == 1 ? M * units : 0);  // the portable variant's min terms
+  const int32_t* s16 = sc.data_ptr<int32_t>();
+  auto unit_sum = [&](int64_t m, int64_t u) {
+    const int32_t* r = s16 + m * (K / 16);
+    return kd.unit == 16 ? r[u] : r[2 * u] + r[2 * u + 1];
+  };
+  for (int64_t m = 0; !sf.empty() && m < M; ++m)
+    for (int64_t u = 0; u < units; ++u) sf[m * units + u] = static_cast<float>(unit_sum(m, u));
+  // The SIMD variants' panels: all rows (up to kFusedRows), else MR rows at a time, then 4, 2, 1.
+  const int64_t mr = isa == 4 ? v512::V::MR : isa == 3 ? vnni256::V::MR : isa == 2 ? avx2::V::MR : 0;
+  std::vector<Panel> panels;
+  if (mr && M <= kFusedRows) panels.push_back(Panel{0, M, nullptr, nullptr, nullptr, nullptr});
+  for (int64_t m0 = 0, w = mr; mr && M > kFusedRows && m0 < M; w /= 2)
+    for (; w && m0 + w <= M; m0 += w) panels.push_back(Panel{m0, w, nullptr, nullptr, nullptr, nullptr});
+  std::vector<int32_t> qpack(mr ? M * K / 4 : 0), ipack(mr && offset ? M * units : 0);
+  std::vector<float> dpack(mr ? M * units : 0), spack(mr && kd.has_min ? M * units : 0);
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* dp = dc.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t k = p0; k < p1; ++k) {
+      Panel& pn = panels[k];
+      const int64_t at = pn.m0 * K / 4, ua = pn.m0 * units, w = pn.rows;
+      for (int64_t i = 0; i < w; ++i) {
+        const int64_t m = pn.m0 + i;
+        for (int64_t g = 0; g < K / 4; ++g) qpack[at + g * w + i] = load_i32(qp + m * K + 4 * g);
+        for (int64_t u = 0; u < units; ++u) {
+          dpack[ua + u * w + i] = dp[m * (K / 32) + u * kd.unit / 32];
+          if (offset) ipack[ua + u * w + i] = static_cast<int32_t>(-offset * unit_sum(m, u));
+          if (kd.has_min) spack[ua + u * w + i] = static_cast<float>(unit_sum(m, u));
+        }
+      }
+      pn.q = qpack.data() + at;
+      pn.d = dpack.data() + ua;
+      pn.init = offset ? ipack.data() + ua : nullptr;
+      pn.sf = kd.has_min ? spack.data() + ua : nullptr;
+    }
+  });
+  const Problem pb{qp, dp, sf.empty() ? nullptr : sf.data(), wc.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K,
+                   wc.size(1), kd, panels.data(), static_cast<int64_t>(panels.size())};
+  const int64_t rows = isa == 4 ? v512::V::R : isa == 3 ? vnni256::V::R : isa == 2 ? avx2::V::R : 1;
+  const int64_t tiles = (N + rows - 1) / rows;
+  // Tasks of at least ~64 K (weight bytes x activation rows): small calls stay on one thread.
+  const int64_t work = rows * pb.row_bytes * std::max<int64_t>(M, 1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(work, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (isa == 4) v512::qdot_tiles(pb, t0, t1);
+    else if (isa == 3) vnni256::qdot_tiles(pb, t0, t1);
+    else if (isa == 2) avx2::qdot_tiles(pb, t0, t1);
+    else qdot_plain(pb, t0, std::min(t1, N));
+  });
+  return y;
+}
+
+// quantize_acts then qdot in one call (what a layer runs): x fp32 [M, K] -> y fp32 [M, N]; with two
+// levels, each row's two products are added (level 1 + level 2, one fp32 add per output).
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, int64_t isa, int64_t levels) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qlinear: x must be [M, K=", K, "]");
+  const auto [q, d, sums] = quantize_acts(x, isa, levels);
+  const at::Tensor y = qdot(q, d, sums, w, kind, K, isa);  // [levels * M, N]
+  const int64_t M = x.size(0);
+  return levels == 1 ? y : y.narrow(0, 0, M).add(y.narrow(0, M, M));
+}
+
+}  // namespace
+}  // namespace deepinfer_qdot
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("quantize_acts(Tensor x, int isa, int levels=1) -> (Tensor, Tensor, Tensor)");
+  m.def("qdot(Tensor q, Tensor d, Tensor sums, Tensor w, int kind, int K, int isa) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor w, int kind, int K, int isa, int levels=1) -> Tensor");
+  m.def("qdot_cpu_isas() -> int", deepinfer_qdot::qdot_cpu_isas);
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("quantize_acts", deepinfer_qdot::quantize_acts);
+  m.impl("qdot", deepinfer_qdot::qdot);
+  m.impl("qlinear", deepinfer_qdot::qlinear);
+}
+
+#else  // DEEPINFER_QDOT_BODY: the body, compiled once per instruction set with its `V`
+
+using I = V::I;
+using F = V::F;
+constexpr int R = V::R;
+constexpr int64_t kChunk = 16384 / R;  // values per decoded chunk: R * kChunk bytes of codes (16 KB)
+
+// Decoders hand a sink, per unit u (numbered from the first block decoded), its scale A (`scale`),
+// its min B (`min`, kinds with one) and its U/4 code vectors (`unit`; `unit_sign` for Q8_0 with
+// the sign trick: |w| and w), then `block_done` after each block.
+
+// The buffered sink: a tile chunk's codes and unit scales, for many activation rows.
+struct Tile {
+  uint8_t* codes;  // [values / 4][R][4]
+  uint8_t* raw;    // Q8_0 with the sign trick: the signed bytes, same layout
+  float* A;        // [units][R]
+  float* B;        // [units][R]
+  int64_t groups;  // U / 4
+  INLINE void scale(int64_t u, F a) const { V::storef(A + u * R, a); }
+  INLINE void min(int64_t u, F b) const { V::storef(B + u * R, b); }
+  INLINE void unit(int64_t u, const I* v) const {
+    for (int64_t g = 0; g < groups; ++g) V::store(codes + (u * groups + g) * R * 4, v[g]);
+  }
+  INLINE void unit_sign(int64_t u, const I* abs, const I* w) const {
+    for (int64_t g = 0; g < groups; ++g) {
+      V::store(codes + (u * groups + g) * R * 4, abs[g]);
+      V::store(raw + (u * groups + g) * R * 4, w[g]);
+    }
+  }
+  INLINE void block_done(int64_t) const {}
+};
+
+// Blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at p + r * stride (rows r < R): unit u.
+// (The fp16 fields come from the same 16-byte loads and transposes: gathers are slower.)
+template <int KIND, class Sink>
+INLINE void decode32(const uint8_t* p, int64_t stride, Sink& sink, int64_t u) {
+  constexpr int qs_at = KIND == 2 ? 2 : KIND == 3 ? 4 : KIND == 6 ? 6 : KIND == 7 ? 8 : 2;
+  const I nib = V::set1(0x0F0F0F0F);
+  I head[4];  // the block's bytes 0..15: d (and m), qh
+  V::load_t4(p, stride, head);
+  sink.scale(u, V::half_lo(head[0]));
+  if constexpr (KIND == 3 || KIND == 7) sink.min(u, V::half_lo(V::srl(head[0], 16)));
+  I qs[8], codes[8];
+  V::load_t4(p + qs_at, stride, qs);
+  if constexpr (KIND == 8) {
+    V::load_t4(p + qs_at + 16, stride, qs + 4);
+    if constexpr (V::kSignTrick) {
+      for (int g = 0; g < 8; ++g) codes[g] = V::abs8(qs[g]);
+      sink.unit_sign(u, codes, qs);
+    } else {
+      for (int g = 0; g < 8; ++g) codes[g] = V::xor_(qs[g], V::set1(static_cast<int32_t>(0x80808080u)));
+      sink.unit(u, codes);
+    }
+  } else {
+    I qh = V::set1(0);  // Q5_0: bytes 2..5, Q5_1: bytes 4..7
+    if constexpr (KIND == 6) qh = V::or_(V::srl(head[0], 16), V::sll(head[1], 16));
+    if constexpr (KIND == 7) qh = head[1];
+    for (int g = 0; g < 4; ++g) {
+      codes[g] = V::and_(qs[g], nib);
+      codes[g + 4] = V::and_(V::srl(qs[g], 4), nib);
+      if constexpr (KIND == 6 || KIND == 7) {
+        codes[g] = V::or_(codes[g], V::spread(qh, 4 * g));
+        codes[g + 4] = V::or_(codes[g + 4], V::spread(qh, 16 + 4 * g));
+      }
+    }
+    sink.unit(u, codes);
+  }
+  sink.block_done(u);
+}
+
+// Q4_K / Q5_K super-block at p + r * stride: units u0 .. u0+7.
+template <int KIND, class Sink>
+INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  I h[4];
+  V::load_t4(p, stride, h);  // d|dmin, scale bytes 0-3, 4-7, 8-11
+  const F d = V::half_lo(h[0]), dmin = V::half_lo(V::srl(h[0], 16));
+  const I m6 = V::set1(63), m4 = V::set1(0xF), m30 = V::set1(0x30);
+  for (int j = 0; j < 8; ++j) {
+    I sc, mn;
+    if (j < 4) {
+      sc = V::and_(V::srl(h[1], 8 * j), m6);
+      mn = V::and_(V::srl(h[2], 8 * j), m6);
+    } else {
+      const int i = j - 4;
+      sc = V::or_(V::and_(V::srl(h[3], 8 * i), m4), V::and_(V::srl(h[1], 8 * i + 2), m30));
+      mn = V::or_(V::and_(V::srl(h[3], 8 * i + 4), m4), V::and_(V::srl(h[2], 8 * i + 2), m30));
+    }
+    sink.scale(u0 + j, V::mul(d, V::cvt(sc)));
+    sink.min(u0 + j, V::neg(V::mul(dmin, V::cvt(mn))));
+  }
+  constexpr int qs_at = KIND == 12 ? 16 : 48;
+  I qh[8];
+  if constexpr (KIND == 13) {
+    V::load_t4(p + 16, stride, qh);
+    V::load_t4(p + 32, stride, qh + 4);
+  }
+  const I nib = V::set1(0x0F0F0F0F), bit = V::set1(0x01010101);
+  for (int pair = 0; pair < 4; ++pair) {
+    I qs[8], lo[8], hi[8];
+    V::load_t4(p + qs_at + 32 * pair, stride, qs);
+    V::load_t4(p + qs_at + 32 * pair + 16, stride, qs + 4);
+    for (int g = 0; g < 8; ++g) {
+      lo[g] = V::and_(qs[g], nib);
+      hi[g] = V::and_(V::srl(qs[g], 4), nib);
+      if constexpr (KIND == 13) {
+        lo[g] = V::or_(lo[g], V::sll(V::and_(V::srl(qh[g], 2 * pair), bit), 4));
+        hi[g] = V::or_(hi[g], V::sll(V::and_(V::srl(qh[g], 2 * pair + 1), bit), 4));
+      }
+    }
+    sink.unit(u0 + 2 * pair, lo);
+    sink.unit(u0 + 2 * pair + 1, hi);
+  }
+  sink.block_done(u0);
+}
+
+// Q6_K super-block: units (of 16) u0 .. u0+15.
+template <class Sink>
+INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  I sc[4], tail[4];
+  V::load_t4(p + 192, stride, sc);  // the 16 int8 scales
+  V::load_t4(p + 194, stride, tail);  // bytes 194..209: d in the last dword's upper half
+  const F d = V::half_lo(V::srl(tail[3], 16));
+  for (int s = 0; s < 16; ++s) {
+    const I v = V::sra(V::sll(sc[s / 4], 24 - 8 * (s % 4)), 24);  // int8 scale, sign-extended
+    sink.scale(u0 + s, V::mul(d, V::cvt(v)));
+  }
+  const I nib = V::set1(0x0F0F0F0F), two = V::set1(0x03030303);
+  for (int h = 0; h < 2; ++h) {
+    I qh[8];
+    V::load_t4(p + 128 + 32 * h, stride, qh);
+    V::load_t4(p + 128 + 32 * h + 16, stride, qh + 4);
+    for (int quarter = 0; quarter < 4; ++quarter) {  // ql bytes 64h + 16 quarter .. + 15
+      I ql[4], lo[4], hi[4];
+      V::load_t4(p + 64 * h + 16 * quarter, stride, ql);
+      for (int j = 0; j < 4; ++j) {
+        const int r = 16 * quarter + 4 * j;  // values 128h + r (low nibbles) and 128h + r + 64 (high)
+        const I qh_lo = V::and_(V::srl(qh[(r % 32) / 4], 2 * (r / 32)), two);
+        const I qh_hi = V::and_(V::srl(qh[(r % 32) / 4], 2 * (r / 32 + 2)), two);
+        lo[j] = V::or_(V::and_(ql[j], nib), V::sll(qh_lo, 4));
+        hi[j] = V::or_(V::and_(V::srl(ql[j], 4), nib), V::sll(qh_hi, 4));
+      }
+      sink.unit(u0 + 8 * h + quarter, lo);  // values 128h + 16 quarter ..
+      sink.unit(u0 + 8 * h + 4 + quarter, hi);  // values 128h + 64 + 16 quarter ..
+    }
+  }
+  sink.block_done(u0);
+}
+
+template <int KIND>
+constexpr int64_t block_bytes() {
+  return KIND == 12 ? 144 : KIND == 13 ? 176 : KIND == 14 ? 210 : KIND == 2 ? 18 : KIND == 3 ? 20 : KIND == 6 ? 22
+         : KIND == 7 ? 24 : 34;
+}
+
+// Decode blocks [b0, b1) of the R rows at w (stride row_bytes) into the sink (units from 0), and
+// prefetch the `ahead_rows` rows at `ahead` (the next tile's) in step: the same share of them.
+template <int KIND, class Sink>
+INLINE void decode(const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, Sink& sink, const uint8_t* ahead,
+                   int64_t ahead_rows) {
+  constexpr int64_t BB = block_bytes<KIND>();
+  const int64_t nb = row_bytes / BB, lines = ahead_rows * row_bytes / 64, per_block = (lines + nb - 1) / nb;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (lines)
+      for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
+    const uint8_t* p = w + b * BB;
+    if constexpr (KIND == 14) decode_q6k(p, row_bytes, sink, (b - b0) * 16);
+    else if constexpr (KIND >= 12) decode_k45<KIND>(p, row_bytes, sink, (b - b0) * 8);
+    else decode32<KIND>(p, row_bytes, sink, b - b0);
+  }
+}
+
+// One unit's integer sums for MR activation rows: isum[i] = init[i] + sum over its G groups of
+// code(g) . a[g * MR + i] (4 byte products each). VNNI: one vpdpbusd per group and row, in C
+// independent chains for few rows. AVX2: maddubs gives int16 pair sums, L of them are added in
+// int16 (exact: L is the most that cannot overflow for the kind's largest code) before one madd
+// widens them to int32. SIGN (Q8_0 on AVX2): code(g) = |w|, raw(g) = w.
+template <int MR, int G, int L, bool SIGN, class Code, class Raw>
+INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code, Raw raw) {
+  if constexpr (V::kInt16) {
+    I s16[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = init ? V::set1(init[i]) : V::set1(0);
+    for (int g = 0; g < G; ++g) {
+      const I w = code(g);
+      const I r = SIGN ? raw(g) : w;
+      for (int i = 0; i < MR; ++i) {
+        const I t = SIGN ? V::madd16_sign(w, r, a[g * MR + i]) : V::madd16(w, a[g * MR + i]);
+        s16[i] = g % L == 0 ? t : V::add16(s16[i], t);
+      }
+      if (g % L == L - 1 || g == G - 1)
+        for (int i = 0; i < MR; ++i) isum[i] = V::widen(isum[i], s16[i]);
+    }
+  } else {
+    constexpr int C = MR >= 8 ? 1 : MR >= 4 ? 2 : 4;
+    I part[MR][C];
+    for (int i = 0; i < MR; ++i) {
+      part[i][0] = init ? V::set1(init[i]) : V::set1(0);
+      for (int c = 1; c < C; ++c) part[i][c] = V::set1(0);
+    }
+    for (int g = 0; g < G; ++g) {
+      const I w = code(g);
+      for (int i = 0; i < MR; ++i) part[i][g % C] = V::dp(part[i][g % C], w, a + g * MR + i);
+    }
+    for (int i = 0; i < MR; ++i) {
+      isum[i] = part[i][0];
+      if constexpr (C >= 2) isum[i] = V::addi(isum[i], part[i][1]);
+      if constexpr (C == 4) isum[i] = V::addi(isum[i], V::addi(part[i][2], part[i][3]));
+    }
+  }
+}
+
+// The fused sink, for a few activation rows (one panel of MR <= 4): each unit's integer sums are
+// taken as its codes come (from registers), its float step at the end of its block, in order.
+template <int MR, int U, int L, bool MIN, bool INIT, bool SIGN>
+struct Fused {
+  static constexpr int G = U / 4, UB = U == 16 ? 16 : 8;  // units per block, at most
+  const Panel& p;
+  int64_t block_units;  // units per block: 1, 8 or 16
+  F acc[MR];
+  F A[UB], B[UB];
+  I sums[UB][MR];
+  INLINE Fused(const Panel& panel, int64_t units_per_block) : p(panel), block_units(units_per_block) {
+    for (int i = 0; i < MR; ++i) acc[i] = V::zerof();
+  }
+  INLINE void scale(int64_t u, F a) { A[u % UB] = a; }
+  INLINE void min(int64_t u, F b) { B[u % UB] = b; }
+  template <class Code, class Raw>
+  INLINE void sum(int64_t u, Code code, Raw raw) {
+    unit_sums<MR, G, L, SIGN>(sums[u % UB], p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
+  }
+  INLINE void unit(int64_t u, const I* v) {
+    sum(u, [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
+  }
+  INLINE void unit_sign(int64_t u, const I* abs, const I* w) {
+    sum(u, [&](int g) { return abs[g]; }, [&](int g) { return w[g]; });
+  }
+  INLINE void block_done(int64_t u0) {
+    for (int64_t k = 0; k < block_units; ++k) {
+      const int64_t u = u0 + k;
+      for (int i = 0; i < MR; ++i) {
+        const F d = V::set1f(p.d[u * MR + i]);
+        F c = V::mul(V::mul(A[u % UB], d), V::cvt(sums[u % UB][i]));
+        if constexpr (MIN) c = V::add(c, V::mul(V::mul(B[u % UB], d), V::set1f(p.sf[u * MR + i])));
+        acc[i] = V::add(acc[i], c);
+      }
+    }
+  }
+};
+
+// The MR rows of panel p over the units [0, units) of a decoded chunk starting at unit gu0:
+// yt[m][R] += the units' terms, in ascending order.
+template <int MR, int U, int L, bool MIN, bool INIT, bool SIGN>
+INLINE void micro(const Panel& p, const Tile& t, int64_t units, int64_t gu0, float* yt) {
+  constexpr int G = U / 4;  // groups of 4 values per unit
+  F acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = V::loadf(yt + (p.m0 + i) * R);
+  const int32_t* qa = p.q + gu0 * G * MR;
+  const float* da = p.d + gu0 * MR;
+  const int32_t* init = INIT ? p.init + gu0 * MR : nullptr;
+  const float* sf = MIN ? p.sf + gu0 * MR : nullptr;
+  for (int64_t u = 0; u < units; ++u) {
+    I isum[MR];
+    const uint8_t* codes = t.codes + u * G * R * 4;
+    const uint8_t* raw = t.raw + u * G * R * 4;
+    unit_sums<MR, G, L, SIGN>(isum, qa + u * G * MR, INIT ? init + u * MR : nullptr,
+                              [&](int g) { return V::load(codes + g * R * 4); },
+                              [&](int g) { return V::load(raw + g * R * 4); });
+    const F sa = V::loadf(t.A + u * R);
+    F sb;
+    if constexpr (MIN) sb = V::loadf(t.B + u * R);
+    for (int i = 0; i < MR; ++i) {
+      const F d = V::set1f(da[u * MR + i]);
+      F c = V::mul(V::mul(sa, d), V::cvt(isum[i]));
+      if constexpr (MIN) c = V::add(c, V::mul(V::mul(sb, d), V::set1f(sf[u * MR + i])));
+      acc[i] = V::add(acc[i], c);
+    }
+  }
+  for (int i = 0; i < MR; ++i) V::storef(yt + (p.m0 + i) * R, acc[i]);
+}
+
+template <int U, int L, bool MIN, bool INIT, bool SIGN>
+void rows_pass(const Problem& pb, const Tile& t, int64_t units, int64_t gu0, float* yt) {
+  for (int64_t k = 0; k < pb.num_panels; ++k) {
+    const Panel& p = pb.panels[k];
+    if (p.rows == V::MR) micro<V::MR, U, L, MIN, INIT, SIGN>(p, t, units, gu0, yt);
+    else if (p.rows == 4) micro<4, U, L, MIN, INIT, SIGN>(p, t, units, gu0, yt);
+    else if (p.rows == 2) micro<2, U, L, MIN, INIT, SIGN>(p, t, units, gu0, yt);
+    else micro<1, U, L, MIN, INIT, SIGN>(p, t, units, gu0, yt);
+  }
+}
+
+template <int KIND>
+struct Traits {
+  static constexpr bool MIN = KIND == 3 || KIND == 7 || KIND == 12 || KIND == 13;
+  static constexpr int U = KIND == 14 ? 16 : 32;
+  static constexpr int BV = KIND >= 12 ? 256 : 32;  // values per block
+  static constexpr bool SIGN = KIND == 8 && V::kSignTrick;
+  static constexpr bool INIT = KIND == 2 || KIND == 6 || KIND == 14 || (KIND == 8 && !SIGN);
+  // AVX2: int16 pair sums (2 products each, |activation| <= 127) added before widening, at most
+  // 32767 / (2 * 127 * largest code): codes to 15 -> 8, to 31 -> 4, to 63 -> 2, |Q8_0| to 128 -> 1.
+  static constexpr int L = KIND == 8 ? 1 : KIND == 14 ? 2 : (KIND == 6 || KIND == 7 || KIND == 13) ? 4 : 8;
+};
+
+// Tile `tile`'s R weight rows: their bytes (a zero-padded copy for the last, partial tile: zero
+// scales give zero terms), the rows that exist, and the next tile's bytes to prefetch.
+struct Rows {
+  const uint8_t* w;
+  int64_t valid;
+  const uint8_t* ahead;
+  int64_t ahead_rows;
+};
+
+INLINE Rows tile_rows(const Problem& pb, int64_t tile, std::vector<uint8_t>& pad) {
+  const int64_t n0 = tile * R, rb = pb.row_bytes;
+  Rows rows{pb.w + n0 * rb, std::min<int64_t>(R, pb.N - n0), pb.w, 0};
+  if (rows.valid < R) {
+    pad.assign(R * rb, 0);
+    std::memcpy(pad.data(), rows.w, rows.valid * rb);
+    rows.w = pad.data();
+  }
+  if (n0 + R < pb.N) {
+    rows.ahead = pb.w + (n0 + R) * rb;
+    rows.ahead_rows = std::min<int64_t>(R, pb.N - n0 - R);
+  }
+  return rows;
+}
+
+// Many activation rows: each tile's chunk of K decoded once into L1, then every panel over it.
+template <int KIND>
+void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
+  using T = Traits<KIND>;
+  const int64_t M = pb.M, N = pb.N, nb = pb.K / T::BV;
+  const int64_t bpc = kChunk / T::BV;  // blocks per chunk
+  std::vector<uint8_t> codes(kChunk * R), raw(T::SIGN ? kChunk * R : 0), pad;
+  std::vector<float> A(kChunk / T::U * R), B(T::MIN ? kChunk / T::U * R : 0), yt(M * R);
+  Tile t{codes.data(), raw.data(), A.data(), B.data(), T::U / 4};
+  for (int64_t tile = t0; tile < t1; ++tile) {
+    const Rows rows = tile_rows(pb, tile, pad);
+    std::fill(yt.begin(), yt.end(), 0.0f);
+    for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
+      const int64_t b1 = std::min(b0 + bpc, nb);
+      decode<KIND>(rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
+      rows_pass<T::U, T::L, T::MIN, T::INIT, T::SIGN>(pb, t, (b1 - b0) * T::BV / T::U, b0 * T::BV / T::U, yt.data());
+    }
+    for (int64_t m = 0; m < M; ++m) std::memcpy(pb.y + m * N + tile * R, yt.data() + m * R, rows.valid * sizeof(float));
+  }
+}
+
+// A few activation rows (one panel of MR): each block's codes go from registers into the sums.
+template <int KIND, int MR>
+void tiles_fused(const Problem& pb, int64_t t0, int64_t t1) {
+  using T = Traits<KIND>;
+  std::vector<uint8_t> pad;
+  for (int64_t tile = t0; tile < t1; ++tile) {
+    const Rows rows = tile_rows(pb, tile, pad);
+    Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0], T::BV / T::U);
+    decode<KIND>(rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
+    for (int i = 0; i < MR; ++i) {
+      alignas(64) float out[R];
+      V::storef(out, sink.acc[i]);
+      std::memcpy(pb.y + i * pb.N + tile * R, out, rows.valid * sizeof(float));
+    }
+  }
+}
+
+template <int KIND>
+void tiles_of(const Problem& pb, int64_t t0, int64_t t1) {
+  if (pb.num_panels == 1 && pb.panels[0].rows <= kFusedRows) {
+    switch (pb.panels[0].rows) {
+      case 1: return tiles_fused<KIND, 1>(pb, t0, t1);
+      case 2: return tiles_fused<KIND, 2>(pb, t0, t1);
+      case 3: return tiles_fused<KIND, 3>(pb, t0, t1);
+      default: return tiles_fused<KIND, 4>(pb, t0, t1);
+    }
+  }
+  tiles_buffered<KIND>(pb, t0, t1);
+}
+
+void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1) {
+  switch (pb.kind.id) {
+    case 2: tiles_of<2>(pb, t0, t1); break;
+    case 3: tiles_of<3>(pb, t0, t1); break;
+    case 6: tiles_of<6>(pb, t0, t1); break;
+    case 7: tiles_of<7>(pb, t0, t1); break;
+    case 8: tiles_of<8>(pb, t0, t1); break;
+    case 12: tiles_of<12>(pb, t0, t1); break;
+    case 13: tiles_of<13>(pb, t0, t1); break;
+    case 14: tiles_of<14>(pb, t0, t1); break;
+  }
+}
+
+// One activation row: per block of 32, d = max|x| / 127 and q = round(x / d), sums per 16.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums) {
+  constexpr int P = V::kPerBlock;  // vectors per block of 32
+  for (int64_t b = 0; b < K / 32; ++b) {
+    F xs[P];
+    F amax = V::zerof();
+    for (int j = 0; j < P; ++j) {
+      xs[j] = V::loadf(x + b * 32 + j * R);
+      amax = V::maxf(amax, V::absf(xs[j]));
+    }
+    d[b] = act_scale(V::hmax(amax));
+    const F inv = V::set1f(act_inverse(d[b]));
+    I v[P];
+    for (int j = 0; j < P; ++j) {
+      v[j] = V::round_clamp(V::mul(xs[j], inv));
+      V::store_i8(q + b * 32 + j * R, v[j]);
+    }
+    V::sums16(v, sums + 2 * b);
+  }
+}
+
+#endif  // DEEPINFER_QDOT_BODY
