@@ -25,15 +25,19 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/deepinfer generate "$(PROMPT)"
 
+# Two worker processes (one per core of a 2-core CI machine), each on one intra-op thread: most tests are
+# Python-bound or wait on a subprocess, so two files at a time use both cores without oversubscribing them.
+# A module stays on one worker (--dist loadfile), so its module-scoped engines are built once.
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 test: $(STAMP) chromium
 	$(PY) -m ruff check deepinfer labs tests
-	$(PY) -m pytest --durations=25
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL) --durations=25
 
 # The fast tier, for iterating: no real model, no server or other subprocess, no tensor-parallel ranks, no
 # whole-engine parity sweep, nothing marked slow (tests/conftest.py marks each test). `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m ruff check deepinfer labs tests
-	$(PY) -m pytest -q -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity and not bench"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity and not bench"
 
 # The headless browser of the chat page test: Debian's chromium, installed when missing and apt-get is
 # usable (as root); otherwise the test fails with a message that says how to install it.

@@ -8,7 +8,9 @@ one-line description, so `describe_environ()` and the parser below share one tab
 
 Accepted values: counts are decimal integers >= 0; switches are 1/0, true/false, yes/no or
 on/off (any case). An empty value counts as unset. Anything else raises ValueError naming the
-variable and the value.
+variable and the value. A switch whose default is None ("auto") keeps None while unset: the
+engine decides (DEEPINFER_BATCH_INVARIANT: on for the CPU path with its C++ kernels,
+`layers/batch_invariant.resolve_batch_invariant`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,15 @@ _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 _COUNT_RE = re.compile(r"^[+-]?[0-9]+$")
 
 
-def _knob(variable: str, default: int | bool, doc: str):
-    """A dataclass field bound to one environment variable."""
-    return field(default=default, metadata={"variable": variable, "doc": doc})
+def _knob(variable: str, default: int | bool | None, doc: str, switch: bool | None = None):
+    """A dataclass field bound to one environment variable; a switch unless its default is an int
+    (a default of None needs `switch=True`: an auto switch, None while unset)."""
+    switch = isinstance(default, bool) if switch is None else switch
+    return field(default=default, metadata={"variable": variable, "doc": doc, "switch": switch})
+
+
+def _shown(value) -> str:
+    return "auto" if value is None else str(value)
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,10 @@ class Environ:
         "Truncate YOCO prefill; only counted when the prefill extra state is on.")
     yoco_prefill_keep_tokens: int = _knob(
         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", 0, "Tokens YOCO truncation keeps (added to the kv-store ring).")
-    batch_invariant: bool = _knob(
-        "DEEPINFER_BATCH_INVARIANT", False, "Ask kernels for results independent of batch composition.")
+    batch_invariant: bool | None = _knob(
+        "DEEPINFER_BATCH_INVARIANT", None,
+        "Results independent of batch composition, chunking and prefix-cache hits; "
+        "auto: on for the CPU with its C++ kernels (fp32 Llama family, Gemma 3), off elsewhere.", switch=True)
     allow_long_max_model_len: bool = _knob(
         "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN", False,
         "Accept a max_model_len beyond the model's context (outputs past it may be garbage).")
@@ -57,8 +67,8 @@ class Environ:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(f.default, bool):
-                if not isinstance(value, bool):
+            if f.metadata["switch"]:
+                if not isinstance(value, bool) and not (value is None and f.default is None):
                     raise ValueError(f"{f.metadata['variable']}={value!r}: expected a boolean")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{f.metadata['variable']}={value!r}: expected an integer >= 0")
@@ -90,7 +100,7 @@ def read_environ(env: Mapping[str, str] = os.environ) -> Environ:
         text = env.get(variable)
         if text is None or not text.strip():
             continue
-        parse = _parse_bool if isinstance(f.default, bool) else _parse_count
+        parse = _parse_bool if f.metadata["switch"] else _parse_count
         values[f.name] = parse(variable, text)
     return Environ(**values)
 
@@ -107,5 +117,5 @@ def describe_environ(env: Environ | None = None) -> list[str]:
     lines = []
     for f in fields(Environ):
         value = getattr(env, f.name)
-        lines.append(f"{f.metadata['variable']}={value} (default {f.default}): {f.metadata['doc']}")
+        lines.append(f"{f.metadata['variable']}={_shown(value)} (default {_shown(f.default)}): {f.metadata['doc']}")
     return lines

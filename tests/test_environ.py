@@ -13,7 +13,7 @@ DEFAULTS = {
     "prefill_store_extra_size": 128,
     "yoco_prefill_truncation": False,
     "yoco_prefill_keep_tokens": 0,
-    "batch_invariant": False,
+    "batch_invariant": None,  # auto: the engine decides (on for the CPU with its C++ kernels)
     "allow_long_max_model_len": False,
 }
 
@@ -103,4 +103,6 @@ def test_describe_names_every_variable_with_default():
     lines = describe_environ(Environ())
     assert len(lines) == len(DEFAULTS)
     assert lines[0].startswith("DEEPINFER_USE_NEXTN_DECODE=5 (default 5): ")
-    assert any(line.startswith("DEEPINFER_BATCH_INVARIANT=False (default False): ") for line in lines)
+    assert any(line.startswith("DEEPINFER_BATCH_INVARIANT=auto (default auto): ") for line in lines)
+    assert any(line.startswith("DEEPINFER_BATCH_INVARIANT=False (default auto): ")
+               for line in describe_environ(Environ(batch_invariant=False)))

@@ -24,7 +24,12 @@ from deepinfer.model_executor import model_loader
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
 from deepinfer.model_executor.layers.attention.triton_backend import make_attention_backend
-from deepinfer.model_executor.layers.batch_invariant import check_model_type, make_batch_invariant
+from deepinfer.model_executor.layers.batch_invariant import (
+    check_model_type,
+    make_batch_invariant,
+    native_path,
+    resolve_batch_invariant,
+)
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import device_tensor
@@ -89,25 +94,28 @@ class ModelRunner:
     def __init__(self, source, config: EngineConfig):
         cache_config = config.cache
         self.device = resolve_device(config.device)
-        # a backend this device cannot use fails here, before the weights load
-        self.attention_backend = make_attention_backend(config.attention_backend, self.device,
-                                                        config.env.batch_invariant)
-        if config.env.batch_invariant:  # refuse a model the mode does not cover before loading it
-            check_model_type(source.hf_config.model_type)
-        self.quantization = resolve_quantization(config.quantization, source, self.device, config.env.batch_invariant)
-        self.dtype_choice = resolve_dtype(config.dtype, self.device, source, self.quantization.value,
-                                          config.env.batch_invariant)
+        model_type = source.hf_config.model_type
+        knob = config.env.batch_invariant  # None: auto (on for the CPU path with its C++ kernels)
+        self.quantization = resolve_quantization(config.quantization, source, self.device, bool(knob))
+        self.dtype_choice = resolve_dtype(config.dtype, self.device, source, self.quantization.value, bool(knob))
         self.dtype = torch_dtype(self.dtype_choice)
-        logger.info("quantization %s (%s); dtype %s (%s)", self.quantization.value, self.quantization.reason,
-                    self.dtype_choice.value, self.dtype_choice.reason)
+        self.batch_invariant = resolve_batch_invariant(knob, self.device, config.attention_backend, model_type,
+                                                       self.dtype)
+        # a backend this device cannot use fails here, before the weights load
+        self.attention_backend = make_attention_backend(config.attention_backend, self.device, self.batch_invariant)
+        if self.batch_invariant:  # refuse a model the mode does not cover before loading it
+            check_model_type(model_type)
+        logger.info("quantization %s (%s); dtype %s (%s); batch-invariant %s", self.quantization.value,
+                    self.quantization.reason, self.dtype_choice.value, self.dtype_choice.reason,
+                    "on" if self.batch_invariant else "off")
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
                                               config.speculative.method, self.quantization.value,
                                               config.expert_parallel_size)
         self.speculative = config.speculative  # the one source of the draft allowance k
         self.env = config.env
         self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T
-        if self.env.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits in the invariant mode
-            make_batch_invariant(self.model, source.hf_config.model_type)
+        if self.batch_invariant:  # DEEPINFER_BATCH_INVARIANT: forward and logits row-independent
+            make_batch_invariant(self.model, model_type, native_path(self.device, self.dtype, model_type))
         else:
             self.num_few_row_linear = use_few_row_linear(self.model)
         # the cache's one sizing (`cache_sizing`): groups sized for k drafts, their codecs, the byte record
@@ -127,12 +135,12 @@ class ModelRunner:
                                            num_ring_units, self.attention_backend))
         self.numerics = model_loader.numerics_record(self.model, self.device, self.dtype, self.quantization.value,
                                                      self.attention_backend.name, cache_config.kv_cache_dtype,
-                                                     self.env.batch_invariant)  # every choice in a row's bits
+                                                     self.batch_invariant)  # every choice in a row's bits
         self.cache_identity = checked_identity(self, cache_identity(source, self.numerics, self.groups), cache_config)
         self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
                                   self._disk_store(cache_config))
         self.undo = StepUndo(self.cache, self.model)  # what a failed step changed that its re-run reads
-        self.sampler = Sampler(config.seed, batch_invariant=self.env.batch_invariant)
+        self.sampler = Sampler(config.seed, batch_invariant=self.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)

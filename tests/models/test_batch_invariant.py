@@ -203,8 +203,8 @@ def _run(llm: LLM, budget: int, num_others: int, targets=(GREEDY, SEEDED), first
 
 @pytest.fixture(scope="module")
 def invariant_llm():
-    with _knob(True):
-        return LLM(max_model_len=256, kv_cache_memory="64MiB")
+    with _knob(True):  # the dense weights: the control below compares them with the plain path's
+        return LLM(max_model_len=256, kv_cache_memory="64MiB", quantization="none")
 
 
 @pytest.mark.slow

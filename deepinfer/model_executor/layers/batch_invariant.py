@@ -1,5 +1,7 @@
-"""Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT=1`): a request's logprobs and seeded samples
-are bit-identical whatever else shares its batch and however its prompt is chunked.
+"""Batch-invariant mode (`DEEPINFER_BATCH_INVARIANT`): a request's logprobs and seeded samples
+are bit-identical whatever else shares its batch, however its prompt is chunked and whether its
+prefix came from the cache. On the CPU it is the default (below: "The CPU default"); elsewhere
+(a GPU, the Triton backend) it is off unless DEEPINFER_BATCH_INVARIANT=1.
 
 A float sum's value depends on its order, so an op is invariant when the order in which each
 output element is accumulated depends on that element's own inputs only, never on how many rows
@@ -29,7 +31,7 @@ tests/models/test_batch_invariant.py repeats the checks), and what this module d
   at the end of an array). `silu`, `sigmoid` and `gelu` here are written with `exp` / `tanh` /
   `erf` and IEEE arithmetic, `softplus` with `exp` and `log1p` (`sin`, `cos`, `log1p`, `sqrt` and
   `relu` keep their bits too).
-- Attention. The reference backend pads decode reads to the widest query of the batch and runs
+- Attention. The plain backend pads decode reads to the widest query of the batch and runs
   prefill over [loaded | chunk] with a mask: different lengths and kernels for the same query.
   Here every query reduces over its visible keys in blocks of `KEY_BLOCK` at absolute position
   offsets (attention/invariant.py lays them out), from the block of its first visible key: per
@@ -38,7 +40,11 @@ tests/models/test_batch_invariant.py repeats the checks), and what this module d
   bits then depend on neither the row count nor the row's place, so decode's own [G, B] blocks and
   prefill's shared [n*G, B] ones agree), an exact max, `exp`, a sum over each B-element block,
   and a pairwise sum over blocks, zero-padded to a power of two, in which padding blocks add exact
-  zeros. A chunk's own keys are taken as the cache will return them (fp8 / bf16 caches).
+  zeros. A chunk's own keys are taken as the cache will return them (fp8 / bf16 caches). On the
+  fused (CPU) kernel set the same rule runs in C++ for fp32 queries over plain rows
+  (invariant_cpu.cpp: per query and KV head, 16-lane dot products, the exact max, the polynomial
+  exp, 16-lane sums per 64-key block, blocks added in position order): its own bits, not these,
+  with the same invariance, tested against float64 attention.
 - The sampler (`Sampler(batch_invariant=True)`) takes its two vocabulary sums (logsumexp, top-p
   mass) through `row_sum`; its other stages (argmax, topk, per-block sums, float64 prefix sums,
   per-request generators) depend on the row alone.
@@ -55,11 +61,34 @@ tests/models/test_batch_invariant.py repeats the checks), and what this module d
 
 `BatchInvariantMode` (a `TorchFunctionMode`) reroutes `F.linear`, `F.silu`, `F.gelu`, `F.softplus`
 and `sigmoid` while a wrapped model runs, so model files need no change for those; it refuses
-`F.scaled_dot_product_attention`. `make_batch_invariant` wraps a model's `forward` and
-`compute_logits`; the runner calls it, and gives the attention backend (the torch backend on the
-torch kernel set: no C++ or Triton kernel is shown to be invariant) and the sampler their flag,
-only when the knob is on (knob off: nothing here runs). DeepSeek-V4 reads the flag from the
-backend when it binds its caches.
+`F.scaled_dot_product_attention`. It costs a Python call per torch call: measured on SmolLM2's
+batch-1 decode (about 4000 calls a step), 9.0 ms per token without it and 20.2 ms under it, so the
+CPU default path below runs without it. `make_batch_invariant` wraps a model's `forward` (unless
+native) and `compute_logits`; the runner calls it, and gives the attention backend and the
+sampler their flag, only when the mode is on (off: nothing here runs). DeepSeek-V4 reads the flag
+from the backend when it binds its caches.
+
+The CPU default (`resolve_batch_invariant`, `native_path`). With DEEPINFER_BATCH_INVARIANT unset,
+the mode is on where it costs (almost) nothing: fp32 on the CPU with the C++ kernels built
+(`kernel_isa() > 0`), the torch attention backend, a Llama-family or Gemma 3 model. There every op
+of the forward is row-independent as it runs, so no TorchFunctionMode is needed:
+
+- quantized linear layers and LM head: the integer kernels (ops/qdot.py: int8 activations per 32
+  values, exact int32 sums, blocks combined in a fixed order); float linear layers (an HF
+  checkpoint) get `linear` as their forward (`use_invariant_linears`);
+- RMSNorm, RoPE, SwiGLU and the cache store: fused_cpu.cpp's per-row loops; Gemma's GeGLU:
+  invariant_cpu.cpp's `gelu_tanh_mul` (F.gelu rounds a thread chunk's tail differently: with 3
+  threads over Gemma's 2048 columns a row's bits move); residual adds and scales are elementwise;
+- attention: invariant_cpu.cpp through `attention/invariant.py` (the KEY_BLOCK rule below, in C++,
+  decode and prefill alike);
+- the sampler: `row_sum`.
+
+tests/ops/test_invariant_cpu.py checks each op (a row alone vs inside a batch, under 1-3
+threads), tests/models/test_cpu_determinism.py the engine on the real SmolLM2 and Gemma 3 GGUFs.
+DEEPINFER_BATCH_INVARIANT=0 turns it off (the few-row linear swap and the plain kernels come back);
+=1 turns it on anywhere, through BatchInvariantMode off the native path. Other dtypes (a bf16
+compute dtype that `--dtype auto` picks for a large float model), DeepSeek-V4, GPUs and the Triton
+backend keep it off unless asked for.
 
 Scope: bits are the same across batches and chunkings of one engine (a fixed thread count, dtype
 and machine), not across machines or thread counts. Verified on the CPU (fp32, bf16; fp8 and bf16
@@ -76,7 +105,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from deepinfer.model_executor.layers.ops import fused
 
 ROW_MULTIPLE = 4  # MKL matmuls (attention's bmm; linear off the CPU) run on a multiple of 4 rows
 ONEDNN_MIN_ROWS = 2  # oneDNN's linear takes a GEMV kernel for 1 row: a lone row gets a zero row
@@ -86,6 +118,8 @@ VOCAB_BLOCK = 256  # elements per first-level block of `row_sum`
 DECODE_PAIR_BUDGET = 1 << 15  # query x key pairs per decode sub-batch (each pair gathers one cache row)
 PREFILL_PAIR_BUDGET = 1 << 20  # query x key pairs per prefill sub-batch (scores, expanded queries)
 UNSUPPORTED_MODEL_TYPES: tuple[str, ...] = ()  # model types the mode refuses at start-up (none today)
+# model types whose forward is row-independent without BatchInvariantMode on the CPU path (`native_path`)
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -369,8 +403,51 @@ def check_model_type(model_type: str) -> None:
                          "batch-invariant path; unset DEEPINFER_BATCH_INVARIANT")
 
 
-def make_batch_invariant(model, model_type: str) -> None:
-    """Run `model.forward` and `model.compute_logits` in BatchInvariantMode from now on."""
+def native_path(device: torch.device, dtype: torch.dtype, model_type: str) -> bool:
+    """Whether a model runs the mode without `BatchInvariantMode` around its forward (the CPU
+    default path): fp32 on the CPU with the C++ kernels built (`kernel_isa() > 0`), for the model
+    types whose every op is then row-independent as it is (`NATIVE_MODEL_TYPES`)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and model_type in NATIVE_MODEL_TYPES
+            and fused.kernel_isa() > 0)  # the instruction set the fused ops run their kernels with
+
+
+def resolve_batch_invariant(knob: bool | None, device: torch.device, attention_backend: str, model_type: str,
+                            dtype: torch.dtype) -> bool:
+    """DEEPINFER_BATCH_INVARIANT as the engine runs it: as set (1 / 0), else (unset) on exactly where
+    it costs (almost) nothing: the native path (`native_path`) with the torch attention backend
+    (`attention_backend` as requested: auto or torch; triton keeps it off). `dtype` is the compute
+    dtype the engine resolves without the mode (the mode's fp32 rule then changes nothing)."""
+    if knob is not None:
+        return knob
+    return attention_backend != "triton" and native_path(device, dtype, model_type)
+
+
+def make_batch_invariant(model, model_type: str, native: bool = False) -> None:
+    """Run the model in the mode from now on: `model.forward` in BatchInvariantMode, or on the native
+    path (`native_path`) as it is, with its float linear layers' forward replaced by `linear`;
+    `model.compute_logits` in BatchInvariantMode either way (a float LM head or a tied embedding
+    reaches `F.linear` there; a few dozen calls per step)."""
     check_model_type(model_type)
-    model.forward = _under_mode(model.forward)
+    if native:
+        use_invariant_linears(model)
+    else:
+        model.forward = _under_mode(model.forward)
     model.compute_logits = _under_mode(model.compute_logits)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """Give every float `nn.Linear` of `model` (subclasses included) a row-independent forward: plain
+    ones (nn.Linear's own forward) `linear` directly, others (a tensor-parallel row split with its
+    all-reduce) their own forward in BatchInvariantMode. Quantized layers (integer kernels) are not
+    nn.Linear and stay as they are. Returns how many layers changed."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    for m in layers:
+        m.forward = _linear_of(m) if type(m).forward is nn.Linear.forward else _under_mode(m.forward)
+    return len(layers)
+
+
+def _linear_of(module: nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(x, module.weight, module.bias)  # [..., out]
+
+    return forward

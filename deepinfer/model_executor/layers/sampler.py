@@ -29,11 +29,12 @@ generator (seeded requests) or from the engine generator (unseeded requests), in
 seeded request's uniforms do not depend on what else is in the batch. Greedy rows draw nothing.
 Generators live on the CPU whatever the logits' device: one [n] tensor of uniforms is copied over.
 
-Its tokens are another matter: without DEEPINFER_BATCH_INVARIANT a seeded request repeats for the
+Its tokens are another matter: with the batch-invariant mode off a seeded request repeats for the
 same batch composition, but its logits and logprobs move in the last bits with the batch (the
 model's matmuls; here a [1, V] sum is split across threads, a [17, V] one across rows), enough to
-flip a draw now and then. With `batch_invariant=True` the two vocabulary sums (logsumexp, top-p
-mass) go through `batch_invariant.row_sum`, and every stage depends on the row alone.
+flip a draw now and then. With `batch_invariant=True` (the runner's resolved DEEPINFER_BATCH_INVARIANT:
+on by default on the CPU) the two vocabulary sums (logsumexp, top-p mass) go through
+`batch_invariant.row_sum`, and every stage depends on the row alone.
 
 Fast paths share the general path's functions (same tokens, same draws): all-greedy without
 penalties, bias or bans is one blocked argmax (`token_draws.row_max`), and rows without top-k /

@@ -195,11 +195,11 @@ def _engine(path: str, on: bool, prefix_caching: bool) -> LLM:
 def test_v4_is_batch_invariant(v4_path):
     """Greedy and seeded targets alone, among 16 others (first or last), prefilled in chunks of
     8, 64 or 512 tokens; then with prefix caching, a cold run and a run whose prefix comes from
-    the cache (among 16 others, chunks of 8): ids and logprobs are ==. The engine runs the torch
-    kernel set and every decoder layer's invariant forms."""
+    the cache (among 16 others, chunks of 8): ids and logprobs are ==. The engine runs the fused
+    kernel set (torch hooks for V4's own kernels) and every decoder layer's invariant forms."""
     llm = _engine(v4_path, True, prefix_caching=False)
     runner = llm.engine.runner
-    assert runner.attention_backend.batch_invariant and runner.attention_backend.kernels.name == "torch"
+    assert runner.attention_backend.batch_invariant and runner.attention_backend.kernels.name == "fused"
     layers = runner.model.model.layers
     assert all(la.self_attn.batch_invariant and la.mlp.experts.batch_invariant and la.ffn_hc.batch_invariant
                for la in layers)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.model_executor.layers.attention import invariant
 from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
 from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.attention.layer_cache import LayerCache
@@ -172,7 +173,7 @@ class AttentionBackend:
     (attention/kernels.py: torch, fused C++ or Triton). A variant overrides hooks, never `forward`."""
 
     name = "kernels"
-    batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: only the torch backend has the mode
+    batch_invariant = False  # DEEPINFER_BATCH_INVARIANT (the CPU default): only the torch backend has the mode
 
     def __init__(self, kernels: KernelSet):
         self.kernels = kernels
@@ -218,9 +219,11 @@ class AttentionBackend:
 
 class TorchAttentionBackend(AttentionBackend):
     """The torch backend: the fused C++ kernels where they serve (CPU), torch elsewhere. With
-    `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT) every query, decode or prefill, reduces over
-    exactly its visible keys in fixed blocks (attention/invariant.py), so its bits depend on neither
-    the batch nor the chunking."""
+    `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT, on by default on the CPU) every query, decode
+    or prefill, reduces over exactly its visible keys in fixed blocks (attention/invariant.py), so
+    its bits depend on neither the batch nor the chunking: on the fused kernel set through the C++
+    kernels of ops/invariant_cpu.cpp where they serve the call class (fp32 CPU queries, plain cache
+    rows), otherwise, and on the torch kernel set, through the torch implementation."""
 
     name = "torch"
 
@@ -228,13 +231,23 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(kernels)
         self.batch_invariant = batch_invariant
         self.layouts = StepLayouts() if batch_invariant else None
+        # the C++ invariant attention (ops/invariant_cpu.cpp) where it serves the call: the fused (CPU) set
+        self.fused_invariant = batch_invariant and kernels.name == "fused"
 
     def decode(self, cache, q, metadata, group, scale):
         if not self.batch_invariant:
             return super().decode(cache, q, metadata, group, scale)
+        if self.fused_invariant:
+            first = self.layouts.first(metadata, group)  # [N]: column 0 of each index row
+            return invariant.decode_attention(cache, q, group.decode_index, first, scale)  # [N, H, D]
         return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale)  # [N, H, D]
 
     def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale):
         if not self.batch_invariant:
             return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale)
+        if self.fused_invariant:
+            seg = group.prefills[i]
+            q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
+            start = int(seg.load_positions[0]) if seg.load_positions.numel() else int(q_pos[0])
+            return invariant.prefill_attention(cache, q, k, v, loaded, q_pos, start, group.window, scale)  # [n, H, D]
         return invariant_prefill(cache, q, k, v, loaded, self.layouts.prefill(metadata, group, i), scale)  # [n, H, D]

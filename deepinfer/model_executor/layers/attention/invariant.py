@@ -1,12 +1,21 @@
-"""Batch-invariant attention (DEEPINFER_BATCH_INVARIANT): where each query's keys sit.
+"""Batch-invariant attention (DEEPINFER_BATCH_INVARIANT): where each query's keys sit, and the
+two implementations of the rule.
 
-Every query, decode or prefill, reduces over its visible keys laid out in blocks of KEY_BLOCK at
-absolute position offsets (position x in block x // B, column x % B), from the block of its first
-visible key; hidden columns weigh exactly 0. Decode reads its index row shifted right by that
-offset; a prefill chunk lays [loaded | chunk] out once and all its queries share it. The numerics
-(`per_query_attention`, `shared_key_attention`) live in `layers/batch_invariant.py`; they give
-a query the same bits in both layouts. A step's layouts are the same for every layer of a cache
-group: the first layer builds them, the others reuse them (`StepLayouts`).
+Every query, decode or prefill, reduces over its visible keys in blocks of KEY_BLOCK at absolute
+position offsets (position x in block x // B), from the block of its first visible key; hidden
+columns weigh exactly 0. Two implementations, each giving a query the same bits in decode and in
+prefill, in any batch and any chunking (they do not give each other's bits):
+
+    torch   decode reads its index row shifted right by its first key's offset in its block; a
+            prefill chunk lays [loaded | chunk] out once and all its queries share it; the
+            numerics (`per_query_attention`, `shared_key_attention`) live in
+            `layers/batch_invariant.py`. A step's layouts are the same for every layer of a cache
+            group: the first layer builds them, the others reuse them (`StepLayouts`).
+    C++     `decode_attention` / `prefill_attention` below (ops/invariant_cpu.cpp through
+            ops/fused.py): one function per (query, KV head) over the query's keys in position
+            order, for fp32 queries on the CPU over plain (fp32 / bf16) cache rows; any other call
+            class runs the torch implementation, which these ops wrap as their reference. Both
+            ops pick from the same class (q and the cache), so decode and prefill never mix them.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from deepinfer.model_executor.layers.batch_invariant import (
     query_slices,
     shared_key_attention,
 )
+from deepinfer.model_executor.layers.ops import fused
 
 
 def first_visible(q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -39,7 +49,12 @@ class DecodeLayout:
 
 def decode_layout(kv_index: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> DecodeLayout:
     """kv_index [N, L0] (each query's visible slots in position order, then -1), q_pos [N]."""
-    shift = first_visible(q_pos, window) % KEY_BLOCK  # [N]
+    return decode_layout_from(kv_index, first_visible(q_pos, window))
+
+
+def decode_layout_from(kv_index: torch.Tensor, first: torch.Tensor) -> DecodeLayout:
+    """kv_index [N, L0] whose column c holds position first[n] + c (first [N])."""
+    shift = first % KEY_BLOCK  # [N]
     width = kv_index.shape[1]
     cols = torch.arange(padded_width(width + int(shift.max())), device=kv_index.device) - shift[:, None]  # [N, L]
     inside = (cols >= 0) & (cols < width)  # [N, L]
@@ -95,17 +110,44 @@ def invariant_prefill(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
+def torch_decode_attention(cache, q: torch.Tensor, index: torch.Tensor, first: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`decode_attention`'s torch implementation: q [N, H, D], index [N, L] (column c at position
+    first[n] + c, -1 hidden), first [N] -> [N, H, D]."""
+    return invariant_decode(cache, q, decode_layout_from(index, first), scale)
+
+
+def torch_prefill_attention(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
+                            positions: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
+    """`prefill_attention`'s torch implementation: a chunk at positions [n] over loaded rows at
+    start .. start + n_old - 1 -> [n, H, D]."""
+    loaded_pos = torch.arange(start, start + loaded.shape[0], device=positions.device)  # [n_old]
+    return invariant_prefill(cache, q, k, v, loaded, prefill_layout(positions, loaded_pos, window), scale)
+
+
+# The C++ kernels where they serve the call class, else the torch implementations above.
+decode_attention = fused.invariant_decode_attention_op(torch_decode_attention)
+prefill_attention = fused.invariant_prefill_attention_op(torch_prefill_attention)
+
+
 class StepLayouts:
     """The layouts of the step in flight, per (cache group, segment): built once, used by every layer."""
 
     def __init__(self):
         self._step = None  # the AttentionMetadata they belong to
-        self._layouts: dict[tuple[int, int], DecodeLayout | PrefillLayout] = {}
+        self._layouts: dict[tuple[int, int], DecodeLayout | PrefillLayout | torch.Tensor] = {}
 
     def _current(self, metadata) -> dict:
         if self._step is not metadata:
             self._step, self._layouts = metadata, {}
         return self._layouts
+
+    def first(self, metadata, group) -> torch.Tensor:
+        """[N_decode] the first position each decode query sees (its index row's column 0)."""
+        layouts, key = self._current(metadata), (id(group), -2)
+        if key not in layouts:
+            layouts[key] = first_visible(metadata.positions[:metadata.num_decode_tokens], group.window)
+        return layouts[key]
 
     def decode(self, metadata, group) -> DecodeLayout:
         layouts, key = self._current(metadata), (id(group), -1)

@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.config import ATTENTION_BACKENDS
 from deepinfer.model_executor.layers.attention.backend import AttentionBackend, TorchAttentionBackend
-from deepinfer.model_executor.layers.attention.kernels import TORCH_KERNELS, TRITON_KERNELS, kernels_for
+from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS, kernels_for
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -70,6 +70,6 @@ def make_attention_backend(choice: str, device: torch.device, batch_invariant: b
     """The backend `attention_backend=choice` names for this device (see resolve_attention_backend)."""
     if resolve_attention_backend(choice, device, batch_invariant) == "triton":
         return TritonAttentionBackend()
-    if batch_invariant:  # the torch hooks only: no C++ or Triton kernel is shown to be invariant
-        return TorchAttentionBackend(True, TORCH_KERNELS)
-    return TorchAttentionBackend(False, kernels_for("torch", device))
+    # batch-invariant on the CPU: the fused set, whose store gives the torch store's bits and whose C++
+    # invariant attention (ops/invariant_cpu.cpp) the backend runs; elsewhere the torch set
+    return TorchAttentionBackend(batch_invariant, kernels_for("torch", device))

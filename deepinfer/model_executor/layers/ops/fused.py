@@ -1,5 +1,5 @@
-"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`), each paired with the torch
-function it replaces.
+"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`), and the batch-invariant
+path's attention and GeGLU (`invariant_cpu.cpp`), each paired with the torch function it replaces.
 
 A batch-1 decode step of a small model is mostly small ops: per layer two RMSNorms (eight torch
 ops each), RoPE on q and k (ten), a cache store (six) and a gathered, masked SDPA over the cache.
@@ -124,3 +124,45 @@ def decode_attention_op(reference: Callable) -> FusedOp:
                                                    scale, isa)
 
     return FusedOp(kernel, lambda cache, q, index, scale, lens=None: _rows_kind(cache, q), _serves_rows, reference)
+
+
+def gelu_tanh_and_mul_op(reference: Callable) -> FusedOp:
+    """(x [T, 2I] = [gate | up]) -> gelu_tanh(gate) * up [T, I] (layers/activation.py, Gemma's GeGLU),
+    every element with the same bits at any position (invariant_cpu.cpp); 2-d x only."""
+    def kernel(isa, x):
+        return torch.ops.deepinfer_cpu.gelu_tanh_mul(x, isa)
+
+    return FusedOp(kernel, lambda x: (_kinds(x), x.dim()), lambda kind: _all_fp32_cpu(kind[0]) and kind[1] == 2,
+                   reference)
+
+
+def invariant_decode_attention_op(reference: Callable) -> FusedOp:
+    """(cache, q [N, H, D], index [N, L], first [N], scale) -> [N, H, D], batch-invariant: column c of
+    index row n holds absolute position first[n] + c (-1: not visible); each query reduces over its
+    keys in fixed blocks of 64 at absolute offsets (invariant_cpu.cpp), so its bits depend on its
+    own keys alone, and equal those of `invariant_prefill_attention_op` for the same query."""
+    def kernel(isa, cache, q, index, first, scale):
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return torch.ops.deepinfer_cpu.invariant_decode_attn(q, cache.rows2d, index, first, cache.codec.num_kv_heads,
+                                                             cache.rows_per_unit, cache.lines_per_unit,
+                                                             cache.layer_offset, scale, isa)
+
+    return FusedOp(kernel, lambda cache, q, index, first, scale: _rows_kind(cache, q), _serves_rows, reference)
+
+
+def invariant_prefill_attention_op(reference: Callable) -> FusedOp:
+    """(cache, q [n, H, D], k, v [n, H_kv, D], loaded [n_old, 2, H_kv, D] (as `cache.load` returns
+    them), positions [n], start, window, scale) -> [n, H, D], batch-invariant: row r of [loaded |
+    chunk] holds position start + r; the chunk's rows are taken as the cache stores them; query p
+    sees positions max(0, p - window + 1) .. p (window None: 0 .. p). The same bits per query as
+    `invariant_decode_attention_op`. Decode and prefill pick from the same call class (q and the
+    cache), so a query never runs one path in one step and the other path in another."""
+    def kernel(isa, cache, q, k, v, loaded, positions, start, window, scale):
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        return torch.ops.deepinfer_cpu.invariant_prefill_attn(q, k, v, loaded, positions, start,
+                                                              -1 if window is None else window, scale, isa)
+
+    def kind(cache, q, k, v, loaded, positions, start, window, scale):
+        return _rows_kind(cache, q)
+
+    return FusedOp(kernel, kind, _serves_rows, reference)
