@@ -36,6 +36,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ logger = logging.getLogger("deepinfer.worker")
 COLLECTIVE_TIMEOUT_S = 300  # a collective inside a step (or at start-up) that waits longer raises
 _JOIN_S = 10  # close(): how long a worker may take to leave before it is terminated
 _DEATH_GRACE_S = 5  # a failed step waits this long for the watchdog to name a dying worker
+_REAP_S = 2  # a dead worker's exit code is collected within this long
 
 
 def load_source(config: EngineConfig):
@@ -172,7 +174,7 @@ class Worker:
 
     def why_dead(self) -> str:
         """'tensor-parallel rank 1 (pid 123) died: exit code -9 (SIGKILL)', with its exception."""
-        self.process.join(1)
+        _reap(self.process, _REAP_S)
         while self.error is None and self.status.poll() and self.read_status() is not None:
             pass
         code = self.process.exitcode
@@ -335,6 +337,17 @@ def _watch(runner_ref: weakref.ref, workers: list[Worker], stop_r: int) -> None:
     runner._record(by_sentinel[ready[0]])
     logger.error("%s; stopping the other ranks", runner.failure)
     _terminate(workers)
+
+
+def _reap(process, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for a process's exit code. Its sentinel closes as it exits, a moment
+    before the kernel lets the parent collect the code (a busy machine stretches that moment), so
+    one `join` after the sentinel may still find no code."""
+    deadline = time.monotonic() + timeout_s
+    process.join(timeout_s)
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+        process.join(0)
 
 
 def _terminate(workers: list[Worker]) -> None:

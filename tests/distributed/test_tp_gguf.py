@@ -180,7 +180,7 @@ def test_gguf_at_two_ranks_equals_one_rank(arch, quantization, tmp_path):
             assert (split - one).abs().max() < 0.02 * one.abs().max()
             assert torch.equal(split.argmax(-1), one.argmax(-1))
         else:
-            torch.testing.assert_close(split, one, atol=1e-4, rtol=1e-4)
+            assert_split_close(split, one)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -189,7 +189,17 @@ def test_quantized_at_load_at_two_ranks_equals_one_rank(scheme, tiny_checkpoint,
     run_ranks(_rank_logits, tmp_path, path, scheme, str(tmp_path))
     one, _ = _logits(path, scheme)
     for rank in range(2):
-        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)
+        assert_split_close(torch.load(tmp_path / f"rank{rank}.pt"), one)
+
+
+def assert_split_close(split: torch.Tensor, one: torch.Tensor) -> None:
+    """Logits of a split model against one rank's. A row-parallel layer's partial sums are added in
+    another order, and the next layer quantizes its input again: where that moves a value across a
+    rounding boundary of the activations' second level (steps of ~1/32000 of a block's largest
+    value), a logit moves by about 1e-4 (measured up to 1.6e-4 on these tiny models). A wrong shard
+    or a missing all-reduce moves them by whole units."""
+    torch.testing.assert_close(split, one, atol=1e-3, rtol=1e-3)
+    assert torch.equal(split.argmax(-1), one.argmax(-1))
 
 
 # ---- the shipped models --------------------------------------------------------------------------
