@@ -112,6 +112,7 @@ from deepinfer.model_executor.layers.ops import fused
 
 ROW_MULTIPLE = 4  # MKL matmuls (attention's bmm; linear off the CPU) run on a multiple of 4 rows
 ONEDNN_MIN_ROWS = 2  # oneDNN's linear takes a GEMV kernel for 1 row: a lone row gets a zero row
+ONEDNN_ROW_BUCKET = 16  # rows are padded to a power of two up to this, then to a multiple of it
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 KEY_BLOCK = 64  # keys per attention block
 VOCAB_BLOCK = 256  # elements per first-level block of `row_sum`
@@ -129,14 +130,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     num_rows = rows.shape[0]
     if _onednn_ok(rows, weight):
-        if num_rows < ONEDNN_MIN_ROWS:
-            rows = F.pad(rows, (0, 0, 0, ONEDNN_MIN_ROWS - num_rows))  # [M', K]
+        bucket = onednn_rows(num_rows)
+        if num_rows < bucket:
+            rows = F.pad(rows, (0, 0, 0, bucket - num_rows))  # [M', K]
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), weight, bias, "none", [], "")  # [M', N]
     else:
         out = F.linear(pad_dim(rows, 0, ROW_MULTIPLE), weight, bias)  # [M', N]
     if out.shape[0] != num_rows:
         out = out[:num_rows]  # [M, N]
     return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., N]
+
+
+def onednn_rows(num_rows: int) -> int:
+    """The row count a call of `num_rows` rows runs with: at least ONEDNN_MIN_ROWS, a power of two up
+    to ONEDNN_ROW_BUCKET, then a multiple of it. oneDNN keeps a compiled primitive per shape (up to
+    1024 of them): one per row count would hold ~15 MB more with every few hundred distinct batch
+    sizes a server sees; buckets bound the shapes at about 36 per weight for 512-row steps."""
+    if num_rows <= ONEDNN_ROW_BUCKET:
+        return max(ONEDNN_MIN_ROWS, 1 << (num_rows - 1).bit_length())
+    return -(-num_rows // ONEDNN_ROW_BUCKET) * ONEDNN_ROW_BUCKET
 
 
 def _onednn_ok(rows: torch.Tensor, weight: torch.Tensor) -> bool:
