@@ -77,7 +77,7 @@ of the forward is row-independent as it runs, so no TorchFunctionMode is needed:
   values, exact int32 sums, blocks combined in a fixed order); float linear layers (an HF
   checkpoint) get `linear` as their forward (`use_invariant_linears`);
 - RMSNorm, RoPE, SwiGLU and the cache store: fused_cpu.cpp's per-row loops; Gemma's GeGLU:
-  invariant_cpu.cpp's `gelu_tanh_mul` (F.gelu rounds a thread chunk's tail differently: with 3
+  fused_cpu.cpp's `gelu_tanh_mul` (F.gelu rounds a thread chunk's tail differently: with 3
   threads over Gemma's 2048 columns a row's bits move); residual adds and scales are elementwise;
 - attention: invariant_cpu.cpp through `attention/invariant.py` (the KEY_BLOCK rule below, in C++,
   decode and prefill alike);

@@ -1,5 +1,6 @@
-"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`), and the batch-invariant
-path's attention and GeGLU (`invariant_cpu.cpp`), each paired with the torch function it replaces.
+"""The decode step's small ops as single kernel calls (`fused_cpu.cpp`, Gemma's GeGLU included), and
+the batch-invariant path's attention (`invariant_cpu.cpp`), each paired with the torch function it
+replaces.
 
 A batch-1 decode step of a small model is mostly small ops: per layer two RMSNorms (eight torch
 ops each), RoPE on q and k (ten), a cache store (six) and a gathered, masked SDPA over the cache.

@@ -2,6 +2,7 @@
 //
 //   rms_norm      x [T, E] fp32 -> x / rms(x) * (offset + w)                      one row per task
 //   silu_mul      x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]
+//   gelu_tanh_mul x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]
 //   rope          q [T, H, D], k [T, H_kv, D] fp32 -> rotated copies (rotate-half layout),
 //                 cos/sin read from [P, D] tables at `positions` [T]
 //   store_rows    k, v [T, H_kv, D] -> K|V rows of a layer's cache at flat slots [T]
@@ -113,6 +114,20 @@ INLINE void silu_mul_row(const float* gate, const float* up, int64_t I, float* y
   }
 }
 
+// gelu_tanh(g) * u over one row: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3),
+// tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|) (never overflows).
+INLINE void gelu_tanh_mul_row(const float* gate, const float* up, int64_t I, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = gate[i];
+    const float inner = (g + 0.044715f * g * g * g) * 0.7978845608028654f;
+    const float e = exp_nonpositive(-2.f * std::fabs(inner));
+    const float t = (1.f - e) / (1.f + e);
+    const float th = inner < 0.f ? -t : t;
+    y[i] = 0.5f * g * (1.f + th) * up[i];
+  }
+}
+
 // One query's KV-head group: the `G` heads at q (stride qs) over the rows idx[0 .. L-1] names
 // (-1 entries skipped). keys [L] and scores [G, L] are scratch; out [G, D] (stride os).
 template <int DC, class T>
@@ -152,6 +167,9 @@ INLINE void attend(const float* q, int64_t qs, const T* rows, int64_t ld, int64_
     rms_norm_row(x, w, eps, offset, E, y);                                                                       \
   }                                                                                                              \
   TARGET void silu_mul_##SUFFIX(const float* g, const float* u, int64_t I, float* y) { silu_mul_row(g, u, I, y); } \
+  TARGET void gelu_mul_##SUFFIX(const float* g, const float* u, int64_t I, float* y) {                           \
+    gelu_tanh_mul_row(g, u, I, y);                                                                               \
+  }                                                                                                              \
   TARGET void rope_##SUFFIX(const float* x, const float* c, const float* s, int64_t D, float* y) {               \
     rope_head(x, c, s, D, y);                                                                                    \
   }                                                                                                              \
@@ -167,14 +185,15 @@ DEFINE_FOR(512, AVX512_TARGET)
 DEFINE_FOR(256, AVX2_TARGET)
 
 using NormFn = void (*)(const float*, const float*, float, float, int64_t, float*);
-using SiluFn = void (*)(const float*, const float*, int64_t, float*);
+using GatedFn = void (*)(const float*, const float*, int64_t, float*);  // [gate | up] -> act(gate) * up
 using RopeFn = void (*)(const float*, const float*, const float*, int64_t, float*);
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, const T**, float*, float*, int64_t);
 
 NormFn norm_fn(int64_t isa) { return isa >= 2 ? rms_norm_512 : rms_norm_256; }
-SiluFn silu_fn(int64_t isa) { return isa >= 2 ? silu_mul_512 : silu_mul_256; }
+GatedFn silu_fn(int64_t isa) { return isa >= 2 ? silu_mul_512 : silu_mul_256; }
+GatedFn gelu_fn(int64_t isa) { return isa >= 2 ? gelu_mul_512 : gelu_mul_256; }
 RopeFn rope_fn(int64_t isa) { return isa >= 2 ? rope_512 : rope_256; }
 template <int DC, class T>
 AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
@@ -210,20 +229,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double
   return y;
 }
 
-// x [T, 2I] = [gate | up] (last dim contiguous) -> silu(gate) * up [T, I].
-at::Tensor silu_mul(const at::Tensor& x, int64_t isa) {
+// x [T, 2I] = [gate | up] (last dim contiguous) -> act(gate) * up [T, I], one row per task.
+at::Tensor gated_mul(const at::Tensor& x, GatedFn fn) {
   check_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2I] with contiguous rows");
   const int64_t T = x.size(0), I = x.size(1) / 2, ld = x.stride(0);
   at::Tensor y = at::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const SiluFn fn = silu_fn(isa);
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) fn(xp + t * ld, xp + t * ld + I, I, yp + t * I);
   });
   return y;
 }
+
+at::Tensor silu_mul(const at::Tensor& x, int64_t isa) { return gated_mul(x, silu_fn(isa)); }
+
+// Gemma's GeGLU (tanh form): torch's gelu changes a row's bits with the thread count, this does not.
+at::Tensor gelu_tanh_mul(const at::Tensor& x, int64_t isa) { return gated_mul(x, gelu_fn(isa)); }
 
 // x [T, H, D] (last dim contiguous) -> rotated [T, H, D] contiguous.
 at::Tensor rope_one(const at::Tensor& x, const int64_t* pos, const float* cos, const float* sin, int64_t P,
@@ -361,6 +384,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("cpu_isa() -> int", cpu_isa);
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset, int isa) -> Tensor");
   m.def("silu_mul(Tensor x, int isa) -> Tensor");
+  m.def("gelu_tanh_mul(Tensor x, int isa) -> Tensor");
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin, int isa) -> (Tensor, Tensor)");
   m.def("store_rows(Tensor(a!) rows, Tensor slots, Tensor k, Tensor v, int rows_per_unit, int lines_per_unit, "
         "int offset) -> ()");
@@ -371,6 +395,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("rms_norm", rms_norm);
   m.impl("silu_mul", silu_mul);
+  m.impl("gelu_tanh_mul", gelu_tanh_mul);
   m.impl("rope", rope);
   m.impl("store_rows", store_rows);
   m.impl("decode_attn", decode_attn);

@@ -8,7 +8,6 @@
 //                            [n_old, 2, H_kv, D] in the cache's element type, the chunk's k, v
 //                            [n, H_kv, D] fp32 (rounded to that type, as a later cache read returns
 //                            them); query p sees positions max(0, p - W + 1) .. p (W: window)
-//   gelu_tanh_mul            x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]
 //
 // Attention, decode and prefill alike, runs one function per (query, KV head) over the query's
 // visible keys in position order (`attend_blocks`):
@@ -188,20 +187,6 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
   }
 }
 
-// gelu_tanh(g) * u over one row: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3),
-// tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|) (never overflows).
-INLINE void gelu_tanh_mul_row(const float* gate, const float* up, int64_t I, float* y) {
-#pragma omp simd
-  for (int64_t i = 0; i < I; ++i) {
-    const float g = gate[i];
-    const float inner = (g + 0.044715f * g * g * g) * 0.7978845608028654f;
-    const float e = exp_nonpositive(-2.f * std::fabs(inner));
-    const float t = (1.f - e) / (1.f + e);
-    const float th = inner < 0.f ? -t : t;
-    y[i] = 0.5f * g * (1.f + th) * up[i];
-  }
-}
-
 // ---- one wrapper per instruction set ------------------------------------------------------
 
 #define DEFINE_FOR(SUFFIX, TARGET)                                                                              \
@@ -210,9 +195,6 @@ INLINE void gelu_tanh_mul_row(const float* gate, const float* up, int64_t I, flo
                               const T* const* vp, int64_t n, int64_t first, float scale, float* s, float* wb,   \
                               float* sums, float* out, int64_t os) {                                            \
     attend_blocks<DC>(q, qs, G, D, kp, vp, n, first, scale, s, wb, sums, out, os);                              \
-  }                                                                                                             \
-  TARGET void gelu_mul_##SUFFIX(const float* g, const float* u, int64_t I, float* y) {                          \
-    gelu_tanh_mul_row(g, u, I, y);                                                                              \
   }
 
 DEFINE_FOR(512, AVX512_TARGET)
@@ -221,7 +203,6 @@ DEFINE_FOR(256, AVX2_TARGET)
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t, int64_t,
                           float, float*, float*, float*, float*, int64_t);
-using GeluFn = void (*)(const float*, const float*, int64_t, float*);
 
 template <int DC, class T>
 AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
@@ -232,8 +213,6 @@ AttendFn<T> attend_fn(int64_t isa, int64_t D) {
   return D == 64 ? attend_for<64, T>(isa) : D == 128 ? attend_for<128, T>(isa) : D == 256 ? attend_for<256, T>(isa)
                                                                                          : attend_for<0, T>(isa);
 }
-
-GeluFn gelu_fn(int64_t isa) { return isa >= 2 ? gelu_mul_512 : gelu_mul_256; }
 
 // Per-thread scratch of one (query, KV head) task over at most `n` columns.
 struct Scratch {
@@ -380,21 +359,6 @@ at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, cons
   return out;
 }
 
-// x [T, 2I] = [gate | up] (last dim contiguous) -> gelu_tanh(gate) * up [T, I].
-at::Tensor gelu_tanh_mul(const at::Tensor& x, int64_t isa) {
-  check_f32(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [T, 2I] with contiguous rows");
-  const int64_t T = x.size(0), I = x.size(1) / 2, ld = x.stride(0);
-  at::Tensor y = at::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const GeluFn fn = gelu_fn(isa);
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) fn(xp + t * ld, xp + t * ld + I, I, yp + t * I);
-  });
-  return y;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
@@ -402,11 +366,9 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "int rows_per_unit, int lines_per_unit, int offset, float scale, int isa) -> Tensor");
   m.def("invariant_prefill_attn(Tensor q, Tensor k, Tensor v, Tensor loaded, Tensor positions, int start, "
         "int window, float scale, int isa) -> Tensor");
-  m.def("gelu_tanh_mul(Tensor x, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("invariant_decode_attn", invariant_decode_attn);
   m.impl("invariant_prefill_attn", invariant_prefill_attn);
-  m.impl("gelu_tanh_mul", gelu_tanh_mul);
 }
