@@ -136,10 +136,10 @@ def test_the_ast_check_sees_a_flag_and_a_walk():
 def test_v4_binding_hands_the_kernel_set_to_every_layer():
     from models.deepseek_v4.v4_tiny import CSA, HCA, SLIDING, tiny_v4_config
 
+    from deepinfer.model_executor.layers.fused_moe import FusedExperts
     from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
     from deepinfer.model_executor.models.deepseek_v4.indexer import IndexerScorer
     from deepinfer.model_executor.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from deepinfer.model_executor.models.deepseek_v4.moe import FusedExperts
 
     cfg = tiny_v4_config([SLIDING, CSA, HCA])
     cfg.num_nextn_predict_layers = 1

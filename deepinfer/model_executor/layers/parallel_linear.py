@@ -141,9 +141,17 @@ def head_pieces(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[Piece
 
 # ---- layers --------------------------------------------------------------------------------------
 
+class MergedLinear(nn.Linear):
+    """One Linear holding several HF projections stacked on the output axis, each whole on every rank."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output features split per piece; `shard_sizes` are the local piece sizes (split as q|k|v).
-    With one rank it is models/utils.MergedLinear: every piece whole."""
+    With one rank it is a MergedLinear: every piece whole."""
 
     def __init__(self, in_features: int, pieces: list[Piece], bias: bool):
         super().__init__(in_features, sum(p.local for p in pieces), bias=bias)

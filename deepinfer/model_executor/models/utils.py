@@ -89,11 +89,3 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
-
-
-class MergedLinear(nn.Linear):
-    """One Linear holding several HF projections stacked on the output axis."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool):
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = list(shard_sizes)

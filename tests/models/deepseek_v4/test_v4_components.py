@@ -13,6 +13,7 @@ from torch import nn
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
+from deepinfer.model_executor.layers.fused_moe import FusedExperts
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import (
     HyperConnection,
@@ -20,7 +21,7 @@ from deepinfer.model_executor.models.deepseek_v4.hyper_connection import (
     expand_streams,
     sinkhorn_normalize,
 )
-from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE, FusedExperts
+from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
 from deepinfer.model_executor.models.deepseek_v4.weights import (
     FP4_E2M1_VALUES,
     dequantize_fp4,

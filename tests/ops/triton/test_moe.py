@@ -1,6 +1,6 @@
 """The Triton grouped expert GEMM (ops/triton/moe.py) against the torch expert loop of DeepSeek-V4.
 
-The reference is `FusedExperts` (models/deepseek_v4/moe.py) on its CPU path: one `F.linear` pair per
+The reference is `FusedExperts` (layers/fused_moe.py) on its CPU path: one `F.linear` pair per
 active expert, clamped SwiGLU, fp32 weighted scatter-add. On a machine without CUDA the kernels run
 under the Triton interpreter, so shapes stay small. Routed ids leave some experts without tokens.
 """
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS
+from deepinfer.model_executor.layers.fused_moe import FusedExperts
 from deepinfer.model_executor.layers.ops.triton import moe as triton_moe
 from deepinfer.model_executor.layers.ops.triton.moe import align_pairs_by_expert, fused_experts, max_padded_blocks
-from deepinfer.model_executor.models.deepseek_v4.moe import FusedExperts
 
 E, H, I = 8, 64, 32
 USED_EXPERTS = torch.tensor([0, 1, 2, 4, 5, 6])  # experts 3 and 7 never get a token

@@ -1,6 +1,6 @@
 """Grouped expert GEMM for routed MoE experts (clamped SwiGLU), in Triton.
 
-The torch reference (`FusedExperts` in models/deepseek_v4/moe.py) loops over experts in Python.
+The torch reference (`FusedExperts` in layers/fused_moe.py) loops over experts in Python.
 Here the T*k (token, slot) pairs are sorted by expert once and each expert's run of pairs is padded
 to a multiple of `BLOCK_M`, so every row block of the sorted list belongs to exactly one expert
 (`align_pairs_by_expert`, plain torch, no host sync). Two kernel launches then cover all experts:
