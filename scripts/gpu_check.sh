@@ -24,9 +24,9 @@ export TOKENIZERS_PARALLELISM=false
 FAILED=()
 if [ $MODE = cpu ]; then
     BENCH_FLAGS=(--cpu); export GPU_CHECK_CPU=1
-    LIMIT_TESTS=400; LIMIT_NANO=300; LIMIT_DECODE=300; LIMIT_V4=300
-else  # sums to 455 s: the whole check stays under 8 minutes even when a step hits its limit
-    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=160; LIMIT_DECODE=100; LIMIT_V4=120
+    LIMIT_TESTS=400; LIMIT_NANO=300; LIMIT_DECODE=300; LIMIT_V4=300; LIMIT_MXFP4=120; LIMIT_V3=300; LIMIT_OPTIONS=120
+else  # sums to 540 s: the whole check stays within 9 minutes even when a step hits its limit
+    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=160; LIMIT_DECODE=100; LIMIT_V4=120; LIMIT_MXFP4=40; LIMIT_V3=25; LIMIT_OPTIONS=20
 fi
 
 run_step() {  # run_step NAME LIMIT_S COMMAND...: runs it under `timeout`, logs it, records a failure
@@ -84,7 +84,14 @@ if [ $MODE = gpu ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda
     echo "torch sees no CUDA device: run with --cpu for the CPU rehearsal" | tee -a "$LOG"
     exit 1
 fi
+run_step "mxfp4 experts" $LIMIT_MXFP4 "$PYTHON" -m pytest -m cuda tests/ops/test_mxfp4.py -q -s -p no:cacheprovider
 run_step "pytest -m cuda" $LIMIT_TESTS "$PYTHON" -m pytest -m cuda tests/cuda -q -p no:cacheprovider
+# the Triton decode kernel with attention soft-cap and sinks, against the formula (on CUDA where there is one)
+run_step "triton attention options" $LIMIT_OPTIONS "$PYTHON" -m pytest tests/ops/test_attention_options.py -k triton \
+    -q -p no:cacheprovider
+# DeepSeek-V3's decode on the Triton sparse MLA kernel (MQA over its latent rows), against transformers
+run_step "deepseek_v3 triton" $LIMIT_V3 "$PYTHON" -m pytest -m cuda tests/models/deepseek_v3/test_v3_cuda.py -q \
+    -p no:cacheprovider
 run_step "bench nano" $LIMIT_NANO "$PYTHON" scripts/gpu_bench.py nano ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"}
 run_step "bench decode" $LIMIT_DECODE "$PYTHON" scripts/gpu_bench.py decode ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"}
 run_step "bench v4" $LIMIT_V4 "$PYTHON" scripts/gpu_bench.py v4 ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"}

@@ -2,7 +2,8 @@
 
 The writer follows llama.cpp's converter conventions independently of the loader under test:
 llama.cpp tensor names, q/k rows permuted per head for the llama architecture, Gemma norms
-stored as 1 + w, shapes written innermost-first by `gguf.GGUFWriter`.
+stored as 1 + w, shapes written innermost-first by `gguf.GGUFWriter`; phi3's fused `attn_qkv` and
+`ffn_up` (gate | up) as HF stores them, its LongRoPE factors as `rope_factors_short/long` tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ _IN_BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # phi3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -116,7 +119,7 @@ def gguf_tensor_name(arch: str, hf_name: str) -> str:
     if stem in _TOP_LEVEL:
         return f"{_TOP_LEVEL[stem]}.{suffix}"
     _, _, layer, part = stem.split(".", 3)
-    table = _GEMMA3_IN_BLOCK if arch == "gemma3" else _IN_BLOCK
+    table = _GEMMA3_IN_BLOCK if arch in ("gemma2", "gemma3") else _IN_BLOCK
     return f"blk.{layer}.{table[part]}.{suffix}"
 
 
@@ -133,13 +136,33 @@ def _write_metadata(writer: gguf.GGUFWriter, arch: str, config) -> None:
     if arch == "gemma3":
         writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
         writer.add_sliding_window(config.sliding_window)
+    elif arch == "gemma2":  # as llama.cpp's converter: no rope base (10000), the caps and the window
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     else:
         writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if arch == "phi3":
+        _write_phi3_metadata(writer, config)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "gemma2"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+
+
+def _write_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """llama.cpp's phi3 keys: rotating dims, original length, the window (0: none) and, with LongRoPE,
+    the attention factor."""
+    rope = config.rope_parameters
+    original = rope.get("original_max_position_embeddings", config.original_max_position_embeddings)
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size)
+                                    // config.num_attention_heads)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(config.sliding_window or 0)
+    scale = config.max_position_embeddings / original
+    if rope.get("rope_type") == "longrope":
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
@@ -177,12 +200,16 @@ def write_gguf(path, arch: str, config, state_dict: dict, qtype=None, extra=None
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
             array = llama_cpp_permute(array, heads)
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             array = array + 1.0
         data, raw_dtype = _encode(array, qtype)
         writer.add_tensor(gguf_tensor_name(arch, hf_name), data, raw_dtype=raw_dtype)
     if arch == "llama" and config.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config.rope_parameters, _hd(config)))
+    if arch == "phi3" and config.rope_parameters.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,13 +10,17 @@ Splits (T = tensor_parallel_size ranks, E = expert_parallel_size):
                    q_a, kv_proj, compressors, indexer, routers, norms, mHC: replicated
                    shared expert: intermediate / T     routed experts: n_routed_experts / E per rank
                    (each slice held by T / E ranks)    embedding, LM head: ceil(vocab / T) rows
+    DeepSeek-V2/V3 q_b (or q) / kv_b / o: heads / T      q_a, kv_a_proj_with_mqa, routers, norms: replicated
+    (MLA)          dense MLPs, shared experts: intermediate / T     routed experts: n_routed_experts / E
+                   embedding, LM head: whole on every rank (the MTP drafter reads them)
 
 The KV cache is the engine's own sizing: rank 0 of T is built on the meta device (shapes, no values)
 and its declared cache groups and per-request state go through `worker.cache_sizing.plan_model_cache`
 with the engine's settings (block size, row format, the draft allowance k that sizes the rings), as
 `ModelRunner` sizes them. A Llama-family layer's rows hold the rank's kv heads; DeepSeek-V4's latent is
 ONE shared row per token (MQA, K = V) that every rank's heads read, so it is replicated on every rank,
-not split; so are the index keys, the window rings and the compressor state.
+not split; so are the index keys, the window rings and the compressor state. MLA's latent row
+(kv_lora_rank + qk_rope_head_dim values, K = V) is replicated the same way.
 
 Stored formats: DeepSeek-V4's `quantization_config` gives FP4 routed experts (0.5 B per value + one
 UE8M0 byte per 32 values) and FP8 projections (1 B per value + one scale per 128 x 128 block);
@@ -134,6 +138,11 @@ def is_v4(cfg: dict) -> bool:
     return cfg.get("model_type") == "deepseek_v4"
 
 
+def is_mla(cfg: dict) -> bool:
+    """DeepSeek-V2 / V3 (multi-head latent attention: one shared latent row per token)."""
+    return cfg.get("model_type") in ("deepseek_v2", "deepseek_v3")
+
+
 def check_sizes(cfg: dict, tp: int, ep: int) -> None:
     """ValueError naming the sizes when T or E cannot split this model."""
     for name, value in (("tensor_parallel_size", tp), ("expert_parallel_size", ep)):
@@ -154,13 +163,15 @@ def check_sizes(cfg: dict, tp: int, ep: int) -> None:
         if cfg[field] % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {field}={cfg[field]}")
     kv = cfg.get("num_key_value_heads") or heads
-    if not is_v4(cfg) and kv % tp and tp % kv:
+    if not is_v4(cfg) and not is_mla(cfg) and kv % tp and tp % kv:
         raise ValueError(f"tensor_parallel_size={tp} and num_key_value_heads={kv}: one must divide the other")
 
 
 def _split_fields(cfg: dict) -> list[str]:
     if is_v4(cfg):
         return ["o_groups", "moe_intermediate_size"]
+    if is_mla(cfg):
+        return ["intermediate_size", "moe_intermediate_size"]
     return ["intermediate_size"]
 
 
@@ -261,6 +272,51 @@ def v4_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
             *v4_compressors(cfg, proj, sb), *v4_residual(cfg), *vocab_weights(cfg, tp)]
 
 
+def mla_attention(cfg: dict, tp: int, proj: str, sb: int) -> list[Weight]:
+    """Per layer: q_a_proj (+ norm), kv_a_proj_with_mqa (+ norm) replicated; q_b_proj (or q_proj),
+    kv_b_proj and o_proj split by heads."""
+    h, n, norm = cfg["hidden_size"], cfg["num_hidden_layers"], weight_dtype(cfg)
+    heads = cfg["num_attention_heads"] // tp
+    r, dr, dn, dv, ql = (cfg[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                                          "q_lora_rank"))
+    query = [Weight("attention", heads * (dn + dr), h, n, proj, sb)]
+    if ql:
+        query = [Weight("attention", ql, h, n, proj, sb), Weight("attention", 1, ql, n, norm),
+                 Weight("attention", heads * (dn + dr), ql, n, proj, sb)]
+    return query + [Weight("attention", r + dr, h, n, proj, sb), Weight("attention", 1, r, n, norm),
+                    Weight("attention", heads * (dn + dv), r, n, proj, sb),
+                    Weight("attention", h, heads * dv, n, proj, sb)]
+
+
+def mla_ffn(cfg: dict, tp: int, ep: int, proj: str, sb: int) -> list[Weight]:
+    """Dense MLPs (the first first_k_dense_replace layers) and shared experts split by T, routed experts
+    n_routed_experts / E per rank, routers (+ V3's correction bias) replicated."""
+    h, n, dense = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("first_k_dense_replace") or 0
+    inter, moe_inter, experts = cfg["intermediate_size"] // tp, cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    shared, moe = moe_inter * (cfg.get("n_shared_experts") or 0) // tp, n - dense
+    out = [Weight("dense MLP", 2 * inter, h, dense, proj, sb), Weight("dense MLP", h, inter, dense, proj, sb),
+           Weight("routed experts", 2 * moe_inter, h, experts // ep * moe, proj, sb),
+           Weight("routed experts", h, moe_inter, experts // ep * moe, proj, sb),
+           Weight("shared experts", 2 * shared, h, moe, proj, sb), Weight("shared experts", h, shared, moe, proj, sb),
+           Weight("routers", experts, h, moe, weight_dtype(cfg))]
+    if cfg["model_type"] == "deepseek_v3":
+        out.append(Weight("routers", 1, experts, moe, "fp32"))
+    return out
+
+
+def mla_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
+    _, proj, sb = v4_formats(cfg)  # V3 ships FP8 linears with fp32 weight_scale_inv per 128 x 128 block
+    norms = Weight("norms", 1, cfg["hidden_size"], 2 * cfg["num_hidden_layers"] + 1, weight_dtype(cfg))
+    return [*mla_ffn(cfg, tp, ep, proj, sb), *mla_attention(cfg, tp, proj, sb), norms, *vocab_weights(cfg, 1)]
+
+
+def model_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
+    """One rank's weights at T and E, in their stored formats."""
+    if is_v4(cfg):
+        return v4_weights(cfg, tp, ep)
+    return mla_weights(cfg, tp, ep) if is_mla(cfg) else llama_weights(cfg, tp)
+
+
 def hf_config_of(cfg: dict):
     """The transformers config object of a config dict (as `AutoConfig.from_pretrained` reads it)."""
     from transformers import AutoConfig
@@ -316,14 +372,15 @@ def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
     v4 = is_v4(cfg)
     kv_format = {"auto": "fp8" if v4 else "bf16", "bfloat16": "bf16", "fp8": "fp8"}[kv_cache_dtype]
-    weights = v4_weights(cfg, tp, ep) if v4 else llama_weights(cfg, tp)
-    whole = v4_weights(cfg, 1, 1) if v4 else llama_weights(cfg, 1)
+    weights, whole = model_weights(cfg, tp, ep), model_weights(cfg, 1, 1)
+    usable = int(parse_size(device_memory, "device memory") * gpu_memory_utilization)
     max_model_len = max_model_len or cfg.get("max_position_embeddings") or 4096
     engine = engine_settings(speculative, env)
     kv = plan_kv(cfg, tp, ep, kv_format, max_model_len, block_size, engine)
+    notes = plan_notes(cfg, kv_cache_dtype, engine) + mla_notes(cfg, weights, usable)
     return CapacityPlan(cfg["model_type"], tp, ep, tuple(weights), kv, kv_format, max_model_len,
                         parse_size(device_memory, "device memory"), gpu_memory_utilization,
-                        sum(w.nbytes for w in whole), plan_notes(cfg, kv_cache_dtype, engine))
+                        sum(w.nbytes for w in whole), notes)
 
 
 def plan_notes(cfg: dict, kv_cache_dtype: str, engine: EngineConfig) -> tuple[str, ...]:
@@ -336,4 +393,24 @@ def plan_notes(cfg: dict, kv_cache_dtype: str, engine: EngineConfig) -> tuple[st
         mtp = engine.speculative.method == "mtp"
         cache = "their window ring counted" if mtp else "nor their cache: loaded only with --speculative-method mtp"
         notes.append(f"{cfg['num_nextn_predict_layers']} MTP layer(s): weights not counted, {cache}")
+    return tuple(notes)
+
+
+def mla_notes(cfg: dict, weights: list[Weight], usable: int) -> tuple[str, ...]:
+    """DeepSeek-V2 / V3: the MTP layers left out, and what FP8 weights take once loaded (the model
+    dequantizes them to the compute dtype as it reads them), against the `usable` bytes of a rank."""
+    if not is_mla(cfg):
+        return ()
+    notes = []
+    if cfg.get("num_nextn_predict_layers"):
+        notes.append(f"{cfg['num_nextn_predict_layers']} MTP layer(s): weights not counted; with --speculative-method "
+                     "mtp their rows take a ring as long as the model length per request")
+    fp8 = [w for w in weights if w.fmt == "fp8"]
+    if fp8:
+        resident = sum(w.nbytes for w in weights if w.fmt != "fp8") + sum(2 * w.params for w in fp8)
+        where = "within" if resident <= usable else "more than"
+        notes.append(f"FP8 weights are counted as stored; loading dequantizes them to the compute dtype: "
+                     f"{resident:,} B ({resident / 1e9:,.2f} GB) per rank in bf16, {where} the {usable:,} B usable"
+                     + ("" if resident <= usable else " (this split needs them kept packed, which the engine does "
+                                                      "not do yet)"))
     return tuple(notes)

@@ -16,6 +16,7 @@ from deepinfer.entrypoints.capacity_plan import (
     DEFAULT_DEVICE_MEMORY,
     HCA,
     CapacityPlan,
+    is_mla,
     is_v4,
     load_config,
     plan_capacity,
@@ -38,6 +39,8 @@ def split_notes(cfg: dict, tp: int, ep: int) -> dict[str, str]:
     vocab = f"{math.ceil(cfg['vocab_size'] / tp):,} of {cfg['vocab_size']:,} vocab rows per rank" + \
         (" (tied: one matrix)" if cfg.get("tie_word_embeddings") else "")
     heads = f"{cfg['num_attention_heads'] // tp} of {cfg['num_attention_heads']} heads per rank"
+    if is_mla(cfg):
+        return mla_split_notes(cfg, tp, ep, heads)
     if not is_v4(cfg):
         kv = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
         kv_note = f"{kv // tp} of {kv} kv heads" if kv >= tp else f"1 of {kv} kv heads (replicated {tp // kv}x)"
@@ -54,6 +57,17 @@ def split_notes(cfg: dict, tp: int, ep: int) -> dict[str, str]:
             "embedding + LM head": vocab}
 
 
+def mla_split_notes(cfg: dict, tp: int, ep: int, heads: str) -> dict[str, str]:
+    experts, inter = cfg["n_routed_experts"], cfg["intermediate_size"]
+    shared = cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)
+    return {"attention": f"{heads}: q_b_proj, kv_b_proj, o_proj split; q_a_proj, kv_a_proj_with_mqa replicated",
+            "dense MLP": f"intermediate {inter // tp:,} of {inter:,} per rank",
+            "routed experts": f"{experts // ep} of {experts} experts per layer per rank, each slice on {tp // ep} "
+                              f"rank(s)",
+            "shared experts": f"intermediate {shared // tp:,} of {shared:,} per rank",
+            "embedding + LM head": "whole on every rank (the MTP drafter reads them)"}
+
+
 def weight_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
     notes = split_notes(cfg, plan.tp, plan.ep)
     lines = ["weights per rank (stored formats):"]
@@ -68,7 +82,7 @@ def weight_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
 
 
 _LABELS = {"full": "full-attention K|V rows", "csa": "CSA latent rows", "index": "CSA index keys",
-           "hca": "HCA latent rows", "mtp": "MTP window ring"}
+           "hca": "HCA latent rows", "mtp": "MTP window ring", "mla": "MLA latent rows (K = V)"}
 
 
 def group_label(group, v4: bool) -> str:
@@ -107,6 +121,9 @@ def kv_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
     if v4:
         where = ("replicated on every rank, not split: the latent is one shared row per token (MQA, K = V) "
                  "that every rank's heads read; so are the index keys, rings and compressor state")
+    elif is_mla(cfg):
+        where = ("replicated on every rank, not split: the latent is one shared row per token (K = V) that every "
+                 "rank's heads read")
     else:
         where = "split with the kv heads (each rank keeps K and V of its own kv heads)"
     kv = plan.kv
@@ -119,8 +136,23 @@ def kv_lines(plan: CapacityPlan, cfg: dict) -> list[str]:
         lines.append(f"  pages of {kv.page_bytes:,} B, one pool for the paged groups; rows per block: {rows}")
     if v4:
         lines.append(per_kind_line(plan, cfg))
+    if is_mla(cfg):
+        lines.append(mla_row_line(cfg))
     lines.append(f"  KV bytes per token: {num(plan.kv_per_token)} B; fixed per request: {plan.kv_per_request:,} B")
     return lines
+
+
+def mla_row_line(cfg: dict) -> str:
+    """One latent row in both row formats the engine has, as its row codec stores them."""
+    import torch
+
+    from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
+
+    r, dr, layers = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["num_hidden_layers"]
+    bf16, fp8 = (RowCodec(1, r + dr, torch.bfloat16, fmt, shared_kv=True).row_bytes for fmt in ("bfloat16", "fp8"))
+    return (f"  latent row: {r} + {dr} = {r + dr} values per layer per token (K = V, no factor 2): bf16 {bf16:,} B, "
+            f"MXFP8 {fp8:,} B ({r + dr} e4m3 + {fp8 - (r + dr)} UE8M0 scale bytes); x {layers} layers = "
+            f"{layers * bf16:,} B / {layers * fp8:,} B per token")
 
 
 def capacity_lines(plan: CapacityPlan) -> list[str]:

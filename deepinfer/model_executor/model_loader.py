@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from deepinfer.config import check_load_format, check_quantization
 from deepinfer.contracts.numerics import NumericsRecord
 from deepinfer.distributed.parallel_state import tp_size
+from deepinfer.model_executor.layers.fused_moe import quantize_experts
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
 from deepinfer.model_executor.layers.ops.qmatmul import QUANTIZE_SCHEMES, best_time, one_thread, qdot_variant
 from deepinfer.model_executor.layers.quant_linear import quantize_linears
@@ -44,7 +45,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 SMALL_MODEL_WEIGHTS = 1 << 25  # matmul weight elements below which `auto` stays fp32
 _BF16_WIN = 0.9
 _LOAD_QUANTIZE = ("int8", "int4")
-_QUANTIZABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
+_QUANTIZABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "qwen3_moe", "qwen2_moe",
+                      "mixtral", "gemma2", "phi3")
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,8 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     speculative_method="mtp" adds the model's next-n draft module, refused for a model without one.
     With tensor_parallel_size > 1 (distributed.parallel_state) the model holds this rank's slices,
     read from the checkpoint slice by slice; `expert_parallel_size` > 1 (a model whose
-    `capabilities` say `expert_parallel`, DeepSeek-V4) splits its routed experts over that many rank
-    groups."""
+    `capabilities` say `expert_parallel`: DeepSeek-V4 and the Llama-family MoE models) splits its routed
+    experts over that many rank groups. int8 / int4 quantize routed experts as well (`quantize_experts`)."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
@@ -209,6 +211,7 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
         model.load_weights(weight_progress(_checkpoint_weights(source, quantization)))
     if quantization in _LOAD_QUANTIZE:
         quantize_linears(model, quantization)
+        quantize_experts(model, quantization)
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model
@@ -270,7 +273,8 @@ def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int)
     """Refuse expert_parallel_size > 1 for a model whose experts are not split (or that has none)."""
     if expert_parallel_size > 1 and not model_cls.capabilities.expert_parallel:
         raise ValueError(f"expert_parallel_size={expert_parallel_size} needs a model with routed experts that "
-                         f"splits them (deepseek_v4); model_type {model_type!r} does not (use 1)")
+                         f"splits them (deepseek_v4, qwen3_moe, qwen2_moe, mixtral); model_type {model_type!r} "
+                         f"does not (use 1)")
 
 
 def weight_progress(weights):

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from gemma2_phi3_models import gemma2_phi3_checkpoint  # noqa: F401  (a fixture)
 from slice_reads import spy_slice_reads
 from test_parallel_layers import run_ranks
 from tiny_models import hf_reference, run_steps
@@ -22,6 +23,7 @@ from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.layers import parallel_linear
 
 ARCHS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "gemma3": {}}
+OTHER_ARCHS = ("gemma2", "phi3_swa")  # tests/gemma2_phi3_models.py; phi3: fused qkv_proj / gate_up_proj
 PREFILL, CHUNK, DECODE = 30, 17, 3  # Gemma 3's window is 16: its rings wrap
 TOKENS = [random.Random(7).randrange(3, 49152) for _ in range(PREFILL + DECODE)]
 
@@ -76,9 +78,9 @@ def _count_all_reduces() -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-def test_two_ranks_equal_one_rank_and_hf(arch, tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint(arch, **ARCHS[arch])
+@pytest.mark.parametrize("arch", list(ARCHS) + list(OTHER_ARCHS))
+def test_two_ranks_equal_one_rank_and_hf(arch, tiny_checkpoint, gemma2_phi3_checkpoint, tmp_path):  # noqa: F811
+    path = gemma2_phi3_checkpoint(arch) if arch in OTHER_ARCHS else tiny_checkpoint(arch, **ARCHS[arch])
     run_ranks(_rank_logits, tmp_path, path, str(tmp_path))
     one = model_logits(path)  # [L, V]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

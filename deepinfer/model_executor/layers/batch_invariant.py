@@ -120,7 +120,7 @@ DECODE_PAIR_BUDGET = 1 << 15  # query x key pairs per decode sub-batch (each pai
 PREFILL_PAIR_BUDGET = 1 << 20  # query x key pairs per prefill sub-batch (scores, expanded queries)
 UNSUPPORTED_MODEL_TYPES: tuple[str, ...] = ()  # model types the mode refuses at start-up (none today)
 # model types whose forward is row-independent without BatchInvariantMode on the CPU path (`native_path`)
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text")
+NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,22 +225,39 @@ def row_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[..., :rows, :] if out.shape[-2] != rows else out
 
 
-def block_softmax(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores [n, Hkv, nb, G, B] (fp32), visible [n, nb, B] -> (weights exp(s - max) with 0 for hidden
-    keys [n, Hkv, nb, G, B], their per-block sums [n, Hkv, nb, G]). The max is exact in any order;
-    each block sum runs over B elements."""
+def block_softmax(scores: torch.Tensor, visible: torch.Tensor,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """scores [n, Hkv, nb, G, B] (fp32), visible [n, nb, B], sinks [Hkv * G] or None -> (weights
+    exp(s - max) with 0 for hidden keys [n, Hkv, nb, G, B], their per-block sums [n, Hkv, nb, G],
+    the sinks' weights exp(sink - max) [n, Hkv, G] or None). The max (over the visible scores and
+    the sink) is exact in any order; each block sum runs over B elements."""
     hidden = ~visible[:, None, :, None, :]  # [n, 1, nb, 1, B]
     scores = scores.masked_fill(hidden, float("-inf"))
     best = scores.amax(dim=(2, 4), keepdim=True)  # [n, Hkv, 1, G, 1]
+    sink_weights = None
+    if sinks is not None:
+        sink = sinks.float().view(1, scores.shape[1], 1, scores.shape[3], 1)  # [1, Hkv, 1, G, 1]
+        best = torch.maximum(best, sink)
+        sink_weights = (sink - best).exp()[:, :, 0, :, 0]  # [n, Hkv, G]
     weights = (scores - best).exp_()  # [n, Hkv, nb, G, B]
-    return weights, weights.sum(dim=-1)
+    return weights, weights.sum(dim=-1), sink_weights
 
 
-def combine_blocks(partials: torch.Tensor, block_sums: torch.Tensor) -> torch.Tensor:
+def combine_blocks(partials: torch.Tensor, block_sums: torch.Tensor,
+                   sink_weights: torch.Tensor | None = None) -> torch.Tensor:
     """partials [n, Hkv, nb, G, D] (weights @ values per block), block_sums [n, Hkv, nb, G], block 0
-    being each query's first block -> [n, Hkv * G, D]: pairwise trees over the blocks, divided."""
-    out = pairwise_sum(partials, dim=2) / pairwise_sum(block_sums, dim=2)[..., None]  # [n, Hkv, G, D]
+    being each query's first block, the sinks' weights [n, Hkv, G] (the denominator's first term) or
+    None -> [n, Hkv * G, D]: pairwise trees over the blocks, divided."""
+    denominator = pairwise_sum(block_sums, dim=2)  # [n, Hkv, G]
+    if sink_weights is not None:
+        denominator = sink_weights + denominator
+    out = pairwise_sum(partials, dim=2) / denominator[..., None]  # [n, Hkv, G, D]
     return out.flatten(1, 2)  # [n, H, D]
+
+
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Logit soft-capping, softcap * tanh(scores / softcap) (elementwise), or the scores as they are."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
 def _heads(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -256,40 +273,43 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return x.movedim(-2, len(lead))
 
 
-def per_query_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+def per_query_attention(q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, scale: float,
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode: each query over its own rows. q [n, H, D]; kv [n, L, 2, Hkv, D] (L a multiple of
     KEY_BLOCK, column 0 at a block boundary of absolute positions, the query's first visible key
-    in block 0); visible [n, L]. -> [n, H, D] in q's dtype."""
+    in block 0); visible [n, L]; the layer's soft-cap and sinks [H] (attention/layer.py) or None.
+    -> [n, H, D] in q's dtype."""
     n, num_blocks, num_kv_heads = q.shape[0], kv.shape[1] // KEY_BLOCK, kv.shape[3]
     heads = _heads(q, num_kv_heads)  # [n, Hkv, G, D]
     keys, values = _blocks(kv[:, :, 0]), _blocks(kv[:, :, 1])  # [n, Hkv, nb, B, D] each
     queries = heads[:, :, None].expand(-1, -1, num_blocks, -1, -1)  # [n, Hkv, nb, G, D]
-    scores = row_matmul(queries, keys.transpose(-1, -2)) * scale  # [n, Hkv, nb, G, B]
-    weights, block_sums = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK))
+    scores = capped(row_matmul(queries, keys.transpose(-1, -2)) * scale, softcap)  # [n, Hkv, nb, G, B]
+    weights, block_sums, sink_weights = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK), sinks)
     partials = row_matmul(weights, values)  # [n, Hkv, nb, G, D]
-    return combine_blocks(partials, block_sums).to(q.dtype)  # [n, H, D]
+    return combine_blocks(partials, block_sums, sink_weights).to(q.dtype)  # [n, H, D]
 
 
 def shared_key_attention(q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, first_block: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill: every query of a chunk over one row set. q [n, H, D]; rows [L, 2, Hkv, D] (L a
     multiple of KEY_BLOCK, column 0 at a block boundary of absolute positions); visible [n, L];
     first_block [n] the block of each query's first visible key. The same bits as
-    `per_query_attention` over the query's own rows. -> [n, H, D] in q's dtype."""
+    `per_query_attention` over the query's own rows (with the same soft-cap and sinks). -> [n, H, D]
+    in q's dtype."""
     n, num_blocks, num_kv_heads = q.shape[0], rows.shape[0] // KEY_BLOCK, rows.shape[2]
     heads = _heads(q, num_kv_heads)  # [n, Hkv, G, D]
     group = heads.shape[2]
     keys, values = _blocks(rows[:, 0]), _blocks(rows[:, 1])  # [Hkv, nb, B, D] each
     queries = heads.permute(1, 0, 2, 3).reshape(num_kv_heads, 1, n * group, -1)  # [Hkv, 1, n*G, D]
     queries = queries.expand(-1, num_blocks, -1, -1)  # [Hkv, nb, n*G, D]
-    scores = row_matmul(queries, keys.transpose(-1, -2)) * scale  # [Hkv, nb, n*G, B]
+    scores = capped(row_matmul(queries, keys.transpose(-1, -2)) * scale, softcap)  # [Hkv, nb, n*G, B]
     scores = scores.view(num_kv_heads, num_blocks, n, group, KEY_BLOCK).permute(2, 0, 1, 3, 4)  # [n, Hkv, nb, G, B]
-    weights, block_sums = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK))
+    weights, block_sums, sink_weights = block_softmax(scores, visible.view(n, num_blocks, KEY_BLOCK), sinks)
     weights = weights.permute(1, 2, 0, 3, 4).reshape(num_kv_heads, num_blocks, n * group, -1)  # [Hkv, nb, n*G, B]
     partials = row_matmul(weights, values).view(num_kv_heads, num_blocks, n, group, -1)  # [Hkv, nb, n, G, D]
     partials = partials.permute(2, 0, 1, 3, 4)  # [n, Hkv, nb, G, D]
     partials, block_sums = _from_first_block(partials, first_block), _from_first_block(block_sums, first_block)
-    return combine_blocks(partials, block_sums).to(q.dtype)  # [n, H, D]
+    return combine_blocks(partials, block_sums, sink_weights).to(q.dtype)  # [n, H, D]
 
 
 def _from_first_block(x: torch.Tensor, first_block: torch.Tensor) -> torch.Tensor:

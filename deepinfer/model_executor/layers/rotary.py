@@ -1,7 +1,10 @@
 """Rotary position embedding (rotate-half layout, as in HF checkpoints).
 
-Inverse frequencies for scaled variants (llama3, yarn, linear, ...) come from transformers'
-ROPE_INIT_FUNCTIONS, so a config means the same thing here as in transformers.
+Inverse frequencies for scaled variants (llama3, yarn, linear, longrope, ...) come from
+transformers' ROPE_INIT_FUNCTIONS, so a config means the same thing here as in transformers.
+
+Partial rotary (Phi-4-mini's `partial_rotary_factor`): with R = 2 * len(inv_freq) < D, the first R
+dims of each head rotate and the other D - R pass through, as HF's apply_rotary_pos_emb does.
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from deepinfer.model_executor.layers.ops import fused
 
 
 def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None, layer_type: str | None = None,
-                  default_theta: float | None = None) -> tuple[torch.Tensor, float]:
+                  default_theta: float | None = None, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim/2], attention_scaling) for a config's rope parameters.
 
     `rope_parameters` defaults to the config's; models with one RoPE per layer kind pass that
-    kind's dict and `layer_type`, which transformers' scaled variants read.
+    kind's dict and `layer_type`, which transformers' scaled variants read. `seq_len`: the length
+    transformers' variants that depend on it (longrope's factor set) are asked for.
     """
     params = rope_parameters or getattr(config, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
@@ -31,20 +35,24 @@ def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None, la
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
     kwargs = {"layer_type": layer_type} if layer_type else {}
+    if seq_len is not None:
+        kwargs["seq_len"] = seq_len
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, H_kv, D] at `positions` [T]."""
+    """Applies RoPE to q [T, H, D] and k [T, H_kv, D] at `positions` [T]: to the first
+    R = 2 * len(inv_freq) dims of each head (all of them when R = D)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
         super().__init__()
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, D]
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)  # [P, D]
+        freqs = torch.outer(pos, inv_freq)  # [P, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, R]
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [P, R]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)  # [P, R]
         self._last: tuple | None = None  # (positions, cos, sin) of the step in flight
         self._rope = fused.rope_op(self._torch_rope)  # the C++ kernel for fp32 CPU tensors, else _torch_rope
 
@@ -59,7 +67,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """-> (q, k) rotated at positions [T]: new tensors, the inputs are not written."""
-        return self._rope(q, k, positions, self.cos, self.sin)
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return self._rope(q, k, positions, self.cos, self.sin)
+        q_rot, k_rot = self._rope(q[..., :r], k[..., :r], positions, self.cos, self.sin)  # [T, H, R], [T, H_kv, R]
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)  # [T, H, D], [T, H_kv, D]
 
     def _torch_rope(self, q, k, positions, cos_table, sin_table):
         """The torch reference of `forward` (the tables are this module's `cos`, `sin`)."""

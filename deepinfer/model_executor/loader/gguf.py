@@ -10,8 +10,13 @@ Layout facts this module undoes (llama.cpp's converter applies them when it writ
                   the file holds rows (0, d/2, 1, d/2+1, ...); undo it per head:
                   [H * d, in] -> [H, d/2, 2, in] -> swap 1,2 -> [H, 2, d/2, in] -> [H * d, in]
                   (only the llama architecture; qwen2, qwen3 and gemma3 keep HF's row order)
-    gemma3 norms  stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w): subtract 1 in float32
+    gemma norms   stored as 1 + w (Gemma's RMSNorm multiplies by 1 + w): subtract 1 in float32 (gemma2, gemma3)
+    phi3          fused `attn_qkv` (q | k | v rows) and `ffn_up` (gate | up rows), named as HF's fused
+                  `qkv_proj` / `gate_up_proj` (models/phi3.py cuts them); LongRoPE's factors are the
+                  tensors `rope_factors_short` / `rope_factors_long`: turned into `rope_parameters`
     llama 3 rope  a `rope_freqs` tensor instead of config keys: turned into `rope_parameters`
+    experts       one 3-D tensor per projection, `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols]:
+                  cut into E per-expert matrices named as HF's `mlp.experts.e.{gate,up,down}_proj`
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
+from deepinfer.model_executor.loader.gguf_gpt_oss import is_expert_stack, iter_gpt_oss_experts
 from deepinfer.model_executor.loader.gguf_repack import is_packed, packed_gguf
 from deepinfer.model_executor.loader.gguf_slice import GGUFSlice
 from deepinfer.model_executor.loader.model_source import ModelSource, compute_identity
@@ -55,10 +61,24 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_MOE_NAMES = {  # the router, and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+# a 3-D tensor [E, rows, cols] of every expert's matrix -> the per-expert HF projection name
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GPT_OSS_NAMES = {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                  "ffn_gate_inp": "mlp.router"}  # its expert stacks: gguf_gpt_oss.py
 _ARCH_BLOCK_NAMES = {
-    "llama": _BLOCK_NAMES,
+    "gpt-oss": {**_BLOCK_NAMES, **_GPT_OSS_NAMES},
+    "llama": {**_BLOCK_NAMES, **_MOE_NAMES},  # with experts: Mixtral
     "qwen2": _BLOCK_NAMES,
     "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
+    "qwen2moe": {**_BLOCK_NAMES, **_MOE_NAMES},
+    "qwen3moe": {**_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES},
     "gemma3": {
         **_BLOCK_NAMES,
         **_QK_NORM_NAMES,
@@ -66,9 +86,17 @@ _ARCH_BLOCK_NAMES = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "gemma2": {
+        **_BLOCK_NAMES,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed into the config, not a parameter
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # phi3's LongRoPE: config too
 _MAX_WORKERS = 4  # decoding threads
 logger = logging.getLogger("deepinfer.loader")
 
@@ -88,11 +116,15 @@ def load_gguf_source(path: str) -> ModelSource:
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
     tensors = {tensor.name: tensor for tensor in file.tensors}
-    rope_freqs = None
+    rope_freqs = rope_factors = None
     if _ROPE_FREQS in tensors:
         rope_freqs = dequantize_tensor(tensors[_ROPE_FREQS], torch.float32).numpy()
+    if all(name in tensors for name in _ROPE_FACTORS):
+        rope_factors = tuple(dequantize_tensor(tensors[name], torch.float32).numpy() for name in _ROPE_FACTORS)
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
-    config = AutoConfig.for_model(**gguf_config_dict(arch, file.metadata, shapes, rope_freqs))
+    types = {name: tensor.tensor_type.name for name, tensor in tensors.items()}
+    config = AutoConfig.for_model(**gguf_config_dict(arch, file.metadata, shapes, rope_freqs, rope_factors,
+                                                     tensor_types=types))
     return ModelSource(
         path=path,
         format="gguf",
@@ -153,7 +185,8 @@ def iter_gguf_weights(
     Names are checked before any tensor is decoded; decoding runs on a few threads (numpy and
     torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
     """
-    jobs = [(gguf_to_hf_name(arch, tensor.name), tensor) for tensor in tensors if tensor.name != _ROPE_FREQS]
+    tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
+    jobs = _named_tensors(tensors, arch)
     num_workers = min(_MAX_WORKERS, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
         pending: deque = deque()
@@ -170,14 +203,49 @@ def iter_gguf_weights(
 def iter_gguf_slices(tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype,
                      keep_quantized: bool = False) -> Iterator[tuple[str, GGUFSlice]]:
     """Yield `(hf_name, GGUFSlice)` in file order: nothing is decoded until a rank asks for its slice
-    (as iter_gguf_weights would decode it, cut to the slice)."""
-    jobs = [(gguf_to_hf_name(arch, tensor.name), tensor) for tensor in tensors if tensor.name != _ROPE_FREQS]
+    (as iter_gguf_weights would decode it, cut to the slice); GPT-OSS's experts (held whole) come decoded."""
+    tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
+    jobs = _named_tensors(tensors, arch)
 
     def decode(tensor: GGUFTensor, num_heads: int | None) -> torch.Tensor | QuantWeight:
         return to_hf_tensor(tensor, arch, config, dtype, keep_quantized, num_heads)
 
     for hf_name, tensor in jobs:
         yield hf_name, GGUFSlice(tensor, decode, _head_rows(tensor, arch, config))
+
+
+def _gpt_oss_experts(tensors: list[GGUFTensor], arch: str, dtype: torch.dtype):
+    """For gpt-oss, yield its experts in the HF checkpoint's layout (gguf_gpt_oss.py) and return the
+    other tensors; other architectures: yield nothing, return all."""
+    if arch != "gpt-oss":
+        return tensors
+    yield from iter_gpt_oss_experts([t for t in tensors if is_expert_stack(t.name)], dtype, dequantize_tensor)
+    return [t for t in tensors if not is_expert_stack(t.name)]
+
+
+def _named_tensors(tensors: list[GGUFTensor], arch: str) -> list[tuple[str, GGUFTensor]]:
+    """(HF name, tensor) of every parameter tensor, names checked. A 3-D expert tensor
+    `blk.N.ffn_gate_exps` [E, rows, cols] becomes E matrices `model.layers.N.mlp.experts.e.gate_proj.weight`,
+    each a view of that expert's rows in the file (kept quantized, a matrix is one expert's blocks)."""
+    jobs = []
+    for tensor in tensors:
+        if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
+            continue
+        parts = tensor.name.split(".")
+        if len(parts) != 4 or parts[2] not in _EXPERT_NAMES or "ffn_gate_inp" not in _ARCH_BLOCK_NAMES[arch]:
+            jobs.append((gguf_to_hf_name(arch, tensor.name), tensor))
+            continue
+        if len(tensor.shape) != 3:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has shape {tensor.shape}, expected [experts, rows, cols]")
+        prefix = f"model.layers.{parts[1]}.mlp.experts"
+        jobs += [(f"{prefix}.{e}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}", _expert_matrix(tensor, e))
+                 for e in range(tensor.shape[0])]
+    return jobs
+
+
+def _expert_matrix(tensor: GGUFTensor, expert: int) -> GGUFTensor:
+    """Expert `expert`'s [rows, cols] matrix of a 3-D expert tensor: a view of its bytes."""
+    return dataclasses.replace(tensor, shape=tensor.shape[1:], data=tensor.data[expert])
 
 
 def _head_rows(tensor: GGUFTensor, arch: str, config: Any) -> int | None:
@@ -195,7 +263,7 @@ def to_hf_tensor(tensor: GGUFTensor, arch: str, config: Any, dtype: torch.dtype,
     get their HF order back (in a QuantWeight, whole rows of blocks are moved);
     `num_heads`: how many heads a q/k tensor holds, when it is a slice of whole heads."""
     part = tensor.name.split(".")[-2]
-    if arch == "gemma3" and part.endswith("norm"):
+    if arch in ("gemma2", "gemma3") and part.endswith("norm"):
         return (dequantize_tensor(tensor, torch.float32) - 1.0).to(dtype)
     weight = _quantized(tensor) if keep_quantized else None
     if weight is None:
@@ -231,7 +299,8 @@ def packed_file_bytes(path: str) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for tensor in read_gguf_file(path).tensors:
         kind = tensor.tensor_type.name
-        if is_packed(kind, tensor.shape):
+        expert_stack = tensor.name.split(".")[-2] in _EXPERT_NAMES and len(tensor.shape) == 3
+        if is_packed(kind, tensor.shape[1:] if expert_stack else tensor.shape):  # an expert stack: per expert
             sizes[kind] = sizes.get(kind, 0) + tensor.data.nbytes
     return sizes
 

@@ -12,15 +12,26 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+from deepinfer.model_executor.loader.gguf_gpt_oss import experts_are_mxfp4
 
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gemma2", "phi3",
+                               "gpt-oss")
+
+_MODEL_TYPE = {"gpt-oss": "gpt_oss", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "phi3": "phi3"}
 _ARCHITECTURE_CLASS = {
+    "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+# llama.cpp's routing renormalises the top-k weights for these unless `{arch}.expert_weights_norm` says
+MOE_RENORMALIZES = {"qwen2moe": False, "qwen3moe": True}
 
 # "{arch}.<key>" -> HF config field; every key is required.
 _SHAPE_KEYS = {
@@ -55,8 +66,12 @@ def gguf_config_dict(
     metadata: dict[str, Any],
     tensor_shapes: dict[str, tuple[int, ...]],
     rope_freqs: np.ndarray | None,
+    rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
+    tensor_types: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The HF config fields for a file of architecture `arch` (shapes in torch order)."""
+    """The HF config fields for a file of architecture `arch` (shapes in torch order); `rope_factors`:
+    phi3's LongRoPE (short, long) factor tensors, when the file has them; `tensor_types`: each
+    tensor's ggml type name (gpt-oss: whether its experts are MXFP4)."""
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; "
@@ -74,13 +89,21 @@ def gguf_config_dict(
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
+    if arch == "gpt-oss":
+        return {**config, **_gpt_oss_fields(metadata, config, tensor_types or {})}
+    if arch in MOE_RENORMALIZES or int(metadata.get(f"{arch}.expert_count", 0)) > 0:
+        config.update(_moe_fields(arch, metadata, tensor_shapes, config))
     if arch == "gemma3":
         config.update(_gemma3_fields(metadata, config))
+    elif arch == "phi3":
+        config.update(_phi3_fields(metadata, config, rope_factors))
     else:
         rope_theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
         config["rope_parameters"] = _rope_parameters(
             arch, metadata, rope_theta, config["head_dim"], rope_freqs
         )
+    if arch == "gemma2":
+        config.update(_gemma2_fields(metadata, config))
     return config
 
 
@@ -104,7 +127,8 @@ def _uniform(value: Any, key: str) -> int:
 
 
 def _head_dim(arch: str, metadata: dict[str, Any], config: dict[str, Any]) -> int:
-    for key in (f"{arch}.attention.key_length", f"{arch}.rope.dimension_count"):
+    keys = ("attention.key_length",) if arch == "phi3" else ("attention.key_length", "rope.dimension_count")
+    for key in (f"{arch}.{k}" for k in keys):  # phi3's rope.dimension_count counts the rotating dims only
         if key in metadata:
             return int(metadata[key])
     return config["hidden_size"] // config["num_attention_heads"]
@@ -247,3 +271,116 @@ def _gemma3_layer_types(pattern: Any, num_layers: int) -> list[str]:
         return ["sliding_attention" if local else "full_attention" for local in pattern]
     period = int(pattern or GEMMA3_SLIDING_WINDOW_PATTERN)
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(num_layers)]
+
+
+def _moe_fields(arch: str, metadata: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                config: dict[str, Any]) -> dict[str, Any]:
+    """Routed experts (`{arch}.expert_count` > 0): a llama file is Mixtral (every layer sparse, the
+    top-k renormalised); qwen2moe / qwen3moe: the experts' size, the renormalisation llama.cpp
+    applies, Qwen2-MoE's shared expert and q/k/v bias, and which layers are dense (no router)."""
+    fields = {"num_experts": int(_required(metadata, f"{arch}.expert_count")),
+              "num_experts_per_tok": int(_required(metadata, f"{arch}.expert_used_count"))}
+    expert_size = metadata.get(f"{arch}.expert_feed_forward_length")
+    if arch == "llama":
+        fields.update(model_type="mixtral", architectures=["MixtralForCausalLM"],
+                      num_local_experts=fields.pop("num_experts"))
+        fields["intermediate_size"] = int(expert_size or config["intermediate_size"])
+        return fields
+    if arch not in MOE_RENORMALIZES:
+        raise ValueError(f"GGUF metadata {arch}.expert_count={fields['num_experts']}: architecture {arch!r} "
+                         f"has no routed experts here")
+    layers = range(config["num_hidden_layers"])
+    fields["moe_intermediate_size"] = int(expert_size or _first_shape(tensor_shapes, "ffn_gate_exps", layers)[1])
+    fields["norm_topk_prob"] = bool(metadata.get(f"{arch}.expert_weights_norm", MOE_RENORMALIZES[arch]))
+    fields["mlp_only_layers"] = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensor_shapes]
+    fields["decoder_sparse_step"] = 1
+    if arch == "qwen2moe":
+        shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+        fields["shared_expert_intermediate_size"] = int(shared or _first_shape(tensor_shapes, "ffn_gate_shexp",
+                                                                                layers)[0])
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    else:
+        fields["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+    return fields
+
+
+def _first_shape(tensor_shapes: dict[str, tuple[int, ...]], part: str, layers: range) -> tuple[int, ...]:
+    """The torch shape of the first layer's `blk.N.{part}.weight` (ValueError when no layer has one)."""
+    for i in layers:
+        if f"blk.{i}.{part}.weight" in tensor_shapes:
+            return tensor_shapes[f"blk.{i}.{part}.weight"]
+    raise ValueError(f"GGUF file has no {part} tensor and no metadata key giving its size")
+
+
+# Gemma 2's fixed design, which llama.cpp hard-codes instead of writing to the file
+GEMMA2_27B_BLOCK_COUNT = 46  # the one size whose query scale is hidden/heads rather than head_dim
+GEMMA2_ATTN_LOGIT_SOFTCAPPING = 50.0  # llama.cpp's values when the file has no key
+GEMMA2_FINAL_LOGIT_SOFTCAPPING = 30.0
+
+
+def _gemma2_fields(metadata: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2: sliding (even) and global (odd) layers, logit soft-caps, query scale, tanh-GELU."""
+    num_layers = config["num_hidden_layers"]
+    query_scale = config["head_dim"]
+    if num_layers == GEMMA2_27B_BLOCK_COUNT:
+        query_scale = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(_required(metadata, "gemma2.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        "query_pre_attn_scalar": query_scale,
+        "attn_logit_softcapping": float(metadata.get("gemma2.attn_logit_softcapping",
+                                                     GEMMA2_ATTN_LOGIT_SOFTCAPPING)),
+        "final_logit_softcapping": float(metadata.get("gemma2.final_logit_softcapping",
+                                                      GEMMA2_FINAL_LOGIT_SOFTCAPPING)),
+    }
+
+
+def _phi3_fields(metadata: dict[str, Any], config: dict[str, Any],
+                 rope_factors: tuple[np.ndarray, np.ndarray] | None) -> dict[str, Any]:
+    """Phi-3 / Phi-4: rotating dims (`rope.dimension_count`) as a partial rotary factor, LongRoPE from
+    the `rope_factors_short` / `rope_factors_long` tensors, the window (0: none, as Phi-4 writes it)."""
+    head_dim = config["head_dim"]
+    rotary_dims = int(metadata.get("phi3.rope.dimension_count", head_dim))
+    original = int(metadata.get("phi3.rope.scaling.original_context_length", config["max_position_embeddings"]))
+    rope = {"rope_type": "default", "rope_theta": float(metadata.get("phi3.rope.freq_base", 10000.0)),
+            "partial_rotary_factor": rotary_dims / head_dim}
+    if rope_factors is not None:
+        short, long = (np.asarray(f, dtype=np.float64).reshape(-1).tolist() for f in rope_factors)
+        if len(short) != rotary_dims // 2 or len(long) != rotary_dims // 2:
+            raise ValueError(f"GGUF tensors rope_factors_short/long hold {len(short)}/{len(long)} factors, "
+                             f"expected {rotary_dims // 2} (phi3.rope.dimension_count={rotary_dims})")
+        rope.update(rope_type="longrope", short_factor=short, long_factor=long,
+                    original_max_position_embeddings=original)
+        if "phi3.rope.scaling.attn_factor" in metadata:
+            rope["attention_factor"] = float(metadata["phi3.rope.scaling.attn_factor"])
+    return {"hidden_act": "silu", "rope_parameters": rope, "original_max_position_embeddings": original,
+            "sliding_window": int(metadata.get("phi3.attention.sliding_window", 0)) or None}
+
+
+GPT_OSS_SWIGLU_LIMIT = 7.0  # llama.cpp hard-codes GPT-OSS's clamp, as it does the layer pattern
+
+
+def _gpt_oss_fields(metadata: dict[str, Any], config: dict[str, Any], tensor_types: dict[str, str]) -> dict[str, Any]:
+    """GPT-OSS: experts, even layers sliding (llama.cpp's fixed pattern), YaRN with HF's gpt_oss
+    settings (beta_fast 32, beta_slow 1, no truncation), biases; `quantization_config` mxfp4 when
+    the expert stacks are MXFP4 (the model keeps them packed)."""
+    arch = "gpt-oss"
+    rope_theta = float(metadata.get(f"{arch}.rope.freq_base", 150000.0))
+    rope = _rope_parameters(arch, metadata, rope_theta, config["head_dim"], None)
+    if rope["rope_type"] == "yarn":
+        rope.update(beta_fast=32.0, beta_slow=1.0, truncate=False)
+    fields = {
+        "num_local_experts": int(_required(metadata, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(_required(metadata, f"{arch}.expert_used_count")),
+        "intermediate_size": int(metadata.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"])),
+        "sliding_window": int(_required(metadata, f"{arch}.attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(config["num_hidden_layers"])],
+        "rope_parameters": rope,
+        "attention_bias": True,
+        "swiglu_limit": GPT_OSS_SWIGLU_LIMIT,
+    }
+    if experts_are_mxfp4(tensor_types):
+        fields["quantization_config"] = {"quant_method": "mxfp4"}
+    return fields

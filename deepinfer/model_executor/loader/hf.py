@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from deepinfer.model_executor.loader.base_model import causal_lm_names
 from deepinfer.model_executor.loader.model_source import EXPECTED_LAYOUT, ModelSource, compute_identity, load_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -36,14 +37,15 @@ def load_hf_source(path: str) -> ModelSource:
             f"{path!r}: quantized HF checkpoints (quantization_config: {method}) are not supported"
         )
     files = [os.path.join(path, name) for name in os.listdir(path)]
+    renamed = causal_lm_names(shard_files, config)  # a bare base model's names (loader/base_model.py)
     return ModelSource(
         path=path,
         format="hf",
         hf_config=config,
         tokenizer=load_tokenizer(path),
         identity=compute_identity(path, [file for file in files if os.path.isfile(file)]),
-        _weights=lambda dtype: iter_safetensors(shard_files, dtype),
-        _weight_slices=lambda dtype: iter_safetensors_slices(shard_files, dtype),
+        _weights=lambda dtype: renamed(iter_safetensors(shard_files, dtype)),
+        _weight_slices=lambda dtype: renamed(iter_safetensors_slices(shard_files, dtype)),
         generation_config=load_generation_config(path),
     )
 
@@ -59,11 +61,16 @@ def load_generation_config(path: str) -> dict:
 
 
 def _dequantized_on_load(config, quantization) -> bool:
-    """DeepSeek-V4's own FP8 checkpoints (128 x 128 UE8M0 block scales; FP4 routed experts ride
-    along): the V4 model dequantizes them as it loads (models/deepseek_v4/weights.py)."""
+    """DeepSeek's FP8 checkpoints (128 x 128 block scales: V3/R1's fp32 `weight_scale_inv`, V4's
+    UE8M0, with V4's FP4 routed experts riding along): the model dequantizes them as it loads
+    (models/deepseek_v4/weights.py, which V3's loader reuses). GPT-OSS's
+    MXFP4 experts: the model keeps their blocks and scales as they are (layers/mxfp4_moe.py)."""
     if not isinstance(quantization, dict):
         quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else {}
-    return (getattr(config, "model_type", None) == "deepseek_v4" and quantization.get("quant_method") == "fp8"
+    model_type, method = getattr(config, "model_type", None), quantization.get("quant_method")
+    if model_type == "gpt_oss" and method == "mxfp4":
+        return True
+    return (model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v4") and method == "fp8"
             and list(quantization.get("weight_block_size") or [128, 128]) == [128, 128])
 
 

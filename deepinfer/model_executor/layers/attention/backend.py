@@ -14,6 +14,10 @@ No backend applies a causal mask of its own to a cache read: an index row lists 
 slots a query may see, and -1 marks padding. Metadata comes per cache group, since a paged
 group and a ring group address the same token differently.
 
+A layer's options reach every step that attends (attention/layer.py): `softcap` (None, or the
+cap of s = cap * tanh(s / cap) on the scaled logits) and `sinks` (None, or [H] logits that join
+each query's softmax denominator and add no value).
+
 `AttentionBackend.forward` writes this order once; each step is a hook that runs through the
 backend's kernel set (attention/kernels.py). The torch backend (below) adds the batch-invariant
 variant; the Triton backend (triton_backend.py) is the same skeleton on the Triton set.
@@ -179,21 +183,22 @@ class AttentionBackend:
         self.kernels = kernels
 
     def forward(self, cache: LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: AttentionMetadata, group: GroupMetadata, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, group: GroupMetadata, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """cache: the layer's LayerCache; q [T, H, D]; k, v [T, H_kv, D] -> [T, H, D]."""
-        md, g = metadata, group
+        md, g, opts = metadata, group, (softcap, sinks)
         loaded = [self.load(cache, seg) for seg in g.prefills]  # 1. load before store
         rows = g.store_rows
         self.store(cache, g.store_slots, k if rows is None else k[rows], v if rows is None else v[rows])  # 2.
         nd = md.num_decode_tokens
         if nd and nd == q.shape[0]:  # a decode-only step: no copy into a packed output
-            return self.decode(cache, q, md, g, scale)  # [T, H, D]
+            return self.decode(cache, q, md, g, scale, *opts)  # [T, H, D]
         out = torch.empty_like(q)  # [T, H, D]
         if nd:  # 3. decode reads
-            out[:nd] = self.decode(cache, q[:nd], md, g, scale)
+            out[:nd] = self.decode(cache, q[:nd], md, g, scale, *opts)
         for i, (seg, old) in enumerate(zip(g.prefills, loaded, strict=True)):  # 4. prefill over [old | chunk]
             s, e = seg.token_start, seg.token_end
-            out[s:e] = self.prefill(cache, q[s:e], k[s:e], v[s:e], old, md, g, i, scale)
+            out[s:e] = self.prefill(cache, q[s:e], k[s:e], v[s:e], old, md, g, i, scale, *opts)
         return out
 
     def load(self, cache: LayerCache, seg: PrefillSegment) -> torch.Tensor:
@@ -205,16 +210,18 @@ class AttentionBackend:
         self.kernels.store_rows(cache, slots, k, v)
 
     def decode(self, cache: LayerCache, q: torch.Tensor, metadata: AttentionMetadata, group: GroupMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Decode queries q [N, H, D] through their index rows -> [N, H, D]."""
-        return self.kernels.decode_attention(cache, q, group.decode_index, scale, group.decode_lens)
+        return self.kernels.decode_attention(cache, q, group.decode_index, scale, group.decode_lens, softcap, sinks)
 
     def prefill(self, cache: LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
-                metadata: AttentionMetadata, group: GroupMetadata, i: int, scale: float) -> torch.Tensor:
+                metadata: AttentionMetadata, group: GroupMetadata, i: int, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Segment i: q [n, H, D], k, v [n, H_kv, D] over [loaded [n_old, 2, H_kv, D] | chunk] -> [n, H, D]."""
         seg = group.prefills[i]
         q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
-        return self.kernels.prefill_attention(q, k, v, loaded, q_pos, seg.load_positions, scale, group.window)
+        return self.kernels.prefill_attention(q, k, v, loaded, q_pos, seg.load_positions, scale, group.window,
+                                              softcap, sinks)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -234,20 +241,22 @@ class TorchAttentionBackend(AttentionBackend):
         # the C++ invariant attention (ops/invariant_cpu.cpp) where it serves the call: the fused (CPU) set
         self.fused_invariant = batch_invariant and kernels.name == "fused"
 
-    def decode(self, cache, q, metadata, group, scale):
+    def decode(self, cache, q, metadata, group, scale, softcap=None, sinks=None):
         if not self.batch_invariant:
-            return super().decode(cache, q, metadata, group, scale)
+            return super().decode(cache, q, metadata, group, scale, softcap, sinks)
         if self.fused_invariant:
             first = self.layouts.first(metadata, group)  # [N]: column 0 of each index row
-            return invariant.decode_attention(cache, q, group.decode_index, first, scale)  # [N, H, D]
-        return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale)  # [N, H, D]
+            return invariant.decode_attention(cache, q, group.decode_index, first, scale, softcap, sinks)  # [N, H, D]
+        return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale, softcap, sinks)  # [N, H, D]
 
-    def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale):
+    def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale, softcap=None, sinks=None):
         if not self.batch_invariant:
-            return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale)
+            return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale, softcap, sinks)
         if self.fused_invariant:
             seg = group.prefills[i]
             q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
             start = int(seg.load_positions[0]) if seg.load_positions.numel() else int(q_pos[0])
-            return invariant.prefill_attention(cache, q, k, v, loaded, q_pos, start, group.window, scale)  # [n, H, D]
-        return invariant_prefill(cache, q, k, v, loaded, self.layouts.prefill(metadata, group, i), scale)  # [n, H, D]
+            return invariant.prefill_attention(cache, q, k, v, loaded, q_pos, start, group.window, scale,
+                                               softcap, sinks)  # [n, H, D]
+        layout = self.layouts.prefill(metadata, group, i)
+        return invariant_prefill(cache, q, k, v, loaded, layout, scale, softcap, sinks)  # [n, H, D]

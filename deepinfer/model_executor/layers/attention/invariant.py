@@ -16,6 +16,10 @@ prefill, in any batch and any chunking (they do not give each other's bits):
             order, for fp32 queries on the CPU over plain (fp32 / bf16) cache rows; any other call
             class runs the torch implementation, which these ops wrap as their reference. Both
             ops pick from the same class (q and the cache), so decode and prefill never mix them.
+
+A layer's options (attention/layer.py) take part in both: the soft-cap on each scaled logit
+(elementwise `tanh`, the same bits at any position), the sink logit in each query's max and as
+the first term of its denominator (`per_query_attention` / `shared_key_attention` take both).
 """
 
 from __future__ import annotations
@@ -82,12 +86,13 @@ def prefill_layout(q_pos: torch.Tensor, loaded_pos: torch.Tensor, window: int | 
     return PrefillLayout(start - base, width, visible, first_block)
 
 
-def invariant_decode(cache, q: torch.Tensor, layout: DecodeLayout, scale: float) -> torch.Tensor:
+def invariant_decode(cache, q: torch.Tensor, layout: DecodeLayout, scale: float, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D]: each query over its own cache rows -> [N, H, D]."""
     out = torch.empty_like(q)  # [N, H, D]
     for rows in query_slices(q.shape[0], layout.index.shape[1], DECODE_PAIR_BUDGET):
         kv = cache.load(layout.index[rows])  # [n, L, 2, H_kv, D]
-        out[rows] = per_query_attention(q[rows], kv, layout.visible[rows], scale)
+        out[rows] = per_query_attention(q[rows], kv, layout.visible[rows], scale, softcap, sinks)
     return out
 
 
@@ -97,7 +102,8 @@ def as_cached(cache, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_prefill(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
-                      layout: PrefillLayout, scale: float) -> torch.Tensor:
+                      layout: PrefillLayout, scale: float, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [n, H, D], k, v [n, H_kv, D] of a chunk, loaded [n_old, 2, H_kv, D] -> [n, H, D]. The
     chunk's rows are taken as the cache returns them, so a later decode read sees the same bits."""
     chunk = as_cached(cache, k, v)  # [n, 2, H_kv, D]
@@ -106,23 +112,26 @@ def invariant_prefill(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                       chunk.new_zeros(right, *chunk.shape[1:])))  # [L, 2, H_kv, D]
     out = torch.empty_like(q)  # [n, H, D]
     for sub in query_slices(q.shape[0], layout.width, PREFILL_PAIR_BUDGET):
-        out[sub] = shared_key_attention(q[sub], rows, layout.visible[sub], layout.first_block[sub], scale)
+        out[sub] = shared_key_attention(q[sub], rows, layout.visible[sub], layout.first_block[sub], scale, softcap,
+                                        sinks)
     return out
 
 
-def torch_decode_attention(cache, q: torch.Tensor, index: torch.Tensor, first: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+def torch_decode_attention(cache, q: torch.Tensor, index: torch.Tensor, first: torch.Tensor, scale: float,
+                           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_attention`'s torch implementation: q [N, H, D], index [N, L] (column c at position
     first[n] + c, -1 hidden), first [N] -> [N, H, D]."""
-    return invariant_decode(cache, q, decode_layout_from(index, first), scale)
+    return invariant_decode(cache, q, decode_layout_from(index, first), scale, softcap, sinks)
 
 
 def torch_prefill_attention(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, loaded: torch.Tensor,
-                            positions: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
+                            positions: torch.Tensor, start: int, window: int | None, scale: float,
+                            softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`prefill_attention`'s torch implementation: a chunk at positions [n] over loaded rows at
     start .. start + n_old - 1 -> [n, H, D]."""
     loaded_pos = torch.arange(start, start + loaded.shape[0], device=positions.device)  # [n_old]
-    return invariant_prefill(cache, q, k, v, loaded, prefill_layout(positions, loaded_pos, window), scale)
+    layout = prefill_layout(positions, loaded_pos, window)
+    return invariant_prefill(cache, q, k, v, loaded, layout, scale, softcap, sinks)
 
 
 # The C++ kernels where they serve the call class, else the torch implementations above.

@@ -13,6 +13,10 @@ A `KernelSet` is a table of hooks, one per kernel-level operation. Three sets ex
     * where the C++ kernel serves the call class (fp32 CPU inputs, plain rows, the library built;
       ops/fused.py picks once per class), else the torch hook: bit for bit what ran before.
 
+Both attention hooks take a layer's options last (attention/layer.py): `softcap` (None or the cap
+of s = cap * tanh(s / cap)) and `sinks` (None or [H] logits in every query's softmax denominator,
+adding no value). Every set honours both.
+
 The set is chosen once per engine from the attention backend setting (`kernels_for`); the runner
 hands it to the model inside the backend (`BoundCaches.backend.kernels`), and each layer keeps
 it: the Llama family's attention backend (attention/backend.py), DeepSeek-V4's sparse MLA and
@@ -40,9 +44,10 @@ class KernelSet:
 
     name: str
     store_rows: Callable  # (cache, slots [M], k [M, H_kv, D], v [M, H_kv, D] | None) -> None
-    decode_attention: Callable  # (cache, q [N, H, D], index [N, L], scale, lens [N] | None) -> [N, H, D]
+    # (cache, q [N, H, D], index [N, L], scale, lens [N] | None, softcap | None, sinks [H] | None) -> [N, H, D]
+    decode_attention: Callable
     # (q [n, H, D], k, v [n, H_kv, D], loaded [n_old, 2, H_kv, D], q_pos [n], loaded_pos [n_old], scale,
-    #  window) -> [n, H, D]
+    #  window, softcap | None, sinks [H] | None) -> [n, H, D]
     prefill_attention: Callable
     # (q [N, H, D], cache, index [N, L], scale, sink [H], extra cache | None, extra index [N, L2] | None)
     #  -> [N, H, D]: K = V latent rows, one softmax over both row sets and the sink
@@ -67,10 +72,10 @@ def _triton_store_rows(cache, slots, k, v) -> None:
     store.store_layer_rows(cache, slots, k, v)
 
 
-def _triton_decode_attention(cache, q, index, scale, lens=None) -> torch.Tensor:
+def _triton_decode_attention(cache, q, index, scale, lens=None, softcap=None, sinks=None) -> torch.Tensor:
     from deepinfer.model_executor.layers.ops.triton import decode_attention
 
-    return decode_attention.decode_layer_attention(cache, q, index, scale, lens)  # [N, H, D]
+    return decode_attention.decode_layer_attention(cache, q, index, scale, lens, softcap, sinks)  # [N, H, D]
 
 
 def _triton_sparse_mla(q, cache, index, scale, sink, extra_cache=None, extra_index=None) -> torch.Tensor:

@@ -115,16 +115,31 @@ def store_rows_op(reference: Callable) -> FusedOp:
     return FusedOp(kernel, kind, _serves_rows, reference)
 
 
+def _cap(softcap: float | None) -> float:
+    """A soft-cap as the C++ kernels take it: 0 for none."""
+    return 0.0 if softcap is None else float(softcap)
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sink logits [H] as the C++ kernels take them: float32, contiguous (or None)."""
+    return None if sinks is None else sinks.detach().float().contiguous()
+
+
 def decode_attention_op(reference: Callable) -> FusedOp:
-    """(cache, q [N, H, D], index [N, L] (-1: nothing), scale, lens) -> [N, H, D], reading each named row
-    once and no padding (`lens`, a bound on each index row's named columns, is not needed)."""
-    def kernel(isa, cache, q, index, scale, lens=None):
+    """(cache, q [N, H, D], index [N, L] (-1: nothing), scale, lens, softcap, sinks) -> [N, H, D], reading
+    each named row once and no padding (`lens`, a bound on each index row's named columns, is not
+    needed); softcap (None: none) caps the scaled logits, s = cap * tanh(s / cap); sinks [H] (None:
+    none) join each head's softmax denominator with no value."""
+    def kernel(isa, cache, q, index, scale, lens=None, softcap=None, sinks=None):
         q = q if q.stride(-1) == 1 else q.contiguous()
         return torch.ops.deepinfer_cpu.decode_attn(q, cache.rows2d, index, cache.codec.num_kv_heads,
                                                    cache.rows_per_unit, cache.lines_per_unit, cache.layer_offset,
-                                                   scale, isa)
+                                                   scale, isa, _cap(softcap), _sinks(sinks))
 
-    return FusedOp(kernel, lambda cache, q, index, scale, lens=None: _rows_kind(cache, q), _serves_rows, reference)
+    def kind(cache, q, index, scale, lens=None, softcap=None, sinks=None):
+        return _rows_kind(cache, q)
+
+    return FusedOp(kernel, kind, _serves_rows, reference)
 
 
 def gelu_tanh_and_mul_op(reference: Callable) -> FusedOp:
@@ -138,17 +153,22 @@ def gelu_tanh_and_mul_op(reference: Callable) -> FusedOp:
 
 
 def invariant_decode_attention_op(reference: Callable) -> FusedOp:
-    """(cache, q [N, H, D], index [N, L], first [N], scale) -> [N, H, D], batch-invariant: column c of
-    index row n holds absolute position first[n] + c (-1: not visible); each query reduces over its
-    keys in fixed blocks of 64 at absolute offsets (invariant_cpu.cpp), so its bits depend on its
-    own keys alone, and equal those of `invariant_prefill_attention_op` for the same query."""
-    def kernel(isa, cache, q, index, first, scale):
+    """(cache, q [N, H, D], index [N, L], first [N], scale, softcap, sinks) -> [N, H, D], batch-invariant:
+    column c of index row n holds absolute position first[n] + c (-1: not visible); each query
+    reduces over its keys in fixed blocks of 64 at absolute offsets (invariant_cpu.cpp), so its bits
+    depend on its own keys alone, and equal those of `invariant_prefill_attention_op` for the same
+    query. softcap and sinks as in `decode_attention_op`."""
+    def kernel(isa, cache, q, index, first, scale, softcap=None, sinks=None):
         q = q if q.stride(-1) == 1 else q.contiguous()
         return torch.ops.deepinfer_cpu.invariant_decode_attn(q, cache.rows2d, index, first, cache.codec.num_kv_heads,
                                                              cache.rows_per_unit, cache.lines_per_unit,
-                                                             cache.layer_offset, scale, isa)
+                                                             cache.layer_offset, scale, isa, _cap(softcap),
+                                                             _sinks(sinks))
 
-    return FusedOp(kernel, lambda cache, q, index, first, scale: _rows_kind(cache, q), _serves_rows, reference)
+    def kind(cache, q, index, first, scale, softcap=None, sinks=None):
+        return _rows_kind(cache, q)
+
+    return FusedOp(kernel, kind, _serves_rows, reference)
 
 
 def invariant_prefill_attention_op(reference: Callable) -> FusedOp:
@@ -157,13 +177,15 @@ def invariant_prefill_attention_op(reference: Callable) -> FusedOp:
     chunk] holds position start + r; the chunk's rows are taken as the cache stores them; query p
     sees positions max(0, p - window + 1) .. p (window None: 0 .. p). The same bits per query as
     `invariant_decode_attention_op`. Decode and prefill pick from the same call class (q and the
-    cache), so a query never runs one path in one step and the other path in another."""
-    def kernel(isa, cache, q, k, v, loaded, positions, start, window, scale):
+    cache), so a query never runs one path in one step and the other path in another. softcap and
+    sinks (last, optional) as in `decode_attention_op`."""
+    def kernel(isa, cache, q, k, v, loaded, positions, start, window, scale, softcap=None, sinks=None):
         q = q if q.stride(-1) == 1 else q.contiguous()
         return torch.ops.deepinfer_cpu.invariant_prefill_attn(q, k, v, loaded, positions, start,
-                                                              -1 if window is None else window, scale, isa)
+                                                              -1 if window is None else window, scale, isa,
+                                                              _cap(softcap), _sinks(sinks))
 
-    def kind(cache, q, k, v, loaded, positions, start, window, scale):
+    def kind(cache, q, k, v, loaded, positions, start, window, scale, softcap=None, sinks=None):
         return _rows_kind(cache, q)
 
     return FusedOp(kernel, kind, _serves_rows, reference)

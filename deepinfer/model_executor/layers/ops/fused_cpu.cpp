@@ -6,7 +6,9 @@
 //   rope          q [T, H, D], k [T, H_kv, D] fp32 -> rotated copies (rotate-half layout),
 //                 cos/sin read from [P, D] tables at `positions` [T]
 //   store_rows    k, v [T, H_kv, D] -> K|V rows of a layer's cache at flat slots [T]
-//   decode_attn   q [N, H, D] over the rows each query's index row [N, L] names (-1: none)
+//   decode_attn   q [N, H, D] over the rows each query's index row [N, L] names (-1: none);
+//                 optional logit soft-cap (s = cap * tanh(s / cap)) and per-head sink logits [H]
+//                 (in the softmax denominator, no value)
 //
 // Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, one line per (unit, layer, row):
 // flat slot u * R + r of the layer at `offset` is line u * LPU + offset + r (LPU = lines per unit).
@@ -28,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -130,10 +133,13 @@ INLINE void gelu_tanh_mul_row(const float* gate, const float* up, int64_t I, flo
 
 // One query's KV-head group: the `G` heads at q (stride qs) over the rows idx[0 .. L-1] names
 // (-1 entries skipped). keys [L] and scores [G, L] are scratch; out [G, D] (stride os).
+// softcap > 0: logits capped as softcap * tanh(s / softcap); sinks (nullptr: none) [G]: the heads'
+// sink logits, in the max and the denominator, adding no value.
 template <int DC, class T>
 INLINE void attend(const float* q, int64_t qs, const T* rows, int64_t ld, int64_t k_off, int64_t v_off,
                    const int64_t* idx, int64_t L, int64_t R, int64_t lpu, int64_t offset, int64_t G,
-                   int64_t head_dim, float scale, const T** keys, float* scores, float* out, int64_t os) {
+                   int64_t head_dim, float scale, float softcap, const float* sinks, const T** keys, float* scores,
+                   float* out, int64_t os) {
   const int64_t D = DC ? DC : head_dim;  // a compile-time head size unrolls the loops over it
   int64_t n = 0;
   for (int64_t l = 0; l < L; ++l)
@@ -143,15 +149,19 @@ INLINE void attend(const float* q, int64_t qs, const T* rows, int64_t ld, int64_
   if (n == 0) return;  // a query that sees nothing gets zeros
   for (int64_t j = 0; j < n; ++j)
     for (int64_t h = 0; h < G; ++h) scores[h * n + j] = dot(q + h * qs, keys[j] + k_off, D) * scale;
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < G * n; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t h = 0; h < G; ++h) {
     float* s = scores + h * n;
     float m = s[0], sum = 0.f;
     for (int64_t j = 1; j < n; ++j) m = std::max(m, s[j]);
+    if (sinks) m = std::max(m, sinks[h]);
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
       s[j] = exp_nonpositive(s[j] - m);
       sum += s[j];
     }
+    if (sinks) sum += exp_nonpositive(sinks[h] - m);
     const float inv = 1.f / sum;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
@@ -176,9 +186,10 @@ INLINE void attend(const float* q, int64_t qs, const T* rows, int64_t ld, int64_
   template <int DC, class T>                                                                                     \
   TARGET void attend_##SUFFIX(const float* q, int64_t qs, const T* rows, int64_t ld, int64_t k_off,              \
                               int64_t v_off, const int64_t* idx, int64_t L, int64_t R, int64_t lpu,              \
-                              int64_t offset, int64_t G, int64_t D, float scale, const T** keys, float* scores,  \
-                              float* out, int64_t os) {                                                          \
-    attend<DC>(q, qs, rows, ld, k_off, v_off, idx, L, R, lpu, offset, G, D, scale, keys, scores, out, os);       \
+                              int64_t offset, int64_t G, int64_t D, float scale, float softcap,                  \
+                              const float* sinks, const T** keys, float* scores, float* out, int64_t os) {       \
+    attend<DC>(q, qs, rows, ld, k_off, v_off, idx, L, R, lpu, offset, G, D, scale, softcap, sinks, keys, scores,  \
+               out, os);                                                                                         \
   }
 
 DEFINE_FOR(512, AVX512_TARGET)
@@ -189,7 +200,8 @@ using GatedFn = void (*)(const float*, const float*, int64_t, float*);  // [gate
 using RopeFn = void (*)(const float*, const float*, const float*, int64_t, float*);
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, const T*, int64_t, int64_t, int64_t, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, float, const T**, float*, float*, int64_t);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float, const float*, const T**, float*,
+                          float*, int64_t);
 
 NormFn norm_fn(int64_t isa) { return isa >= 2 ? rms_norm_512 : rms_norm_256; }
 GatedFn silu_fn(int64_t isa) { return isa >= 2 ? silu_mul_512 : silu_mul_256; }
@@ -328,7 +340,8 @@ void store_rows(at::Tensor rows, const at::Tensor& slots, const at::Tensor& k, c
 
 template <class T>
 void decode_typed(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index, int64_t parts, int64_t Hkv,
-                  int64_t R, int64_t lpu, int64_t offset, double scale, int64_t isa, at::Tensor& out) {
+                  int64_t R, int64_t lpu, int64_t offset, double scale, float softcap, const float* sinks,
+                  int64_t isa, at::Tensor& out) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), L = index.size(1), G = H / Hkv;
   const float* qp = q.data_ptr<float>();
   const T* rp = rows.data_ptr<T>();
@@ -341,14 +354,24 @@ void decode_typed(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / Hkv, g = i % Hkv;
       fn(qp + n * q.stride(0) + g * G * q.stride(1), q.stride(1), rp, rows.stride(0), g * D,
-         (parts - 1) * Hkv * D + g * D, ip + n * L, L, R, lpu, offset, G, D, float(scale), keys.data(), scores.data(),
-         op + (n * H + g * G) * D, D);
+         (parts - 1) * Hkv * D + g * D, ip + n * L, L, R, lpu, offset, G, D, float(scale), softcap,
+         sinks ? sinks + g * G : nullptr, keys.data(), scores.data(), op + (n * H + g * G) * D, D);
     }
   });
 }
 
+// Sink logits as the kernels read them: nullptr, or H contiguous floats.
+const float* sink_logits(const std::optional<at::Tensor>& sinks, int64_t H) {
+  if (!sinks.has_value()) return nullptr;
+  check_f32(*sinks, "sinks");
+  TORCH_CHECK(sinks->dim() == 1 && sinks->numel() == H && sinks->is_contiguous(), "sinks must be [H] contiguous for ",
+              H, " query heads, got ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
+
 at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index, int64_t num_kv_heads,
-                       int64_t rows_per_unit, int64_t lines_per_unit, int64_t offset, double scale, int64_t isa) {
+                       int64_t rows_per_unit, int64_t lines_per_unit, int64_t offset, double scale, int64_t isa,
+                       double softcap, const std::optional<at::Tensor>& sinks) {
   check_f32(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, H, D] with contiguous heads");
   TORCH_CHECK(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "H = ", q.size(1),
@@ -361,12 +384,15 @@ at::Tensor decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Te
   for (int64_t i = 0; i < idx.numel(); ++i)
     TORCH_CHECK(ip[i] < 0 || line_of(ip[i], rows_per_unit, lines_per_unit, offset) < lines, "slot ", ip[i],
                 " is past the cache");
+  TORCH_CHECK(softcap >= 0, "softcap must be positive (0: none), got ", softcap);
+  const float* sp = sink_logits(sinks, q.size(1));
   at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
   if (rows.scalar_type() == at::kFloat)
-    decode_typed<float>(q, rows, idx, parts, num_kv_heads, rows_per_unit, lines_per_unit, offset, scale, isa, out);
+    decode_typed<float>(q, rows, idx, parts, num_kv_heads, rows_per_unit, lines_per_unit, offset, scale,
+                        float(softcap), sp, isa, out);
   else
     decode_typed<c10::BFloat16>(q, rows, idx, parts, num_kv_heads, rows_per_unit, lines_per_unit, offset, scale,
-                                isa, out);
+                                float(softcap), sp, isa, out);
   return out;
 }
 
@@ -389,7 +415,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("store_rows(Tensor(a!) rows, Tensor slots, Tensor k, Tensor v, int rows_per_unit, int lines_per_unit, "
         "int offset) -> ()");
   m.def("decode_attn(Tensor q, Tensor rows, Tensor index, int num_kv_heads, int rows_per_unit, int lines_per_unit, "
-        "int offset, float scale, int isa) -> Tensor");
+        "int offset, float scale, int isa, float softcap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {

@@ -12,14 +12,16 @@
 // Attention, decode and prefill alike, runs one function per (query, KV head) over the query's
 // visible keys in position order (`attend_blocks`):
 //
-//   s_j   = dot(q_h, k_j) * scale     16 lanes over D (element d in lane d % 16), then a fixed tree
-//   m     = max_j s_j                 exact in any order
+//   s_j   = dot(q_h, k_j) * scale     16 lanes over D (element d in lane d % 16), then a fixed tree;
+//                                     with a soft-cap c > 0: c * tanh(s_j / c) (std::tanh, elementwise)
+//   m     = max_j s_j                 exact in any order (and the head's sink logit, if any)
 //   w_j   = exp(s_j - m)              elementwise (a polynomial, the same bits at any position)
 //   per block b of KEY_BLOCK = 64 keys at absolute position offsets (position x in block x / 64):
 //     S_b = sum of w_j                16 lanes keyed by x % 16 (each lane its 4 positions in order),
 //                                     then a fixed tree over the lanes
 //     P_b = sum of w_j * v_j          per element, the block's keys in position order
-//   S, P  = the blocks' S_b, P_b added in position order (blocks without a visible key skipped)
+//   S, P  = the blocks' S_b, P_b added in position order (blocks without a visible key skipped),
+//           S starting from the sink's weight exp(sink - m) (0 without sinks)
 //   out   = P / S                     (a query that sees nothing gets zeros)
 //
 // Nothing in it depends on the call: the same query reads the same keys in the same order from a
@@ -42,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -109,11 +112,12 @@ INLINE float exp_nonpositive(float x) {
 
 // One query's KV-head group: the G heads at q (head stride qs) over columns j = 0 .. n-1, column j
 // the key at absolute position first + j, read at kp[j] / vp[j] (nullptr: not visible).
+// softcap > 0 caps the logits; sinks (nullptr: none) [G] the heads' sink logits.
 // Scratch: s [G * n], wb [G * (64 + D)], sums [G]. out [G, D] (head stride os).
 template <int DC, class T>
 INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_dim, const T* const* kp,
-                          const T* const* vp, int64_t n, int64_t first, float scale, float* s, float* wb,
-                          float* sums, float* out, int64_t os) {
+                          const T* const* vp, int64_t n, int64_t first, float scale, float softcap,
+                          const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {
   const int64_t D = DC ? DC : head_dim;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * os + d] = 0.f;
@@ -125,17 +129,21 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
     }
     lo = std::min(lo, j);
     hi = j;
-    for (int64_t h = 0; h < G; ++h) s[h * n + j] = dot_lanes<DC>(q + h * qs, kp[j], D) * scale;
+    for (int64_t h = 0; h < G; ++h) {
+      const float dot = dot_lanes<DC>(q + h * qs, kp[j], D) * scale;
+      s[h * n + j] = softcap > 0.f ? softcap * std::tanh(dot / softcap) : dot;
+    }
   }
   if (hi < 0) return;  // nothing visible: zeros
+  float* total = sums;  // [G] running S, from the sink's weight (0 without sinks: 0 + S_0 is S_0 exactly)
   for (int64_t h = 0; h < G; ++h) {  // w = exp(s - max)
     float* sh = s + h * n;
-    float m = -std::numeric_limits<float>::infinity();
+    float m = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
     for (int64_t j = lo; j <= hi; ++j) m = std::max(m, sh[j]);
 #pragma omp simd
     for (int64_t j = lo; j <= hi; ++j) sh[j] = exp_nonpositive(sh[j] - m);
+    total[h] = sinks ? exp_nonpositive(sinks[h] - m) : 0.f;
   }
-  float* total = sums;  // [G] running S
   bool started = false;
   int64_t j0 = lo - (first + lo) % kKeyBlock;  // column of the first block's boundary (may be < 0)
   for (; j0 <= hi; j0 += kKeyBlock) {
@@ -155,8 +163,7 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
       float lanes[kLanes] = {};
       for (int64_t r = 0; r < kKeyBlock; r += kLanes)
         for (int l = 0; l < kLanes; ++l) lanes[l] += w[r + l];
-      const float block_sum = lane_tree(lanes);
-      total[h] = started ? total[h] + block_sum : block_sum;
+      total[h] += lane_tree(lanes);
     }
     // P_b per head (wb after the weights: [G, D]), the block's keys outer so each v row is read once
     for (int64_t h = 0; h < G; ++h) {
@@ -192,9 +199,9 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
 #define DEFINE_FOR(SUFFIX, TARGET)                                                                              \
   template <int DC, class T>                                                                                    \
   TARGET void attend_##SUFFIX(const float* q, int64_t qs, int64_t G, int64_t D, const T* const* kp,             \
-                              const T* const* vp, int64_t n, int64_t first, float scale, float* s, float* wb,   \
-                              float* sums, float* out, int64_t os) {                                            \
-    attend_blocks<DC>(q, qs, G, D, kp, vp, n, first, scale, s, wb, sums, out, os);                              \
+                              const T* const* vp, int64_t n, int64_t first, float scale, float softcap,         \
+                              const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {   \
+    attend_blocks<DC>(q, qs, G, D, kp, vp, n, first, scale, softcap, sinks, s, wb, sums, out, os);              \
   }
 
 DEFINE_FOR(512, AVX512_TARGET)
@@ -202,7 +209,7 @@ DEFINE_FOR(256, AVX2_TARGET)
 
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t, int64_t,
-                          float, float*, float*, float*, float*, int64_t);
+                          float, float, const float*, float*, float*, float*, float*, int64_t);
 
 template <int DC, class T>
 AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
@@ -234,10 +241,22 @@ void check_q(const at::Tensor& q, int64_t num_kv_heads) {
               " is not a multiple of H_kv = ", num_kv_heads);
 }
 
+// The attention options as the kernels read them: the soft-cap (0: none) checked, and the sink
+// logits: nullptr, or H contiguous floats.
+const float* sink_logits(double softcap, const std::optional<at::Tensor>& sinks, int64_t H) {
+  TORCH_CHECK(softcap >= 0, "softcap must be positive (0: none), got ", softcap);
+  if (!sinks.has_value()) return nullptr;
+  check_f32(*sinks, "sinks");
+  TORCH_CHECK(sinks->dim() == 1 && sinks->numel() == H && sinks->is_contiguous(), "sinks must be [H] contiguous for ",
+              H, " query heads, got ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
+
 // lines [N, L]: each index entry's cache line, -1 where the entry is -1.
 template <class T>
 void decode_typed(const at::Tensor& q, const at::Tensor& rows, const int64_t* lines, int64_t L, const int64_t* fp,
-                  int64_t parts, int64_t Hkv, double scale, int64_t isa, at::Tensor& out) {
+                  int64_t parts, int64_t Hkv, double scale, float softcap, const float* sinks, int64_t isa,
+                  at::Tensor& out) {
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), G = H / Hkv, ld = rows.stride(0);
   const float* qp = q.data_ptr<float>();
   const T* rp = rows.data_ptr<T>();
@@ -255,15 +274,18 @@ void decode_typed(const at::Tensor& q, const at::Tensor& rows, const int64_t* li
         vp[c] = row ? row + (parts - 1) * Hkv * D + g * D : nullptr;
       }
       fn(qp + n * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data(), vp.data(), L, fp[n], float(scale),
-         scratch.s.data(), scratch.wb.data(), scratch.sums.data(), op + (n * H + g * G) * D, D);
+         softcap, sinks ? sinks + g * G : nullptr, scratch.s.data(), scratch.wb.data(), scratch.sums.data(),
+         op + (n * H + g * G) * D, D);
     }
   });
 }
 
 at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index,
                                  const at::Tensor& first, int64_t num_kv_heads, int64_t rows_per_unit,
-                                 int64_t lines_per_unit, int64_t offset, double scale, int64_t isa) {
+                                 int64_t lines_per_unit, int64_t offset, double scale, int64_t isa,
+                                 double softcap, const std::optional<at::Tensor>& sinks) {
   check_q(q, num_kv_heads);
+  const float* sp = sink_logits(softcap, sinks, q.size(1));
   const int64_t D = q.size(2);
   TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
               "cache rows must be float32 or bfloat16, got ", rows.scalar_type());
@@ -283,16 +305,19 @@ at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, co
   for (int64_t i = 0; i < fst.numel(); ++i) TORCH_CHECK(fp[i] >= 0, "first position ", fp[i], " is negative");
   at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
   if (rows.scalar_type() == at::kFloat)
-    decode_typed<float>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, isa, out);
+    decode_typed<float>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, float(softcap), sp, isa,
+                        out);
   else
-    decode_typed<c10::BFloat16>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, isa, out);
+    decode_typed<c10::BFloat16>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, float(softcap),
+                                sp, isa, out);
   return out;
 }
 
 // Query i of n at p = pos[i] over rows [loaded | chunk], row r at position start + r.
 template <class T>
 void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tensor& k, const at::Tensor& v,
-                   const int64_t* pos, int64_t start, int64_t window, double scale, int64_t isa, at::Tensor& out) {
+                   const int64_t* pos, int64_t start, int64_t window, double scale, float softcap, const float* sinks,
+                   int64_t isa, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1), G = H / Hkv;
   const int64_t n_old = loaded.size(0), L = n_old + n;
   // the chunk's rows as the cache stores them (T), then one pointer per (KV head, row)
@@ -321,19 +346,21 @@ void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tens
       const int64_t p = pos[qi], first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
       const int64_t c0 = first - start;  // the query's first row
       fn(qp + qi * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data() + g * L + c0,
-         vp.data() + g * L + c0, p - first + 1, first, float(scale), scratch.s.data(), scratch.wb.data(),
-         scratch.sums.data(), op + (qi * H + g * G) * D, D);
+         vp.data() + g * L + c0, p - first + 1, first, float(scale), softcap, sinks ? sinks + g * G : nullptr,
+         scratch.s.data(), scratch.wb.data(), scratch.sums.data(), op + (qi * H + g * G) * D, D);
     }
   });
 }
 
 at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& loaded, const at::Tensor& positions, int64_t start,
-                                  int64_t window, double scale, int64_t isa) {
+                                  int64_t window, double scale, int64_t isa, double softcap,
+                                  const std::optional<at::Tensor>& sinks) {
   check_f32(k, "k");
   check_f32(v, "v");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0), "k and v must both be [n, H_kv, D]");
   check_q(q, k.size(1));
+  const float* sp = sink_logits(softcap, sinks, q.size(1));
   const int64_t n = q.size(0), Hkv = k.size(1), D = q.size(2);
   TORCH_CHECK(k.size(2) == D, "k has head size ", k.size(2), ", q ", D);
   TORCH_CHECK(loaded.scalar_type() == at::kFloat || loaded.scalar_type() == at::kBFloat16,
@@ -353,9 +380,9 @@ at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor out = at::empty({n, q.size(1), D}, q.options());
   if (n == 0) return out;
   if (loaded.scalar_type() == at::kFloat)
-    prefill_typed<float>(q, loaded, k, v, pp, start, window, scale, isa, out);
+    prefill_typed<float>(q, loaded, k, v, pp, start, window, scale, float(softcap), sp, isa, out);
   else
-    prefill_typed<c10::BFloat16>(q, loaded, k, v, pp, start, window, scale, isa, out);
+    prefill_typed<c10::BFloat16>(q, loaded, k, v, pp, start, window, scale, float(softcap), sp, isa, out);
   return out;
 }
 
@@ -363,9 +390,10 @@ at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, cons
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("invariant_decode_attn(Tensor q, Tensor rows, Tensor index, Tensor first, int num_kv_heads, "
-        "int rows_per_unit, int lines_per_unit, int offset, float scale, int isa) -> Tensor");
+        "int rows_per_unit, int lines_per_unit, int offset, float scale, int isa, float softcap=0., "
+        "Tensor? sinks=None) -> Tensor");
   m.def("invariant_prefill_attn(Tensor q, Tensor k, Tensor v, Tensor loaded, Tensor positions, int start, "
-        "int window, float scale, int isa) -> Tensor");
+        "int window, float scale, int isa, float softcap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {

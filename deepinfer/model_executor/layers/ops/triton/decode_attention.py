@@ -9,6 +9,10 @@ same bytes for both when the row is a shared K = V part), and keeps an online so
     p          softmax(scale * q . k)         over the listed slots only: no causal mask here,
     out[n]     sum p * v                      the index row is the mask (paged or ring alike)
 
+Two options (attention/layer.py): a soft-cap c (SOFTCAP) caps each scaled logit as
+c * tanh(s / c), tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|)); sinks [H] (HAS_SINKS) start each head's online
+softmax at (max = sink, sum = 1, acc = 0), so the sink joins the denominator and adds no value.
+
 MXFP8 rows (e4m3 values | one UE8M0 byte per 32 values) are dequantized in the kernel from their
 bits; plain rows (fp32 / bf16 / fp16) are loaded as they are. Numerics follow the torch reference:
 rows are rounded to the query dtype, logits and softmax in fp32; fp32 queries multiply in IEEE
@@ -59,11 +63,21 @@ def _load_rows(rows_ptr, lines, valid, col, offs_d, D: tl.constexpr, E: tl.const
 
 
 @triton.jit
-def _decode_kernel(q_ptr, rows_ptr, index_ptr, lens_ptr, out_ptr, L, R, LPU, LAYER_OFFSET, scale,
+def _softcapped(s, softcap):
+    """softcap * tanh(s / softcap); tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (no
+    overflow: large |x| saturate to +-1)."""
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, rows_ptr, index_ptr, lens_ptr, sinks_ptr, out_ptr, L, R, LPU, LAYER_OFFSET, scale, softcap,
                    sqn, sqh, sqd, sin, sil, son, soh, sod,
                    G: tl.constexpr, D: tl.constexpr, E: tl.constexpr, V_OFFSET: tl.constexpr,
-                   FP8: tl.constexpr, F32_DOT: tl.constexpr, HAS_LENS: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                   FP8: tl.constexpr, F32_DOT: tl.constexpr, HAS_LENS: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_SINKS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     """Program (n, h): query n's heads h*G .. h*G + G-1 over the slots of index[n] (its first
     lens[n] columns with HAS_LENS: the rest are -1)."""
     n = tl.program_id(0)
@@ -75,8 +89,12 @@ def _decode_kernel(q_ptr, rows_ptr, index_ptr, lens_ptr, out_ptr, L, R, LPU, LAY
     heads = kv_head * G + offs_g
     q_mask = (offs_g[:, None] < G) & (offs_d[None, :] < D)
     q = tl.load(q_ptr + n * sqn + heads[:, None] * sqh + offs_d[None, :] * sqd, mask=q_mask, other=0.0)  # [BG, BD]
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:  # the sink as a first, value-less key: max = sink, sum = e^0 (0 for a sink of -inf)
+        m_i = tl.load(sinks_ptr + heads, mask=offs_g < G, other=float("-inf")).to(tl.float32)  # [BG]
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
+    else:
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     start = 0
     while start < L:  # not range(): the interpreter's range() calls int() on a 1-element array (numpy >= 2.4)
@@ -90,7 +108,10 @@ def _decode_kernel(q_ptr, rows_ptr, index_ptr, lens_ptr, out_ptr, L, R, LPU, LAY
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")  # [BG, BL]
         else:
             s = tl.dot(q, tl.trans(k))  # [BG, BL]
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        s = s * scale
+        if SOFTCAP:
+            s = _softcapped(s, softcap)
+        s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [BG]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)  # [BG]
@@ -110,9 +131,11 @@ def _decode_kernel(q_ptr, rows_ptr, index_ptr, lens_ptr, out_ptr, L, R, LPU, LAY
 
 def decode_attention(q: torch.Tensor, rows2d: torch.Tensor, index: torch.Tensor, num_kv_heads: int,
                      rows_per_unit: int, lines_per_unit: int, layer_offset: int, scale: float,
-                     fp8: bool, shared_kv: bool = False, lens: torch.Tensor | None = None) -> torch.Tensor:
+                     fp8: bool, shared_kv: bool = False, lens: torch.Tensor | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D] over the cached rows at index [N, L] (-1: nothing) -> [N, H, D]. lens [N]
     (optional): row n names slots in its first lens[n] columns only, so the walk stops there.
+    softcap (None: none) caps the scaled logits; sinks [H] (None: none) join each head's softmax.
 
     rows2d is the group's line-per-row allocation ([lines, E] plain, [lines, E + E/32] uint8 for
     MXFP8), E = parts * H_kv * D; slot s of this layer is line cache_line(s, rows_per_unit,
@@ -128,18 +151,24 @@ def decode_attention(q: torch.Tensor, rows2d: torch.Tensor, index: torch.Tensor,
     e = e_half if shared_kv else 2 * e_half
     index = index if index.shape[1] else index.new_full((num_queries, 1), -1)  # [N, L >= 1]
     lens_arg = index if lens is None else lens  # an unused pointer without lens
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [H] = [{num_heads}], got shape {tuple(sinks.shape)}")
+    sinks_arg = index if sinks is None else sinks  # an unused pointer without sinks
     _decode_kernel[(num_queries, num_kv_heads)](
-        q, rows2d, index, lens_arg, out, index.shape[1], rows_per_unit, lines_per_unit, layer_offset, scale,
-        *q.stride(), *index.stride(), *out.stride(),
+        q, rows2d, index, lens_arg, sinks_arg, out, index.shape[1], rows_per_unit, lines_per_unit, layer_offset,
+        scale, 1.0 if softcap is None else float(softcap), *q.stride(), *index.stride(), *out.stride(),
         G=group, D=head_dim, E=e, V_OFFSET=0 if shared_kv else e_half, FP8=fp8, HAS_LENS=lens is not None,
+        SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         F32_DOT=q.dtype == torch.float32 or interpreted(), BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_L=BLOCK_L)
     return out
 
 
 def decode_layer_attention(cache, q: torch.Tensor, index: torch.Tensor, scale: float,
-                           lens: torch.Tensor | None = None) -> torch.Tensor:
+                           lens: torch.Tensor | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`torch_ref.decode_attention` through the kernel, reading a LayerCache's rows."""
     codec = cache.codec
     return decode_attention(q, cache.rows2d, index, codec.num_kv_heads, cache.rows_per_unit,
-                            cache.lines_per_unit, cache.layer_offset, scale, codec.fp8, codec.shared_kv, lens)
+                            cache.lines_per_unit, cache.layer_offset, scale, codec.fp8, codec.shared_kv, lens,
+                            softcap, sinks)

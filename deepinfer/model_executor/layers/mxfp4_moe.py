@@ -1,0 +1,118 @@
+"""GPT-OSS's routed experts: biases, interleaved gate|up rows and a clamped SwiGLU, with MXFP4 weights
+kept packed (as the checkpoint stores them) or dense (a checkpoint saved dequantized).
+
+    h    = x @ W1[e]^T + b1[e]                        [n, 2I], gate at columns 2c, up at 2c + 1
+    g    = min(gate, L)   u = clamp(up, -L, L)        L = swiglu_limit (7.0)
+    act  = (u + 1) * g * sigmoid(alpha * g)           alpha = 1.702
+    y    = act @ W2[e]^T + b2[e]                      [n, H]
+
+Parameters carry the checkpoint's names and shapes, so loading copies them as they are:
+
+    packed (MXFP4)   gate_up_proj_blocks uint8 [E, 2I, H/32, 16], gate_up_proj_scales [E, 2I, H/32],
+                     down_proj_blocks [E, H, I/32, 16], down_proj_scales [E, H, I/32]   (17 bytes / 32 values)
+    dense            gate_up_proj [E, H, 2I], down_proj [E, I, H]                       (HF's [in, out] layout)
+    both             gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
+
+Kernels: bound to the Triton kernel set (`bind_kernels`), packed experts run as two grouped GEMM
+launches (ops/triton/mxfp4.py); otherwise one expert at a time, ascending, over its rows: packed
+weights through `mxfp4_matmul` (the C++ kernel on the CPU: a row's result does not depend on the
+rows beside it), dense ones through a matmul; weighted outputs are added per token in fp32, in
+ascending expert order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK, BLOCK_BYTES, mxfp4_matmul, mxfp4_nbytes
+
+SWIGLU_ALPHA = 1.702
+
+
+def oss_swiglu(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """h [..., 2I] (gate, up interleaved) -> [..., I]: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, L)."""
+    gate = h[..., ::2].clamp(max=limit)  # [..., I]
+    up = h[..., 1::2].clamp(min=-limit, max=limit)  # [..., I]
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))  # [..., I]
+
+
+def _uint8_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+
+class OssExperts(nn.Module):
+    """E GPT-OSS experts. forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, packed: bool,
+                 swiglu_limit: float, swiglu_alpha: float = SWIGLU_ALPHA):
+        super().__init__()
+        if packed and (hidden_size % BLOCK or intermediate_size % BLOCK):
+            raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size divisible by {BLOCK}; got "
+                             f"hidden_size={hidden_size}, intermediate_size={intermediate_size}")
+        self.num_experts, self.packed = num_experts, packed
+        self.limit, self.alpha = float(swiglu_limit), float(swiglu_alpha)
+        self.use_triton = False  # set by bind_kernels
+        e, h, i = num_experts, hidden_size, intermediate_size
+        if packed:
+            self.gate_up_proj_blocks = _uint8_param(e, 2 * i, h // BLOCK, BLOCK_BYTES)
+            self.gate_up_proj_scales = _uint8_param(e, 2 * i, h // BLOCK)
+            self.down_proj_blocks = _uint8_param(e, h, i // BLOCK, BLOCK_BYTES)
+            self.down_proj_scales = _uint8_param(e, h, i // BLOCK)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.zeros(e, h, 2 * i))
+            self.down_proj = nn.Parameter(torch.zeros(e, i, h))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+
+    def bind_kernels(self, kernel_set_name: str) -> None:
+        """Packed experts take the Triton grouped GEMM when the engine runs the Triton kernel set."""
+        self.use_triton = self.packed and kernel_set_name == "triton"
+
+    def weight_bytes(self) -> int:
+        """Bytes of the expert matrices as held (packed: blocks + scales), biases excluded."""
+        if self.packed:
+            return (mxfp4_nbytes(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+                    + mxfp4_nbytes(self.down_proj_blocks, self.down_proj_scales))
+        return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from deepinfer.model_executor.layers.ops.triton.mxfp4 import mxfp4_experts
+
+            gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
+            down = (self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
+            return mxfp4_experts(x, topk_ids, topk_weights, gate_up, down, self.alpha, self.limit)  # [T, H]
+        return self._per_expert(x, topk_ids, topk_weights)  # [T, H]
+
+    def _per_expert(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Each active expert over its (token, slot) pairs, ascending; an fp32 sum per token."""
+        num_tokens, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)  # [T*k]
+        order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert, ascending
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # E (a host sync)
+        if len(counts) > self.num_experts:
+            raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got max {int(flat.max())}")
+        weights = topk_weights.reshape(-1).float()  # [T*k]
+        out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, H]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                pairs = order[start:start + count]  # [n]
+                y = self.expert(expert, x[pairs // k])  # [n, H] fp32
+                out.index_add_(0, pairs // k, y * weights[pairs, None])
+                start += count
+        return out.to(x.dtype)  # [T, H]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `e` on rows x [n, H] -> fp32 [n, H]."""
+        h = self._linear(x, e, "gate_up_proj") + self.gate_up_proj_bias[e].float()  # [n, 2I]
+        act = oss_swiglu(h, self.alpha, self.limit)  # [n, I]
+        return self._linear(act, e, "down_proj") + self.down_proj_bias[e].float()  # [n, H]
+
+    def _linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
+        """x [n, in] times expert e's matrix `name` -> fp32 [n, out]."""
+        if self.packed:  # the C++ kernel on the CPU, else dequantize-then-matmul
+            return mxfp4_matmul(x, getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e])
+        w = getattr(self, name)[e]  # [in, out]
+        return (x @ w.to(x.dtype)).float()  # [n, out]

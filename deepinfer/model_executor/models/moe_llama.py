@@ -1,0 +1,287 @@
+"""Mixture-of-experts members of the Llama family: Qwen3-MoE, Qwen2-MoE and Mixtral.
+
+Attention, norms, RoPE, the LM head, the cache groups and the loading of all but the experts are the
+Llama family's (llama.py). The MLP of a sparse layer is a router, routed SwiGLU experts
+(layers/fused_moe.py) and, for Qwen2-MoE, a gated shared expert, in fp32 where it routes:
+
+    probs    = softmax(x W_router^T)            [T, E] fp32, over all E experts
+    w, ids   = top-k(probs)                     [T, k]
+    w        = w / sum_j w_j                    Mixtral always; Qwen only with `norm_topk_prob`
+    y        = sum_j w_j expert_{ids_j}(x)      expert(x) = down(silu(gate x) * up x)
+    y       += sigmoid(x g^T) shared(x)         Qwen2-MoE, g [1, H]
+
+(Mixtral's renormalised top-k of the softmax equals a softmax over its top-k logits.) A Qwen layer is
+dense (Llama's MLP, `intermediate_size`) when listed in `mlp_only_layers` or when (i + 1) is not a
+multiple of `decoder_sparse_step`.
+
+    family      attention            experts' size field       shared expert   names also read
+    qwen3_moe   q/k norm             moe_intermediate_size     -
+    qwen2_moe   q/k/v bias           moe_intermediate_size     yes
+    mixtral     as Llama             intermediate_size         -               block_sparse_moe., w1 w3 w2
+
+Checkpoint experts: one matrix per expert (`mlp.experts.N.gate_proj.weight`, what `save_pretrained`
+writes and published files hold; a GGUF file's `ffn_*_exps` cut per expert by the loader) or
+stacked (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`). Matrices that
+arrive quantized (GGUF) stay so: the block swaps in `QuantFusedExperts`.
+
+Parallelism: attention as Llama's. With tensor_parallel_size n > 1 a sparse block sums partial
+outputs with one all_reduce: the routed experts split over expert_parallel_size ep rank groups
+(ep = 1: every rank holds all of them and rank 0 computes them), the shared expert held whole and
+added on rank 0. A dense layer is Llama's split MLP.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.contracts.model import ModelCapabilities
+from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
+from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
+from deepinfer.model_executor.layers.parallel_linear import (
+    ColumnParallelLinear,
+    computes_expert_slice,
+    head_pieces,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
+from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
+from deepinfer.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from deepinfer.model_executor.models.utils import load_weights
+
+_EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED = re.compile(r"^(?P<owner>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_GATES = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")  # fp32 gates: read whole, never packed
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """What one MoE model type changes in the shared body."""
+
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
+    qkv_bias_field: str | None = None  # config field that puts a bias on q, k and v (not on o)
+    always_renormalize: bool = False  # renormalise the top-k weights whatever `norm_topk_prob` says
+    shared_expert: bool = False  # a sigmoid-gated dense expert beside the routed ones
+    expert_size_field: str = "moe_intermediate_size"  # config field of an expert's intermediate size
+    dense_layers: bool = True  # `mlp_only_layers` / `decoder_sparse_step` make some layers dense
+
+
+QWEN3_MOE = MoeFamily(qk_norm=True)
+QWEN2_MOE = MoeFamily(qkv_bias_field="qkv_bias", shared_expert=True)
+MIXTRAL = MoeFamily(always_renormalize=True, expert_size_field="intermediate_size", dense_layers=False)
+
+
+def check_moe_config(cfg, family: MoeFamily) -> None:
+    """Refuse what these blocks do not implement, naming the field and value."""
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported: the experts are SwiGLU (silu)")
+    if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+        raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must lie in [1, num_experts="
+                         f"{cfg.num_experts}]")
+    step = getattr(cfg, "decoder_sparse_step", 1) if family.dense_layers else 1
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step={step} must be >= 1")
+
+
+def is_sparse_layer(cfg, family: MoeFamily, layer_idx: int) -> bool:
+    """Whether layer `layer_idx` routes to experts (else Llama's dense MLP), as HF decides it."""
+    if not family.dense_layers:
+        return True
+    dense = layer_idx in (getattr(cfg, "mlp_only_layers", None) or ())
+    return not dense and cfg.num_experts > 0 and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+
+
+class FloatGate(nn.Module):
+    """A small projection computed in fp32 and never quantized: a router's logits [T, E], a shared
+    expert's gate [T, 1]. Parameter `weight [out, in]`."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())  # [T, out] fp32
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (fp32) -> (topk_ids [T, k], topk_weights [T, k] fp32): softmax over all
+    experts, the k largest probabilities, optionally renormalised to sum to 1."""
+    probs = logits.float().softmax(dim=-1)  # [T, E]
+    weights, ids = probs.topk(top_k, dim=-1)  # [T, k] each, largest first
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)  # [T, k]
+    return ids, weights
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate`, routed `experts` and (Qwen2-MoE) `shared_expert` with `shared_expert_gate`."""
+
+    def __init__(self, cfg, family: MoeFamily, expert_parallel_size: int = 1):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = family.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
+        self.gate = FloatGate(hidden, cfg.num_experts)
+        inter = getattr(cfg, family.expert_size_field)
+        self.experts: nn.Module = FusedExperts(cfg.num_experts, hidden, inter, None, expert_parallel_size)
+        self.shared_expert = SharedExpert(hidden, cfg.shared_expert_intermediate_size, None) \
+            if family.shared_expert else None
+        self.shared_expert_gate = FloatGate(hidden, 1) if family.shared_expert else None
+        self.computes_experts = computes_expert_slice(expert_parallel_size)
+        self.split, self.adds_shared = tp_size() > 1, tp_rank() == 0  # fixed at construction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
+        out = self.experts(x, topk_ids, topk_weights) if self.computes_experts else torch.zeros_like(x)  # [T, H]
+        if self.shared_expert is not None and self.adds_shared:
+            gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)  # [T, 1]
+            out = out + gate * self.shared_expert(x)  # [T, H]
+        return all_reduce(out) if self.split else out  # [T, H], summed over the ranks
+
+
+class MoeAttention(LlamaAttention):
+    """Llama's attention with the family's q/k norm (Qwen3-MoE) or q/k/v bias (Qwen2-MoE)."""
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding, family: MoeFamily):
+        super().__init__(cfg, layer_idx, rotary)
+        wants_bias = family.qkv_bias_field is not None and bool(getattr(cfg, family.qkv_bias_field, False))
+        if wants_bias and self.qkv_proj.bias is None:
+            q, kv = head_pieces(cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim)
+            self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=True)
+        if family.qk_norm:
+            self.qk_norm = True
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg, family: MoeFamily, layer_idx: int, rotary: RotaryEmbedding, expert_parallel_size: int):
+        super().__init__()
+        self.self_attn = MoeAttention(cfg, layer_idx, rotary, family)
+        sparse = is_sparse_layer(cfg, family, layer_idx)
+        self.mlp = SparseMoeBlock(cfg, family, expert_parallel_size) if sparse else LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class MoeModel(nn.Module):
+    def __init__(self, cfg, family: MoeFamily, max_positions: int, expert_parallel_size: int):
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
+        rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
+        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, family, i, rotary, expert_parallel_size)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)  # [T, hidden]
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-family MoE model; `family` (a class attribute) says which. forward() returns hidden
+    states, compute_logits() runs the LM head; caches, head and the other tensors' loading are Llama's."""
+
+    # attention split over tensor-parallel ranks, routed experts over expert_parallel_size groups;
+    # decode is not graph-safe: the torch expert hook reads expert counts back to the host
+    capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True)
+    family: MoeFamily = QWEN3_MOE
+
+    def __init__(self, cfg, max_positions: int, expert_parallel_size: int = 1):
+        nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a dense body
+        check_moe_config(cfg, self.family)
+        self.config = cfg
+        self.model = MoeModel(cfg, self.family, max_positions, expert_parallel_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def bind_caches(self, caches) -> None:
+        """Llama's binding, and the backend's kernel set (grouped_moe hook) and batch-invariant flag
+        for the routed experts."""
+        super().bind_caches(caches)
+        for block in self.moe_blocks():
+            if isinstance(block.experts, FusedExperts):
+                block.experts.kernels = caches.backend.kernels
+            block.experts.batch_invariant = caches.backend.batch_invariant
+
+    def load_weights(self, weights) -> None:
+        """HF, Mixtral or GGUF-derived names; experts go to their `FusedExperts`, which then keep
+        their stacks or become `QuantFusedExperts` (all matrices packed); the rest is Llama's."""
+        skip = ("lm_head.",) if self.tie_word_embeddings else ()
+        loaded = load_weights(self, self._experts_loaded(weights), skip_prefixes=skip)
+        for block in self.moe_blocks():
+            block.experts = block.experts.finish_loading()  # checks every held expert arrived
+        missing = {n for n, _ in self.named_parameters() if ".mlp.experts." not in n} - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+
+    def _experts_loaded(self, weights):
+        """Every tensor but the routed experts' (copied into their module here, as they come); the
+        fp32 gates are read whole and dequantized if the file packed them."""
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            expert, stacked = _EXPERT.match(name), _STACKED.match(name)
+            if expert:
+                self._experts(name, expert["owner"]).load_expert_weight(int(expert["expert"]), expert["proj"], tensor)
+            elif stacked:
+                self._experts(name, stacked["owner"]).load_stacked(stacked["proj"], tensor)
+            else:
+                yield name, _gate_value(self, name, tensor) if name.endswith(_GATES) else tensor
+
+    def _experts(self, name: str, owner: str) -> FusedExperts:
+        try:
+            module = self.get_submodule(owner)
+        except AttributeError:
+            module = None
+        if not isinstance(module, FusedExperts):
+            raise ValueError(f"checkpoint tensor {name!r} has no matching experts in {type(self).__name__}")
+        return module
+
+
+def _gate_value(model: nn.Module, name: str, tensor) -> torch.Tensor:
+    """A gate's weight as a dense tensor of its parameter's shape (GGUF may store [1, H] as [H])."""
+    value = tensor if isinstance(tensor, torch.Tensor | QuantWeight) else tensor.read()
+    value = dequantize_ref(value) if isinstance(value, QuantWeight) else value
+    try:
+        shape = model.get_parameter(name).shape
+    except AttributeError:
+        return value  # no such parameter: loading names it
+    return value.reshape(shape) if value.numel() == shape.numel() else value
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """HF `qwen3_moe`."""
+
+    family = QWEN3_MOE
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """HF `qwen2_moe`."""
+
+    family = QWEN2_MOE
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """HF `mixtral`."""
+
+    family = MIXTRAL
+
+
+__all__ = ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"]
