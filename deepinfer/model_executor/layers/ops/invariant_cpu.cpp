@@ -28,7 +28,11 @@
 // decode index row (whatever its padding) or from a prefill chunk (wherever it was cut), so a
 // query's output has the same bits in both and in any batch. Threads split (query, KV head)
 // pairs; each pair is computed by one thread. The bits are those of one build and instruction
-// set; `isa` (2: AVX-512, 1: AVX2 + FMA, as in fused_cpu.cpp) picks a variant per call.
+// set; `isa` (2: AVX-512, 1: AVX2 + FMA, as in fused_cpu.cpp) picks a variant per call. With
+// AVX-512 and a head size that is a multiple of 16, the two inner loops run from registers: the
+// dot products of sixteen keys at once (their lane trees transposed across the keys), and each
+// block's weighted values summed in registers for up to four heads (each element's terms in
+// position order, fused multiply-adds, as above).
 //
 // Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, one line per (unit, layer, row):
 // flat slot u * R + r of the layer at `offset` is line u * LPU + offset + r (fused_cpu.cpp's
@@ -39,6 +43,7 @@
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -110,17 +115,103 @@ INLINE float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : v;
 }
 
+// ---- AVX-512 forms of the two inner loops (head sizes that are multiples of 16) ------------------
+// The same operations as dot_lanes / axpy, arranged for registers: sixteen keys' dot products at once
+// (each key's 16 lane sums in order of d, then the lane tree run transposed across the keys: the same
+// additions of the same pairs), and a block's weighted values summed in registers for a few heads.
+
+AVX512_TARGET INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+AVX512_TARGET INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits shifted up
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// lane_tree of each of a[0..15], as one vector: out lane c = the tree of a[c]'s lanes.
+AVX512_TARGET INLINE __m512 lane_trees16(const __m512* a) {
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)  // x[l] + x[l + 8]: two keys' 8 sums per vector
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // x[l] + x[l + 4]: block k of c[i] holds key 4i + k's 4 sums
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // x[l] + x[l + 2]: block k holds keys 8i + k and 8i + 4 + k, 2 sums each
+    const __m512d x = _mm512_castps_pd(c[2 * i]), y = _mm512_castps_pd(c[2 * i + 1]);
+    e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // x[0] + x[1]: lane 4k + t holds key 4t + k; then each key to its own lane
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// s[c] = dot(q, k_c) for the 16 keys k_c (each D = DC values), as dot_lanes computes each.
+template <int DC, class T>
+AVX512_TARGET INLINE __m512 dots16(const float* q, const T* const* keys) {
+  constexpr int P = DC / 16;
+  __m512 qv[P], acc[16];
+  for (int i = 0; i < P; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+  for (int c = 0; c < 16; ++c) {
+    acc[c] = _mm512_mul_ps(qv[0], load16(keys[c]));
+    for (int i = 1; i < P; ++i) acc[c] = _mm512_fmadd_ps(qv[i], load16(keys[c] + 16 * i), acc[c]);
+  }
+  return lane_trees16(acc);
+}
+
+// Scores of the G heads over columns 0 .. n-1, sixteen at a time (hidden or missing columns read
+// the zero row and are set to -inf by the caller).
+template <int DC, class T>
+AVX512_TARGET void scores512(const float* q, int64_t qs, int64_t G, const T* const* kp, int64_t n, float scale,
+                             float* s) {
+  alignas(64) static const T zeros[DC] = {};
+  const T* keys[16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - j0);
+    for (int c = 0; c < 16; ++c) keys[c] = c < m && kp[j0 + c] ? kp[j0 + c] : zeros;
+    for (int64_t h = 0; h < G; ++h) {
+      alignas(64) float out[16];
+      _mm512_store_ps(out, _mm512_mul_ps(dots16<DC>(q + h * qs, keys), _mm512_set1_ps(scale)));
+      for (int64_t c = 0; c < m; ++c) s[h * n + j0 + c] = out[c];
+    }
+  }
+}
+
+// acc[h] (D = DC values each, heads 0 .. G-1 at stride DC) = sum over the visible columns j in
+// [a, b) of w[h * n + j] * v_j, each element's terms in order of j (fused multiply-adds from 0).
+template <int DC, class T>
+AVX512_TARGET void values512(const float* w, int64_t n, int64_t G, const T* const* vp, int64_t a, int64_t b,
+                             float* acc) {
+  constexpr int P = DC / 16, HB = P <= 4 ? 4 : P <= 8 ? 2 : 1;  // heads per pass: at most 16 accumulators
+  for (int64_t h0 = 0; h0 < G; h0 += HB) {
+    const int64_t hb = std::min<int64_t>(HB, G - h0);
+    __m512 sum[HB][P];
+    for (int h = 0; h < HB; ++h)
+      for (int i = 0; i < P; ++i) sum[h][i] = _mm512_setzero_ps();
+    for (int64_t j = a; j < b; ++j) {
+      if (vp[j] == nullptr) continue;
+      for (int i = 0; i < P; ++i) {
+        const __m512 v = load16(vp[j] + 16 * i);
+        for (int h = 0; h < HB; ++h)
+          if (h < hb) sum[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[(h0 + h) * n + j]), v, sum[h][i]);
+      }
+    }
+    for (int h = 0; h < hb; ++h)
+      for (int i = 0; i < P; ++i) _mm512_storeu_ps(acc + (h0 + h) * DC + 16 * i, sum[h][i]);
+  }
+}
+
 // One query's KV-head group: the G heads at q (head stride qs) over columns j = 0 .. n-1, column j
 // the key at absolute position first + j, read at kp[j] / vp[j] (nullptr: not visible).
 // softcap > 0 caps the logits; sinks (nullptr: none) [G] the heads' sink logits.
 // Scratch: s [G * n], wb [G * (64 + D)], sums [G]. out [G, D] (head stride os).
-template <int DC, class T>
+template <int DC, bool V512, class T>
 INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_dim, const T* const* kp,
                           const T* const* vp, int64_t n, int64_t first, float scale, float softcap,
                           const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {
   const int64_t D = DC ? DC : head_dim;
   for (int64_t h = 0; h < G; ++h)
     for (int64_t d = 0; d < D; ++d) out[h * os + d] = 0.f;
+  if constexpr (V512) scores512<DC>(q, qs, G, kp, n, scale, s);
   int64_t lo = n, hi = -1;  // first and last visible column
   for (int64_t j = 0; j < n; ++j) {
     if (kp[j] == nullptr) {  // e^-inf = 0 below: a hidden column weighs exactly 0
@@ -130,7 +221,7 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
     lo = std::min(lo, j);
     hi = j;
     for (int64_t h = 0; h < G; ++h) {
-      const float dot = dot_lanes<DC>(q + h * qs, kp[j], D) * scale;
+      const float dot = V512 ? s[h * n + j] : dot_lanes<DC>(q + h * qs, kp[j], D) * scale;
       s[h * n + j] = softcap > 0.f ? softcap * std::tanh(dot / softcap) : dot;
     }
   }
@@ -166,13 +257,17 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
       total[h] += lane_tree(lanes);
     }
     // P_b per head (wb after the weights: [G, D]), the block's keys outer so each v row is read once
-    for (int64_t h = 0; h < G; ++h) {
-      float* acc = wb + G * kKeyBlock + h * D;
-      for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-    }
-    for (int64_t j = a; j < b; ++j) {
-      if (vp[j] == nullptr) continue;
-      for (int64_t h = 0; h < G; ++h) axpy<DC>(wb + G * kKeyBlock + h * D, s[h * n + j], vp[j], D);
+    if constexpr (V512) {
+      values512<DC>(s, n, G, vp, a, b, wb + G * kKeyBlock);
+    } else {
+      for (int64_t h = 0; h < G; ++h) {
+        float* acc = wb + G * kKeyBlock + h * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+      }
+      for (int64_t j = a; j < b; ++j) {
+        if (vp[j] == nullptr) continue;
+        for (int64_t h = 0; h < G; ++h) axpy<DC>(wb + G * kKeyBlock + h * D, s[h * n + j], vp[j], D);
+      }
     }
     for (int64_t h = 0; h < G; ++h) {
       const float* acc = wb + G * kKeyBlock + h * D;
@@ -196,16 +291,16 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
 
 // ---- one wrapper per instruction set ------------------------------------------------------
 
-#define DEFINE_FOR(SUFFIX, TARGET)                                                                              \
+#define DEFINE_FOR(SUFFIX, TARGET, V512)                                                                        \
   template <int DC, class T>                                                                                    \
   TARGET void attend_##SUFFIX(const float* q, int64_t qs, int64_t G, int64_t D, const T* const* kp,             \
                               const T* const* vp, int64_t n, int64_t first, float scale, float softcap,         \
                               const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {   \
-    attend_blocks<DC>(q, qs, G, D, kp, vp, n, first, scale, softcap, sinks, s, wb, sums, out, os);              \
+    attend_blocks<DC, V512>(q, qs, G, D, kp, vp, n, first, scale, softcap, sinks, s, wb, sums, out, os);        \
   }
 
-DEFINE_FOR(512, AVX512_TARGET)
-DEFINE_FOR(256, AVX2_TARGET)
+DEFINE_FOR(512, AVX512_TARGET, (DC > 0 && DC % 16 == 0))
+DEFINE_FOR(256, AVX2_TARGET, false)
 
 template <class T>
 using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t, int64_t,
