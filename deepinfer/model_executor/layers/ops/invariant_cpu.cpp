@@ -46,6 +46,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -357,10 +358,11 @@ void decode_typed(const at::Tensor& q, const at::Tensor& rows, const int64_t* li
   const T* rp = rows.data_ptr<T>();
   float* op = out.data_ptr<float>();
   const AttendFn<T> fn = attend_fn<T>(isa, D);
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  std::atomic<int64_t> next{0};  // tasks taken one by one (see prefill_typed)
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t, int64_t) {
     Scratch scratch(G, D, L);
     std::vector<const T*> kp(L), vp(L);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; (i = next.fetch_add(1)) < N * Hkv;) {
       const int64_t n = i / Hkv, g = i % Hkv;
       for (int64_t c = 0; c < L; ++c) {
         const int64_t line = lines[n * L + c];
@@ -432,10 +434,12 @@ void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tens
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const AttendFn<T> fn = attend_fn<T>(isa, D);
-  // tasks in the order 0, n-1, 1, n-2, ...: a thread's range holds short and long queries alike
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  // tasks taken one by one from a shared counter, in the order 0, n-1, 1, n-2, ... (long and short
+  // queries alternate): a thread the OS pauses holds up the call by one task, not by its share
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t, int64_t) {
     Scratch scratch(G, D, L);
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i; (i = next.fetch_add(1)) < n * Hkv;) {
       const int64_t t = i / Hkv, g = i % Hkv;
       const int64_t qi = t % 2 == 0 ? t / 2 : n - 1 - t / 2;
       const int64_t p = pos[qi], first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
