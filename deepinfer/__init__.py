@@ -5,7 +5,8 @@ parts (layout formulas, scheduler) load without torch.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "Logprob"]
 
 
 def __getattr__(name):
@@ -21,7 +22,11 @@ def __getattr__(name):
         from deepinfer.structured_output import StructuredOutputsParams
 
         return StructuredOutputsParams
-    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
+    if name == "PoolingParams":
+        from deepinfer.contracts.pooling import PoolingParams
+
+        return PoolingParams
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "Logprob"):
         from deepinfer import outputs
 
         return getattr(outputs, name)

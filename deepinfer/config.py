@@ -16,6 +16,8 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in b
 # auto: Triton kernels on CUDA (where installed and the model is covered), else the torch reference
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
+POOLING_TYPES = ("last", "mean", "cls")  # an embedding: the last token's row, the mean of all rows, or the first
+POOLING_CHOICES = ("auto",) + POOLING_TYPES  # auto: what the checkpoint declares (engine/pooling.py)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -171,6 +173,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(the model's context, 4096)
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     load_format: str = "auto"  # one of LOAD_FORMATS
+    pooling: str = "auto"  # embeddings: one of POOLING_CHOICES (auto: the checkpoint's declaration)
     revision: str | None = None  # a hub model's branch, tag or commit (None: the default branch)
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) splitting every layer; 1: no processes
@@ -197,6 +200,8 @@ class EngineConfig:
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         check_load_format(self.load_format)
+        if self.pooling not in POOLING_CHOICES:
+            raise ValueError(f"pooling must be one of {', '.join(map(repr, POOLING_CHOICES))}, got {self.pooling!r}")
         check_quantization(self.quantization)
         self._check_parallel()
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -22,6 +22,7 @@ from deepinfer.config import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    POOLING_CHOICES,
     QUANTIZATIONS,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -118,6 +119,10 @@ class EngineArgs:
     load_format: str = _option(
         EngineConfig, "load_format", "auto: the checkpoint's weights; dummy: config.json only, seeded random "
         "weights (benchmarks and memory figures without weight files)", choices=LOAD_FORMATS)
+    pooling: str = _option(
+        EngineConfig, "pooling", "embeddings (LLM.embed, /v1/embeddings): how a prompt's final hidden rows become one "
+        "vector; auto: what the checkpoint declares (sentence-transformers modules.json), else last token, "
+        "L2-normalised; last, mean, cls (the first token) override it", choices=POOLING_CHOICES)
     enable_prefix_caching: bool = _option(
         CacheConfig, "enable_prefix_caching", "reuse the KV blocks of a prompt prefix computed before (requests "
         "share them only when their cache_salt is equal)", group=PREFIX)

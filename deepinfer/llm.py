@@ -10,9 +10,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.llm_options import init_signature, llm_engine_args
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams, model_sampling_defaults, short_repr
 from deepinfer.worker.device import set_cpu_threads
 from deepinfer.worker.model_runner import ModelRunner, resolve_device
@@ -197,6 +198,36 @@ class LLM:
             self._abort_unfinished(order)
         return [results[rid] for rid in order]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order: `out.outputs.embedding` (a list of floats).
+
+        Prompts take the forms `generate` takes. Each is computed like a prefill (chunked as the
+        token budget says, batched with whatever else runs) and pooled as the model declares
+        (`self.engine.pooling`: a sentence-transformers checkpoint's Pooling and Normalize modules,
+        else the last token, L2-normalised; `LLM(..., pooling=...)` overrides the type).
+        `pooling_params` may ask for `dimensions` (Matryoshka models) and `normalize`;
+        `truncate_prompt_tokens` keeps each prompt's last k tokens (-1: max_model_len).
+
+        A prompt that cannot run (empty, longer than max_model_len, ids outside the vocabulary,
+        `dimensions` the model does not allow) raises ValueError naming its index before any step;
+        a request failed by a fault while it ran comes back with finish_reason "error" and `error`."""
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        prompts = parse_prompts(prompts)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        order: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                order.append(self._add(i, prompt, params))
+            self._run_to_completion(set(order), results, use_tqdm)
+        finally:
+            self._abort_unfinished(order)
+        return [results[rid] for rid in order]
+
     def _run_to_completion(self, mine: set[str], results: dict[str, RequestOutput], use_tqdm: bool) -> None:
         with tqdm(total=len(mine), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
             while self.engine.has_unfinished_requests():
@@ -211,11 +242,33 @@ class LLM:
             self.engine.abort_request(request_id)  # False (a no-op) for finished or refused ones
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+             add_generation_prompt: bool = True, *, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool | None = None, tool_call_parser: str = "auto",
+             reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+
+        `tools` (OpenAI's function tools) reach the template, and each answer's calls are parsed into
+        `outputs[i].tool_calls` (`deepinfer.outputs.ToolCall`; the format is the template's, or
+        `tool_call_parser`'s: hermes, llama3_json, mistral, deepseek_v3); `tool_choice` "required" or
+        {"type": "function", "function": {"name": ...}} forces a call whose arguments match the
+        function's schema. `reasoning_parser` (deepseek_r1, qwen3) puts a <think> section into
+        `reasoning_content`. `text` stays the whole answer. As the server's chat route does."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if tools is None and tool_choice is None and reasoning_parser is None and chat_template_kwargs is None:
+            prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        from deepinfer.entrypoints.openai.offline_chat import attach_parsed, prepare_offline_chat
+
+        params = _as_params_list(sampling_params if sampling_params is not None
+                                 else self.get_default_sampling_params(), len(conversations))
+        prompts, params, plans = prepare_offline_chat(
+            self.engine.tokenizer, conversations, params, tools=tools, tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls, tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser, chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        attach_parsed(outputs, plans)
+        return outputs
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tok = self.engine.tokenizer

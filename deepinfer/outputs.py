@@ -31,6 +31,23 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
+class FunctionCall:
+    """The function a tool call names, and its arguments as JSON text (as OpenAI sends them)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCall:
+    """One tool call parsed out of a chat answer (OpenAI's and vLLM's shape)."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""  # the whole output text so far (stop strings excluded)
@@ -41,6 +58,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string
     delta_text: str = ""  # text added by the latest step (for streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    # `LLM.chat(..., tools=...)` / a reasoning parser: what was parsed out of `text` (which stays whole)
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,3 +87,27 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text if self.outputs else ""
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding (as vLLM's `EmbeddingOutput`): the pooled vector, cut to `dimensions` and
+    normalised as the request asked; empty when the request did not finish normally."""
+
+    embedding: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of an embedding request (`LLM.embed`, /v1/embeddings): `outputs.embedding`.
+    `finish_reason` is "stop" for a computed vector, "abort" or "error" otherwise (then `error`
+    says why, for a fault)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    finish_reason: str = "stop"
+    error: Exception | None = None
+    num_cached_tokens: int = 0  # an embedding takes no prefix-cache hit: always 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -65,6 +66,9 @@ class ScheduledRequest:
     # prompt_logprobs: how many top logprobs to report per prompt token this chunk scores (None: no
     # prompt logits computed); set on the chunks of a request's first pass over its prompt
     prompt_logprobs: int | None = None
+    # An embedding request (every chunk of its prompt): its final hidden rows are pooled, and the chunk
+    # that completes the prompt returns the vector (`ModelOutput.pooled`); it never samples
+    pooling: PoolingParams | None = None
     # Prefix caching: before the forward, read these saved units from disk into the request's
     # blocks (or a snapshot slot), then restore its rings, per-request state and partial pages
     # at start_pos from snapshot slot `restore_from`; after the step, copy them at the chunk's
@@ -130,19 +134,23 @@ class ModelOutput:
     errors:  a one-line message for each request the runner could not serve this step (its
              sampling failed alone); the engine fails those requests and keeps the others going;
     load_failures: the saved-cache files that could not be read for a request (missing,
-             damaged, foreign): the request was left out of the step and starts over.
+             damaged, foreign): the request was left out of the step and starts over;
+    pooled:  the embedding of each pooling request whose prompt this step completed (floats, as
+             its `PoolingParams` ask: pooled, cut to `dimensions`, normalised or not).
     """
 
     samples: dict[str, list[SampleResult]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     load_failures: dict[str, list[str]] = field(default_factory=dict)
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def update(self, other: ModelOutput) -> None:
         self.samples.update(other.samples)
         self.draft_token_ids.update(other.draft_token_ids)
         self.errors.update(other.errors)
         self.load_failures.update(other.load_failures)
+        self.pooled.update(other.pooled)
 
 
 @dataclass(frozen=True)

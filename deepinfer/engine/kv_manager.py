@@ -113,8 +113,9 @@ class KVCacheManager(KVAllocator):
 
     def find_prefix(self, req) -> PrefixHit:
         """The longest cached prefix of req's tokens, leaving at least its last token to compute.
-        None for a request asking for prompt_logprobs: every prompt position must be computed."""
-        if not self.caching or req.sampling_params.prompt_logprobs is not None:
+        None for a request asking for prompt_logprobs or an embedding: every prompt position must be
+        computed."""
+        if not self.caching or req.sampling_params.prompt_logprobs is not None or req.pooling_params is not None:
             return PrefixHit(blocks=tuple([] for _ in self.paged_specs))
         hashes = self.block_hashes(req)
         blocks: tuple[list, ...] = tuple([] for _ in self.paged_specs)

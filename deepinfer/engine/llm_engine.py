@@ -33,13 +33,15 @@ import weakref
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.model import StepRunner
 from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
+from deepinfer.contracts.pooling import PoolingParams
+from deepinfer.engine import pooling
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.parallel_sampling import ParallelSampling, ParentRequest
 from deepinfer.engine.prefix_cache import PrefixSettings
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.outputs import RequestFailedError, RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, short_repr
 
 logger = logging.getLogger("deepinfer.engine")
@@ -61,6 +63,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.eos_token_ids = eos_token_ids(source)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
+        # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
+        self.pooling = pooling.pooling_config(getattr(source, "path", None), source.hf_config, config.pooling)
         # close() once: explicitly, when the engine is collected, or at exit (never holding the engine)
         self._finalizer = weakref.finalize(self, close_engine, self.kv_manager, runner)
         self._ids = itertools.count()
@@ -70,20 +74,19 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid.
         Requests share cached prefixes only when their `cache_salt` is equal (None included).
         With `params.n` / `best_of` > 1 its samples run as sibling requests sharing the prompt's
-        blocks (`parallel_sampling`); its outputs come under `request_id`, one completion each."""
+        blocks (`parallel_sampling`); its outputs come under `request_id`, one completion each.
+        With `PoolingParams` it is an embedding request: its final output is an
+        `EmbeddingRequestOutput` (engine/pooling.py)."""
+        if isinstance(params, PoolingParams):
+            return self._add_embedding(prompt, params, request_id, cache_salt)
         params = checked_params(params)
         check_token_ids_in_vocab(params, self.source.hf_config.vocab_size)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {short_repr(cache_salt)}")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        self._check_free(request_id)
+        request_id = self._new_request_id(request_id, cache_salt)
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params.max_tokens)
 
@@ -102,6 +105,27 @@ class LLMEngine:
         except BaseException:
             self.samples.forget(parent)
             raise
+        return request_id
+
+    def _add_embedding(self, prompt, params: PoolingParams, request_id: str | None, cache_salt: str | None) -> str:
+        """Queue an embedding request: its prompt (cut to truncate_prompt_tokens) is computed and
+        pooled as the model declares (`self.pooling`); nothing is sampled."""
+        params = self.pooling.resolve(params)
+        request_id = self._new_request_id(request_id, cache_salt)
+        text, ids = self._tokenize(prompt)
+        ids = pooling.truncated(ids, params, self.max_model_len)
+        pooling.check_prompt(ids, self.max_model_len, self.source.hf_config.vocab_size)
+        self._admit(pooling.pooling_request(request_id, ids, params, self.max_model_len, cache_salt), text)
+        return request_id
+
+    def _new_request_id(self, request_id: str | None, cache_salt: str | None) -> str:
+        """The request's id (a fresh one for None), free; ValueError for a bad id or salt."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {short_repr(cache_salt)}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        self._check_free(request_id)
         return request_id
 
     def _admit(self, req: Request, text: str | None, share_from: Request | None = None) -> None:
@@ -190,8 +214,9 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output (with deltas) for every request that changed.
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
+        """One engine step; returns an output (with deltas) for every request that changed (an
+        embedding request's one output when it finishes).
 
         A request failed by a fault comes back finished with finish_reason "error"; only a fatal
         fault (see the module docstring) raises."""
@@ -200,7 +225,7 @@ class LLMEngine:
         failed = [self._fail(req, message) for rid, message in output.errors.items()
                   if (req := self.scheduler.get_request(rid)) is not None]
         updated = self.scheduler.update(plan, output)
-        results = [self._process(u.request, u.samples) for u in updated]
+        results = [self._process(u.request, u.samples, u.embedding) for u in updated]
         self.runner.release([u.request.request_id for u in updated if u.request.is_finished])
         failed += self._admit_siblings()
         aborted, self._aborted = self._aborted, []
@@ -268,9 +293,13 @@ class LLMEngine:
         logger.error("request %r failed: %s", req.request_id, message)
         return self.outputs.fail(req, RequestFailedError(req.request_id, message))
 
-    def _process(self, req: Request, samples: list) -> RequestOutput:
-        """Fold the step's kept samples into req's output; a fault here fails req alone."""
+    def _process(self, req: Request, samples: list, embedding: list[float] | None = None
+                 ) -> RequestOutput | EmbeddingRequestOutput:
+        """Fold the step's kept samples (or an embedding's vector) into req's output; a fault here
+        fails req alone."""
         try:
+            if req.pooling_params is not None:
+                return self.outputs.embedding(req, embedding)
             return self._process_sample(req, samples)
         except Exception as exc:
             if is_fatal_fault(exc):

@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer, NoTextDetokenizer, StopChecker
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from deepinfer.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_output import GrammarCompiler
 
@@ -34,10 +41,14 @@ class OutputProcessor:
     def __init__(self, tokenizer, vocab_size: int | None = None, eos_token_ids=()):
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
+        self._embeddings: dict[str, str | None] = {}  # embedding requests: their prompt text
         # structured output is compiled for the model's vocabulary (None: left to the worker)
         self.grammars = None if vocab_size is None else GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
 
     def add(self, req: Request, prompt: str | None) -> None:
+        if req.pooling_params is not None:  # an embedding: no tokens, no text to follow
+            self._embeddings[req.request_id] = prompt
+            return
         p = req.sampling_params
         p.set_eos_token_ids(req.eos_token_ids)  # min_tokens masks them
         if not p.bad_words_tokenized:
@@ -98,6 +109,8 @@ class OutputProcessor:
 
     def abort(self, req: Request) -> RequestOutput | None:
         """The final output of an aborted request (None if it was already reported)."""
+        if req.request_id in self._embeddings:
+            return self.embedding(req, [], "abort")
         if req.request_id not in self._states:
             return None
         c = self._states[req.request_id].completion
@@ -109,6 +122,8 @@ class OutputProcessor:
 
         Touches neither the detokenizer nor the stop checker (either may be what failed): the
         text is that of the last good step, token_ids every token sampled for it; no delta."""
+        if req.pooling_params is not None:
+            return self.embedding(req, [], "error", error)
         state = self._states.pop(req.request_id, None)
         if state is None:
             completion, prompt = CompletionOutput(index=0), None
@@ -123,6 +138,14 @@ class OutputProcessor:
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)
+        self._embeddings.pop(request_id, None)
+
+    def embedding(self, req: Request, vector: list[float], finish_reason: str = "stop",
+                  error: Exception | None = None) -> EmbeddingRequestOutput:
+        """The final output of an embedding request (its vector, or none when it was aborted or failed)."""
+        prompt = self._embeddings.pop(req.request_id, None)
+        return EmbeddingRequestOutput(req.request_id, prompt, req.prompt_token_ids, EmbeddingOutput(vector),
+                                      finish_reason=finish_reason, error=error)
 
     def _add_token(self, state: _State, req: Request, sample) -> None:
         c = state.completion

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -51,6 +52,8 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached
     block_hashes: list[bytes] = field(default_factory=list)  # chained hash per full unit of token_ids
     snapshot_at: list[int] = field(default_factory=list)  # boundaries its prefill stops at for a snapshot
+    # an embedding request (engine/pooling.py): computes its prompt, samples nothing, ends with a vector
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

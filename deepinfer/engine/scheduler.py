@@ -33,6 +33,10 @@ Parallel sampling: the samples of one prompt are sibling requests; the engine qu
 it starts from the longer of its cached prefix and the first's full prompt blocks, shared
 ref-counted (`KVCacheManager.sibling_prefix`; also without the prefix cache).
 
+Embeddings (`engine/pooling.py`): an embedding request is scheduled as a prompt (chunked alike) that
+never samples; it takes no prefix hit, may fill the whole context, and finishes in the `update` of
+the step that completes its prompt, with the vector the runner pooled (`ModelOutput.pooled`).
+
 Order invariant: `running` is sorted by arrival and every running request arrived before every
 waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
 newest running request and FCFS order holds across preemptions.
@@ -58,6 +62,7 @@ class RequestUpdate:
 
     request: Request
     samples: list[SampleResult]
+    embedding: list[float] | None = None  # an embedding request's vector (it finished this step)
 
 
 class Scheduler:
@@ -120,10 +125,11 @@ class Scheduler:
                              f"{req.num_computed_tokens} computed, {req.num_output_tokens} outputs")
         if num_prompt == 0:
             raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty")
-        if num_prompt >= max_len:
+        pooling = req.pooling_params is not None  # an embedding computes its prompt and nothing after it
+        if num_prompt > max_len or (num_prompt == max_len and not pooling):
             raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for "
                              f"an output token under max_model_len {max_len}")
-        num_needed = min(num_prompt + req.sampling_params.max_tokens, max_len)
+        num_needed = num_prompt if pooling else min(num_prompt + req.sampling_params.max_tokens, max_len)
         if num_needed > self.kv_manager.max_num_tokens:
             raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens "
                              f"{req.sampling_params.max_tokens} (capped by max_model_len {max_len}) "
@@ -262,11 +268,12 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv_manager.block_ids(req.request_id),
             state_ids=self.kv_manager.state_ids(req.request_id),
-            sampling_params=req.sampling_params if end == req.num_tokens else None,
+            sampling_params=req.sampling_params if end == req.num_tokens and req.pooling_params is None else None,
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             verify=bool(drafts),
             prompt_logprobs=req.sampling_params.prompt_logprobs if not req.num_output_tokens else None,
+            pooling=req.pooling_params,
             loads=loads,
             restore_from=restore_from,
             capture_to=capture_to,
@@ -290,6 +297,9 @@ class Scheduler:
             if sched.request_id in output.load_failures:
                 self._start_over(req, output.load_failures[sched.request_id])
                 continue
+            if sched.pooling is not None:
+                updated += self._pool(req, sched, output)
+                continue
             if not sched.do_sample:
                 req.num_computed_tokens += sched.num_tokens
                 self.kv_manager.commit(req)
@@ -307,6 +317,20 @@ class Scheduler:
         if any(u.request.is_finished for u in updated):
             self.running = [req for req in self.running if not req.is_finished]
         return updated
+
+    def _pool(self, req: Request, sched: ScheduledRequest, output: ModelOutput) -> list[RequestUpdate]:
+        """An embedding request's chunk: count it; the chunk that completes the prompt brings the
+        pooled vector and ends the request (its blocks freed)."""
+        req.num_computed_tokens += sched.num_tokens
+        self.kv_manager.commit(req)
+        if req.num_computed_tokens < req.num_tokens:
+            return []
+        embedding = output.pooled.get(sched.request_id)
+        if embedding is None:
+            raise RuntimeError(f"request {sched.request_id!r} completed its prompt for an embedding, but "
+                               f"the model output has no pooled vector for it")
+        self._finish(req, RequestStatus.FINISHED_STOPPED, None)
+        return [RequestUpdate(req, [], embedding)]
 
     def _start_over(self, req: Request, paths: list[str]) -> None:
         """Saved-cache files of req's step could not be read (it was left out of the step): forget

@@ -44,6 +44,7 @@ from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
 from deepinfer.worker.kv_disk import KvDiskStore
 from deepinfer.worker.mtp_drafter import MtpDrafter
+from deepinfer.worker.pooling import Pooler
 from deepinfer.worker.prefix_store import PrefixStore, cache_identity
 from deepinfer.worker.prompt_logprobs import PromptLogprobs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
@@ -143,6 +144,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, batch_invariant=self.batch_invariant)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
+        self.pooler = Pooler()  # embedding requests' pools, over prefill chunks
         self.drafter = make_drafter(self.speculative, self.model, self.groups, self.addressing)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(self.model, self.groups, self.attention_backend.name, self.device, config,
@@ -187,6 +189,7 @@ class ModelRunner:
         request_ids = list(request_ids)
         self.sampler.release(request_ids)
         self.prompt_logprobs.release(request_ids)
+        self.pooler.release(request_ids)
         self.structured.release(request_ids)
         if self.drafter is not None:
             self.drafter.release(request_ids)
@@ -229,8 +232,9 @@ class ModelRunner:
     @torch.inference_mode()
     def start(self, plan: StepPlan, sample: bool = True) -> Step:
         """The step up to the send point: forget finished requests, the cache copies, the forward
-        and, with `sample`, the sampling (prompt logprobs attached). A follower (`sample` False)
-        gathers prompt logprobs nowhere: they are rank 0's."""
+        and, with `sample`, the sampling (prompt logprobs attached) and the embeddings the step
+        completed. A follower (`sample` False) gathers prompt logprobs and pools nowhere: they are
+        rank 0's."""
         self.release(plan.finished_request_ids)
         if self.drafter is not None:
             self.drafter.release(plan.preempted_request_ids)  # they recompute, then draft afresh
@@ -242,14 +246,15 @@ class ModelRunner:
             step.output.load_failures = load_failures
             return step
         step.inputs = inputs = build_step_inputs(plan, self.addressing, self.device)
+        pooled: dict[str, list[float]] = {}  # embeddings this step completes (rank 0)
         if self.graphs is not None and self.graphs.accepts(inputs):  # plain decodes: replay a CUDA graph
             logits = self.graphs.run(inputs)  # [N, V]
         else:
-            logits = self._forward(inputs, None if sample else PromptLogprobs())  # [M, V] or None
+            logits = self._forward(inputs, None if sample else PromptLogprobs(), pooled if sample else None)  # [M, V]
         if sample and inputs.sample_rows:
             step.output = self._sample(logits, inputs)
             self.prompt_logprobs.attach(inputs.sample_rows, step.output)
-        step.output.load_failures = load_failures
+        step.output.load_failures, step.output.pooled = load_failures, pooled
         return step
 
     @torch.inference_mode()
@@ -279,11 +284,15 @@ class ModelRunner:
         any step with a drafter that runs the model)."""
         return bool(plan.scheduled) and (self.drafts_on_every_rank or any(s.verify for s in plan.scheduled))
 
-    def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None) -> torch.Tensor | None:
+    def _forward(self, inputs: StepInputs, prompt_logprobs: PromptLogprobs | None = None,
+                 pooled: dict[str, list[float]] | None = None) -> torch.Tensor | None:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
-        runner's), then logits [M, V] of the rows that sample (None when none does)."""
+        runner's), embedding chunks pooled (completed vectors into `pooled`; None: not pooled),
+        then logits [M, V] of the rows that sample (None when none does)."""
         with forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if pooled is not None and any(s.pooling is not None for s, _ in inputs.spans):
+            pooled.update(self.pooler.collect(inputs.spans, hidden))
         if any(s.prompt_logprobs is not None for s, _ in inputs.spans):
             into = self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
             into.collect(inputs.spans, hidden, self.model.compute_logits)

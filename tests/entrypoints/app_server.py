@@ -141,7 +141,8 @@ def server_settings(args):
     from deepinfer.entrypoints.openai.server import ServerSettings
 
     return ServerSettings(model_name=served_model_name(args), api_key=args.api_key, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers)
+                          max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
 
 
 class _LoopTransport(httpx.BaseTransport):

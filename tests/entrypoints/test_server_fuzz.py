@@ -2,11 +2,15 @@
 
 The server's app in this process (`AppServer`) on the tiny checkpoint (a short context, so that
 a valid request is quick) gets hypothesis-generated JSON bodies over the request fields of
-/v1/completions and /v1/chat/completions (right names with right and wrong types, huge and
+/v1/completions, /v1/chat/completions and /v1/embeddings (right names with right and wrong types, huge and
 negative numbers, nested junk, lone surrogates, any unicode, sent as escaped ASCII or as raw
 UTF-8) and a table of hand-written hostile requests. Every answer must be a 2xx or an OpenAI-shaped 4xx within the
 per-request timeout; a stream must end with `data: [DONE]` and carry no error event. Afterwards
 a normal request succeeds and every KV block is free again. `pytest -s` prints the counts.
+
+The server parses tool calls (hermes) and reasoning (deepseek_r1), so chat bodies with function
+tools, tool_choice and histories of calls reach the grammars and parsers; /v1/responses, /tokenize
+and /detokenize get bodies of their own fields.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from hypothesis import strategies as st
 MODEL = "fuzz-model"
 MAX_BODY = 1 << 20
 REQUEST_TIMEOUT_S = 30.0
-EXAMPLES_PER_ENDPOINT = 100  # per test: 4 tests
+EXAMPLES_PER_ENDPOINT = 100  # per test: 6 tests
 COUNTS: Counter = Counter()
 
 pytestmark = pytest.mark.slow
@@ -33,7 +37,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_checkpoint):
     with AppServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96", "--served-model-name", MODEL,
-                   "--max-body-bytes", str(MAX_BODY)) as server:
+                   "--max-body-bytes", str(MAX_BODY), "--tool-call-parser", "hermes",
+                   "--reasoning-parser", "deepseek_r1") as server:
         yield server
 
 
@@ -92,15 +97,39 @@ COMPLETION_FIELDS = _COMMON | {
 }
 _PART = st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["text", "image_url"]), TEXT)},
                               optional={"text": TEXT, "image_url": JUNK})
+_NAMES = st.sampled_from(["f", "get_weather", "add"])
+_PROPERTY = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean"])},
+                                            optional={"maxLength": st.integers(0, 8), "minimum": st.integers(-5, 5)}),
+                      st.fixed_dictionaries({"enum": st.lists(st.text(max_size=4), min_size=1, max_size=3)}))
+_SCHEMA = st.fixed_dictionaries({"type": st.just("object")}, optional={
+    "properties": st.dictionaries(st.sampled_from(["a", "b", "c"]), _PROPERTY, max_size=3),
+    "required": st.lists(st.sampled_from(["a", "b", "c"]), max_size=3), "additionalProperties": st.booleans()})
+_TOOL = st.fixed_dictionaries({"type": st.one_of(st.just("function"), TEXT), "function": st.fixed_dictionaries(
+    {"name": st.one_of(_NAMES, TEXT)},
+    optional={"description": TEXT, "parameters": st.one_of(_SCHEMA, JUNK), "strict": st.booleans()})})
+_TOOL_CHOICE = st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.one_of(_NAMES, TEXT)})}))
+_CALL = st.fixed_dictionaries({"id": TEXT, "type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.one_of(_NAMES, TEXT), "arguments": st.one_of(st.just('{"a": 1}'), TEXT, JUNK)})})
 _MESSAGE = st.fixed_dictionaries(
     {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), TEXT),
      "content": st.one_of(st.text(max_size=60), TEXT, st.none(), st.lists(_PART, max_size=3))},
-    optional={"name": st.one_of(TEXT, JUNK), "tool_calls": JUNK, "tool_call_id": TEXT})
+    optional={"name": st.one_of(TEXT, JUNK), "tool_calls": st.one_of(JUNK, st.lists(_CALL, max_size=2)),
+              "tool_call_id": TEXT})
 CHAT_FIELDS = _COMMON | {
     "messages": st.lists(_MESSAGE, max_size=4), "max_completion_tokens": INTS, "logprobs": st.booleans(),
-    "top_logprobs": INTS, "tools": st.lists(JUNK, max_size=2), "tool_choice": st.one_of(st.just("none"), JUNK),
+    "top_logprobs": INTS, "tools": st.one_of(st.lists(_TOOL, max_size=3), st.lists(JUNK, max_size=2)),
+    "tool_choice": st.one_of(_TOOL_CHOICE, JUNK), "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.dictionaries(TEXT, JUNK, max_size=2),
     "functions": st.lists(JUNK, max_size=2), "function_call": st.one_of(st.just("none"), JUNK),
     "response_format": st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["text", "json_object"]), TEXT)}),
+}
+EMBEDDING_FIELDS = {
+    "model": st.one_of(st.just(MODEL), TEXT),
+    "input": st.one_of(st.text(max_size=60), TEXT, TOKEN_IDS, st.lists(TEXT, max_size=4),
+                       st.lists(TOKEN_IDS, max_size=4)),
+    "encoding_format": st.one_of(st.sampled_from(["float", "base64"]), TEXT), "dimensions": INTS, "user": TEXT,
+    "truncate_prompt_tokens": INTS, "normalize": st.booleans(),
 }
 
 
@@ -125,6 +154,19 @@ WELL_TYPED_CHAT_FIELDS = _WELL_TYPED_COMMON | {
                                                     {"type": st.just("text"), "text": _CLEAN_TEXT}), max_size=2))}),
                          min_size=1, max_size=3),
     "max_completion_tokens": st.integers(1, 40), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": _NAMES, "parameters": _SCHEMA})}), max_size=2),
+    "tool_choice": _TOOL_CHOICE, "parallel_tool_calls": st.booleans(),
+}
+
+
+_ID_LISTS = st.lists(st.integers(0, 49_151), min_size=1, max_size=120)  # some beyond the 96-token context
+WELL_TYPED_EMBEDDING_FIELDS = {
+    "model": st.just(MODEL), "user": _CLEAN_TEXT, "normalize": st.booleans(),
+    "input": st.one_of(_CLEAN_TEXT.filter(str.strip), st.lists(_CLEAN_TEXT.filter(str.strip), min_size=1, max_size=8),
+                       _ID_LISTS, st.lists(_ID_LISTS, min_size=1, max_size=6)),
+    "encoding_format": st.sampled_from(["float", "base64"]),
+    "truncate_prompt_tokens": st.one_of(st.just(-1), st.integers(1, 200)),
 }
 
 
@@ -173,6 +215,76 @@ def test_fuzz_well_typed_chat_completions(client, body):
     send(client, "/v1/chat/completions", encode(body, False))
 
 
+@_FUZZ
+@given(body=bodies(EMBEDDING_FIELDS, "input"), ascii_only=st.booleans())
+def test_fuzz_embeddings(client, body, ascii_only):
+    send(client, "/v1/embeddings", encode(body, ascii_only))
+
+
+@_FUZZ
+@given(body=well_typed(WELL_TYPED_EMBEDDING_FIELDS, "input"))
+def test_fuzz_well_typed_embeddings(client, body):
+    send(client, "/v1/embeddings", encode(body, False))
+
+
+# -- the Responses API and the tokenizer routes -----------------------------------------------------
+
+_ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "developer", "assistant"]), TEXT),
+                           "content": st.one_of(TEXT, JUNK, st.lists(st.fixed_dictionaries(
+                               {"type": st.one_of(st.sampled_from(["input_text", "output_text", "input_image"]), TEXT)},
+                               optional={"text": TEXT}), max_size=2))}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": TEXT, "name": st.one_of(_NAMES, TEXT),
+                           "arguments": st.one_of(st.just("{}"), TEXT)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": TEXT, "output": st.one_of(TEXT, JUNK)}),
+    st.fixed_dictionaries({"type": st.one_of(st.just("reasoning"), TEXT)}, optional={"summary": JUNK}),
+    JUNK)
+_RESPONSES_TOOL = st.fixed_dictionaries(
+    {"type": st.one_of(st.just("function"), TEXT), "name": st.one_of(_NAMES, TEXT)},
+    optional={"parameters": st.one_of(_SCHEMA, JUNK), "strict": st.booleans()})
+RESPONSES_FIELDS = {
+    "model": st.one_of(st.just(MODEL), TEXT),
+    "input": st.one_of(st.text(max_size=60), TEXT, st.lists(_ITEM, max_size=4)),
+    "instructions": TEXT, "max_output_tokens": INTS, "temperature": FLOATS, "top_p": FLOATS, "stream": st.booleans(),
+    "tools": st.lists(_RESPONSES_TOOL, max_size=2), "parallel_tool_calls": st.booleans(), "store": st.booleans(),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                             st.fixed_dictionaries({"type": st.just("function"), "name": st.one_of(_NAMES, TEXT)})),
+    "previous_response_id": st.one_of(TEXT, st.just("resp_x")), "metadata": st.dictionaries(TEXT, TEXT, max_size=2),
+    "text": st.fixed_dictionaries({"format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "name": TEXT, "schema": st.one_of(_SCHEMA, JUNK)}))}),
+    "reasoning": JUNK, "include": st.lists(TEXT, max_size=2), "truncation": st.sampled_from(["auto", "disabled"]),
+    "background": st.booleans(), "user": TEXT,
+}
+TOKENIZE_FIELDS = {
+    "model": st.one_of(st.just(MODEL), TEXT), "prompt": st.one_of(st.text(max_size=60), TEXT),
+    "messages": st.lists(_MESSAGE, max_size=3), "add_generation_prompt": st.booleans(),
+    "add_special_tokens": st.booleans(), "return_token_strs": st.booleans(), "tools": st.lists(_TOOL, max_size=2),
+    "chat_template_kwargs": st.dictionaries(TEXT, JUNK, max_size=2),
+}
+DETOKENIZE_FIELDS = {"model": st.one_of(st.just(MODEL), TEXT),
+                     "tokens": st.one_of(TOKEN_IDS, st.lists(INTS, max_size=5))}
+_FUZZ_ROUTE = settings(_FUZZ, max_examples=60)
+
+
+@_FUZZ_ROUTE
+@given(body=bodies(RESPONSES_FIELDS, "input"), ascii_only=st.booleans())
+def test_fuzz_responses(client, body, ascii_only):
+    send(client, "/v1/responses", encode(body, ascii_only))
+
+
+@_FUZZ_ROUTE
+@given(body=bodies(TOKENIZE_FIELDS, "prompt"), ascii_only=st.booleans())
+def test_fuzz_tokenize(client, body, ascii_only):
+    send(client, "/tokenize", encode(body, ascii_only))
+
+
+@_FUZZ_ROUTE
+@given(body=bodies(DETOKENIZE_FIELDS, "tokens"), ascii_only=st.booleans())
+def test_fuzz_detokenize(client, body, ascii_only):
+    send(client, "/detokenize", encode(body, ascii_only))
+
+
 # -- hand-written hostile requests ------------------------------------------------------------------
 
 _BIG = "9" * 5001
@@ -207,6 +319,21 @@ def hostile_requests() -> list[tuple[str, bytes | None, dict | None, str]]:
     cases += [("/v1/completions", b'{"prompt": ' + d + b"}", None, "POST") for d in deep]
     cases += [("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x", "name": ' + d + b"}]}",
                None, "POST") for d in deep]
+    cases += [("/v1/embeddings", b'{"input": ' + d + b"}", None, "POST") for d in deep]
+    cases += [("/v1/embeddings", encode(body, ascii_only), None, "POST") for ascii_only in (True, False)
+              for body in ({"input": "x\ud800y"}, {"input": ["a", "x\ud800y"]}, {"input": "a", "user": "x\ud800y"})]
+    cases += [("/v1/embeddings", f'{{"input": "hi", "{field}": {_BIG}}}'.encode(), None, "POST")
+              for field in ("dimensions", "truncate_prompt_tokens")]
+    for path, key in (("/v1/responses", "input"), ("/tokenize", "prompt"), ("/detokenize", "tokens")):
+        cases += [(path, b'{"%s": ' % key.encode() + d + b"}", None, "POST") for d in deep]
+    cases += [(path, encode(body, ascii_only), None, "POST") for ascii_only in (True, False) for path, body in (
+        ("/v1/responses", {"input": "x\ud800y"}), ("/v1/responses", {"input": [{"role": "user", "content": "\ud800"}]}),
+        ("/v1/chat/completions", {"messages": _MSG, "tools": [{"type": "function", "function": {"name": "\ud800"}}]}),
+        ("/tokenize", {"prompt": "x\ud800"}), ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}))]
+    cases += [("/detokenize", f'{{"tokens": [{_BIG}]}}'.encode(), None, "POST"),
+              ("/v1/responses", f'{{"input": "hi", "max_output_tokens": {_BIG}}}'.encode(), None, "POST"),
+              ("/v1/models/%ff%00", None, None, "GET"), ("/v1/responses/%ff", None, None, "GET"),
+              ("/v1/responses/" + "x" * 5000, None, None, "GET")]
     cases += [("/v1/completions", raw, None, "POST") for raw in (
         b"", b"   ", b"not json", b"{", b"}", b"[]", b"null", b"1", b'"prompt"', b"\x00\x01\x02", b"\xff" * 10,
         b'{"prompt": "a", "prompt": [1]}', b"\xef\xbb\xbf" + b'{"prompt": "hi"}', '{"prompt": "hi"}'.encode("utf-16"),

@@ -168,6 +168,7 @@ def test_internal_errors_name_only_a_request_id(caplog):
 
 
 def test_a_refusing_chat_template_gets_a_400_without_its_text():
+    from deepinfer.entrypoints.openai.chat_prompt import ChatSetup
     from deepinfer.entrypoints.openai.errors import APIError
     from deepinfer.entrypoints.openai.server import _prepare_chat
 
@@ -178,6 +179,8 @@ def test_a_refusing_chat_template_gets_a_400_without_its_text():
             raise ValueError("a secret internal detail")
 
     class State:
+        chat_setup = ChatSetup()  # no tool or reasoning parser
+
         def check_model(self, model):
             pass
 

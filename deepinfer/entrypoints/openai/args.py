@@ -23,7 +23,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between the throughput lines (prompt and generation tokens/s, running and "
                         "waiting requests, KV cache usage) logged while the server is busy")
     g.add_argument("--disable-log-stats", action="store_true", help="log no throughput lines")
+    add_agent_args(p)
     add_connection_args(p)
+
+
+def add_agent_args(p: argparse.ArgumentParser) -> None:
+    from deepinfer.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
+    from deepinfer.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
+
+    g = p.add_argument_group("tool calls and reasoning")
+    g.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,
+                   help="the format of tool calls in the model's answers; auto: the one its chat template writes "
+                        "(requests with tools get a 400 when it writes none the server knows)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_CHOICES,
+                   help="split a <think>...</think> section off the answer into reasoning_content (default: none)")
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

@@ -65,7 +65,8 @@ def run_server(args) -> int:
     engine = make_llm(args).engine
     settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                              tokenizer_workers=args.tokenizer_workers)
+                              tokenizer_workers=args.tokenizer_workers, tool_call_parser=args.tool_call_parser,
+                              reasoning_parser=args.reasoning_parser)
     fatal = FatalExit()
     app = build_app(engine, settings, on_fatal=fatal)
     app.state.server.engine_loop.stats_logger.interval_s = None if args.disable_log_stats else args.log_stats_interval

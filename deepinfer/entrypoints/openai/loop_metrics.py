@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
 from deepinfer.entrypoints.openai.stats_log import StatsLogger
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 
 
 @dataclass
@@ -32,11 +32,12 @@ class TrackedRequest:
     num_output_tokens: int = 0
 
 
-def account(tracked: TrackedRequest, out: RequestOutput, now: float, stats_logger: StatsLogger,
-            metrics: ServerMetrics | None) -> None:
+def account(tracked: TrackedRequest, out: RequestOutput | EmbeddingRequestOutput, now: float,
+            stats_logger: StatsLogger, metrics: ServerMetrics | None) -> None:
     """Per-request timing: TTFT at the first token, mean TPOT and latency at the end. Tokens
-    count over every completion (n > 1: all samples)."""
-    num_new = sum(len(c.delta_token_ids) for c in out.outputs)
+    count over every completion (n > 1: all samples); an embedding has none, only its latency."""
+    completions = out.outputs if isinstance(out, RequestOutput) else []
+    num_new = sum(len(c.delta_token_ids) for c in completions)
     ttft = None
     if num_new:
         if tracked.first_token_time is None:
@@ -53,7 +54,8 @@ def account(tracked: TrackedRequest, out: RequestOutput, now: float, stats_logge
         if tracked.num_output_tokens > 1:
             tpot = ((tracked.last_token_time - tracked.first_token_time)
                     / (tracked.num_output_tokens - 1))
-        metrics.record_finished(out.outputs[0].finish_reason, now - tracked.arrival_time, tpot)
+        reason = completions[0].finish_reason if completions else out.finish_reason
+        metrics.record_finished(reason, now - tracked.arrival_time, tpot)
 
 
 # EngineStats field <- its `LLMEngine.get_metrics` key; a key the engine does not report (the cache

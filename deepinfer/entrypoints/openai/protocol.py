@@ -3,13 +3,15 @@
 Unknown fields are refused, as OpenAI's API does (a 400 naming the field: a misspelled
 `max_tokns` never silently falls back to a default); every field the official `openai` client
 sends is declared. Fields that change nothing here are accepted and ignored (`user`, `metadata`,
-`store`, `service_tier`, `parallel_tool_calls`, `prediction`, `prompt_cache_key`,
-`safety_identifier`). Chat messages keep their extra fields (they reach the chat template).
+`store`, `service_tier`, `prediction`, `prompt_cache_key`, `safety_identifier`). Chat messages
+keep their extra fields (they reach the chat template). Function `tools`, `tool_choice` and
+`parallel_tool_calls` are checked in `tools.py`; `chat_template_kwargs` (an extension, as in
+vLLM) reach the chat template (e.g. `{"enable_thinking": false}`).
 `cache_salt` (an extension, as in vLLM) keeps a request's prefix
 cache apart from requests with another salt. vLLM's sampling extensions `min_tokens`,
 `include_stop_str_in_output`, `bad_words` and `prompt_logprobs` (a top-level list in the
 response) are accepted beside OpenAI's `logit_bias`. Fields that would change the meaning of a request but that the
-server does not implement (tools, echo, ...) are parsed loosely and refused by
+server does not implement (echo, the legacy `functions`, ...) are parsed loosely and refused by
 `check_supported()` with a 400 that names them, so a client never gets a silently different
 answer.
 
@@ -20,11 +22,14 @@ an integer; an integer is a float. Numbers must be finite.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup, TemplateRefused, prepare_chat
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
+from deepinfer.entrypoints.openai.tools import FieldError, ToolPlan, tool_plan
 from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
@@ -192,7 +197,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # accepted and ignored (tools are refused)
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # accepted and ignored (a speed hint; the answer is the same)
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -208,9 +214,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        _refuse_if(bool(self.tools), "tools", "tools are not supported")
-        _refuse_if(self.tool_choice not in (None, "none"), "tool_choice", "tool_choice is not supported")
-        _refuse_if(bool(self.functions), "functions", "functions are not supported")
+        _refuse_if(bool(self.functions), "functions", "functions are not supported; send them as tools")
         _refuse_if(self.function_call not in (None, "none"), "function_call",
                    "function_call is not supported")
         _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
@@ -221,6 +225,32 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict]:
         return [m.template_dict() for m in self.messages]
+
+    def tool_plan(self) -> ToolPlan | None:
+        """The checked tools (a 400 naming the field for a bad one)."""
+        try:
+            return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except FieldError as exc:
+            raise bad_request(str(exc), exc.param) from None
+
+    def chat_prompt(self, tokenizer, setup: ChatSetup) -> ChatPrompt:
+        """The rendered prompt, the answer's grammar and the plan for reading it (`chat_prompt.py`);
+        400s naming the field."""
+        tools = self.tool_plan()
+        structured = structured_output_of(self) if setup.reasoning is not None else None
+        try:
+            return prepare_chat(tokenizer, setup, self.template_messages(), tools, structured,
+                                template_kwargs=self.chat_template_kwargs)
+        except FieldError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        except TemplateRefused as exc:
+            logging.getLogger("deepinfer.server").info("the chat template refused a conversation: %s", exc)
+            raise bad_request("the model's chat template refused the messages (check their roles, order "
+                              "and content)", "messages") from None
+        except ValueError as exc:  # the grammar: a forced call's, or one after the reasoning section
+            if tools is not None and tools.forced:
+                raise bad_request(f"tools: the forced call's grammar was refused: {exc}", "tools") from None
+            raise structured_output_error(self, exc) from None
 
 
 def _refuse_if(condition: bool, param: str, message: str, code: str | None = "unsupported_parameter"

@@ -4,8 +4,13 @@
     GET  /health                 200 while the engine runs and the server takes requests
     GET  /metrics                Prometheus text
     GET  /v1/models              the one served model (its served name, never a path)
+    GET  /v1/models/{id}         that model's card (404 for another id)
     POST /v1/completions         text completion, whole or streamed (SSE)
-    POST /v1/chat/completions    chat completion through the model's chat template
+    POST /v1/chat/completions    chat completion through the model's chat template, with tool calls
+                                 and reasoning parsed out of the answer (chat_prompt.py, chat_output.py)
+    POST /v1/responses           the Responses API over the same chat path (responses.py)
+    POST /tokenize, /detokenize  vLLM's tokenizer routes (tokenize_routes.py)
+    POST /v1/embeddings          embeddings of one input or a batch (embeddings.py)
 
 Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
 header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import hmac
 import logging
 import os
@@ -46,6 +52,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
+from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup
+from deepinfer.entrypoints.openai.embeddings import embeddings_routes
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.errors import (
     APIError,
@@ -57,6 +65,8 @@ from deepinfer.entrypoints.openai.errors import (
 )
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structured_output_error
+from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
+from deepinfer.entrypoints.openai.responses import responses_routes
 from deepinfer.entrypoints.openai.serving import (
     ChatFormatter,
     CompletionFormatter,
@@ -64,6 +74,8 @@ from deepinfer.entrypoints.openai.serving import (
     engine_closed,
     stream_events,
 )
+from deepinfer.entrypoints.openai.tokenize_routes import model_card, tokenize_routes
+from deepinfer.entrypoints.openai.tool_parsers import make_tool_parser
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, model_sampling_defaults
 from deepinfer.structured_output import GrammarCompiler
 
@@ -83,6 +95,8 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
     tokenizer_workers: int = 2  # threads that parse, tokenize and chat-template request bodies
+    tool_call_parser: str = "auto"  # the tool-call format (tool_parsers: auto = the chat template's)
+    reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think> sections -> reasoning_content
 
 
 class TokenizerPool:
@@ -147,6 +161,8 @@ class ServerState:
         self.grammars = GrammarCompiler(copy.deepcopy(engine.tokenizer), self.vocab_size, engine.eos_token_ids)
         self.sampling_defaults = sampling_defaults(engine.source)
         self.created = int(time.time())
+        self.chat_setup = ChatSetup(make_tool_parser(settings.tool_call_parser, self.tokenizer),
+                                    make_reasoning_parser(settings.reasoning_parser, self.tokenizer))
 
     def check_capacity(self) -> None:
         """503 while shutting down, 429 while the waiting queue (incl. requests being tokenized) is full."""
@@ -188,6 +204,10 @@ def build_app(engine, settings: ServerSettings,
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     app.include_router(_public_routes(state))
     app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(embeddings_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(tokenize_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(responses_routes(state, prepare_chat_body),
+                       dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
@@ -255,10 +275,12 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict:
-        name = state.settings.model_name
-        card = {"id": name, "object": "model", "created": state.created, "owned_by": "deepinfer",
-                "root": name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card(state)]}
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        state.check_model(model_id)
+        return model_card(state)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
@@ -272,9 +294,9 @@ def _v1_routes(state: ServerState) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         state.check_capacity()
         raw = await read_body(request)
-        body, prompt_ids, params = await state.pool.run(_prepare_chat, state, raw)
-        return await _generate(state, request, body, prompt_ids, params,
-                               ChatFormatter, f"chatcmpl-{uuid.uuid4().hex}")
+        body, chat, params = await state.pool.run(_prepare_chat, state, raw)
+        return await _generate(state, request, body, chat.prompt_ids, params,
+                               functools.partial(ChatFormatter, plan=chat.plan), f"chatcmpl-{uuid.uuid4().hex}")
 
     return router
 
@@ -301,16 +323,30 @@ def _completion_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[Compl
 
 
 def _prepare_chat(tokenizer, state: ServerState, raw: bytes
-                  ) -> tuple[ChatCompletionRequest, list[int], SamplingParams]:
-    body, prompt_ids = _chat_prompt(tokenizer, state, raw)
-    return body, prompt_ids, _prepared_params(tokenizer, state, body, prompt_ids, "messages")
+                  ) -> tuple[ChatCompletionRequest, ChatPrompt, SamplingParams]:
+    body = ChatCompletionRequest.model_validate(parse_json(raw))
+    return body, *prepare_chat_body(tokenizer, state, body)
 
 
-def _prepared_params(tokenizer, state: ServerState, body, prompt_ids: list[int], param: str) -> SamplingParams:
+def prepare_chat_body(tokenizer, state: ServerState, body: ChatCompletionRequest) -> tuple[ChatPrompt, SamplingParams]:
+    """A parsed chat request's prompt and reading plan, and its SamplingParams ready for admission."""
+    body.check_supported()
+    state.check_model(body.model)
+    chat = body.chat_prompt(tokenizer, state.chat_setup)
+    return chat, _prepared_params(tokenizer, state, body, chat.prompt_ids, "messages", chat)
+
+
+def _prepared_params(tokenizer, state: ServerState, body, prompt_ids: list[int], param: str,
+                     chat: ChatPrompt | None = None) -> SamplingParams:
     """The request's SamplingParams, ready for admission: checked, bad words tokenized, structured
-    output compiled (a 400 naming the param for anything refused)."""
+    output compiled (a 400 naming the param for anything refused). A chat's grammar (a forced tool
+    call, or the structured output after the reasoning section) replaces the body's."""
     params = _sampling_params(state, body, len(prompt_ids), param)
     try:
+        if chat is not None:  # checked again with the chat's grammar (min_tokens cannot go with one)
+            params.structured_output = chat.structured_output or params.structured_output
+            params.skip_special_tokens = not chat.keep_special_tokens
+            params.validate()
         params.set_bad_words_tokens(tokenizer)
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
@@ -318,24 +354,10 @@ def _prepared_params(tokenizer, state: ServerState, body, prompt_ids: list[int],
         try:
             state.grammars.prepare(params.structured_output, params.first_banned_token_ids())
         except ValueError as exc:
+            if chat is not None and chat.forced_call:
+                raise bad_request(f"tools: the forced call's grammar was refused: {exc}", "tools") from None
             raise structured_output_error(body, exc) from None
     return params
-
-
-def _chat_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
-    body = ChatCompletionRequest.model_validate(parse_json(raw))
-    body.check_supported()
-    state.check_model(body.model)
-    if tokenizer is None or not tokenizer.chat_template:
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    messages = body.template_messages()
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # the template refused the conversation (roles, order, content, ...)
-        logger.info("the chat template refused a conversation: %r", exc)
-        raise bad_request("the model's chat template refused the messages (check their roles, order "
-                          "and content)", "messages") from None
-    return body, list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def sampling_defaults(source) -> dict:

@@ -19,12 +19,13 @@ import abc
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import asdict, replace
 
+from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan, ChoiceStream
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.errors import APIError, bad_request, internal_error, service_unavailable
 from deepinfer.entrypoints.openai.request_stream import RequestHandle
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.structured_output import structured_output_failure
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -167,13 +168,18 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """POST /v1/chat/completions: `message` / `delta` choices and the chat logprobs shape."""
+    """POST /v1/chat/completions: `message` / `delta` choices and the chat logprobs shape. With a
+    `plan` that parses (`chat_output.py`), each choice's text is read into reasoning_content,
+    content and tool_calls, whole or streamed (one ChoiceStream per choice); a choice that made
+    calls and stopped finishes with "tool_calls"."""
 
     object_name, chunk_object_name = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, plan: ChatOutputPlan | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._roles_sent: set[int] = set()  # choice indices (beyond 0) whose first delta carried the role
+        self.plan = plan if plan is not None and plan.parses else None
+        self._streams: dict[int, ChoiceStream] = {}  # per choice index
 
     def start_chunks(self) -> list[dict]:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -182,17 +188,37 @@ class ChatFormatter(_Formatter):
 
     def chunk_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
+        delta, finish_reason = self._delta(c)
         if c.index and c.index not in self._roles_sent:  # index 0's role went in the first chunk
             self._roles_sent.add(c.index)
             delta = {"role": "assistant", **delta}
         return {"index": c.index, "delta": delta, "logprobs": self._logprobs(out, len(c.delta_token_ids)),
-                "finish_reason": c.finish_reason}
+                "finish_reason": finish_reason}
+
+    def _delta(self, c: CompletionOutput) -> tuple[dict, str | None]:
+        if self.plan is None:
+            return ({"content": c.delta_text} if c.delta_text or not c.finished else {}), c.finish_reason
+        stream = self._streams.setdefault(c.index, self.plan.stream())
+        parts = stream.feed(c.delta_text, c.finished)
+        delta = {"reasoning_content": parts.reasoning_content, "content": parts.content,
+                 "tool_calls": parts.tool_calls}
+        return {key: value for key, value in delta.items() if value}, tool_finish_reason(c.finish_reason,
+                                                                                         stream.num_calls)
 
     def final_choice(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(out, None), "finish_reason": c.finish_reason}
+        message: dict = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if self.plan is not None:
+            parsed = self.plan.parse(c.text)
+            message["content"] = parsed.content
+            if self.plan.reasoning is not None:
+                message["reasoning_content"] = parsed.reasoning_content
+            if parsed.tool_calls:
+                message["tool_calls"] = [asdict(call) for call in parsed.tool_calls]
+            finish_reason = tool_finish_reason(finish_reason, len(parsed.tool_calls))
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(out, None),
+                "finish_reason": finish_reason}
 
     def _logprobs(self, out: RequestOutput, num_last: int | None) -> dict | None:
         if self.num_logprobs is None:
@@ -208,6 +234,11 @@ class ChatFormatter(_Formatter):
     def _token_logprob(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
         return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
+
+
+def tool_finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
+    """"tool_calls" for an answer that made calls and stopped (OpenAI's finish reason then)."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
 def request_failure(out: RequestOutput, response_id: str) -> APIError | None:

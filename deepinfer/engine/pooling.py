@@ -1,0 +1,165 @@
+"""Embeddings on the engine side: how the model pools (`PoolingConfig`, read once from the
+checkpoint), and an embedding request's admission. Pure Python.
+
+Where the pooling comes from, in order:
+
+    --pooling last|mean|cls        overrides the type (normalisation stays as declared)
+    modules.json (sentence-transformers):
+        Transformer -> Pooling -> [Normalize]   the Pooling module's mode (`pooling_mode`, or the
+                                                older `pooling_mode_*_token` flags): mean, cls or
+                                                lasttoken; Normalize present: L2-normalised
+    otherwise                      last token, L2-normalised: the default vLLM gives decoder
+                                   embedding models (e.g. Qwen3-Embedding)
+
+A checkpoint whose modules change the vector in ways not computed here (a Dense projection, max or
+weighted-mean pooling, several modes concatenated) still serves generation; its embedding requests
+are refused with the reason. Matryoshka (`dimensions`): allowed when the model's config declares
+`is_matryoshka` or `matryoshka_dimensions`, as in vLLM.
+
+An embedding request is a `Request` whose `pooling_params` are set: it is scheduled like any prompt
+(chunked prefill included), takes no prefix-cache hit (every row must be computed for its pool),
+samples nothing, and finishes with the step that completes its prompt, its blocks freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from deepinfer.contracts.pooling import PoolingParams
+from deepinfer.engine.request import Request
+from deepinfer.sampling_params import SamplingParams, short_repr
+
+_ST_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}  # sentence-transformers mode -> ours
+_ST_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
+             "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+             "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+DEFAULT_SOURCE = "default for decoder models: last token, L2-normalised"
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How this model turns a prompt's final hidden rows into one embedding."""
+
+    pooling_type: str  # "last", "mean" or "cls"
+    normalize: bool
+    hidden_size: int
+    matryoshka: bool = False  # `dimensions` may shorten the vector
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the only lengths allowed, when declared
+    source: str = DEFAULT_SOURCE  # where the choice came from (shown at start-up and in errors)
+    unsupported: str | None = None  # why this checkpoint's embeddings cannot be computed here
+
+    def resolve(self, params: PoolingParams) -> PoolingParams:
+        """A copy of `params` with the pooling type and normalisation filled in; ValueError naming
+        `dimensions` (or the checkpoint's unsupported module) when the request cannot be served."""
+        if self.unsupported is not None:
+            raise ValueError(f"this model's embeddings are not supported: {self.unsupported}")
+        params = dataclasses.replace(params)  # validates, and the caller's object stays as it was
+        self._check_dimensions(params.dimensions)
+        normalize = self.normalize if params.normalize is None else params.normalize
+        return dataclasses.replace(params, pooling_type=self.pooling_type, normalize=normalize)
+
+    def _check_dimensions(self, dimensions: int | None) -> None:
+        if dimensions is None:
+            return
+        if not self.matryoshka:
+            raise ValueError(f"dimensions={short_repr(dimensions)}: this model does not declare Matryoshka "
+                             f"embeddings (is_matryoshka or matryoshka_dimensions in its config), so its "
+                             f"{self.hidden_size}-value vectors cannot be shortened")
+        allowed = self.matryoshka_dimensions
+        if allowed is not None and dimensions not in allowed:
+            raise ValueError(f"dimensions must be one of {list(allowed)} for this model, got {dimensions}")
+        if dimensions > self.hidden_size:
+            raise ValueError(f"dimensions must be <= {self.hidden_size} (the model's embedding size), "
+                             f"got {dimensions}")
+
+
+def pooling_config(path: str | None, hf_config, choice: str = "auto") -> PoolingConfig:
+    """The model's pooling: `choice` ("auto" or a type that overrides), the checkpoint directory's
+    sentence-transformers modules (when `path` is a directory holding modules.json), the default."""
+    kind, normalize, source, problem = "last", True, DEFAULT_SOURCE, None
+    modules = _read_json(path, "modules.json") if path and os.path.isdir(path) else None
+    if isinstance(modules, list):
+        mode, normalize, others = _st_modules(path, modules)
+        kind = _ST_MODES.get(mode)
+        source = f"sentence-transformers modules.json of {os.path.basename(os.path.normpath(path))}"
+        if others:
+            problem = f"its sentence-transformers module(s) {', '.join(others)} are not computed here"
+        elif kind is None and choice == "auto":
+            problem = f"its sentence-transformers pooling {mode!r} is not computed here (mean, cls, lasttoken are)"
+    if choice != "auto":
+        kind, source = choice, f"--pooling {choice}"
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    return PoolingConfig(kind or "last", normalize, int(getattr(hf_config, "hidden_size", 0) or 0),
+                         bool(getattr(hf_config, "is_matryoshka", False) or dims), tuple(dims) if dims else None,
+                         source, problem)
+
+
+def _st_modules(path: str, modules: list) -> tuple[str | None, bool, list[str]]:
+    """(the Pooling module's mode, whether a Normalize follows, other modules) of a
+    sentence-transformers pipeline."""
+    mode, normalize, others = None, False, []
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1] if isinstance(module, dict) else ""
+        if kind == "Pooling":
+            mode = _st_pooling(_read_json(os.path.join(path, str(module.get("path", ""))), "config.json"))
+        elif kind == "Normalize":
+            normalize = True
+        elif kind != "Transformer":
+            others.append(kind or short_repr(module))
+    return mode, normalize, others
+
+
+def _st_pooling(config) -> str | None:
+    """A Pooling module's one mode ("mean", "cls", "lasttoken", ...), or a description of several."""
+    if not isinstance(config, dict):
+        return None
+    mode = config.get("pooling_mode")
+    if mode is None:
+        mode = [name for key, name in _ST_FLAGS.items() if config.get(key)] or ["mean"]
+    if isinstance(mode, list):
+        return mode[0] if len(mode) == 1 else "+".join(map(str, mode))
+    return str(mode)
+
+
+def _read_json(directory: str, name: str):
+    try:
+        with open(os.path.join(directory, name), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# -- admission --------------------------------------------------------------------------------------
+
+
+def truncated(ids: list[int], params: PoolingParams, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` ids (-1: the last max_model_len), or all of them."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:]
+
+
+def check_prompt(ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """An embedding input is not empty, fits the context (all of it: nothing is generated after it)
+    and holds only ids of the vocabulary; ValueError naming the prompt otherwise."""
+    if not ids:
+        raise ValueError("prompt is empty (0 tokens); give at least one token")
+    if len(ids) > max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {max_model_len} (pass "
+                         f"truncate_prompt_tokens to keep only its last tokens)")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {short_repr(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def pooling_request(request_id: str, ids: list[int], params: PoolingParams, max_model_len: int,
+                    cache_salt: str | None = None) -> Request:
+    """The Request of an embedding: it computes `ids` and samples nothing (its SamplingParams are a
+    placeholder the scheduler never hands to the sampler)."""
+    return Request(request_id, ids, SamplingParams(max_tokens=1), max_model_len=max_model_len,
+                   cache_salt=cache_salt, pooling_params=params)

@@ -1,0 +1,184 @@
+"""The Responses API's request body, and its mapping onto a chat completion request.
+
+The subset `client.responses.create` and agent frameworks use: `input` (a string, or a list of
+message items and of `function_call` / `function_call_output` items; `reasoning` items are
+skipped), `instructions` (a system message; not carried over from a previous response, as in
+OpenAI's API), function `tools` and `tool_choice`, `text.format` (text, json_object,
+json_schema), `max_output_tokens`, `temperature`, `top_p`, `previous_response_id`, `store`,
+`stream`. Fields that change nothing here are accepted and ignored (`include`, `reasoning`,
+`truncation`, `user`, `metadata` (returned as given), `service_tier`, ...); fields whose meaning
+the server does not implement (`background`, `conversation`, `prompt`, `max_tool_calls`) are a
+400 naming them. Items are read loosely (an item's unknown fields are ignored: clients send back
+the output items they got, with ids and statuses).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.sampling_params import short_repr
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+# chat field -> the Responses field it comes from (for the param of a 400)
+CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses."""
+
+    model_config = _STRICT
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    text: dict[str, Any] | None = None
+    # accepted and ignored
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    # refused when set
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        for name in ("conversation", "prompt", "max_tool_calls", "top_logprobs"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, f"{name} is not supported")
+        if self.background:
+            raise FieldError("background", "background responses are not supported")
+
+    def chat_body(self, history: list[dict]) -> dict:
+        """The chat completion request this response is: `history` (a previous response's
+        conversation) between the instructions and this input."""
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + \
+            list(history) + input_messages(self.input)
+        body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "tools": chat_tools(self.tools),
+                "tool_choice": chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
+                "response_format": chat_response_format(self.text)}
+        return {key: value for key, value in body.items() if value is not None}
+
+    def conversation_messages(self, history: list[dict]) -> list[dict]:
+        """What a later response continues from: the history and this input (no instructions)."""
+        return list(history) + input_messages(self.input)
+
+
+def input_messages(value: str | list[dict]) -> list[dict]:
+    """`input` as chat messages; FieldError naming `input[i]` for an item that cannot be one."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(i, item))
+        elif kind == "function_call":
+            _add_call(messages, i, item)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _string(i, item, "call_id"),
+                             "content": _text(i, item.get("output"), "output")})
+        elif kind != "reasoning":  # reasoning items are the model's own notes: not sent back to it
+            raise FieldError("input", f"input[{i}]: items of type {short_repr(kind)} are not supported")
+    if not messages:
+        raise FieldError("input", "input holds no message")
+    return messages
+
+
+def _message(i: int, item: dict) -> dict:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise FieldError("input", f"input[{i}].role must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
+    return {"role": _ROLES[role], "content": _text(i, item.get("content"), "content")}
+
+
+def _text(i: int, content, field: str) -> str:
+    """A string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError("input", f"input[{i}].{field} must be a string or a list of text parts, "
+                         f"got {short_repr(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise FieldError("input", f"input[{i}].{field}[{j}]: only text parts are supported, got type "
+                             f"{short_repr(kind)}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(i: int, item: dict, key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise FieldError("input", f"input[{i}].{key} must be a non-empty string, got {short_repr(value)}")
+    return value
+
+
+def _add_call(messages: list[dict], i: int, item: dict) -> None:
+    """A function_call item joins the assistant message before it (or starts one)."""
+    call = {"id": _string(i, item, "call_id"), "type": "function",
+            "function": {"name": _string(i, item, "name"), "arguments": _text(i, item.get("arguments", "{}"),
+                                                                            "arguments")}}
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1].setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def chat_tools(tools: list | None) -> list | None:
+    """Responses function tools (`{"type": "function", "name", ...}`) in the chat shape."""
+    if tools is None:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else tool
+            raise FieldError("tools", f"tools[{i}]: only function tools are supported, got type {short_repr(kind)}")
+        converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return converted
+
+
+def chat_tool_choice(choice):
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):
+        raise FieldError("tool_choice", f"tool_choice {short_repr(choice)} is not supported; send 'none', 'auto', "
+                         "'required' or {\"type\": \"function\", \"name\": ...}")
+    return choice
+
+
+def chat_response_format(text: dict | None) -> dict | None:
+    """`text.format` as the chat request's response_format (None: free text)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise FieldError("text", f"text.format must be of type text, json_object or json_schema, got "
+                         f"{short_repr(fmt)}")
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return {"type": fmt["type"]}

@@ -1,0 +1,108 @@
+"""vLLM's tokenizer routes, and the model card of /v1/models.
+
+    POST /tokenize     {"model"?, "prompt", "add_special_tokens"?: true}
+                       {"model"?, "messages", "add_generation_prompt"?: true, "tools"?,
+                        "chat_template_kwargs"?, "add_special_tokens"?: false}
+                       -> {"count", "max_model_len", "tokens", "token_strs"}   (token_strs with
+                          "return_token_strs": true, else null)
+    POST /detokenize   {"model"?, "tokens": [int]} -> {"prompt"}
+
+A chat is rendered exactly as /v1/chat/completions renders it (with its tools), so `count` is the
+prompt's length there. Bodies are parsed and tokenized in the tokenizer pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.entrypoints.openai.body import parse_json, read_body
+from deepinfer.entrypoints.openai.chat_prompt import TemplateRefused, render_chat
+from deepinfer.entrypoints.openai.errors import bad_request
+from deepinfer.entrypoints.openai.protocol import ChatMessage
+from deepinfer.entrypoints.openai.tools import FieldError, tool_plan
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TokenizeRequest(BaseModel):
+    """One of `prompt` (text) or `messages` (a chat)."""
+
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for a chat (as vLLM)
+    return_token_strs: bool = False
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[int]
+
+
+def model_card(state) -> dict:
+    name = state.settings.model_name
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "deepinfer",
+            "root": name, "max_model_len": state.max_model_len, "vocab_size": state.vocab_size}
+
+
+def tokenize_routes(state) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        raw = await read_body(request)
+        return await state.pool.run(_tokenize, state, raw)
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        raw = await read_body(request)
+        return {"prompt": await state.pool.run(_detokenize, state, raw)}
+
+    return router
+
+
+def _tokenize(tokenizer, state, raw: bytes) -> dict:
+    body = TokenizeRequest.model_validate(parse_json(raw))
+    ids = _token_ids(tokenizer, state, body)
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
+    state.check_model(body.model)
+    if tokenizer is None:
+        raise bad_request("this model ships no tokenizer")
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send one of prompt (text) or messages (a chat)", "prompt")
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
+    try:
+        text = render_chat(tokenizer, [m.template_dict() for m in body.messages], tool_plan(body.tools, None),
+                           template_kwargs=body.chat_template_kwargs,
+                           add_generation_prompt=body.add_generation_prompt)
+    except FieldError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    except TemplateRefused:
+        raise bad_request("the model's chat template refused the messages (check their roles, order and "
+                          "content)", "messages") from None
+    return list(tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"])
+
+
+def _detokenize(tokenizer, state, raw: bytes) -> str:
+    body = DetokenizeRequest.model_validate(parse_json(raw))
+    state.check_model(body.model)
+    if tokenizer is None:
+        raise bad_request("this model ships no tokenizer")
+    bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+    return tokenizer.decode(body.tokens)
