@@ -98,7 +98,13 @@ PARITY_MODULES = ("models/deepseek_v4/test_v4_engine.py", "models/test_parity.py
                   "worker/test_sizing_module.py", "models/deepseek_v4/test_v4_checkpoint.py",
                   # sampled-token laws checked against the target distribution over thousands of draws
                   "spec_decode/test_rejection.py", "spec_decode/test_spec_sampling.py",
-                  "spec_decode/test_spec_sampling_fields.py")
+                  "spec_decode/test_spec_sampling_fields.py",
+                  # model families and apps: engines against HF or in-process servers, tens of seconds each
+                  "models/test_moe_families.py", "models/test_gpt_oss.py", "models/test_gemma2_phi3.py",
+                  "models/deepseek_v3/test_v3_engine.py", "models/deepseek_v3/test_v3_mtp.py",
+                  "models/deepseek_v3/test_v3_checkpoint.py", "test_embed_api.py",
+                  "entrypoints/test_tool_calls.py", "entrypoints/test_responses_api.py",
+                  "entrypoints/test_reasoning.py", "entrypoints/test_embeddings.py")
 FAST_EXCLUDES = ("slow", *TIER_PATTERNS, "parity")
 _SHARED_FIXTURES = {"tokenizer_dir", "tiny_checkpoint", "default_gguf_path", "_deepinfer_cache_dir"}
 _NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
