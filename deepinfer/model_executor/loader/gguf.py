@@ -17,6 +17,8 @@ Layout facts this module undoes (llama.cpp's converter applies them when it writ
     llama 3 rope  a `rope_freqs` tensor instead of config keys: turned into `rope_parameters`
     experts       one 3-D tensor per projection, `blk.N.ffn_{gate,up,down}_exps` [E, rows, cols]:
                   cut into E per-expert matrices named as HF's `mlp.experts.e.{gate,up,down}_proj`
+    deepseek2     MLA's kv_b_proj (whole, or split into attn_k_b | attn_v_b), the router bias and
+                  next-n blocks: gguf_deepseek2.py
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
+from deepinfer.model_executor.loader.gguf_deepseek2 import DEEPSEEK2_BLOCK_NAMES, DENSE_PARTS, iter_deepseek2_tensors
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
 from deepinfer.model_executor.loader.gguf_gpt_oss import is_expert_stack, iter_gpt_oss_experts
 from deepinfer.model_executor.loader.gguf_repack import is_packed, packed_gguf
@@ -93,6 +96,7 @@ _ARCH_BLOCK_NAMES = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "deepseek2": DEEPSEEK2_BLOCK_NAMES,
 }
 _BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _ROPE_FREQS = "rope_freqs.weight"  # consumed into the config, not a parameter
@@ -186,6 +190,7 @@ def iter_gguf_weights(
     torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
     """
     tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
+    tensors = yield from _deepseek2_tensors(tensors, arch, config, dtype)
     jobs = _named_tensors(tensors, arch)
     num_workers = min(_MAX_WORKERS, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
@@ -205,6 +210,7 @@ def iter_gguf_slices(tensors: list[GGUFTensor], arch: str, config: Any, dtype: t
     """Yield `(hf_name, GGUFSlice)` in file order: nothing is decoded until a rank asks for its slice
     (as iter_gguf_weights would decode it, cut to the slice); GPT-OSS's experts (held whole) come decoded."""
     tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
+    tensors = yield from _deepseek2_tensors(tensors, arch, config, dtype)
     jobs = _named_tensors(tensors, arch)
 
     def decode(tensor: GGUFTensor, num_heads: int | None) -> torch.Tensor | QuantWeight:
@@ -221,6 +227,14 @@ def _gpt_oss_experts(tensors: list[GGUFTensor], arch: str, dtype: torch.dtype):
         return tensors
     yield from iter_gpt_oss_experts([t for t in tensors if is_expert_stack(t.name)], dtype, dequantize_tensor)
     return [t for t in tensors if not is_expert_stack(t.name)]
+
+
+def _deepseek2_tensors(tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype):
+    """For deepseek2, yield its tensors in HF layout that need more than a rename (gguf_deepseek2.py, whole:
+    a rank slices them as dense tensors) and return the others; other architectures: yield nothing, return all."""
+    if arch != "deepseek2":
+        return tensors
+    return (yield from iter_deepseek2_tensors(tensors, config, dtype, dequantize_tensor))
 
 
 def _named_tensors(tensors: list[GGUFTensor], arch: str) -> list[tuple[str, GGUFTensor]]:
@@ -298,8 +312,10 @@ def packed_file_bytes(path: str) -> dict[str, int]:
     table; nothing is read): what `deepinfer info` sets the packed weights' bytes against."""
     sizes: dict[str, int] = {}
     for tensor in read_gguf_file(path).tensors:
-        kind = tensor.tensor_type.name
-        expert_stack = tensor.name.split(".")[-2] in _EXPERT_NAMES and len(tensor.shape) == 3
+        kind, part = tensor.tensor_type.name, tensor.name.split(".")[-2]
+        if part in DENSE_PARTS:
+            continue  # deepseek2's MLA up-projections: loaded dense
+        expert_stack = part in _EXPERT_NAMES and len(tensor.shape) == 3
         if is_packed(kind, tensor.shape[1:] if expert_stack else tensor.shape):  # an expert stack: per expert
             sizes[kind] = sizes.get(kind, 0) + tensor.data.nbytes
     return sizes

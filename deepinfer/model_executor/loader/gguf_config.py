@@ -12,13 +12,15 @@ from typing import Any
 
 import numpy as np
 
+from deepinfer.model_executor.loader.gguf_deepseek2 import deepseek2_config_fields
 from deepinfer.model_executor.loader.gguf_gpt_oss import experts_are_mxfp4
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gemma2", "phi3",
-                               "gpt-oss")
+                               "gpt-oss", "deepseek2")
 
 _MODEL_TYPE = {"gpt-oss": "gpt_oss", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "phi3": "phi3"}
+               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "phi3": "phi3",
+               "deepseek2": "deepseek_v3"}  # deepseek2: v2 or v3 by its gating function (gguf_deepseek2.py)
 _ARCHITECTURE_CLASS = {
     "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -29,6 +31,7 @@ _ARCHITECTURE_CLASS = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
 }
 # llama.cpp's routing renormalises the top-k weights for these unless `{arch}.expert_weights_norm` says
 MOE_RENORMALIZES = {"qwen2moe": False, "qwen3moe": True}
@@ -91,6 +94,8 @@ def gguf_config_dict(
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_shapes
     if arch == "gpt-oss":
         return {**config, **_gpt_oss_fields(metadata, config, tensor_types or {})}
+    if arch == "deepseek2":
+        return {**config, **deepseek2_config_fields(metadata, config, tensor_shapes)}
     if arch in MOE_RENORMALIZES or int(metadata.get(f"{arch}.expert_count", 0)) > 0:
         config.update(_moe_fields(arch, metadata, tensor_shapes, config))
     if arch == "gemma3":

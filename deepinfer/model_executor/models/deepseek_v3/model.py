@@ -14,6 +14,10 @@ shared experts' intermediate size and, with expert_parallel_size ep, the routed 
 two all_reduces per layer. The embedding, the LM head, the norms, the routers and the latent
 projections are held whole on every rank, and so are the latent rows: every rank's heads read
 the same row. Each rank reads only its slices and its experts from the checkpoint.
+
+Checkpoints: HF safetensors (FP8 weights dequantized) or GGUF files of llama.cpp's `deepseek2`
+architecture (loader/gguf_deepseek2.py); with quantization "gguf" a file's matrices stay in their blocks
+(weights.py), the routed experts as `QuantFusedExperts`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
 from deepinfer.contracts.model import BoundCaches, ModelCapabilities
+from deepinfer.model_executor.layers.fused_moe import FusedExperts
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v3.config import V2, check_config, num_mtp_layers
 from deepinfer.model_executor.models.deepseek_v3.layer import DeepseekDecoderLayer
@@ -122,8 +127,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             for layer in self.mtp.layers:
                 layer.self_attn.bind(views[layer.layer_idx], 0, kernels)
         for module in self.modules():
-            if isinstance(module, DeepseekMoE):
-                module.experts.kernels = kernels
+            if isinstance(module, DeepseekMoE) and isinstance(module.experts, FusedExperts):
+                module.experts.kernels = kernels  # packed experts (QuantFusedExperts) run the integer kernels
 
     def state_bytes_per_slot(self) -> int:
         return 0
@@ -145,8 +150,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
-        """HF-named tensors; FP8 weights with `weight_scale_inv` are dequantized. MTP layers load
-        into the draft module when it was added (then a checkpoint without them is refused)."""
+        """HF-named tensors; FP8 weights with `weight_scale_inv` are dequantized, GGUF blocks kept
+        (weights.py: quantized twins of the linears, `QuantFusedExperts` once every expert matrix
+        arrived packed). MTP layers load into the draft module when it was added (then a checkpoint
+        without them is refused)."""
         num_mtp = len(self.mtp.layers) if self.mtp is not None else 0
         loaded = load_deepseek_weights(self, weights, self.config.num_hidden_layers, num_mtp)
         missing = {n for n, _ in self.named_parameters()} - loaded

@@ -26,18 +26,21 @@ from torch import nn
 from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.activation import silu_and_mul
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
+from deepinfer.model_executor.layers.ops.qmatmul import qmatmul
 from deepinfer.model_executor.layers.parallel_linear import (
     ColumnParallelLinear,
     computes_expert_slice,
     even_piece,
     row_parallel_linear,
 )
+from deepinfer.model_executor.layers.quant_linear import QuantLinear
 from deepinfer.model_executor.models.deepseek_v3.config import V3
 
 
 class SplitMLP(nn.Module):
     """SwiGLU MLP with HF names (`gate_proj` | `up_proj` merged into `gate_up_proj`, `down_proj`),
-    its intermediate size split over the ranks. `partial` is this rank's share of the output."""
+    its intermediate size split over the ranks. `partial` is this rank's share of the output. Either
+    projection may be a quantized twin (GGUF blocks, layers/quant_linear.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, what: str):
         super().__init__()
@@ -47,7 +50,10 @@ class SplitMLP(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> this rank's term of the output [T, hidden] (the whole output with one rank)."""
-        return F.linear(silu_and_mul(self.gate_up_proj(x)), self.down_proj.weight)  # [T, hidden]
+        act = silu_and_mul(self.gate_up_proj(x))  # [T, I / n]
+        if isinstance(self.down_proj, QuantLinear):  # its blocks, without the twin's all_reduce
+            return qmatmul(act, self.down_proj.qweights)  # [T, hidden]
+        return F.linear(act, self.down_proj.weight)  # [T, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_reduce(self.partial(x))  # [T, hidden]
