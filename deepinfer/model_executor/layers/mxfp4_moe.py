@@ -13,11 +13,16 @@ Parameters carry the checkpoint's names and shapes, so loading copies them as th
     dense            gate_up_proj [E, H, 2I], down_proj [E, I, H]                       (HF's [in, out] layout)
     both             gate_up_proj_bias [E, 2I], down_proj_bias [E, H]
 
+Expert parallelism: with `expert_parallel_size` ep > 1 a rank holds experts [start, start + E/ep)
+of the E (`expert_piece`): every parameter above has E/ep rows on dim 0 and a ShardSpec, so loading
+reads only those experts. Ids stay global; only the (token, expert) pairs of held experts are
+computed, the others add nothing to the [T, H] partial output (the model sums the ranks' outputs).
+
 Kernels: bound to the Triton kernel set (`bind_kernels`), packed experts run as two grouped GEMM
-launches (ops/triton/mxfp4.py); otherwise one expert at a time, ascending, over its rows: packed
-weights through `mxfp4_matmul` (the C++ kernel on the CPU: a row's result does not depend on the
-rows beside it), dense ones through a matmul; weighted outputs are added per token in fp32, in
-ascending expert order.
+launches (ops/triton/mxfp4.py; under expert parallelism over the held pairs only, ids made local);
+otherwise one expert at a time, ascending, over its rows: packed weights through `mxfp4_matmul` (the
+C++ kernel on the CPU: a row's result does not depend on the rows beside it), dense ones through a
+matmul; weighted outputs are added per token in fp32, in ascending expert order.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from torch import nn
 
 from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK, BLOCK_BYTES, mxfp4_matmul, mxfp4_nbytes
+from deepinfer.model_executor.layers.parallel_linear import ShardSpec, expert_piece
 
 SWIGLU_ALPHA = 1.702
 
@@ -42,10 +48,13 @@ def _uint8_param(*shape: int) -> nn.Parameter:
 
 
 class OssExperts(nn.Module):
-    """E GPT-OSS experts. forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]."""
+    """E GPT-OSS experts, of which this rank holds E / expert_parallel_size (all of them with 1).
+
+    forward(x [T, H], topk_ids [T, k] global ids, topk_weights [T, k]) -> [T, H]: the weighted sum
+    over the pairs whose expert is held (the whole output when every expert is)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, packed: bool,
-                 swiglu_limit: float, swiglu_alpha: float = SWIGLU_ALPHA):
+                 swiglu_limit: float, swiglu_alpha: float = SWIGLU_ALPHA, expert_parallel_size: int = 1):
         super().__init__()
         if packed and (hidden_size % BLOCK or intermediate_size % BLOCK):
             raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size divisible by {BLOCK}; got "
@@ -53,7 +62,9 @@ class OssExperts(nn.Module):
         self.num_experts, self.packed = num_experts, packed
         self.limit, self.alpha = float(swiglu_limit), float(swiglu_alpha)
         self.use_triton = False  # set by bind_kernels
-        e, h, i = num_experts, hidden_size, intermediate_size
+        piece = expert_piece(num_experts, expert_parallel_size)  # the rank's experts [start, start + length)
+        self.expert_start, self.num_local = piece.start, piece.length
+        e, h, i = self.num_local, hidden_size, intermediate_size
         if packed:
             self.gate_up_proj_blocks = _uint8_param(e, 2 * i, h // BLOCK, BLOCK_BYTES)
             self.gate_up_proj_scales = _uint8_param(e, 2 * i, h // BLOCK)
@@ -64,13 +75,16 @@ class OssExperts(nn.Module):
             self.down_proj = nn.Parameter(torch.zeros(e, i, h))
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i))
         self.down_proj_bias = nn.Parameter(torch.zeros(e, h))
+        if self.num_local < num_experts:  # every parameter: the held experts' rows of dim 0
+            spec = ShardSpec(0, (piece,))
+            self.shard_specs = {name: spec for name, _ in self.named_parameters(recurse=False)}
 
     def bind_kernels(self, kernel_set_name: str) -> None:
         """Packed experts take the Triton grouped GEMM when the engine runs the Triton kernel set."""
         self.use_triton = self.packed and kernel_set_name == "triton"
 
     def weight_bytes(self) -> int:
-        """Bytes of the expert matrices as held (packed: blocks + scales), biases excluded."""
+        """Bytes of the held experts' matrices (packed: blocks + scales), biases excluded."""
         if self.packed:
             return (mxfp4_nbytes(self.gate_up_proj_blocks, self.gate_up_proj_scales)
                     + mxfp4_nbytes(self.down_proj_blocks, self.down_proj_scales))
@@ -78,25 +92,40 @@ class OssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.use_triton:
-            from deepinfer.model_executor.layers.ops.triton.mxfp4 import mxfp4_experts
-
-            gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
-            down = (self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
-            return mxfp4_experts(x, topk_ids, topk_weights, gate_up, down, self.alpha, self.limit)  # [T, H]
+            return self._grouped(x, topk_ids, topk_weights)  # [T, H]
         return self._per_expert(x, topk_ids, topk_weights)  # [T, H]
 
+    def _grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The Triton grouped GEMM over all pairs, or under expert parallelism over the held pairs only
+        (ids made local, one pair per row; a host sync to count them), scattered back per token in fp32."""
+        from deepinfer.model_executor.layers.ops.triton.mxfp4 import mxfp4_experts
+
+        gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
+        down = (self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
+        if self.num_local == self.num_experts:
+            return mxfp4_experts(x, topk_ids, topk_weights, gate_up, down, self.alpha, self.limit)  # [T, H]
+        k = topk_ids.shape[1]
+        local = topk_ids.reshape(-1) - self.expert_start  # [T*k] local ids; other ranks' experts fall outside
+        pairs = torch.nonzero((local >= 0) & (local < self.num_local)).squeeze(-1)  # [P] held pairs
+        tokens = pairs // k  # [P]
+        y = mxfp4_experts(x[tokens], local[pairs, None], topk_weights.reshape(-1)[pairs, None], gate_up, down,
+                          self.alpha, self.limit)  # [P, H] weighted, in x's dtype
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        out.index_add_(0, tokens, y.float())
+        return out.to(x.dtype)  # [T, H]
+
     def _per_expert(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Each active expert over its (token, slot) pairs, ascending; an fp32 sum per token."""
+        """Each active held expert over its (token, slot) pairs, ascending; an fp32 sum per token."""
         num_tokens, k = topk_ids.shape
-        flat = topk_ids.reshape(-1)  # [T*k]
+        flat = topk_ids.reshape(-1)  # [T*k] global ids
         order = flat.argsort(stable=True)  # [T*k] pairs grouped by expert, ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # E (a host sync)
         if len(counts) > self.num_experts:
             raise ValueError(f"topk_ids must lie in [0, {self.num_experts}), got max {int(flat.max())}")
         weights = topk_weights.reshape(-1).float()  # [T*k]
         out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)  # [T, H]
-        start = 0
-        for expert, count in enumerate(counts):
+        start = sum(counts[:self.expert_start])  # where the held experts' pairs begin in `order`
+        for expert, count in enumerate(counts[self.expert_start:self.expert_start + self.num_local]):
             if count:
                 pairs = order[start:start + count]  # [n]
                 y = self.expert(expert, x[pairs // k])  # [n, H] fp32
@@ -105,13 +134,13 @@ class OssExperts(nn.Module):
         return out.to(x.dtype)  # [T, H]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` on rows x [n, H] -> fp32 [n, H]."""
+        """Held expert `e` (a local index: global id - expert_start) on rows x [n, H] -> fp32 [n, H]."""
         h = self._linear(x, e, "gate_up_proj") + self.gate_up_proj_bias[e].float()  # [n, 2I]
         act = oss_swiglu(h, self.alpha, self.limit)  # [n, I]
         return self._linear(act, e, "down_proj") + self.down_proj_bias[e].float()  # [n, H]
 
     def _linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
-        """x [n, in] times expert e's matrix `name` -> fp32 [n, out]."""
+        """x [n, in] times held expert e's matrix `name` -> fp32 [n, out]."""
         if self.packed:  # the C++ kernel on the CPU, else dequantize-then-matmul
             return mxfp4_matmul(x, getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e])
         w = getattr(self, name)[e]  # [in, out]

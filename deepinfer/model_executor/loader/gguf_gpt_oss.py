@@ -12,16 +12,21 @@ The same E2M1 codes and scale bytes, reordered. `iter_gpt_oss_experts` yields, p
 converted from (rows interleaved again), or for stacks of another type HF's dense experts
 `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H]; and the biases `gate_up_proj_bias` [E, 2I],
 `down_proj_bias` [E, H].
+
+Each comes as an `ExpertStack`, decoded when loading asks for it: whole (`read`), or a rank's
+experts alone (`narrow` on dim 0, what a ShardSpec of an expert-parallel rank reads), from those
+experts' bytes of the file's mapping.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
-from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK_BYTES
+from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK, BLOCK_BYTES
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor
 
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -44,16 +49,49 @@ def ggml_mxfp4_to_hf(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), raw[..., 0].contiguous()
 
 
+def ggml_mxfp4_scales(data: np.ndarray) -> torch.Tensor:
+    """ggml MXFP4 rows uint8 [..., nb * 17] -> their scale bytes [..., nb] (HF's `*_scales`)."""
+    raw = torch.from_numpy(np.ascontiguousarray(data))
+    return raw.view(*raw.shape[:-1], raw.shape[-1] // _GGML_BLOCK_BYTES, _GGML_BLOCK_BYTES)[..., 0].contiguous()
+
+
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate, up [E, I, ...] -> [E, 2I, ...]: gate at rows 2c, up at 2c + 1."""
     return torch.stack((gate, up), dim=2).flatten(1, 2)
 
 
+def _experts_of(tensor: GGUFTensor, start: int, length: int) -> GGUFTensor:
+    """Experts [start, start + length) of an expert stack or bias [E, ...]: a view of their bytes."""
+    return dataclasses.replace(tensor, shape=(length, *tensor.shape[1:]), data=tensor.data[start:start + length])
+
+
+class ExpertStack:
+    """One HF expert tensor [E, ...] built from GGUF stacks (`parts`, each [E, ...]) by `build`, not
+    decoded yet. `shape`, `read()` (all experts) and `narrow(dim, start, length)`: on dim 0 only
+    those experts' bytes are decoded (as loader/hf.py's SafetensorsSlice and gguf_slice.GGUFSlice)."""
+
+    def __init__(self, shape: tuple[int, ...], build: Callable[..., torch.Tensor], *parts: GGUFTensor):
+        self.shape = torch.Size(shape)
+        self._build, self._parts = build, parts
+
+    def read(self) -> torch.Tensor:
+        return self._build(*self._parts)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim != 0:
+            return self.read().narrow(dim, start, length)
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise ValueError(f"experts [{start}, {start + length}) are outside the {self.shape[0]} of "
+                             f"{self._parts[0].name!r}")
+        return self._build(*(_experts_of(t, start, length) for t in self._parts))
+
+
 def iter_gpt_oss_experts(tensors: list[GGUFTensor], dtype: torch.dtype,
                          dequantize: Callable[[GGUFTensor, torch.dtype], torch.Tensor]
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of every layer's experts from the file's expert stacks (`is_expert_stack`);
-    `dequantize(tensor, dtype)` decodes a stack of another type than MXFP4 (in torch shape)."""
+                         ) -> Iterator[tuple[str, ExpertStack]]:
+    """(HF name, ExpertStack) of every layer's experts from the file's expert stacks (`is_expert_stack`),
+    decoded when read; `dequantize(tensor, dtype)` decodes a stack of another type than MXFP4 (in torch
+    shape) and the biases."""
     layers: dict[int, dict[str, GGUFTensor]] = {}
     for tensor in tensors:
         _, layer, part, suffix = tensor.name.split(".")
@@ -64,31 +102,43 @@ def iter_gpt_oss_experts(tensors: list[GGUFTensor], dtype: torch.dtype,
         if missing:
             raise ValueError(f"GGUF layer {layer} lacks expert tensors {missing}")
         yield from _weights(prefix, parts, dtype, dequantize)
-        for name, ours in (("gate_up_proj_bias", ("ffn_gate_exps.bias", "ffn_up_exps.bias")),
-                           ("down_proj_bias", ("ffn_down_exps.bias",))):
-            if all(p in parts for p in ours):
-                biases = [dequantize(parts[p], dtype) for p in ours]  # [E, rows] each
-                yield f"{prefix}.{name}", _interleave(*biases) if len(biases) == 2 else biases[0]
+        if "ffn_gate_exps.bias" in parts and "ffn_up_exps.bias" in parts:
+            gate, up = parts["ffn_gate_exps.bias"], parts["ffn_up_exps.bias"]  # [E, I] each
+            yield f"{prefix}.gate_up_proj_bias", ExpertStack(
+                (gate.shape[0], 2 * gate.shape[1]),
+                lambda g, u: _interleave(dequantize(g, dtype), dequantize(u, dtype)), gate, up)  # [E, 2I]
+        if "ffn_down_exps.bias" in parts:
+            down = parts["ffn_down_exps.bias"]  # [E, H]
+            yield f"{prefix}.down_proj_bias", ExpertStack(down.shape, lambda d: dequantize(d, dtype), down)
 
 
 def _weights(prefix: str, parts: dict[str, GGUFTensor], dtype: torch.dtype,
-             dequantize: Callable) -> Iterator[tuple[str, torch.Tensor]]:
+             dequantize: Callable) -> Iterator[tuple[str, ExpertStack]]:
     """One layer's expert matrices: packed if every stack is MXFP4, dense if none is."""
     gate, up, down = (parts[f"{p}.weight"] for p in EXPERT_STACKS)
     kinds = {t.tensor_type.name for t in (gate, up, down)}
+    e, inter, hidden = gate.shape  # torch order: [E, I, H] values
     if kinds == {"MXFP4"}:
-        (gb, gs), (ub, us), (db, ds) = (ggml_mxfp4_to_hf(t.data) for t in (gate, up, down))
-        yield f"{prefix}.gate_up_proj_blocks", _interleave(gb, ub)  # [E, 2I, H/32, 16]
-        yield f"{prefix}.gate_up_proj_scales", _interleave(gs, us)  # [E, 2I, H/32]
-        yield f"{prefix}.down_proj_blocks", db  # [E, H, I/32, 16]
-        yield f"{prefix}.down_proj_scales", ds  # [E, H, I/32]
+        nb_h, nb_i = hidden // BLOCK, inter // BLOCK  # blocks per row
+        yield f"{prefix}.gate_up_proj_blocks", ExpertStack(
+            (e, 2 * inter, nb_h, BLOCK_BYTES),
+            lambda g, u: _interleave(ggml_mxfp4_to_hf(g.data)[0], ggml_mxfp4_to_hf(u.data)[0]), gate, up)
+        yield f"{prefix}.gate_up_proj_scales", ExpertStack(
+            (e, 2 * inter, nb_h), lambda g, u: _interleave(ggml_mxfp4_scales(g.data), ggml_mxfp4_scales(u.data)),
+            gate, up)
+        yield f"{prefix}.down_proj_blocks", ExpertStack(
+            (e, hidden, nb_i, BLOCK_BYTES), lambda d: ggml_mxfp4_to_hf(d.data)[0], down)
+        yield f"{prefix}.down_proj_scales", ExpertStack((e, hidden, nb_i), lambda d: ggml_mxfp4_scales(d.data), down)
     elif "MXFP4" in kinds:
         raise ValueError(f"GGUF expert stacks of {gate.name.rsplit('.', 2)[0]} mix MXFP4 with "
                          f"{sorted(kinds - {'MXFP4'})}: all or none must be MXFP4")
     else:
-        gate_up = _interleave(dequantize(gate, dtype), dequantize(up, dtype))  # [E, 2I, H]
-        yield f"{prefix}.gate_up_proj", gate_up.transpose(1, 2).contiguous()  # [E, H, 2I]
-        yield f"{prefix}.down_proj", dequantize(down, dtype).transpose(1, 2).contiguous()  # [E, I, H]
+        yield f"{prefix}.gate_up_proj", ExpertStack(
+            (e, hidden, 2 * inter),
+            lambda g, u: _interleave(dequantize(g, dtype), dequantize(u, dtype)).transpose(1, 2).contiguous(),
+            gate, up)  # [E, H, 2I]
+        yield f"{prefix}.down_proj", ExpertStack(
+            (e, inter, hidden), lambda d: dequantize(d, dtype).transpose(1, 2).contiguous(), down)  # [E, I, H]
 
 
 def experts_are_mxfp4(tensor_types: dict[str, str]) -> bool:

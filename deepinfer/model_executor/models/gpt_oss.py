@@ -12,9 +12,15 @@ Differences from the Llama family (llama.py), whose attention, cache protocol, h
                 (alpha 1.702, limit `swiglu_limit`), MXFP4 blocks + scales or dense weights
 
 Tensor parallelism: the attention heads split as in the Llama family, each rank holding its heads'
-sinks; embedding and LM head split by vocabulary; the router and the experts are held whole by
-every rank and computed on the replicated activations (each rank gets the same MoE output; no
-collective). Expert parallelism is not offered.
+sinks; embedding and LM head split by vocabulary; the router is held whole by every rank.
+
+Expert parallelism (`expert_parallel_size` ep, dividing tensor_parallel_size n and the experts): a
+rank holds the experts of its slice (E / ep, `expert_piece`), read alone from the checkpoint; the
+first rank of each slice computes the slice's partial output (`computes_expert_slice`), the other
+n / ep - 1 holders add zeros, and one all_reduce sums them. With ep = 1 every rank holds all
+experts and computes the whole MoE output itself, on the replicated activations, with no collective
+(rank 0 computing alone and an all_reduce would leave the others waiting in it: the same wall time
+plus one collective per layer).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import torch
 from torch import nn
 
 from deepinfer.contracts.model import ModelCapabilities
-from deepinfer.distributed.parallel_state import tp_size
+from deepinfer.distributed.parallel_state import all_reduce, tp_size
 from deepinfer.model_executor.layers.mxfp4_moe import SWIGLU_ALPHA, OssExperts
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.parallel_linear import (
     ShardSpec,
+    computes_expert_slice,
     even_piece,
     vocab_parallel_embedding,
     vocab_parallel_head,
@@ -52,8 +59,11 @@ def mxfp4_experts_of(cfg) -> bool:
     return True
 
 
-def check_gpt_oss_config(cfg) -> None:
+def check_gpt_oss_config(cfg, expert_parallel_size: int = 1) -> None:
     """Refuse the options this model does not implement, naming the field and value."""
+    if expert_parallel_size > 1 and cfg.num_local_experts % expert_parallel_size:
+        raise ValueError(f"num_local_experts={cfg.num_local_experts} is not divisible by "
+                         f"expert_parallel_size={expert_parallel_size}")
     types = list(cfg.layer_types or [])
     if len(types) != cfg.num_hidden_layers or set(types) - set(_LAYER_TYPES):
         raise ValueError(f"layer_types must name sliding_attention/full_attention for each of "
@@ -81,27 +91,31 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssMoE(nn.Module):
-    """Router (top-k of the logits, softmax over the k) and the experts."""
+    """Router (top-k of the logits, softmax over the k) and the experts: all of them, or with
+    expert_parallel_size > 1 the rank's slice, whose partial outputs one all_reduce sums."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, expert_parallel_size: int = 1):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
         self.experts = OssExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                   mxfp4_experts_of(cfg), cfg.swiglu_limit,
-                                  getattr(cfg, "swiglu_alpha", SWIGLU_ALPHA))
+                                  getattr(cfg, "swiglu_alpha", SWIGLU_ALPHA), expert_parallel_size)
+        self.split = expert_parallel_size > 1  # fixed at construction: partial outputs summed over the ranks
+        self.computes_experts = not self.split or computes_expert_slice(expert_parallel_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)  # [T, E]
         top, ids = logits.topk(self.top_k, dim=-1)  # [T, k] each
-        return self.experts(x, ids, top.softmax(dim=-1))  # [T, hidden]
+        out = self.experts(x, ids, top.softmax(dim=-1)) if self.computes_experts else torch.zeros_like(x)  # [T, H]
+        return all_reduce(out) if self.split else out  # [T, hidden]
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding, expert_parallel_size: int):
         super().__init__()
         self.self_attn = GptOssAttention(cfg, layer_idx, rotary)
-        self.mlp = GptOssMoE(cfg)
+        self.mlp = GptOssMoE(cfg, expert_parallel_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -111,12 +125,13 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, expert_parallel_size: int):
         super().__init__()
         inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
         self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rotary, expert_parallel_size)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -131,18 +146,19 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     The cache protocol (token groups: one paged "full" group, one "swa" ring), the LM head and
     `load_weights` are the Llama family's: parameters carry HF's names, MXFP4 experts their
-    checkpoint's `*_blocks` / `*_scales`.
+    checkpoint's `*_blocks` / `*_scales` (a rank's experts read alone under expert parallelism).
     """
 
-    # no per-request state; the layers split over tensor-parallel ranks (experts held whole). Decode
-    # is not graph-safe: the per-expert path reads expert counts back to the host
-    capabilities = ModelCapabilities(tensor_parallel=True)
+    # no per-request state; attention splits over tensor-parallel ranks, routed experts over
+    # expert_parallel_size groups. Decode is not graph-safe: the per-expert path reads expert counts
+    # back to the host (and the held pairs are counted on the host under expert parallelism)
+    capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True)
 
-    def __init__(self, cfg, max_positions: int):
+    def __init__(self, cfg, max_positions: int, expert_parallel_size: int = 1):
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a Llama body
-        check_gpt_oss_config(cfg)
+        check_gpt_oss_config(cfg, expert_parallel_size)
         self.config = cfg
-        self.model = GptOssModel(cfg, max_positions)
+        self.model = GptOssModel(cfg, max_positions, expert_parallel_size)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
@@ -159,5 +175,5 @@ class GptOssForCausalLM(LlamaForCausalLM):
                              for name, tensor in weights)
 
     def expert_weight_bytes(self) -> int:
-        """Bytes of all routed experts' matrices as held (packed MXFP4: blocks + scales)."""
+        """Bytes of the routed experts' matrices this rank holds (packed MXFP4: blocks + scales)."""
         return sum(layer.mlp.experts.weight_bytes() for layer in self.model.layers)
