@@ -151,14 +151,14 @@ def check_sizes(cfg: dict, tp: int, ep: int) -> None:
     heads = cfg["num_attention_heads"]
     if heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide num_attention_heads={heads}")
-    experts = cfg.get("n_routed_experts") or 0
+    experts = routed_expert_count(cfg)
     if ep > 1 and not experts:
         raise ValueError(f"expert_parallel_size={ep} but {cfg.get('model_type')} has no routed experts")
     if ep > tp or tp % ep:
         raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} "
                          "(the expert-parallel ranks are the tensor-parallel ranks)")
     if experts % ep:
-        raise ValueError(f"n_routed_experts={experts} is not divisible by expert_parallel_size={ep}")
+        raise ValueError(f"the {experts} routed experts do not divide by expert_parallel_size={ep}")
     for field in _split_fields(cfg):
         if cfg[field] % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {field}={cfg[field]}")
@@ -190,20 +190,62 @@ def vocab_weights(cfg: dict, tp: int) -> list[Weight]:
     return [Weight("embedding + LM head", rows, cfg["hidden_size"], copies, dtype)]
 
 
-def llama_weights(cfg: dict, tp: int) -> list[Weight]:
-    """Llama / Qwen / Gemma 3 weights one rank holds (Megatron layout)."""
+def routed_expert_count(cfg: dict) -> int:
+    """Routed experts per MoE layer (DeepSeek's, Qwen MoE's, Mixtral's and GPT-OSS's field), 0 if dense."""
+    return cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+
+
+def sparse_layer_count(cfg: dict) -> int:
+    """Layers of a Llama-family MoE whose MLP is routed experts (Qwen MoE: not in `mlp_only_layers`,
+    every `decoder_sparse_step`-th; Mixtral and GPT-OSS: all)."""
+    n = cfg["num_hidden_layers"]
+    if not cfg["model_type"].startswith("qwen"):
+        return n
+    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
+    return sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+
+
+def llama_mlp(cfg: dict, tp: int, ep: int) -> list[Weight]:
+    """Dense MLPs split by T; routed experts E/ep per rank (held whole: every rank's with ep = 1),
+    Qwen2-MoE's shared expert and gate and the routers replicated; GPT-OSS's MXFP4 experts packed."""
+    h, dtype, experts = cfg["hidden_size"], weight_dtype(cfg), routed_expert_count(cfg)
+    sparse = sparse_layer_count(cfg) if experts else 0
+    dense, inter = cfg["num_hidden_layers"] - sparse, cfg["intermediate_size"] // tp
+    out = [Weight("MLP", 2 * inter, h, dense, dtype), Weight("MLP", h, inter, dense, dtype)]
+    if not sparse:
+        return out
+    expert_inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    quant = cfg.get("quantization_config") or {}
+    fmt = "fp4" if quant.get("quant_method") == "mxfp4" else dtype
+    held = experts // ep * sparse
+    out += [Weight("routed experts", 2 * expert_inter, h, held, fmt),
+            Weight("routed experts", h, expert_inter, held, fmt), Weight("routers", experts, h, sparse, dtype)]
+    if cfg["model_type"] == "gpt_oss":  # expert and router biases
+        out += [Weight("routed experts", 1, 2 * expert_inter + h, held, dtype),
+                Weight("routers", 1, experts, sparse, dtype)]
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if cfg["model_type"] == "qwen2_moe" and shared:
+        out += [Weight("shared expert", 2 * shared, h, sparse, dtype),
+                Weight("shared expert", h, shared, sparse, dtype), Weight("shared expert", 1, h, sparse, dtype)]
+    return out
+
+
+def llama_weights(cfg: dict, tp: int, ep: int = 1) -> list[Weight]:
+    """Llama-family weights one rank holds (Megatron layout): Llama / Qwen / Mistral, Gemma 2 and 3,
+    Phi-3, and the MoE members (Qwen MoE, Mixtral, GPT-OSS)."""
     h, d, n = cfg["hidden_size"], head_dim_of(cfg), cfg["num_hidden_layers"]
     heads = cfg["num_attention_heads"] // tp
     kv = max(1, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) // tp)
-    dtype, gemma = weight_dtype(cfg), cfg["model_type"].startswith("gemma3")
-    inter = cfg["intermediate_size"] // tp
+    model_type, dtype = cfg["model_type"], weight_dtype(cfg)
+    gemma = model_type.startswith("gemma")
     out = [Weight("attention", (heads + 2 * kv) * d, h, n, dtype), Weight("attention", h, heads * d, n, dtype),
-           Weight("MLP", 2 * inter, h, n, dtype), Weight("MLP", h, inter, n, dtype),
-           Weight("norms", 1, h, n * (4 if gemma else 2) + 1, dtype)]
-    if cfg["model_type"] == "qwen2" or cfg.get("attention_bias"):
+           *llama_mlp(cfg, tp, ep), Weight("norms", 1, h, n * (4 if gemma else 2) + 1, dtype)]
+    if model_type in ("qwen2", "qwen2_moe") or cfg.get("attention_bias"):
         out.append(Weight("attention", 1, (heads + 2 * kv) * d, n, dtype))
-    if cfg["model_type"] == "qwen3" or gemma:
+    if model_type in ("qwen3", "qwen3_moe") or model_type.startswith("gemma3"):
         out.append(Weight("norms", 1, d, 2 * n, dtype))
+    if model_type == "gpt_oss":  # o_proj's bias and a sink per head
+        out.append(Weight("attention", 1, h + heads, n, dtype))
     return out + vocab_weights(cfg, tp)
 
 
@@ -314,7 +356,7 @@ def model_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
     """One rank's weights at T and E, in their stored formats."""
     if is_v4(cfg):
         return v4_weights(cfg, tp, ep)
-    return mla_weights(cfg, tp, ep) if is_mla(cfg) else llama_weights(cfg, tp)
+    return mla_weights(cfg, tp, ep) if is_mla(cfg) else llama_weights(cfg, tp, ep)
 
 
 def hf_config_of(cfg: dict):

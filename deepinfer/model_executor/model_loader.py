@@ -273,8 +273,8 @@ def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int)
     """Refuse expert_parallel_size > 1 for a model whose experts are not split (or that has none)."""
     if expert_parallel_size > 1 and not model_cls.capabilities.expert_parallel:
         raise ValueError(f"expert_parallel_size={expert_parallel_size} needs a model with routed experts that "
-                         f"splits them (deepseek_v4, qwen3_moe, qwen2_moe, mixtral); model_type {model_type!r} "
-                         f"does not (use 1)")
+                         f"splits them (qwen3_moe, qwen2_moe, mixtral, deepseek_v2, deepseek_v3, deepseek_v4, "
+                         f"gpt_oss); model_type {model_type!r} does not (use 1)")
 
 
 def weight_progress(weights):

@@ -26,7 +26,7 @@ import re
 import pytest
 
 from deepinfer.entrypoints import cli
-from deepinfer.entrypoints.capacity_plan import load_config, plan_capacity
+from deepinfer.entrypoints.capacity_plan import hf_config_of, load_config, plan_capacity
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 FLASH = os.path.join(CONFIGS, "deepseek_v4_flash")
@@ -179,3 +179,46 @@ def test_bad_sizes_are_refused_naming_them(model, tp, ep, cfg_change, message):
 def test_cli_reports_bad_sizes_as_an_error(capsys):
     assert cli.main(["info", "--model", FLASH, "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size=3 does not divide num_attention_heads=64" in capsys.readouterr().err
+
+
+def _family_config(model_type: str) -> dict:
+    """A small config of each newer Llama-family type (some dense layers, biases, shared experts)."""
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    configs = {
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                               num_experts=8, num_experts_per_tok=2, head_dim=16,
+                                               mlp_only_layers=[1], decoder_sparse_step=1),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32,
+                                               shared_expert_intermediate_size=48, num_experts=8,
+                                               num_experts_per_tok=2, decoder_sparse_step=2),
+        "mixtral": lambda: tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+        "gemma2": lambda: tf.Gemma2Config(**common, intermediate_size=96, head_dim=16),
+        "phi3": lambda: tf.Phi3Config(**common, intermediate_size=96),
+        "gpt_oss": lambda: tf.GptOssConfig(**common, intermediate_size=32, num_local_experts=4, head_dim=16,
+                                           num_experts_per_tok=2, sliding_window=16,
+                                           layer_types=["sliding_attention", "full_attention"] * 2),
+    }
+    return configs[model_type]().to_dict()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "gemma2", "phi3", "gpt_oss"])
+def test_llama_family_plans_count_every_parameter_the_model_builds(model_type):
+    """Dense and MoE members: the plan's parameters at one rank equal the meta-device build, and at
+    expert_parallel_size 2 the routed experts halve (the rest does not move)."""
+    import torch
+
+    from deepinfer.model_executor.models.registry import get_model_class
+
+    cfg = _family_config(model_type)
+    with torch.device("meta"):
+        model = get_model_class(model_type)(hf_config_of(cfg), 256)
+    built = sum(p.numel() for p in model.parameters())
+    assert sum(w.params for w in plan_capacity(cfg).weights) == built
+    if model_type in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
+        one, two = (plan_capacity(cfg, tp=2, ep=ep).part_totals() for ep in (1, 2))
+        assert two["routed experts"][0] * 2 == one["routed experts"][0]
+        assert {k: v for k, v in two.items() if k != "routed experts"} == \
+            {k: v for k, v in one.items() if k != "routed experts"}

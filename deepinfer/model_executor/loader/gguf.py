@@ -208,7 +208,8 @@ def iter_gguf_weights(
 def iter_gguf_slices(tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype,
                      keep_quantized: bool = False) -> Iterator[tuple[str, GGUFSlice]]:
     """Yield `(hf_name, GGUFSlice)` in file order: nothing is decoded until a rank asks for its slice
-    (as iter_gguf_weights would decode it, cut to the slice); GPT-OSS's experts (held whole) come decoded."""
+    (as iter_gguf_weights would decode it, cut to the slice); GPT-OSS's experts come as lazy stacks
+    (loader/gguf_gpt_oss.py) that decode only the experts a rank holds."""
     tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
     tensors = yield from _deepseek2_tensors(tensors, arch, config, dtype)
     jobs = _named_tensors(tensors, arch)
