@@ -104,7 +104,8 @@ PARITY_MODULES = ("models/deepseek_v4/test_v4_engine.py", "models/test_parity.py
                   "models/deepseek_v3/test_v3_engine.py", "models/deepseek_v3/test_v3_mtp.py",
                   "models/deepseek_v3/test_v3_checkpoint.py", "test_embed_api.py",
                   "entrypoints/test_tool_calls.py", "entrypoints/test_responses_api.py",
-                  "entrypoints/test_reasoning.py", "entrypoints/test_embeddings.py")
+                  "entrypoints/test_reasoning.py", "entrypoints/test_embeddings.py", "models/test_family_paths.py",
+                  "models/deepseek_v3/test_v3_gguf.py")
 FAST_EXCLUDES = ("slow", *TIER_PATTERNS, "parity")
 _SHARED_FIXTURES = {"tokenizer_dir", "tiny_checkpoint", "default_gguf_path", "_deepinfer_cache_dir"}
 _NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
