@@ -6,7 +6,7 @@ parts (layout formulas, scheduler) load without torch.
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "Logprob"]
+           "EmbeddingRequestOutput", "Logprob", "LoRARequest"]
 
 
 def __getattr__(name):
@@ -22,6 +22,10 @@ def __getattr__(name):
         from deepinfer.structured_output import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from deepinfer.contracts.lora import LoRARequest
+
+        return LoRARequest
     if name == "PoolingParams":
         from deepinfer.contracts.pooling import PoolingParams
 

@@ -156,6 +156,23 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving: adapters a request may name (`LoRARequest`), applied beside the base
+    layers. `max_loras` adapters are resident at once (device slots; a request whose adapter cannot
+    get one waits); `max_lora_rank` is the largest rank a slot holds (smaller ranks are padded)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters resident at once
+    max_lora_rank: int = 64  # the largest adapter rank accepted
+
+    def __post_init__(self):
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+
+
+@dataclass
 class EngineConfig:
     """Everything one engine is built from: the model, dtype and device, the scheduler and cache
     configs, and the DEEPINFER_* knobs (`env`), read once here at start-up."""
@@ -181,12 +198,14 @@ class EngineConfig:
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
+    lora: LoRAConfig | None = None  # None: LoRA off
     env: Environ | None = None  # None: the process environment (read once)
 
     def __post_init__(self):
         self.scheduler = self.scheduler or SchedulerConfig()
         self.cache = self.cache or CacheConfig()
         self.speculative = self.speculative or SpeculativeConfig()
+        self.lora = self.lora or LoRAConfig()
         self.env = self.env or get_environ()
         if self.speculative.num_speculative_tokens is None:  # one value sizes rings and caps drafts
             self.speculative.num_speculative_tokens = self.env.use_nextn_decode

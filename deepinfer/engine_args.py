@@ -27,11 +27,13 @@ from deepinfer.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 
 PREFIX = "prefix caching"  # the argument group of the prefix-caching flags; the rest are "engine"
+LORA = "LoRA adapters"  # the argument group of the LoRA flags
 
 
 def _option(config: type, name: str, help: str, *, flag: str | None = None, metavar: str | None = None,
@@ -140,16 +142,28 @@ class EngineArgs:
         CacheConfig, "num_prefix_snapshots", "ring models: snapshot slots kept for prefix hits (default: min(16, "
         "--max-num-seqs))", metavar="N", group=PREFIX)
 
+    enable_lora: bool = _option(
+        LoRAConfig, "enable_lora", "serve LoRA adapters (PEFT directories): requests name one "
+        "(LLM.generate(..., lora_request=LoRARequest(name, id, path)), the server's `model` field)", group=LORA)
+    max_loras: int = _option(
+        LoRAConfig, "max_loras", "adapters resident at once (device slots; a request whose adapter cannot get one "
+        "waits)", metavar="N", group=LORA)
+    max_lora_rank: int = _option(
+        LoRAConfig, "max_lora_rank", "the largest adapter rank accepted (every slot holds this rank)", metavar="R",
+        group=LORA)
+
     def create_engine_config(self) -> EngineConfig:
         """The EngineConfig (with its scheduler, cache and speculative configs) these options describe;
         ValueError naming the field and the value when one is bad."""
-        parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, EngineConfig: {}}
+        parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, LoRAConfig: {},
+                                   EngineConfig: {}}
         for f in dataclasses.fields(self):
             parts[f.metadata["config"]][f.metadata["name"]] = getattr(self, f.name)
         cache = CacheConfig(**parts[CacheConfig])
         scheduler = SchedulerConfig(**parts[SchedulerConfig])
         speculative = SpeculativeConfig(**parts[SpeculativeConfig])
-        return EngineConfig(**parts[EngineConfig], scheduler=scheduler, cache=cache, speculative=speculative)
+        return EngineConfig(**parts[EngineConfig], scheduler=scheduler, cache=cache, speculative=speculative,
+                            lora=LoRAConfig(**parts[LoRAConfig]))
 
     def create_cache_config(self) -> CacheConfig:
         """The CacheConfig alone (ValueError naming the field and the value when one is bad)."""

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.lora import LoRARequest
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.llm_engine import LLMEngine
 from deepinfer.llm_options import init_signature, llm_engine_args
@@ -48,9 +49,18 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     source = load_source(config)
     config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
     runner = _build_runner(source, config, job)
-    engine = LLMEngine(config, source, runner)
+    engine = LLMEngine(config, source, runner, adapters=_adapter_checker(config, runner))
     logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start, source))
     return engine
+
+
+def _adapter_checker(config: EngineConfig, runner):
+    """With LoRA on, what checks the adapters requests name against rank 0's model (None: LoRA off)."""
+    if not config.lora.enable_lora:
+        return None
+    from deepinfer.model_executor.loader.lora import AdapterChecker
+
+    return AdapterChecker(runner.lora_base)
 
 
 def _build_runner(source, config: EngineConfig, job):
@@ -164,7 +174,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, one per prompt,
         whose `outputs` hold its `n` samples (index 0..n-1; with `best_of`, the n of highest
         cumulative logprob, best first). The samples of a prompt compute it once.
@@ -175,6 +186,10 @@ class LLM:
 
         `sampling_params=None` takes the model's defaults (`get_default_sampling_params`), as `chat`,
         the CLI and the server do.
+
+        `lora_request` (with `enable_lora=True`): a `LoRARequest(name, int_id, path)` for every prompt,
+        or a list with one per prompt (None: the base model). Requests with different adapters and
+        without one run in the same steps; see docs/lora.md.
 
         A prompt that cannot run raises ValueError naming its index (`prompts[i]: ...`) before any
         step runs, as the server answers 400: a malformed prompt (not a string, a list of ints or such
@@ -188,11 +203,12 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-                order.append(self._add(i, prompt, p))
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
+                order.append(self._add(i, prompt, p, lora))
             self._run_to_completion(set(order), results, use_tqdm)
         finally:  # after any exception (a fatal fault, KeyboardInterrupt) nothing of ours stays queued
             self._abort_unfinished(order)
@@ -244,7 +260,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, *, tools: list[dict] | None = None, tool_choice=None,
              parallel_tool_calls: bool | None = None, tool_call_parser: str = "auto",
-             reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             reasoning_parser: str | None = None, chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
 
         `tools` (OpenAI's function tools) reach the template, and each answer's calls are parsed into
@@ -252,11 +269,12 @@ class LLM:
         `tool_call_parser`'s: hermes, llama3_json, mistral, deepseek_v3); `tool_choice` "required" or
         {"type": "function", "function": {"name": ...}} forces a call whose arguments match the
         function's schema. `reasoning_parser` (deepseek_r1, qwen3) puts a <think> section into
-        `reasoning_content`. `text` stays the whole answer. As the server's chat route does."""
+        `reasoning_content`. `text` stays the whole answer. As the server's chat route does.
+        `lora_request` as in `generate`: one, or one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if tools is None and tool_choice is None and reasoning_parser is None and chat_template_kwargs is None:
             prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
-            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         from deepinfer.entrypoints.openai.offline_chat import attach_parsed, prepare_offline_chat
 
         params = _as_params_list(sampling_params if sampling_params is not None
@@ -266,7 +284,7 @@ class LLM:
             parallel_tool_calls=parallel_tool_calls, tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser, chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt)
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         attach_parsed(outputs, plans)
         return outputs
 
@@ -277,14 +295,14 @@ class LLM:
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
         """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text).
         `prompt` is one prompt in any form `generate` takes. With `n` > 1, `outputs` holds every
         sample (`index` 0..n-1), each with its own delta; with `best_of` > n, one final output."""
         inputs, cache_salt = parse_prompt(prompt)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt)
+        request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request)
         try:
             while True:
                 for out in self.engine.step():
@@ -295,12 +313,12 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)
 
-    def _add(self, index: int, prompt, params) -> str:
+    def _add(self, index: int, prompt, params, lora_request: LoRARequest | None = None) -> str:
         """Queue one parsed prompt (text or ids, cache_salt); ValueError `prompts[index]: ...` when the
         engine refuses it (the caller aborts what it queued before)."""
         inputs, cache_salt = prompt
         try:
-            return self.engine.add_request(inputs, params, cache_salt=cache_salt)
+            return self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request)
         except ValueError as exc:
             raise ValueError(f"prompts[{index}]: {exc}") from None
 
@@ -370,6 +388,22 @@ def _as_prompt_list(prompts) -> list:
     if prompts and isinstance(prompts[0], int) and not isinstance(prompts[0], bool):
         return [prompts]
     return prompts
+
+
+def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
+    """One LoRARequest (or None) for every prompt, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, Sequence) or isinstance(lora_request, str):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+                         f"got {short_repr(lora_request)}")
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise ValueError(f"lora_request has {len(loras)} entries for {n} prompts")
+    bad = next((x for x in loras if x is not None and not isinstance(x, LoRARequest)), None)
+    if bad is not None:
+        raise ValueError(f"lora_request entries must be LoRARequest or None, got {short_repr(bad)}")
+    return loras
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -24,9 +24,9 @@ export TOKENIZERS_PARALLELISM=false
 FAILED=()
 if [ $MODE = cpu ]; then
     BENCH_FLAGS=(--cpu); export GPU_CHECK_CPU=1
-    LIMIT_TESTS=400; LIMIT_NANO=300; LIMIT_DECODE=300; LIMIT_V4=300; LIMIT_MXFP4=120; LIMIT_V3=300; LIMIT_OPTIONS=120
-else  # sums to 540 s: the whole check stays within 9 minutes even when a step hits its limit
-    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=160; LIMIT_DECODE=100; LIMIT_V4=120; LIMIT_MXFP4=40; LIMIT_V3=25; LIMIT_OPTIONS=20
+    LIMIT_TESTS=400; LIMIT_NANO=300; LIMIT_DECODE=300; LIMIT_V4=300; LIMIT_MXFP4=120; LIMIT_V3=300; LIMIT_OPTIONS=120; LIMIT_LORA=120
+else  # sums to 560 s: the whole check stays within 10 minutes even when a step hits its limit
+    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=160; LIMIT_DECODE=100; LIMIT_V4=120; LIMIT_MXFP4=40; LIMIT_V3=25; LIMIT_OPTIONS=20; LIMIT_LORA=20
 fi
 
 run_step() {  # run_step NAME LIMIT_S COMMAND...: runs it under `timeout`, logs it, records a failure
@@ -85,6 +85,8 @@ if [ $MODE = gpu ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda
     exit 1
 fi
 run_step "mxfp4 experts" $LIMIT_MXFP4 "$PYTHON" -m pytest -m cuda tests/ops/test_mxfp4.py -q -s -p no:cacheprovider
+# the batched LoRA shrink/expand kernels against their formula, and timed beside the base layer
+run_step "lora kernels" $LIMIT_LORA "$PYTHON" -m pytest -m cuda tests/ops/test_lora_kernels.py -q -s -p no:cacheprovider
 run_step "pytest -m cuda" $LIMIT_TESTS "$PYTHON" -m pytest -m cuda tests/cuda -q -p no:cacheprovider
 # the Triton decode kernel with attention soft-cap and sinks, against the formula (on CUDA where there is one)
 run_step "triton attention options" $LIMIT_OPTIONS "$PYTHON" -m pytest tests/ops/test_attention_options.py -k triton \

@@ -18,7 +18,7 @@ import pytest
 
 import deepinfer.llm
 from deepinfer import LLM
-from deepinfer.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from deepinfer.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer.engine_args import EngineArgs, cli_dest, cli_flag
 from deepinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
 from deepinfer.llm_options import CHECKED, NO_EFFECT, accepted_keywords
@@ -29,7 +29,7 @@ FIELDS = dataclasses.fields(EngineArgs)
 # composite, or fixed (the n-gram proposer's lookup lengths)
 NOT_OPTIONS = {(SchedulerConfig, "max_model_len"), (SpeculativeConfig, "prompt_lookup_max"),
                (SpeculativeConfig, "prompt_lookup_min"), (EngineConfig, "scheduler"), (EngineConfig, "cache"),
-               (EngineConfig, "speculative"), (EngineConfig, "env")}
+               (EngineConfig, "speculative"), (EngineConfig, "lora"), (EngineConfig, "env")}
 # a value we can give each vLLM-only keyword without changing anything
 VLLM_VALUES = {"trust_remote_code": True, "swap_space": 4, "disable_log_stats": True, "pipeline_parallel_size": 1,
                "tokenizer": None, "tokenizer_mode": "auto"}
@@ -59,7 +59,7 @@ def test_the_defaults_are_the_configs_and_every_config_option_is_a_field():
         config, name = f.metadata["config"], f.metadata["name"]
         assert f.default == config.__dataclass_fields__[name].default, f.name
     covered = {(f.metadata["config"], f.metadata["name"]) for f in FIELDS}
-    every = {(c, f.name) for c in (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig)
+    every = {(c, f.name) for c in (EngineConfig, SchedulerConfig, CacheConfig, SpeculativeConfig, LoRAConfig)
              for f in dataclasses.fields(c)}
     assert every - NOT_OPTIONS == covered
     assert EngineArgs().create_engine_config() == EngineConfig()

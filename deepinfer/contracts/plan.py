@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.contracts.lora import LoRAAdapter
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
@@ -76,6 +77,10 @@ class ScheduledRequest:
     loads: list[CacheLoad] = field(default_factory=list)
     restore_from: int | None = None
     capture_to: int | None = None
+    # LoRA: the request's adapter and the device slot the engine gave it (-1: none); the worker loads
+    # the adapter into the slot before the forward when the slot holds other content
+    lora: LoRAAdapter | None = None
+    lora_slot: int = -1
 
     @property
     def num_tokens(self) -> int:

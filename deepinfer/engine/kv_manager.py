@@ -105,7 +105,8 @@ class KVCacheManager(KVAllocator):
     def block_hashes(self, req) -> list[bytes]:
         """The request's unit hashes over its full units so far (kept on the request)."""
         hashes, u = req.block_hashes, self.unit
-        parent = hashes[-1] if hashes else chain_root(self.prefix.identity, req.cache_salt)
+        adapter = req.lora.cache_key if req.lora is not None else None
+        parent = hashes[-1] if hashes else chain_root(self.prefix.identity, req.cache_salt, adapter)
         for i in range(len(hashes), req.num_tokens // u):
             parent = chain_hash(parent, req.token_ids[i * u:(i + 1) * u])
             hashes.append(parent)

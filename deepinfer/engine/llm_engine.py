@@ -31,10 +31,12 @@ import logging
 import weakref
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.lora import AdapterResolver, LoRAAdapter, LoRARequest
 from deepinfer.contracts.model import StepRunner
 from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine import pooling
+from deepinfer.engine.adapter_slots import AdapterSlotTable
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.parallel_sampling import ParallelSampling, ParentRequest
@@ -51,16 +53,19 @@ _MAX_LONE_FAILURES = 2  # one-request steps failing in a row before the fault co
 class LLMEngine:
     """Owns the requests, the scheduler with its block pool, and output processing; drives the
     runner it is given (`StepRunner`) one step at a time. `source` gives the tokenizer and the
-    model's config (vocabulary, EOS ids)."""
+    model's config (vocabulary, EOS ids); `adapters` checks the LoRA adapters requests name (with
+    LoRA on, `config.lora.enable_lora`)."""
 
-    def __init__(self, config: EngineConfig, source, runner: StepRunner):
+    def __init__(self, config: EngineConfig, source, runner: StepRunner, adapters: AdapterResolver | None = None):
         self.config, self.source, self.runner = config, source, runner
+        self.adapters = adapters
         self.tokenizer = source.tokenizer
         self.max_model_len = config.scheduler.max_model_len
         self.kv_manager = KVCacheManager(kv_group_specs(runner.groups), num_blocks=runner.num_blocks,
                                          num_state_slots=runner.num_state_slots,
                                          prefix=prefix_settings(config, runner), unit=config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        lora_slots = AdapterSlotTable(config.lora.max_loras) if config.lora.enable_lora else None
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, lora_slots)
         self.eos_token_ids = eos_token_ids(source)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
         # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
@@ -75,9 +80,12 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid.
-        Requests share cached prefixes only when their `cache_salt` is equal (None included).
+        Requests share cached prefixes only when their `cache_salt` is equal (None included) and
+        their LoRA adapters have the same content (`lora_request`: checked here, ValueError naming
+        the adapter when it cannot run).
         With `params.n` / `best_of` > 1 its samples run as sibling requests sharing the prompt's
         blocks (`parallel_sampling`); its outputs come under `request_id`, one completion each.
         With `PoolingParams` it is an embedding request: its final output is an
@@ -86,13 +94,14 @@ class LLMEngine:
             return self._add_embedding(prompt, params, request_id, cache_salt)
         params = checked_params(params)
         check_token_ids_in_vocab(params, self.source.hf_config.vocab_size)
+        adapter = self.resolve_adapter(lora_request)
         request_id = self._new_request_id(request_id, cache_salt)
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params.max_tokens)
 
         def make(rid: str, p: SamplingParams) -> Request:
             return Request(rid, ids, p, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                           cache_salt=cache_salt)
+                           cache_salt=cache_salt, lora=adapter)
 
         if params.num_samples == 1:
             self._admit(make(request_id, params), text)
@@ -106,6 +115,18 @@ class LLMEngine:
             self.samples.forget(parent)
             raise
         return request_id
+
+    def resolve_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The checked adapter of `lora_request` (None for None); ValueError naming it when it cannot
+        run here (LoRA off, missing or corrupt files, a rank above max_lora_rank, targets the base
+        lacks)."""
+        if lora_request is None:
+            return None
+        if self.adapters is None or not self.config.lora.enable_lora:
+            name = getattr(lora_request, "lora_name", lora_request)
+            raise ValueError(f"lora_request names adapter {name!r}, but LoRA is off: start the engine with "
+                             f"enable_lora=True (--enable-lora)")
+        return self.adapters.resolve(lora_request)
 
     def _add_embedding(self, prompt, params: PoolingParams, request_id: str | None, cache_salt: str | None) -> str:
         """Queue an embedding request: its prompt (cut to truncate_prompt_tokens) is computed and

@@ -6,7 +6,7 @@ coincide). Its key chains over every earlier token from a root that fingerprints
 changes K/V (`StepRunner.cache_identity`: weights' content, attention config, dtype, row format,
 cache layout) and the request's `cache_salt`:
 
-    root = blake2b(identity ‖ salt)
+    root = blake2b(identity ‖ salt ‖ adapter)      adapter: the LoRA adapter's content key, if any
     h_1  = blake2b(root ‖ tokens[0 : u])           u = the hash unit in tokens
     h_i  = blake2b(h_{i-1} ‖ tokens[(i-1)u : iu])  a paged block ending at token iu is keyed (group, h_i)
 
@@ -35,10 +35,12 @@ _DIGEST = 16
 _MAX_KNOWN = 1 << 16  # unit hashes remembered as computed (for snapshot placement)
 
 
-def chain_root(identity: str, cache_salt: str | None) -> bytes:
-    """The root a request's hash chain starts from: the cache identity and its salt."""
+def chain_root(identity: str, cache_salt: str | None, adapter_key: str | None = None) -> bytes:
+    """The root a request's hash chain starts from: the cache identity, its salt and its LoRA
+    adapter's content key (`LoRAAdapter.cache_key`; None: the base model, whose root is unchanged)."""
     salt = b"\x00nosalt" if cache_salt is None else b"\x01" + cache_salt.encode()
-    return hashlib.blake2b(b"deepinfer-prefix\0" + identity.encode() + salt, digest_size=_DIGEST).digest()
+    adapter = b"" if adapter_key is None else b"\x02lora\0" + adapter_key.encode()
+    return hashlib.blake2b(b"deepinfer-prefix\0" + identity.encode() + salt + adapter, digest_size=_DIGEST).digest()
 
 
 def chain_hash(parent: bytes, token_ids) -> bytes:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from deepinfer.contracts.lora import LoRAAdapter
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class Request:
     snapshot_at: list[int] = field(default_factory=list)  # boundaries its prefill stops at for a snapshot
     # an embedding request (engine/pooling.py): computes its prompt, samples nothing, ends with a vector
     pooling_params: PoolingParams | None = None
+    lora: LoRAAdapter | None = None  # its LoRA adapter (its content keys the request's prefix chain)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

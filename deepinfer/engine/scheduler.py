@@ -37,6 +37,10 @@ Embeddings (`engine/pooling.py`): an embedding request is scheduled as a prompt 
 never samples; it takes no prefix hit, may fill the whole context, and finishes in the `update` of
 the step that completes its prompt, with the vector the runner pooled (`ModelOutput.pooled`).
 
+LoRA (`adapter_slots`): a request with an adapter is admitted only when its adapter has, or can
+take, one of the `max_loras` device slots (else it waits, and FCFS keeps those behind it waiting
+too); it pins the slot while it runs and unpins it when it finishes, is preempted or starts over.
+
 Order invariant: `running` is sorted by arrival and every running request arrived before every
 waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
 newest running request and FCFS order holds across preemptions.
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.contracts.plan import ModelOutput, SampleResult, ScheduledRequest, StepPlan
+from deepinfer.engine.adapter_slots import AdapterSlotTable
 from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.spec_stats import SpecDecodeStats
@@ -69,9 +74,11 @@ class Scheduler:
     """Owns the waiting and running queues and decides each step's work (`schedule` -> StepPlan);
     takes the step's samples back (`update`); allocates and frees blocks through the KV manager."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager):
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
+                 adapter_slots: AdapterSlotTable | None = None):
         self.config = scheduler_config
         self.kv_manager = kv_manager
+        self.adapter_slots = adapter_slots  # LoRA device slots (None: LoRA off)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, FCFS
         self.running: list[Request] = []  # RUNNING, oldest first
@@ -125,6 +132,9 @@ class Scheduler:
                              f"{req.num_computed_tokens} computed, {req.num_output_tokens} outputs")
         if num_prompt == 0:
             raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty")
+        if req.lora is not None and self.adapter_slots is None:
+            raise ValueError(f"request {rid!r} names LoRA adapter {req.lora.name!r}, but LoRA is off "
+                             f"(enable_lora=False)")
         pooling = req.pooling_params is not None  # an embedding computes its prompt and nothing after it
         if num_prompt > max_len or (num_prompt == max_len and not pooling):
             raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for "
@@ -162,6 +172,7 @@ class Scheduler:
             self.kv_manager.commit(req)
         req.status, req.stop_reason = status, stop_reason
         self.kv_manager.free(req.request_id)
+        self._release_adapter(req)
         del self.requests[req.request_id]
         self._share_from.pop(req.request_id, None)
         self._finished_request_ids.append(req.request_id)
@@ -221,6 +232,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free req's cache and queue it first in line; it will recompute prompt + outputs."""
         self.kv_manager.free(req.request_id)
+        self._release_adapter(req)
         req.num_computed_tokens = 0
         req.draft_token_ids = []  # the recompute's last chunk proposes afresh
         req.snapshot_at = []
@@ -235,8 +247,11 @@ class Scheduler:
             hit = self._find_prefix(req)
             req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
             num_new = self._chunk(req, hit.num_tokens, budget)
-            if not self.kv_manager.allocate_slots(req.request_id, hit.num_tokens + num_new, hit):
+            if not self._adapter_fits(req) or not self.kv_manager.allocate_slots(
+                    req.request_id, hit.num_tokens + num_new, hit):
                 break  # FCFS: nobody overtakes the head of the queue
+            if req.lora is not None:
+                self.adapter_slots.acquire(req.request_id, req.lora)
             req.num_computed_tokens = hit.num_tokens
             if self.kv_manager.caching:
                 self.kv_manager.stats.observe(req.num_tokens, hit.num_tokens, hit.num_disk_tokens)
@@ -247,6 +262,14 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled_request(req, num_new))
             budget -= num_new
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """The request has no adapter, or its adapter has (or can take) a device slot."""
+        return req.lora is None or self.adapter_slots.can_acquire(req.lora)
+
+    def _release_adapter(self, req: Request) -> None:
+        if req.lora is not None:
+            self.adapter_slots.release(req.request_id)
 
     def _find_prefix(self, req: Request) -> PrefixHit:
         """req's longest cached prefix, or the prompt blocks of its sibling sample if longer."""
@@ -277,6 +300,8 @@ class Scheduler:
             loads=loads,
             restore_from=restore_from,
             capture_to=capture_to,
+            lora=req.lora,
+            lora_slot=self.adapter_slots.slot_of(req.request_id) if req.lora is not None else -1,
         )
 
     # ---- update -------------------------------------------------------------------------
@@ -337,6 +362,7 @@ class Scheduler:
         them, free its cache and queue it first in line to start again."""
         self.kv_manager.forget_paths(paths, req.num_computed_tokens)
         self.kv_manager.free(req.request_id)
+        self._release_adapter(req)
         self.running.remove(req)
         req.num_computed_tokens, req.draft_token_ids, req.snapshot_at = 0, [], []
         req.status = RequestStatus.WAITING

@@ -54,6 +54,7 @@ class StepInputs:
     sample_rows: list  # the ScheduledRequests that sample, in logits-row order
     sample_index: torch.Tensor  # [M] packed rows whose logits are computed (M >= len(sample_rows))
     spans: list  # (ScheduledRequest, first packed row) of every request, in packed order
+    lora_slots: torch.Tensor | None = None  # [T] each row's LoRA slot (-1: none); None: no adapter this step
 
 
 def num_logits_rows(s) -> int:
@@ -275,8 +276,18 @@ def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.de
     sample_index = torch.tensor([i for s, start in spans if s.do_sample
                                  for i in range(start + s.num_tokens - num_logits_rows(s), start + s.num_tokens)],
                                 **_LONG)  # [M]
+    lora_slots = _lora_slots(batch)  # [T] or None
+    extra = [ids, sample_index] + ([lora_slots] if lora_slots is not None else [])
     if pack is None:
         pack = device.type != "cpu"
     if pack:
-        md, (ids, sample_index) = move_step(md, [ids, sample_index], device, force=True)
-    return StepInputs(ids, md.positions, md, rows, sample_index, spans)
+        md, extra = move_step(md, extra, device, force=True)
+    return StepInputs(extra[0], md.positions, md, rows, extra[1], spans, extra[2] if lora_slots is not None else None)
+
+
+def _lora_slots(batch: _Batch) -> torch.Tensor | None:
+    """[T] the LoRA slot of each packed row (-1: no adapter); None when no request has one."""
+    per_request = [s.lora_slot for s in batch.ordered]
+    if all(slot < 0 for slot in per_request):
+        return None
+    return torch.tensor(per_request, **_LONG)[batch.owner]  # [T]

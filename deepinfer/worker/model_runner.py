@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from deepinfer.worker.cuda_graphs import build_decode_graphs
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, group_addressing, num_logits_rows
 from deepinfer.worker.kv_disk import KvDiskStore
+from deepinfer.worker.lora_slots import LoRASlots
 from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.pooling import Pooler
 from deepinfer.worker.prefix_store import PrefixStore, cache_identity
@@ -119,6 +121,10 @@ class ModelRunner:
             make_batch_invariant(self.model, model_type, native_path(self.device, self.dtype, model_type))
         else:
             self.num_few_row_linear = use_few_row_linear(self.model)
+        # LoRA adapter slots beside the target layers (`lora_base`: what adapters may target, for admission)
+        self.lora = LoRASlots(self.model, config.lora, self.dtype, self.device, self.batch_invariant,
+                              source.hf_config) if config.lora.enable_lora else None
+        self.lora_base = self.lora.base if self.lora is not None else None
         # the cache's one sizing (`cache_sizing`): groups sized for k drafts, their codecs, the byte record
         self.groups, self.codecs, self.sizing = plan_model_cache(
             self.model, self.dtype, cache_config.kv_cache_dtype, cache_config.block_size, self.env,
@@ -245,9 +251,11 @@ class ModelRunner:
         if plan.is_empty:
             step.output.load_failures = load_failures
             return step
+        if self.lora is not None:
+            self.lora.prepare(plan)  # adapters into the slots the plan names
         step.inputs = inputs = build_step_inputs(plan, self.addressing, self.device)
         pooled: dict[str, list[float]] = {}  # embeddings this step completes (rank 0)
-        if self.graphs is not None and self.graphs.accepts(inputs):  # plain decodes: replay a CUDA graph
+        if self.graphs is not None and inputs.lora_slots is None and self.graphs.accepts(inputs):  # a CUDA graph
             logits = self.graphs.run(inputs)  # [N, V]
         else:
             logits = self._forward(inputs, None if sample else PromptLogprobs(), pooled if sample else None)  # [M, V]
@@ -289,7 +297,7 @@ class ModelRunner:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
         runner's), embedding chunks pooled (completed vectors into `pooled`; None: not pooled),
         then logits [M, V] of the rows that sample (None when none does)."""
-        with forward_context(inputs.attn_metadata):
+        with forward_context(inputs.attn_metadata), self._lora_rows(inputs):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         if pooled is not None and any(s.pooling is not None for s, _ in inputs.spans):
             pooled.update(self.pooler.collect(inputs.spans, hidden))
@@ -299,6 +307,12 @@ class ModelRunner:
         if not inputs.sample_rows:
             return None
         return self.model.compute_logits(hidden[inputs.sample_index]).float()  # [M, V]
+
+    def _lora_rows(self, inputs: StepInputs) -> contextlib.AbstractContextManager:
+        """The step's LoRA rows for the adapted layers' hooks (nothing without LoRA or adapters)."""
+        if self.lora is None or inputs.lora_slots is None:
+            return contextlib.nullcontext()
+        return self.lora.active(inputs.lora_slots, inputs.spans)
 
     def _keep_verified(self, inputs: StepInputs, samples: dict) -> None:
         """Tell the model how many tokens of each verification step were kept (the last token

@@ -24,7 +24,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "waiting requests, KV cache usage) logged while the server is busy")
     g.add_argument("--disable-log-stats", action="store_true", help="log no throughput lines")
     add_agent_args(p)
+    add_lora_args(p)
     add_connection_args(p)
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters served")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served from the start, each a model of its own in "
+                        "/v1/models, chosen by a request's `model` (needs --enable-lora)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({lora_name, lora_path})")
+
+
+def lora_settings(args) -> dict:
+    """The ServerSettings fields of the LoRA flags: (name, path) pairs and the runtime switch."""
+    from deepinfer.entrypoints.openai.lora_routes import parse_lora_module
+
+    modules = tuple(parse_lora_module(m) for m in args.lora_modules or [])
+    if modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return {"lora_modules": modules,
+            "allow_runtime_lora_updating": bool(args.allow_runtime_lora_updating)}
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:

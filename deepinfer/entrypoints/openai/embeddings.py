@@ -101,7 +101,9 @@ def embeddings_routes(state) -> APIRouter:
 
 def _prepare(tokenizer, state, raw: bytes) -> tuple[EmbeddingRequest, list[list[int]], PoolingParams]:
     body = EmbeddingRequest.model_validate(parse_json(raw))
-    state.check_model(body.model)
+    if state.lora_request(body.model) is not None:
+        raise bad_request(f"model {body.model!r} is a LoRA adapter; embeddings come from the base model only",
+                          "model")
     inputs = body.inputs()
     try:
         params = state.engine_loop.engine.pooling.resolve(body.pooling_params())

@@ -56,6 +56,7 @@ class _Add:
     future: asyncio.Future
     arrival_time: float
     cache_salt: str | None = None
+    lora_request: object = None  # a LoRARequest (None: the base model)
 
 
 @dataclass
@@ -144,15 +145,17 @@ class EngineLoop:
     # -- requests (event loop thread) ------------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                  arrival_time: float | None = None, cache_salt: str | None = None) -> RequestHandle:
+                  arrival_time: float | None = None, cache_salt: str | None = None,
+                  lora_request=None) -> RequestHandle:
         """Hand a request to the engine; raises the engine's ValueError if it refuses it.
-        Requests share cached prefixes only when their `cache_salt` is equal."""
+        Requests share cached prefixes only when their `cache_salt` is equal (and their LoRA
+        adapters' content: `lora_request`, None for the base model)."""
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         future = self._loop.create_future()
         self._submit(_Add(request_id, prompt_ids, params, queue, future,
-                          arrival_time if arrival_time is not None else time.monotonic(), cache_salt))
+                          arrival_time if arrival_time is not None else time.monotonic(), cache_salt, lora_request))
         try:
             await future
         except asyncio.CancelledError:
@@ -240,6 +243,8 @@ class EngineLoop:
 
     def _add(self, command: _Add) -> None:
         salt = {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
+        if command.lora_request is not None:
+            salt["lora_request"] = command.lora_request
         try:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id, **salt)
         except Exception as exc:  # a refusal (ValueError) goes back to the caller

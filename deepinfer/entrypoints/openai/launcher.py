@@ -58,15 +58,17 @@ def run_server(args) -> int:
     The process ends through `os._exit` once uvicorn has shut down: the interpreter's own
     teardown (over a second with torch and transformers loaded) would overrun a short grace.
     """
+    from deepinfer.entrypoints.openai.args import lora_settings
     from deepinfer.entrypoints.openai.server import ServerSettings, build_app
 
     _check_args(args)
+    lora = lora_settings(args)  # a malformed --lora-modules entry fails before the model loads
     _setup_logging(args.log_level)
     engine = make_llm(args).engine
     settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                               tokenizer_workers=args.tokenizer_workers, tool_call_parser=args.tool_call_parser,
-                              reasoning_parser=args.reasoning_parser)
+                              reasoning_parser=args.reasoning_parser, **lora)
     fatal = FatalExit()
     app = build_app(engine, settings, on_fatal=fatal)
     app.state.server.engine_loop.stats_logger.interval_s = None if args.disable_log_stats else args.log_stats_interval

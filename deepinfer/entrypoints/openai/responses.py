@@ -86,7 +86,8 @@ def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
         body, history, chat, params = await state.pool.run(_prepare, state, store, prepare_chat_body, raw)
         ctx = ResponseContext(new_id("resp"), state.settings.model_name, body, params.temperature, params.top_p)
         try:
-            handle = await state.engine_loop.add(ctx.response_id, chat.prompt_ids, params, time.monotonic())
+            handle = await state.engine_loop.add(ctx.response_id, chat.prompt_ids, params, time.monotonic(),
+                                                 lora_request=state.lora_request(body.model))
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         except EngineClosedError as exc:

@@ -11,6 +11,10 @@
     POST /v1/responses           the Responses API over the same chat path (responses.py)
     POST /tokenize, /detokenize  vLLM's tokenizer routes (tokenize_routes.py)
     POST /v1/embeddings          embeddings of one input or a batch (embeddings.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --allow-runtime-lora-updating (lora_routes.py)
+
+With --enable-lora, each LoRA adapter (--lora-modules name=path, or loaded at run time) is a model
+of its own in /v1/models, chosen by a request's `model` field (lora_routes.py).
 
 Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
 header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
@@ -63,6 +67,7 @@ from deepinfer.entrypoints.openai.errors import (
     install_error_handlers,
     service_unavailable,
 )
+from deepinfer.entrypoints.openai.lora_routes import ServedAdapters, adapter_card, lora_routes, model_not_found
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structured_output_error
 from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
@@ -97,6 +102,8 @@ class ServerSettings:
     tokenizer_workers: int = 2  # threads that parse, tokenize and chat-template request bodies
     tool_call_parser: str = "auto"  # the tool-call format (tool_parsers: auto = the chat template's)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think> sections -> reasoning_content
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters served from the start
+    allow_runtime_lora_updating: bool = False  # the load / unload adapter routes
 
 
 class TokenizerPool:
@@ -163,6 +170,9 @@ class ServerState:
         self.created = int(time.time())
         self.chat_setup = ChatSetup(make_tool_parser(settings.tool_call_parser, self.tokenizer),
                                     make_reasoning_parser(settings.reasoning_parser, self.tokenizer))
+        self.adapters = ServedAdapters(settings.model_name, getattr(engine, "adapters", None))
+        for name, path in settings.lora_modules:  # a bad adapter stops the start-up, naming it
+            self.adapters.add(name, path)
 
     def check_capacity(self) -> None:
         """503 while shutting down, 429 while the waiting queue (incl. requests being tokenized) is full."""
@@ -175,9 +185,20 @@ class ServerState:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
+        if model is not None and model != self.settings.model_name and self.adapters.get(model) is None:
+            if self.adapters.all():
+                raise model_not_found(model, self.settings.model_name)
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.settings.model_name}`", param="model", code="model_not_found")
+
+    def lora_request(self, model: str | None):
+        """The LoRARequest of the adapter `model` names (None: the base model); 404 for an unknown name."""
+        self.check_model(model)
+        return self.adapters.get(model)
+
+    def response_model(self, model: str | None) -> str:
+        """The model name an answer reports: the adapter's, else the served base name."""
+        return model if self.adapters.get(model) is not None else self.settings.model_name
 
 
 def build_app(engine, settings: ServerSettings,
@@ -208,6 +229,8 @@ def build_app(engine, settings: ServerSettings,
     app.include_router(tokenize_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(responses_routes(state, prepare_chat_body),
                        dependencies=[Depends(_auth_dependency(settings.api_key))])
+    if settings.allow_runtime_lora_updating:
+        app.include_router(lora_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
@@ -275,12 +298,12 @@ def _v1_routes(state: ServerState) -> APIRouter:
 
     @router.get("/models")
     async def models() -> dict:
-        return {"object": "list", "data": [model_card(state)]}
+        return {"object": "list", "data": [model_card(state)] + [adapter_card(state, a) for a in state.adapters.all()]}
 
     @router.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict:
-        state.check_model(model_id)
-        return model_card(state)
+        adapter = state.lora_request(model_id)
+        return model_card(state) if adapter is None else adapter_card(state, adapter)
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
@@ -395,13 +418,14 @@ async def _generate(state: ServerState, request: Request, body, prompt_ids: list
                     formatter_cls, response_id: str) -> Response:
     """Hand the request (prepared in the pool) to the engine thread; answer whole or as an SSE stream."""
     arrival = time.monotonic()
+    lora = state.lora_request(body.model)  # 404 when the adapter was unloaded meanwhile
     try:
-        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt)
+        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt, lora)
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
     except EngineClosedError as exc:
         raise engine_closed(exc, response_id, state.engine_loop) from None
-    formatter = formatter_cls(response_id, state.settings.model_name, state.tokenizer,
+    formatter = formatter_cls(response_id, state.response_model(body.model), state.tokenizer,
                               len(prompt_ids), params.logprobs)
     if body.stream:
         return StreamingResponse(stream_events(handle, formatter, body.include_usage, state.engine_loop),

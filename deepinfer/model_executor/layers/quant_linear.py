@@ -166,7 +166,10 @@ def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...]) -> n
         return QuantEmbedding(parts[0], module.weight.dtype)
     if isinstance(module, nn.Linear):
         cls = QuantRowParallelLinear if isinstance(module, RowParallelLinear) else QuantLinear
-        return cls(parts, module.bias, getattr(module, "shard_sizes", None))
+        twin = cls(parts, module.bias, getattr(module, "shard_sizes", None))
+        if getattr(module, "shard_specs", None):  # which slice it holds (LoRA splits its A / B alike)
+            twin.shard_specs = {"weight": module.shard_specs["weight"]}
+        return twin
     raise ValueError(f"a quantized weight arrived for a {type(module).__name__}, which has no quantized twin")
 
 
