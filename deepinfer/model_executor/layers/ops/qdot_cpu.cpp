@@ -615,17 +615,22 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   // Tasks of at least ~64 K (weight bytes x activation rows): small calls stay on one thread.
   const int64_t work = rows * pb.row_bytes * std::max<int64_t>(M, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(work, 1));
-  // Chunks of `grain` tiles are taken from a shared counter rather than split up front: a thread the
-  // OS pauses (another process on its core) holds up the call by the chunk it has, not by its share.
+  auto run = [&](int64_t t0, int64_t t1) {
+    if (isa == 4) v512::qdot_tiles(pb, t0, t1);
+    else if (isa == 3) vnni256::qdot_tiles(pb, t0, t1);
+    else if (isa == 2) avx2::qdot_tiles(pb, t0, t1);
+    else qdot_plain(pb, t0, std::min(t1, N));
+  };
+  if (M <= kFusedRows) {  // decode: memory-bound, each thread streams one contiguous share of the weight
+    at::parallel_for(0, tiles, grain, run);
+    return y;
+  }
+  // Batches and prefill (compute-bound): chunks of `grain` tiles taken from a shared counter rather
+  // than split up front, so a thread the OS pauses (another process on its core) holds up the call
+  // by the chunk it has, not by its whole share.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, (tiles + grain - 1) / grain, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(grain)) < tiles;) {
-      const int64_t t1 = std::min(t0 + grain, tiles);
-      if (isa == 4) v512::qdot_tiles(pb, t0, t1);
-      else if (isa == 3) vnni256::qdot_tiles(pb, t0, t1);
-      else if (isa == 2) avx2::qdot_tiles(pb, t0, t1);
-      else qdot_plain(pb, t0, std::min(t1, N));
-    }
+    for (int64_t t0; (t0 = next.fetch_add(grain)) < tiles;) run(t0, std::min(t0 + grain, tiles));
   });
   return y;
 }
