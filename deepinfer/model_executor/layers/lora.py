@@ -30,7 +30,7 @@ from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.batch_invariant import BatchInvariantMode
-from deepinfer.model_executor.layers.ops.lora import lora_delta
+from deepinfer.model_executor.layers.ops.lora import lora_delta, lora_op_name
 from deepinfer.model_executor.layers.parallel_linear import Piece, shard_spec_of
 from deepinfer.model_executor.layers.quant_linear import QuantLinear
 
@@ -122,7 +122,9 @@ class LoRALayer:
         if x.shape[0] != step.slots.shape[0]:
             raise RuntimeError(f"LoRA: a target module ran on {x.shape[0]} rows, the step has "
                                f"{step.slots.shape[0]}; adapters apply only to modules that see every row")
-        with BatchInvariantMode() if step.batch_invariant else contextlib.nullcontext():
+        # the C++ kernel's rows are independent as it is; the torch reference needs the mode for that
+        invariant = step.batch_invariant and lora_op_name(x.device, x.dtype) != "cpu_kernel"
+        with BatchInvariantMode() if invariant else contextlib.nullcontext():
             delta = torch.cat([self._piece_delta(p, x, step) for p in self.pieces], dim=-1)  # [T, out]
         if self.row_split:
             delta = all_reduce(delta)  # the ranks' partial sums over their input columns
