@@ -158,7 +158,7 @@ def check_sizes(cfg: dict, tp: int, ep: int) -> None:
         raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} "
                          "(the expert-parallel ranks are the tensor-parallel ranks)")
     if experts % ep:
-        raise ValueError(f"the {experts} routed experts do not divide by expert_parallel_size={ep}")
+        raise ValueError(f"{routed_expert_field(cfg)}={experts} is not divisible by expert_parallel_size={ep}")
     for field in _split_fields(cfg):
         if cfg[field] % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide {field}={cfg[field]}")
@@ -190,9 +190,17 @@ def vocab_weights(cfg: dict, tp: int) -> list[Weight]:
     return [Weight("embedding + LM head", rows, cfg["hidden_size"], copies, dtype)]
 
 
+_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")  # DeepSeek, Qwen MoE, Mixtral / GPT-OSS
+
+
+def routed_expert_field(cfg: dict) -> str:
+    """The config field that counts the routed experts per MoE layer ("n_routed_experts" if none does)."""
+    return next((f for f in _EXPERT_FIELDS if cfg.get(f)), _EXPERT_FIELDS[0])
+
+
 def routed_expert_count(cfg: dict) -> int:
-    """Routed experts per MoE layer (DeepSeek's, Qwen MoE's, Mixtral's and GPT-OSS's field), 0 if dense."""
-    return cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    """Routed experts per MoE layer, 0 for a dense model."""
+    return cfg.get(routed_expert_field(cfg)) or 0
 
 
 def sparse_layer_count(cfg: dict) -> int:

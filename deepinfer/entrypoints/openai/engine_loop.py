@@ -196,10 +196,12 @@ class EngineLoop:
         try:
             while (commands := self._next_commands()) is not None:
                 aborted = self._apply(commands)
+                batch = []
                 if aborted or self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._publish(outputs, time.monotonic())
-                self._publish_stats()
+                    batch = self._publish(self.engine.step(), time.monotonic())
+                self._publish_stats()  # before the outputs go out: an answered client sees its blocks freed
+                if batch:
+                    self._post(deliver, batch)
                 self.stats_logger.maybe_log(self.stats, time.monotonic())
         except BaseException as exc:  # a fatal fault: the engine is in an unknown state, fail everything
             logger.exception("engine step failed; the server stops taking requests")
@@ -257,7 +259,9 @@ class EngineLoop:
             self.metrics.record_admitted(len(command.prompt_ids))
         self._post(resolve, command.future, None)
 
-    def _publish(self, outputs: list[RequestOutput], now: float) -> None:
+    def _publish(self, outputs: list[RequestOutput], now: float) -> list:
+        """Account the step's outputs and forget finished requests; returns the (queue, output) pairs
+        to deliver."""
         batch, num_finished = [], 0
         for out in outputs:
             tracked = self._tracked.get(out.request_id)
@@ -269,8 +273,7 @@ class EngineLoop:
                 del self._tracked[out.request_id]
                 num_finished += 1
         self._count_closed(num_finished)
-        if batch:
-            self._post(deliver, batch)
+        return batch
 
     def _publish_stats(self) -> None:
         self.stats = engine_stats(self.engine, len(self._tracked))
