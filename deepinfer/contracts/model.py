@@ -150,3 +150,26 @@ class StepRunner(Protocol):
     def close(self) -> None:
         """Finish writing the cache directory and stop what the runner started (follower ranks,
         their process group). Idempotent; the runner must not step afterwards."""
+
+
+class NoRequestState:
+    """The CachedModel members of a model that keeps no per-request state beside its caches (the
+    Llama family, DeepSeek-V2/V3): nothing to size, record, undo, read or write."""
+
+    def state_bytes_per_slot(self) -> int:
+        return 0
+
+    def keep_verified(self, kept: dict[int, int]) -> None:
+        """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
+
+    def begin_step(self) -> None:
+        """Nothing to record: no per-request state beside the caches."""
+
+    def undo_step(self) -> None:
+        """Nothing to put back (ring rows a chunk overwrites are the runner's to restore)."""
+
+    def read_state(self, slot: int) -> dict:
+        return {}
+
+    def write_state(self, slot: int, tensors: dict) -> None:
+        """Nothing to write: no per-request state."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.contracts.model import ModelCapabilities
+from deepinfer.contracts.model import ModelCapabilities, NoRequestState
 from deepinfer.model_executor.layers.activation import silu_and_mul
 from deepinfer.model_executor.layers.attention.layer import Attention, attention_cache_groups, bind_attention_caches
 from deepinfer.model_executor.layers.norm import RMSNorm
@@ -131,7 +131,7 @@ class LlamaModel(nn.Module):
         return self.norm(h)  # [T, hidden]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(NoRequestState, nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
     # the forward reads only ids, positions and token-group metadata, and keeps no per-request
@@ -158,24 +158,6 @@ class LlamaForCausalLM(nn.Module):
     # ---- caches (the CachedModel protocol) -------------------------------------------------
     def cache_groups(self) -> list:
         return attention_cache_groups(self.attention_layers())
-
-    def state_bytes_per_slot(self) -> int:
-        return 0
-
-    def keep_verified(self, kept: dict[int, int]) -> None:
-        """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
-
-    def begin_step(self) -> None:
-        """Nothing to record: no per-request state beside the caches."""
-
-    def undo_step(self) -> None:
-        """Nothing to put back (ring rows a chunk overwrites are the runner's to restore)."""
-
-    def read_state(self, slot: int) -> dict:
-        return {}  # no per-request state beside the caches
-
-    def write_state(self, slot: int, tensors: dict) -> None:
-        pass
 
     def bind_caches(self, caches) -> None:
         bind_attention_caches(self.attention_layers(), caches)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
-from deepinfer.contracts.model import BoundCaches, ModelCapabilities
+from deepinfer.contracts.model import BoundCaches, ModelCapabilities, NoRequestState
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v3.config import V2, check_config, num_mtp_layers
@@ -55,7 +55,7 @@ class DeepseekModel(nn.Module):
         return self.norm(h)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(NoRequestState, nn.Module):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
     # heads split over tensor-parallel ranks, routed experts over expert_parallel_size rank groups;
@@ -129,24 +129,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, DeepseekMoE) and isinstance(module.experts, FusedExperts):
                 module.experts.kernels = kernels  # packed experts (QuantFusedExperts) run the integer kernels
-
-    def state_bytes_per_slot(self) -> int:
-        return 0
-
-    def keep_verified(self, kept: dict[int, int]) -> None:
-        """Nothing to undo: rows of rejected drafts are overwritten before any query reads them."""
-
-    def begin_step(self) -> None:
-        """Nothing to record: no per-request state beside the caches."""
-
-    def undo_step(self) -> None:
-        """Nothing to put back (ring rows a chunk overwrites are the runner's to restore)."""
-
-    def read_state(self, slot: int) -> dict:
-        return {}  # no per-request state beside the caches
-
-    def write_state(self, slot: int, tensors: dict) -> None:
-        pass
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
