@@ -300,8 +300,8 @@ def test_request_in_flight_is_not_held_up(llama_dir, tmp_path, caplog):
                 if step == 3:
                     for kind, victim in zip(("fifo", "sparse", "symlink_out", "device"), units[1:], strict=True):
                         plant(kind, victim, units[0], str(tmp_path / f"outside-{kind}"))
-                    os.unlink(lock)
-                    os.mkfifo(lock)
+                    os.mkfifo(lock + ".fifo")  # swapped in at once: the engine's writer may be
+                    os.replace(lock + ".fifo", lock)  # recreating the lock file meanwhile
                     outputs["hit"] = engine.add_request(prompt, PARAMS)
                 for out in engine.step():
                     if out.request_id == steady_id and out.outputs[0].token_ids:

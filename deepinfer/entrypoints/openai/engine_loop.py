@@ -195,14 +195,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while (commands := self._next_commands()) is not None:
-                aborted = self._apply(commands)
-                batch = []
-                if aborted or self.engine.has_unfinished_requests():
-                    batch = self._publish(self.engine.step(), time.monotonic())
-                self._publish_stats()  # before the outputs go out: an answered client sees its blocks freed
-                if batch:
-                    self._post(deliver, batch)
-                self.stats_logger.maybe_log(self.stats, time.monotonic())
+                self._step(commands)
         except BaseException as exc:  # a fatal fault: the engine is in an unknown state, fail everything
             logger.exception("engine step failed; the server stops taking requests")
             self.error = exc
@@ -210,6 +203,19 @@ class EngineLoop:
             self._close()
         if self.error is not None:
             self._notify_fatal(self.error)
+
+    def _step(self, commands: list[_Add | _Abort]) -> None:
+        """Apply the commands, run one engine step and post its outputs. A method of its own so
+        that nothing of the step (its outputs, their token lists) outlives it while the thread
+        waits for work."""
+        aborted = self._apply(commands)
+        batch = []
+        if aborted or self.engine.has_unfinished_requests():
+            batch = self._publish(self.engine.step(), time.monotonic())
+        self._publish_stats()  # before the outputs go out: an answered client sees its blocks freed
+        if batch:
+            self._post(deliver, batch)
+        self.stats_logger.maybe_log(self.stats, time.monotonic())
 
     def _notify_fatal(self, exc: BaseException) -> None:
         if self.on_fatal is None:

@@ -24,6 +24,7 @@ the first term of its denominator (`per_query_attention` / `shared_key_attention
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -139,16 +140,23 @@ decode_attention = fused.invariant_decode_attention_op(torch_decode_attention)
 prefill_attention = fused.invariant_prefill_attention_op(torch_prefill_attention)
 
 
+def _dead_ref():
+    return None
+
+
 class StepLayouts:
     """The layouts of the step in flight, per (cache group, segment): built once, used by every layer."""
 
     def __init__(self):
-        self._step = None  # the AttentionMetadata they belong to
+        self._step = _dead_ref  # a weak reference to the AttentionMetadata they belong to
         self._layouts: dict[tuple[int, int], DecodeLayout | PrefillLayout | torch.Tensor] = {}
 
     def _current(self, metadata) -> dict:
-        if self._step is not metadata:
-            self._step, self._layouts = metadata, {}
+        """The step's layouts. The step is held weakly: once its metadata is gone (the step is over),
+        its layouts go too, so an idle engine keeps nothing of its last batch."""
+        if self._step() is not metadata:
+            layouts: dict = {}
+            self._step, self._layouts = weakref.ref(metadata, lambda _: layouts.clear()), layouts
         return self._layouts
 
     def first(self, metadata, group) -> torch.Tensor:
