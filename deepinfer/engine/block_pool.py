@@ -1,9 +1,10 @@
 """Cache group specs as the engine sees them, the block pool (paged groups) and state slot
 pools (ring groups). Pure Python.
 
-    free list (LRU, head first):  [ 5 | 2* | 9 | 0* ]     * = cached: rows kept, findable by hash
-    allocate -> 5, then 2* (evicted: its hash is dropped)
-    free(b)  -> b to the tail (a cached block keeps its hash and rows)
+    free list (head first):  [ 7 | 5 | 9 | 2* | 0* ]     * = cached: rows kept, findable by hash
+    allocate -> 7, 5, 9, then 2* (evicted: its hash is dropped)
+    free(b)  -> a cached block to the tail (it keeps its hash and rows: LRU); a block with no
+                hash (nothing findable: caching off, or a partial block) to the head
     touch(b) -> a prefix hit takes a cached block back off the free list
 """
 
@@ -29,12 +30,17 @@ class KVBlock:
 
 
 class BlockPool:
-    """A fixed set of ref-counted blocks, an LRU free list and the cached-block map.
+    """A fixed set of ref-counted blocks, a free list and the cached-block map.
 
-    Allocation takes from the head of the free list, freed blocks go to the tail, so the
-    block freed longest ago is reused first: an unreferenced cached block stays where it is,
-    rows intact, findable in `cached`, until allocation evicts it (least recently used first;
-    a request frees its blocks last-first, so of one prefix the longest goes first).
+    Allocation takes from the head of the free list. A freed cached block goes to the tail, so
+    of the cached blocks the one freed longest ago is reused first: an unreferenced cached block
+    stays where it is, rows intact, findable in `cached`, until allocation evicts it (least
+    recently used first; a request frees its blocks last-first, so of one prefix the longest goes
+    first). A freed block with no hash holds nothing anyone can find: it goes to the head and is
+    reused before any never-used block and before any cached block is evicted. So a cache hit is
+    never lost to make room while such a block is free, and the rows written next are in pages
+    already resident (the CPU cache is an anonymous mapping, committed as it is first written)
+    and often still in the CPU's caches.
     """
 
     def __init__(self, num_blocks: int):
@@ -103,10 +109,13 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
 
 class StateSlotPool:
-    """`num_slots` state slots of one ring group; a request holds at most one."""
+    """`num_slots` state slots of one ring group; a request holds at most one. A freed slot holds
+    nothing of use: the slot freed last is handed out first (its pages resident and warm)."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -127,7 +136,7 @@ class StateSlotPool:
     def free(self, state_id: int) -> None:
         if state_id in self._free or not 0 <= state_id < self.num_slots:
             raise RuntimeError(f"state slot {state_id} freed twice or never allocated")
-        self._free.append(state_id)
+        self._free.appendleft(state_id)
 
 
 def check_positive(name: str, value) -> None:

@@ -32,16 +32,20 @@ def test_specs_validate_sizes():
     assert PagedGroupSpec("full", 4).num_blocks_for(9) == 3
 
 
-def test_block_pool_allocates_from_head_and_frees_to_tail():
+def test_block_pool_allocates_from_head_cached_blocks_to_tail_others_to_head():
     pool = BlockPool(6)
     a = pool.allocate(3)
     assert [b.block_id for b in a] == [0, 1, 2]
-    pool.free([a[1]])
-    pool.free([a[0]])
-    assert pool.free_block_ids() == [3, 4, 5, 1, 0]
-    assert [b.block_id for b in pool.allocate(4)] == [3, 4, 5, 1]
+    a[1].block_hash = ("h", 1)
+    pool.cached[a[1].block_hash] = a[1]
+    pool.free([a[1]])  # cached: to the tail, kept as long as anything else is free
+    pool.free([a[0]])  # nothing findable: to the head, reused first
+    assert pool.free_block_ids() == [0, 3, 4, 5, 1]
+    assert [b.block_id for b in pool.allocate(4)] == [0, 3, 4, 5]
+    assert pool.cached == {("h", 1): a[1]}  # the cached block survived
     assert pool.num_free_blocks == 1
     assert pool.usage == pytest.approx(5 / 6)
+    assert [b.block_id for b in pool.allocate(1)] == [1] and pool.cached == {}  # evicted at last
 
 
 def test_block_pool_ref_counts_and_double_free():
@@ -78,7 +82,8 @@ def test_state_slot_pool():
     pool.free(1)
     with pytest.raises(RuntimeError, match="state slot 1 freed twice"):
         pool.free(1)
-    assert pool.allocate() == 1
+    pool.free(0)
+    assert [pool.allocate(), pool.allocate()] == [0, 1]  # the slot freed last comes back first
 
 
 def test_manager_validates_arguments():
@@ -133,8 +138,9 @@ def test_free_is_idempotent_and_returns_everything():
     kv.check_no_leaks()
     with pytest.raises(KeyError, match="holds no cache"):
         kv.block_ids("a")
-    # freed last-first: the tail block is reused before the head block
-    assert kv.block_pool.free_block_ids() == [3, 2, 1, 0]
+    # no block was cached: each freed one went to the head, so the next request gets them back in
+    # order before the never-used block 3
+    assert kv.block_pool.free_block_ids() == [0, 1, 2, 3]
 
 
 def test_paged_groups_share_one_pool():

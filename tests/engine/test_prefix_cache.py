@@ -154,7 +154,8 @@ def test_freed_full_blocks_are_found_by_the_same_prefix():
     assert hit.num_tokens == 8 and hit.blocks[0] == a_blocks[:2]
     assert b.num_computed_tokens == 8
     b_blocks = block_objs(kv, "b")
-    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] is not a_blocks[2]
+    # b's third block is a's partial one: holding nothing findable, it was reused first
+    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] is a_blocks[2]
     assert [blk.ref_cnt for blk in b_blocks] == [1, 1, 1]
 
     c = make_req("c", PROMPT[:8])  # exactly two blocks: the last token must be computed
@@ -243,15 +244,16 @@ def test_cached_blocks_are_evicted_only_when_needed_longest_prefix_first():
     a_blocks = block_objs(kv, "a")
     kv.free("a")
     assert kv.num_cached_blocks == 3
-    # 4 never-cached blocks are free: taking them evicts nothing
+    # a's partial block (nothing findable: reused first) and 3 never-used blocks: evicts nothing
     x = make_req("x", [900 + i for i in range(16)])
     admit(kv, x)
+    assert block_objs(kv, "x")[0] is a_blocks[3] and a_blocks[3] not in block_objs(kv, "x")[1:]
     assert kv.num_cached_blocks == 3 and kv.block_pool.num_evicted == 0
     assert kv.find_prefix(make_req("probe", PROMPT[:13])).num_tokens == 12
-    # the next block comes from a's: its partial block first (freed first), then its longest prefix
+    # the last never-used block before any cached one
     y = make_req("y", [800])
     admit(kv, y)
-    assert block_objs(kv, "y") == [a_blocks[3]] and kv.num_cached_blocks == 3
+    assert block_objs(kv, "y")[0] not in a_blocks and kv.num_cached_blocks == 3
     z = make_req("z", [700] * 5)  # 2 blocks: evicts a's third, then second block
     admit(kv, z)
     assert block_objs(kv, "z") == [a_blocks[2], a_blocks[1]]
@@ -273,9 +275,10 @@ def test_least_recently_used_request_is_evicted_first():
     kv.free("a")
     kv.free("b")  # a freed longest ago
     assert kv.num_cached_blocks == 4
-    c = make_req("c", [5] * 7)  # 2 blocks: a's partial block, then a's second block (a's longest prefix)
+    c = make_req("c", [5] * 7)  # 2 blocks: b's and a's partial blocks (nothing findable), no eviction
     admit(kv, c)
-    assert kv.find_prefix(make_req("pa", PROMPT[:9])).num_tokens == 4
+    assert kv.block_pool.num_evicted == 0
+    assert kv.find_prefix(make_req("pa", PROMPT[:9])).num_tokens == 8
     assert kv.find_prefix(make_req("pb", [300 + i for i in range(9)])).num_tokens == 8
     kv.free("c")
     # a hit makes a block recently used again: b's blocks are reused by a later request, then freed
@@ -283,9 +286,10 @@ def test_least_recently_used_request_is_evicted_first():
     assert admit(kv, d).num_tokens == 8
     compute(kv, d)
     kv.free("d")
-    # d took b's two blocks off the free list and a's first block as its fresh one
-    e = make_req("e", [6] * 13)  # 4 blocks: b's partial, c's two, then d's fresh block; b's cached survive
+    # d took b's two cached blocks off the free list, and a partial one as its third
+    e = make_req("e", [6] * 13)  # 4 blocks: the two partial ones, then a's cached (least recently used)
     admit(kv, e)
+    assert kv.find_prefix(make_req("pa2", PROMPT[:9])).num_tokens == 0
     assert kv.find_prefix(make_req("pb2", [300 + i for i in range(9)])).num_tokens == 8
     kv.free("e")
     kv.check_no_leaks()
