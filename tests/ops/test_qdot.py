@@ -170,12 +170,13 @@ def test_the_second_level_quantizes_the_first_levels_residual():
     assert err_two < err_one / 100  # about 7 more bits
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])  # decode-sized (codes from registers) and buffered calls
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
-def test_two_levels_are_two_one_level_products_summed(kind):
+def test_two_levels_are_two_one_level_products_summed(kind, m):
     k = k_values(kind)[0]
     w = random_blocks(kind, 17, k, seed=11)
-    acts = qd.quantize_acts_ref(activations(5, k, seed=12), levels=2)
-    halves = [qd.QuantActs(acts.q[5 * i:5 * i + 5], acts.d[5 * i:5 * i + 5], acts.sums[5 * i:5 * i + 5])
+    acts = qd.quantize_acts_ref(activations(m, k, seed=12), levels=2)
+    halves = [qd.QuantActs(acts.q[m * i:m * i + m], acts.d[m * i:m * i + m], acts.sums[m * i:m * i + m])
               for i in range(2)]
     expected = qd.qdot_ref(halves[0], w) + qd.qdot_ref(halves[1], w)  # [M, N]
     for isa in ("none", *VARIANTS):

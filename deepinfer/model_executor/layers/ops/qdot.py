@@ -171,9 +171,8 @@ def qdot(acts: QuantActs, w: BlockWeight, *, isa: str | None = None) -> torch.Te
         raise ValueError(f"qdot: activations have K={acts.q.shape[1]}, the weight K={w.shape[1]}")
     level = _resolve(isa)
     if level and w.data.device.type == "cpu":
-        y = torch.ops.deepinfer_cpu.qdot.default(acts.q, acts.d, acts.sums, w.data, kind.ggml_id, w.shape[1],
-                                                 level)  # [levels * M, N]
-        return _sum_levels(y, acts.levels)  # [M, N]
+        return torch.ops.deepinfer_cpu.qdot.default(acts.q, acts.d, acts.sums, w.data, kind.ggml_id, w.shape[1],
+                                                    level, acts.levels)  # [M, N]: level 1 + level 2
     return qdot_ref(acts, w)
 
 

@@ -1,7 +1,8 @@
 // Integer dot products over GGUF blocks as stored in the file: y[M, N] = x[M, K] @ W[N, K]^T.
 //
 //   quantize_acts(x fp32 [M, K], isa) -> q int8 [M, K], d fp32 [M, K/32], sums int32 [M, K/16]
-//   qdot(q, d, sums, w uint8 [N, row_bytes], kind (ggml type id), K, isa) -> y fp32 [M, N]
+//   qdot(q, d, sums, w uint8 [N, row_bytes], kind (ggml type id), K, isa, levels) -> y fp32 [M / levels, N]
+//     (with two levels, q's rows m and m + M/2 are one row's: its output is level 1 + level 2)
 //
 // qdot.py states the function (its torch reference computes the same bits). In short: every
 // weight block splits into units of U values (16 for Q6_K, else 32) whose values are
@@ -142,8 +143,9 @@ struct Problem {
   const float* d;       // [M, K/32]
   const float* sf;      // [M, K/U]: float(s), kinds with a min (else null)
   const uint8_t* w;     // [N, row_bytes]
-  float* y;             // [M, N]
+  float* y;             // [M / levels, N]: level 1 + level 2 of each row with two levels
   int64_t M, N, K, row_bytes;
+  int64_t levels;       // rows m and m + M / 2 are a row's two levels when 2
   Kind kind;
   const Panel* panels;  // covering rows 0 .. M-1 in order
   int64_t num_panels;
@@ -216,7 +218,7 @@ void qdot_plain(const Problem& pb, int64_t n0, int64_t n1) {
   const Kind& kd = pb.kind;
   const int64_t K = pb.K, U = kd.unit, units = K / U;
   std::vector<int16_t> vals(K);
-  std::vector<float> A(units), B(units);
+  std::vector<float> A(units), B(units), out(pb.M);
   for (int64_t n = n0; n < n1; ++n) {
     decode_row(kd, pb.w + n * pb.row_bytes, K, vals.data(), A.data(), B.data());
     for (int64_t m = 0; m < pb.M; ++m) {
@@ -230,8 +232,10 @@ void qdot_plain(const Problem& pb, int64_t n0, int64_t n1) {
         if (kd.has_min) c = c + opaque(opaque(B[u] * da) * pb.sf[m * units + u]);
         acc = acc + c;
       }
-      pb.y[m * pb.N + n] = acc;
+      out[m] = acc;
     }
+    const int64_t rows = pb.M / pb.levels;
+    for (int64_t m = 0; m < rows; ++m) pb.y[m * pb.N + n] = pb.levels == 1 ? out[m] : out[m] + out[rows + m];
   }
 }
 
@@ -552,11 +556,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_acts(const at::Tensor& x
 }
 
 at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, const at::Tensor& w, int64_t kind,
-                int64_t K, int64_t isa) {
+                int64_t K, int64_t isa, int64_t levels) {
   check_isa(isa);
+  TORCH_CHECK(levels == 1 || levels == 2, "qdot: levels must be 1 or 2, got ", levels);
   const Kind kd = kind_of(kind);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) == K, "qdot: q must be int8 [M, K=", K, "]");
   const int64_t M = q.size(0), N = w.size(0);
+  TORCH_CHECK(M % levels == 0, "qdot: ", M, " activation rows do not hold ", levels, " levels");
   TORCH_CHECK(K % kd.block_values == 0, "qdot: K=", K, " is not a multiple of the block size ", kd.block_values);
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == M && d.size(1) == K / 32,
               "qdot: d must be float32 [M, K/32]");
@@ -565,7 +571,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / kd.block_values * kd.block_bytes,
               "qdot: w must be uint8 [N, ", K / kd.block_values * kd.block_bytes, "] for K=", K);
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), sc = sums.contiguous(), wc = w.contiguous();
-  at::Tensor y = at::empty({M, N}, qc.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({M / levels, N}, qc.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   // The unit terms of the activations: -offset * s starts a unit's sum, float(s) its min term.
@@ -609,7 +615,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
     }
   });
   const Problem pb{qp, dp, sf.empty() ? nullptr : sf.data(), wc.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K,
-                   wc.size(1), kd, panels.data(), static_cast<int64_t>(panels.size())};
+                   wc.size(1), levels, kd, panels.data(), static_cast<int64_t>(panels.size())};
   const int64_t rows = isa == 4 ? v512::V::R : isa == 3 ? vnni256::V::R : isa == 2 ? avx2::V::R : 1;
   const int64_t tiles = (N + rows - 1) / rows;
   // Tasks of at least ~64 K (weight bytes x activation rows): small calls stay on one thread.
@@ -640,9 +646,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, int64_t isa, int64_t levels) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qlinear: x must be [M, K=", K, "]");
   const auto [q, d, sums] = quantize_acts(x, isa, levels);
-  const at::Tensor y = qdot(q, d, sums, w, kind, K, isa);  // [levels * M, N]
-  const int64_t M = x.size(0);
-  return levels == 1 ? y : y.narrow(0, 0, M).add(y.narrow(0, M, M));
+  return qdot(q, d, sums, w, kind, K, isa, levels);  // [M, N]
 }
 
 }  // namespace
@@ -650,7 +654,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("quantize_acts(Tensor x, int isa, int levels=1) -> (Tensor, Tensor, Tensor)");
-  m.def("qdot(Tensor q, Tensor d, Tensor sums, Tensor w, int kind, int K, int isa) -> Tensor");
+  m.def("qdot(Tensor q, Tensor d, Tensor sums, Tensor w, int kind, int K, int isa, int levels=1) -> Tensor");
   m.def("qlinear(Tensor x, Tensor w, int kind, int K, int isa, int levels=1) -> Tensor");
   m.def("qdot_cpu_isas() -> int", deepinfer_qdot::qdot_cpu_isas);
 }
@@ -988,11 +992,27 @@ INLINE Rows tile_rows(const Problem& pb, int64_t tile, std::vector<uint8_t>& pad
   return rows;
 }
 
+// A tile's outputs yt [M][R] into y (rows n0 .. n0 + valid - 1): with two levels, each row's
+// level 1 + level 2 (one fp32 add, lanes across the tile's rows).
+INLINE void store_tile(const Problem& pb, const float* yt, int64_t tile, int64_t valid) {
+  const int64_t rows = pb.M / pb.levels;
+  for (int64_t m = 0; m < rows; ++m) {
+    float* out = pb.y + m * pb.N + tile * R;
+    if (pb.levels == 1) {
+      std::memcpy(out, yt + m * R, valid * sizeof(float));
+      continue;
+    }
+    alignas(64) float sum[R];
+    V::storef(sum, V::add(V::loadf(yt + m * R), V::loadf(yt + (rows + m) * R)));
+    std::memcpy(out, sum, valid * sizeof(float));
+  }
+}
+
 // Many activation rows: each tile's chunk of K decoded once into L1, then every panel over it.
 template <int KIND>
 void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
   using T = Traits<KIND>;
-  const int64_t M = pb.M, N = pb.N, nb = pb.K / T::BV;
+  const int64_t M = pb.M, nb = pb.K / T::BV;
   const int64_t bpc = kChunk / T::BV;  // blocks per chunk
   std::vector<uint8_t> codes(kChunk * R), raw(T::SIGN ? kChunk * R : 0), pad;
   std::vector<float> A(kChunk / T::U * R), B(T::MIN ? kChunk / T::U * R : 0), yt(M * R);
@@ -1005,7 +1025,7 @@ void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
       decode<KIND>(rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
       rows_pass<T::U, T::L, T::MIN, T::INIT, T::SIGN>(pb, t, (b1 - b0) * T::BV / T::U, b0 * T::BV / T::U, yt.data());
     }
-    for (int64_t m = 0; m < M; ++m) std::memcpy(pb.y + m * N + tile * R, yt.data() + m * R, rows.valid * sizeof(float));
+    store_tile(pb, yt.data(), tile, rows.valid);
   }
 }
 
@@ -1018,11 +1038,9 @@ void tiles_fused(const Problem& pb, int64_t t0, int64_t t1) {
     const Rows rows = tile_rows(pb, tile, pad);
     Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0], T::BV / T::U);
     decode<KIND>(rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
-    for (int i = 0; i < MR; ++i) {
-      alignas(64) float out[R];
-      V::storef(out, sink.acc[i]);
-      std::memcpy(pb.y + i * pb.N + tile * R, out, rows.valid * sizeof(float));
-    }
+    alignas(64) float yt[MR * R];
+    for (int i = 0; i < MR; ++i) V::storef(yt + i * R, sink.acc[i]);
+    store_tile(pb, yt, tile, rows.valid);
   }
 }
 
