@@ -147,14 +147,17 @@ AVX512_TARGET INLINE __m512 lane_trees16(const __m512* a) {
 }
 
 // s[c] = dot(q, k_c) for the 16 keys k_c (each D = DC values), as dot_lanes computes each.
+// The keys' chains run KB at a time, interleaved (independent multiply-adds in flight), with q's P
+// vectors in registers beside them.
 template <int DC, class T>
 AVX512_TARGET INLINE __m512 dots16(const float* q, const T* const* keys) {
-  constexpr int P = DC / 16;
+  constexpr int P = DC / 16, KB = P > 8 ? 4 : 16;
   __m512 qv[P], acc[16];
   for (int i = 0; i < P; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
-  for (int c = 0; c < 16; ++c) {
-    acc[c] = _mm512_mul_ps(qv[0], load16(keys[c]));
-    for (int i = 1; i < P; ++i) acc[c] = _mm512_fmadd_ps(qv[i], load16(keys[c] + 16 * i), acc[c]);
+  for (int c0 = 0; c0 < 16; c0 += KB) {
+    for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_mul_ps(qv[0], load16(keys[c0 + c]));
+    for (int i = 1; i < P; ++i)
+      for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_fmadd_ps(qv[i], load16(keys[c0 + c] + 16 * i), acc[c0 + c]);
   }
   return lane_trees16(acc);
 }
@@ -179,25 +182,39 @@ AVX512_TARGET void scores512(const float* q, int64_t qs, int64_t G, const T* con
 
 // acc[h] (D = DC values each, heads 0 .. G-1 at stride DC) = sum over the visible columns j in
 // [a, b) of w[h * n + j] * v_j, each element's terms in order of j (fused multiply-adds from 0).
+// Registers hold HB heads x PB vectors at a time (at most 16 sums): each pass reads that slice of
+// the block's value rows once for HB heads.
+template <int DC, int HB, class T>
+AVX512_TARGET INLINE void values_heads(const float* w, int64_t n, const T* const* vp, int64_t a, int64_t b,
+                                       float* acc) {
+  constexpr int P = DC / 16, PB = std::min(P, 16 / HB);
+  for (int p0 = 0; p0 < P; p0 += PB) {
+    __m512 sum[HB][PB];
+    for (int h = 0; h < HB; ++h)
+      for (int i = 0; i < PB; ++i) sum[h][i] = _mm512_setzero_ps();
+    for (int64_t j = a; j < b; ++j) {
+      if (vp[j] == nullptr) continue;
+      __m512 wj[HB];
+      for (int h = 0; h < HB; ++h) wj[h] = _mm512_set1_ps(w[h * n + j]);
+      for (int i = 0; i < PB; ++i) {
+        const __m512 v = load16(vp[j] + 16 * (p0 + i));
+        for (int h = 0; h < HB; ++h) sum[h][i] = _mm512_fmadd_ps(wj[h], v, sum[h][i]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int i = 0; i < PB; ++i) _mm512_storeu_ps(acc + h * DC + 16 * (p0 + i), sum[h][i]);
+  }
+}
+
 template <int DC, class T>
 AVX512_TARGET void values512(const float* w, int64_t n, int64_t G, const T* const* vp, int64_t a, int64_t b,
                              float* acc) {
-  constexpr int P = DC / 16, HB = P <= 4 ? 4 : P <= 8 ? 2 : 1;  // heads per pass: at most 16 accumulators
-  for (int64_t h0 = 0; h0 < G; h0 += HB) {
-    const int64_t hb = std::min<int64_t>(HB, G - h0);
-    __m512 sum[HB][P];
-    for (int h = 0; h < HB; ++h)
-      for (int i = 0; i < P; ++i) sum[h][i] = _mm512_setzero_ps();
-    for (int64_t j = a; j < b; ++j) {
-      if (vp[j] == nullptr) continue;
-      for (int i = 0; i < P; ++i) {
-        const __m512 v = load16(vp[j] + 16 * i);
-        for (int h = 0; h < HB; ++h)
-          if (h < hb) sum[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(w[(h0 + h) * n + j]), v, sum[h][i]);
-      }
-    }
-    for (int h = 0; h < hb; ++h)
-      for (int i = 0; i < P; ++i) _mm512_storeu_ps(acc + (h0 + h) * DC + 16 * i, sum[h][i]);
+  int64_t h = 0;
+  for (; h + 4 <= G; h += 4) values_heads<DC, 4>(w + h * n, n, vp, a, b, acc + h * DC);
+  switch (G - h) {  // the last 1 to 3 heads in one pass
+    case 3: return values_heads<DC, 3>(w + h * n, n, vp, a, b, acc + h * DC);
+    case 2: return values_heads<DC, 2>(w + h * n, n, vp, a, b, acc + h * DC);
+    case 1: return values_heads<DC, 1>(w + h * n, n, vp, a, b, acc + h * DC);
   }
 }
 
