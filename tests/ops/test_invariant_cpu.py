@@ -114,14 +114,18 @@ def reference(seq: Sequence, q: torch.Tensor, window, scale, dtype) -> torch.Ten
     return out
 
 
-SHAPES = [(9, 3, 64, None), (4, 1, 256, 40), (4, 2, 48, None), (6, 6, 16, 70)]  # H, H_kv, D, window
+# H, H_kv, D, window. The AVX-512 value sums take heads four at a time, then the last 1-3 heads in one
+# pass over slices of the row: G = 7 and 3 with D = 128 and 256 cover a last pass of 3 heads.
+SHAPES = [(9, 3, 64, None), (4, 1, 256, 40), (4, 2, 48, None), (6, 6, 16, 70), (7, 1, 128, None),
+          (6, 2, 256, 90)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,window", SHAPES)
 def test_attention_is_softmax_attention(isa, dtype, num_heads, num_kv_heads, head_dim, window):
-    """SmolLM2's and Gemma 3's heads (G = 3, 4; D = 64, 256), an odd head size, a window."""
+    """SmolLM2's and Gemma 3's heads (G = 3, 4; D = 64, 256), an odd head size, windows, and groups
+    of 7 and 3 heads at D = 128 and 256."""
     length, scale = 150, head_dim ** -0.5
     seq = Sequence(length, num_kv_heads, head_dim, dtype, seed=head_dim)
     q = torch.randn(length, num_heads, head_dim, generator=gen(num_heads))

@@ -184,10 +184,14 @@ AVX512_TARGET void scores512(const float* q, int64_t qs, int64_t G, const T* con
 // [a, b) of w[h * n + j] * v_j, each element's terms in order of j (fused multiply-adds from 0).
 // Registers hold HB heads x PB vectors at a time (at most 16 sums): each pass reads that slice of
 // the block's value rows once for HB heads.
+constexpr int divisor_at_most(int p, int cap) {  // the largest divisor of p that is at most cap
+  return cap <= 1 || p % cap == 0 ? (cap < 1 ? 1 : cap) : divisor_at_most(p, cap - 1);
+}
+
 template <int DC, int HB, class T>
 AVX512_TARGET INLINE void values_heads(const float* w, int64_t n, const T* const* vp, int64_t a, int64_t b,
                                        float* acc) {
-  constexpr int P = DC / 16, PB = std::min(P, 16 / HB);
+  constexpr int P = DC / 16, PB = divisor_at_most(P, 16 / HB);  // passes of PB vectors cover the row exactly
   for (int p0 = 0; p0 < P; p0 += PB) {
     __m512 sum[HB][PB];
     for (int h = 0; h < HB; ++h)
