@@ -148,6 +148,23 @@ def test_store_rows_takes_any_strides():
     assert torch.equal(rows_at(cache, torch.tensor([2, 7])), pos[:, None].expand(-1, 32))
 
 
+def test_store_rows_keeps_the_last_row_for_a_slot_named_twice():
+    """A chunk longer than a ring names a slot more than once: the later row wins, as in a
+    sequential store, whatever the threads (heads run in parallel, rows in order)."""
+    cache = fake_cache(8, 4, 0, 3, 16, 2, torch.float32, units=2)
+    k, v = torch.randn(2, 7, 3, 16, generator=gen(6)).unbind(0)
+    slots = torch.tensor([1, 2, 3, 1, 2, 1, 6])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        store_rows(cache, slots, k, v)
+    finally:
+        torch.set_num_threads(before)
+    last = {int(s): t for t, s in enumerate(slots)}
+    for slot, t in last.items():
+        assert torch.equal(rows_at(cache, torch.tensor([slot]))[0], torch.cat((k[t].flatten(), v[t].flatten())))
+
+
 def test_store_rows_of_a_shared_k_equals_v_row():
     cache = fake_cache(8, 4, 0, 1, 16, 1, torch.float32, units=2)
     k = torch.randn(2, 1, 16, generator=gen(4))

@@ -300,21 +300,33 @@ void check_rows(const at::Tensor& rows, int64_t parts, int64_t Hkv, int64_t D) {
               "cache rows must be [lines, parts * H_kv * D] with contiguous lines");
 }
 
+// A cache line's D elements from one head of k or v (contiguous when stride 1, as the layers pass them).
+template <class T>
+INLINE void store_head(T* dst, const float* src, int64_t D, int64_t stride) {
+  if (stride == 1) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(src[d]);
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(src[d * stride]);
+  }
+}
+
+// Heads in parallel, each task's rows in order: a slot named twice in one call (a chunk longer than
+// a ring) keeps its last row, as a sequential store would.
 template <class T>
 void store_typed(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const at::Tensor& v, int64_t parts,
                  int64_t R, int64_t lpu, int64_t offset) {
   const int64_t n = k.size(0), Hkv = k.size(1), D = k.size(2), ld = rows.stride(0);
   T* base = rows.data_ptr<T>();
-  for (int64_t t = 0; t < n; ++t) {
-    T* row = base + line_of(sp[t], R, lpu, offset) * ld;
-    for (int64_t p = 0; p < parts; ++p) {
-      const at::Tensor& src = p == 0 ? k : v;
-      const float* s = src.data_ptr<float>();
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t d = 0; d < D; ++d)
-          row[(p * Hkv + h) * D + d] = from_float<T>(s[t * src.stride(0) + h * src.stride(1) + d * src.stride(2)]);
+  const at::Tensor* tensors[2] = {&k, &v};
+  at::parallel_for(0, parts * Hkv, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const at::Tensor& x = *tensors[c / Hkv];
+      const float* src = x.data_ptr<float>() + (c % Hkv) * x.stride(1);
+      for (int64_t t = 0; t < n; ++t)
+        store_head(base + line_of(sp[t], R, lpu, offset) * ld + c * D, src + t * x.stride(0), D, x.stride(2));
     }
-  }
+  });
 }
 
 void store_rows(at::Tensor rows, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
