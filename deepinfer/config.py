@@ -40,6 +40,7 @@ def _positive(field: str, value) -> None:
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+ACTIVATION_LEVELS = ("auto", "1", "2")  # int8 levels of a quantized matmul's activations on the CPU
 
 
 def check_quantization(value) -> str:
@@ -182,6 +183,10 @@ class EngineConfig:
     # auto: a GGUF's quantized matrices stay quantized on a CPU with the kernels; none: dequantized
     # (the reference path); gguf: stay quantized (required); int8/int4: quantize linear layers at load
     quantization: str = "auto"
+    # the int8 levels of quantized matmuls' activations on the CPU (~8 bits each value with one, ~15
+    # with two): auto, two on q/k/v and the LM head, one on o/gate/up/down (layers/quant_linear.py);
+    # "2" everywhere: closest to the fp32 forward; "1" everywhere: llama.cpp's Q8 activations
+    activation_levels: str = "auto"
     device: str | None = None  # None/auto: cuda if available, else cpu
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (worker/cuda_graphs.py)
@@ -222,6 +227,10 @@ class EngineConfig:
         if self.pooling not in POOLING_CHOICES:
             raise ValueError(f"pooling must be one of {', '.join(map(repr, POOLING_CHOICES))}, got {self.pooling!r}")
         check_quantization(self.quantization)
+        self.activation_levels = str(self.activation_levels)  # 1 / 2 from Python, "1" / "2" from the CLI
+        if self.activation_levels not in ACTIVATION_LEVELS:
+            raise ValueError(f"activation_levels must be one of {', '.join(map(repr, ACTIVATION_LEVELS))}, "
+                             f"got {self.activation_levels!r}")
         self._check_parallel()
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, "

@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass
 
 from deepinfer.config import (
+    ACTIVATION_LEVELS,
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
@@ -71,6 +72,10 @@ class EngineArgs:
         EngineConfig, "quantization", "auto: a GGUF's quantized weights stay quantized on a CPU with the kernels; "
         "none: dequantize them (the reference path); gguf: keep them quantized; int8/int4: quantize linear layers "
         "at load (groups of 32)", choices=QUANTIZATIONS)
+    activation_levels: str = _option(
+        EngineConfig, "activation_levels", "int8 levels of the activations of quantized matmuls on the CPU (one: "
+        "~8 bits, llama.cpp's Q8; two: ~15 bits, twice the integer work); auto: two for q/k/v and the LM head, "
+        "one for o, gate/up and down", choices=ACTIVATION_LEVELS)
     revision: str | None = _option(
         EngineConfig, "revision", "branch, tag or commit of a Hugging Face model name (default: its default branch)")
     device: str | None = _option(EngineConfig, "device", "cpu, cuda, cuda:N (default: cuda if available)")

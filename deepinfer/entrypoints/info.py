@@ -14,6 +14,8 @@ model folder (`worker.kv_disk.scan_kv_dir`), the folder of the model just built 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
 from deepinfer.worker.kv_disk import scan_kv_dir
 from deepinfer.worker.summary import packed_summary
@@ -194,6 +196,10 @@ def weight_lines(runner, source=None) -> list[str]:
     packed = packed_summary(runner.model, source)
     if packed:
         lines.append(f"  quantized matrices: {packed}")
+        levels = Counter(m.act_levels for m in runner.model.modules() if hasattr(m, "act_levels"))
+        if levels:
+            lines.append("  int8 activation levels (CPU): " + ", ".join(
+                f"{levels[n]} module{'s' * (levels[n] > 1)} at {n}" for n in sorted(levels, reverse=True)))
     dense = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     lines.append(f"  dense parameters: {dense / 2**20:,.1f} MiB")
     return lines

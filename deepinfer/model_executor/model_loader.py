@@ -231,8 +231,9 @@ def numerics_record(model: nn.Module, device: torch.device, dtype: torch.dtype, 
 
 
 def _tensor_types(model: nn.Module) -> tuple[str, tuple[str, ...]]:
-    """(blake2b of each module's type and each weight's name, dtype, shape and packed format;
-    the distinct formats): a tensor kept packed and the same tensor dequantized differ."""
+    """(blake2b of each module's type and each weight's name, dtype, shape and packed format, with
+    its activations' levels; the distinct formats): a tensor kept packed and the same tensor
+    dequantized differ."""
     digest, formats = hashlib.blake2b(digest_size=16), set()
     for name, module in model.named_modules():
         digest.update(f"{name}:{type(module).__qualname__}\n".encode())
@@ -240,8 +241,9 @@ def _tensor_types(model: nn.Module) -> tuple[str, tuple[str, ...]]:
         for tname, t in tensors:
             digest.update(f"{name}.{tname}:{t.dtype}:{tuple(t.shape)}\n".encode())
             formats.add(str(t.dtype).removeprefix("torch."))
+        levels = getattr(module, "act_levels", "")  # the activations' int8 levels (quant_linear.py)
         for i, w in enumerate(getattr(module, "qweights", ())):
-            digest.update(f"{name}.qweights.{i}:{w.kind}:{tuple(w.shape)}\n".encode())
+            digest.update(f"{name}.qweights.{i}:{w.kind}:{tuple(w.shape)}:{levels}\n".encode())
             formats.add(w.kind)
     return digest.hexdigest(), tuple(sorted(formats))
 

@@ -76,11 +76,13 @@ def test_sliding_window_parity_long(arch, tiny_checkpoint):
 
 @pytest.mark.slow
 def test_gemma3_270m_matches_transformers(gemma3_gguf_path):
-    """3 prompts x 32 greedy tokens against HF's Gemma3ForCausalLM with the same dequantized weights."""
+    """3 prompts x 32 greedy tokens against HF's Gemma3ForCausalLM with the same dequantized weights,
+    with two int8 activation levels everywhere (the default's agreement: test_quantized_parity.py)."""
     from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
 
     path = gemma3_gguf_path
-    llm = LLM(path, max_model_len=512, kv_cache_memory="256MiB", max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(path, max_model_len=512, kv_cache_memory="256MiB", max_num_seqs=4, max_num_batched_tokens=64,
+              activation_levels=2)
     prompts = ["The capital of France is", "def fibonacci(n):",
                "Once upon a time, in a small village by the sea,"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -117,3 +117,42 @@ def test_auto_quantization_follows_source_device_and_kernels(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels.kernel_isa.cache_clear()
+
+
+@pytest.mark.parametrize("scheme,one_level", [("int4", {"o_proj", "gate_up_proj", "down_proj"}), ("int8", set())])
+def test_activation_levels_per_module(tiny_checkpoint, scheme, one_level):
+    """Two int8 levels for q/k/v, the LM head and 8-bit weights; one for the attention output and the
+    MLP with <= 6-bit weights (quant_linear.activation_levels). The output is the chosen level's
+    product exactly, and the level is part of the cache identity."""
+    from deepinfer.model_executor.layers.ops import qdot
+
+    llm = LLM(tiny_checkpoint("llama"), quantization=scheme, num_blocks=16, block_size=8, max_model_len=64)
+    model = llm.engine.runner.model
+    levels = {name.rsplit(".", 1)[-1]: m.act_levels for name, m in model.named_modules()
+              if hasattr(m, "act_levels")}
+    assert levels == {role: 1 if role in one_level else 2 for role in levels}
+    assert {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"} <= set(levels)
+    down = model.model.layers[0].mlp.down_proj
+    x = torch.randn(5, down.in_features, generator=torch.Generator().manual_seed(0))
+    want = qdot.qdot_ref(qdot.quantize_acts_ref(x, down.act_levels), down.qweights[0])
+    assert torch.equal(down(x), want)
+    if one_level:
+        assert not torch.equal(want, qdot.qdot_ref(qdot.quantize_acts_ref(x, 2), down.qweights[0]))
+        from deepinfer.model_executor.model_loader import _tensor_types
+
+        before = _tensor_types(model)
+        down.act_levels = 2
+        assert _tensor_types(model) != before
+
+
+@pytest.mark.parametrize("choice", [1, "2"])
+def test_activation_levels_option_sets_every_module(tiny_checkpoint, choice):
+    llm = LLM(tiny_checkpoint("llama"), quantization="int4", activation_levels=choice, num_blocks=16, block_size=8,
+              max_model_len=64)
+    levels = {m.act_levels for m in llm.engine.runner.model.modules() if hasattr(m, "act_levels")}
+    assert levels == {int(choice)}
+
+
+def test_activation_levels_option_refuses_other_values():
+    with pytest.raises(ValueError, match="activation_levels must be one of 'auto', '1', '2', got '3'"):
+        LLM("/no/such/model", activation_levels=3)

@@ -16,6 +16,19 @@ Every quantized module lists its weights in `qweights`. The shards of a merged p
 gate|up) may come in different types (Gemma 3's v is Q8_0 in some layers, its q and k Q5_0): a run
 of shards of one type is one part, and the parts are multiplied with one quantization of the
 activations and their outputs concatenated; nothing is converted.
+
+On the CPU the activations are quantized to int8 in one or two levels (ops/qdot.py): about 8 or
+15 bits of each value, at twice the integer work for two. `activation_levels` chooses per module,
+by what its rounding does to the tokens (measured on SmolLM2-135M and Gemma 3 270M):
+
+    q/k/v, the LM head, any 8-bit weight    2   q and k feed softmax(q k^T), whose exponent turns a
+                                                 small error into a different attention pattern: at
+                                                 one level SmolLM2 stops answering "Paris"
+    o, gate/up, down with <= 6-bit weights  1   llama.cpp's Q8 activations; their rounding is well
+                                                 below the weight's own (the tokens stay the same)
+
+The choice is a property of the module, never of the batch, so a row's bits still do not depend
+on how many rows run with it.
 """
 
 from __future__ import annotations
@@ -28,10 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce
+from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
 from deepinfer.model_executor.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
 
 logger = logging.getLogger("deepinfer.quantization")
+
+# Modules (by the last part of their name) whose activations take one level when their weights have
+# at most 6 bits: the attention output and the MLP, dense or shared-expert (see the docstring).
+ONE_LEVEL_PROJECTIONS = ("o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
+_EIGHT_BIT = ("Q8_0",)
 
 QUANTIZATION_SCHEMES = ("int8", "int4")
 _BLOCK = 32  # values per Q8_0 / Q4_1 block: a quantized layer's K is a multiple of it
@@ -42,9 +61,10 @@ class QuantLinear(nn.Module):
     `shard_sizes` kept for a merged projection."""
 
     def __init__(self, qweights: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None,
-                 shard_sizes: list[int] | None = None):
+                 shard_sizes: list[int] | None = None, act_levels: int = ACT_LEVELS):
         super().__init__()
         self.qweights = (qweights,) if isinstance(qweights, QuantWeight) else tuple(qweights)
+        self.act_levels = act_levels  # the activations' int8 levels on the CPU (activation_levels)
         self.out_features = sum(w.shape[0] for w in self.qweights)
         self.in_features = self.qweights[0].shape[1]
         if any(w.shape[1] != self.in_features for w in self.qweights):
@@ -54,12 +74,12 @@ class QuantLinear(nn.Module):
             self.shard_sizes = list(shard_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = qmatmul(x, self.qweights)  # [..., out]
+        y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         kinds = "+".join(f"{w.kind}[{w.shape[0]}]" for w in self.qweights)
-        return f"in={self.in_features}, out={self.out_features}, {kinds}"
+        return f"in={self.in_features}, out={self.out_features}, {kinds}, act_levels={self.act_levels}"
 
 
 class QuantEmbedding(nn.Module):
@@ -70,6 +90,7 @@ class QuantEmbedding(nn.Module):
         self.qweight = qweight
         self.num_embeddings, self.embedding_dim = qweight.shape
         self.dtype = dtype
+        self.act_levels = ACT_LEVELS  # as a tied LM head (activation_levels)
 
     @property
     def qweights(self) -> tuple[QuantWeight, ...]:
@@ -91,7 +112,7 @@ class QuantRowParallelLinear(QuantLinear):
     """The rank's input columns of W packed: one all_reduce sums the ranks' products, the bias after."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(qmatmul(x, self.qweights))  # [..., out], summed over ranks
+        y = all_reduce(qmatmul(x, self.qweights, self.act_levels))  # [..., out], summed over ranks
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -111,8 +132,8 @@ class QuantVocabParallelEmbedding(QuantEmbedding):
 
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] @ head^T for an LM head given as a Linear or a (tied) Embedding, either form."""
-    if isinstance(head, QuantLinear | QuantEmbedding):
-        return qmatmul(hidden, head.qweights)  # [N, V]: the integer kernels, as every quantized matmul
+    if isinstance(head, QuantLinear | QuantEmbedding):  # the integer kernels (two levels: activation_levels)
+        return qmatmul(hidden, head.qweights, head.act_levels)  # [N, V]
     return F.linear(hidden, head.weight)  # [N, V]
 
 
@@ -130,7 +151,16 @@ def install_quantized(model: nn.Module, pending: dict[str, list[tuple[int | None
         module_name = param_name.rsplit(".", 1)[0]
         module = model.get_submodule(module_name)
         weight = _joined(param_name, module, pieces)
-        _set_submodule(model, module_name, _twin(module, weight))
+        _set_submodule(model, module_name, _twin(module, weight, module_name))
+
+
+def activation_levels(name: str, parts: Sequence[QuantWeight]) -> int:
+    """The int8 levels of a quantized linear module's activations (module docstring): one for the
+    attention output and the MLP with weights of at most 6 bits, two for everything else."""
+    role = name.rsplit(".", 1)[-1]
+    if role in ONE_LEVEL_PROJECTIONS and not any(w.kind in _EIGHT_BIT for w in parts):
+        return 1
+    return 2
 
 
 def _joined(name: str, module: nn.Module,
@@ -156,7 +186,17 @@ def _checked(name: str, module: nn.Module, parts: tuple[QuantWeight, ...]) -> tu
     return parts
 
 
-def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...]) -> nn.Module:
+def set_activation_levels(model: nn.Module, choice: str) -> None:
+    """`--activation-levels`: "auto" keeps each module's `activation_levels`; "1" or "2" sets every
+    quantized linear module (the LM head included) to that many levels."""
+    if choice == "auto":
+        return
+    for module in model.modules():
+        if isinstance(module, QuantLinear | QuantEmbedding):  # an embedding as a tied LM head
+            module.act_levels = int(choice)
+
+
+def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...], name: str) -> nn.Module:
     parts = (weight,) if isinstance(weight, QuantWeight) else weight
     if isinstance(module, nn.Embedding):
         if len(parts) != 1:
@@ -166,7 +206,7 @@ def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...]) -> n
         return QuantEmbedding(parts[0], module.weight.dtype)
     if isinstance(module, nn.Linear):
         cls = QuantRowParallelLinear if isinstance(module, RowParallelLinear) else QuantLinear
-        twin = cls(parts, module.bias, getattr(module, "shard_sizes", None))
+        twin = cls(parts, module.bias, getattr(module, "shard_sizes", None), activation_levels(name, parts))
         if getattr(module, "shard_specs", None):  # which slice it holds (LoRA splits its A / B alike)
             twin.shard_specs = {"weight": module.shard_specs["weight"]}
         return twin
@@ -204,7 +244,7 @@ def quantize_linears(model: nn.Module, scheme: str) -> int:
         if module.in_features % _BLOCK:
             kept.append(name)
             continue
-        _set_submodule(model, name, _twin(module, quantize_weight(module.weight, scheme)))
+        _set_submodule(model, name, _twin(module, quantize_weight(module.weight, scheme), name))
         swapped += 1
     if kept:
         logger.info("%d linear layers stay unquantized (K not a multiple of %d), e.g. %s", len(kept), _BLOCK, kept[0])

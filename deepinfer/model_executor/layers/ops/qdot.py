@@ -6,14 +6,13 @@ The activations are quantized per row in blocks of 32 (`quantize_acts`):
     q = round_half_even(x * (1 / d)) clamped to [-127, 127]  (d == 0: q = 0)
     sums = sum of q per 16 values (int32)
 
-in two levels by default (`ACT_LEVELS`): x's own quantization, then that of its residual
-r = x - q * d (fp32, the product rounded before the difference); a row's result is the sum of the
-two levels' products, level 1 + level 2, one fp32 add. One level (llama.cpp's Q8 activations) keeps
-about 8 bits of each value, whose rounding moves a small model's logits by a few hundredths: on
-SmolLM2-135M it changes the greedy answer to "What is the capital of France?" and ~2.5% of
-teacher-forced argmaxes; two levels keep ~15 bits and give the fp32 forward's tokens. The second
-level doubles the integer work: decode, which reads each weight once per token, hardly notices;
-prefill chunks, bound by the integer work, take up to twice as long.
+in one or two levels (`levels`; `ACT_LEVELS` by default): x's own quantization, then that of its
+residual r = x - q * d (fp32, the product rounded before the difference); with two, a row's result
+is the sum of the two levels' products, level 1 + level 2, one fp32 add. One level (llama.cpp's Q8
+activations) keeps about 8 bits of each value, two about 15. The second level doubles the integer
+work: decode, which reads each weight once per token, hardly notices; prefill chunks, bound by the
+integer work, take up to twice as long. Which layers take which is the caller's choice
+(`quant_linear.activation_levels`: two where the rounding shows in the tokens, one elsewhere).
 
 The weight `w` is read, never converted: `w.data` uint8 [N, row_bytes] holds each row's ggml
 blocks (bytes as in the GGUF file), `w.kind` the ggml type name and `w.shape` (N, K). Every weight
@@ -111,6 +110,11 @@ class QuantActs:
         return self.q.shape[0] // self.levels, self.q.shape[1]
 
 
+def check_levels(levels: int) -> None:
+    if levels not in (1, 2):
+        raise ValueError(f"qdot: activation levels must be 1 or 2, got {levels!r}")
+
+
 def kind_of(w: BlockWeight) -> Kind:
     """The `Kind` of w (ValueError for a type without a kernel)."""
     name = ALIASES.get(w.kind, w.kind)
@@ -157,6 +161,7 @@ def _resolve(isa: str | None) -> int:
 
 def quantize_acts(x: torch.Tensor, *, isa: str | None = None, levels: int = ACT_LEVELS) -> QuantActs:
     """x fp32 [M, K] (K a multiple of 32) -> QuantActs; the kernel when there is one."""
+    check_levels(levels)
     level = _resolve(isa)
     if level and x.device.type == "cpu":
         q, d, sums = torch.ops.deepinfer_cpu.quantize_acts.default(x.float(), level, levels)
@@ -184,21 +189,22 @@ def _sum_levels(y: torch.Tensor, levels: int) -> torch.Tensor:
     return y[:m] + y[m:]
 
 
-def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None) -> torch.Tensor:
-    """x fp32 [..., K] @ W^T -> fp32 [..., N]: quantize the activations, then the integer dot (one
-    kernel call, the same bits as quantize_acts then qdot)."""
+def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: int = ACT_LEVELS) -> torch.Tensor:
+    """x fp32 [..., K] @ W^T -> fp32 [..., N]: quantize the activations in `levels` levels, then the
+    integer dot (one kernel call, the same bits as quantize_acts then qdot)."""
     kind = check_weight(w)
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"qlinear: x has K={x.shape[-1]}, the weight K={k}")
+    check_levels(levels)
     flat = x.dim() == 2  # the layers' case: no reshapes (a microsecond each, per layer and step)
     x2 = x if flat else x.reshape(-1, k)  # [M, K]
     level = _resolve(isa)
     if level and x.is_cpu and w.data.is_cpu:
         x2 = x2 if x2.dtype is torch.float32 else x2.float()
-        y = torch.ops.deepinfer_cpu.qlinear.default(x2, w.data, kind.ggml_id, k, level, ACT_LEVELS)  # [M, N]
+        y = torch.ops.deepinfer_cpu.qlinear.default(x2, w.data, kind.ggml_id, k, level, levels)  # [M, N]
     else:
-        y = qdot_ref(quantize_acts_ref(x2.float()), w)
+        y = qdot_ref(quantize_acts_ref(x2.float(), levels), w)
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 

@@ -114,25 +114,25 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
     return qdot.dequantize_ref(w)
 
 
-def qmatmul(x: torch.Tensor, w: QuantWeight | Sequence[QuantWeight]) -> torch.Tensor:
+def qmatmul(x: torch.Tensor, w: QuantWeight | Sequence[QuantWeight], levels: int = qdot.ACT_LEVELS) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype. `w` may be the parts of a merged weight stacked on
     the output axis (each its own type): on the CPU the activations are quantized once for all of
-    them; elsewhere every part is dequantized and torch multiplies."""
+    them, in `levels` levels (qdot.py); elsewhere every part is dequantized and torch multiplies."""
     parts = (w,) if isinstance(w, QuantWeight) else tuple(w)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.device.type == "cpu":
-        y = _integer_matmul(x2.float(), parts)  # [M, N] fp32
+        y = _integer_matmul(x2.float(), parts, levels)  # [M, N] fp32
     else:
         weight = torch.cat([dequantize(p, x.dtype) for p in parts])  # [N, K]
         y = F.linear(x2, weight)  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _integer_matmul(x: torch.Tensor, parts: tuple[QuantWeight, ...]) -> torch.Tensor:
+def _integer_matmul(x: torch.Tensor, parts: tuple[QuantWeight, ...], levels: int) -> torch.Tensor:
     """fp32 x [M, K] times each part through the integer kernels, one activation quantization."""
     if len(parts) == 1:
-        return qdot.qlinear(x, parts[0])  # [M, N]
-    acts = qdot.quantize_acts(x)
+        return qdot.qlinear(x, parts[0], levels=levels)  # [M, N]
+    acts = qdot.quantize_acts(x, levels=levels)
     return torch.cat([qdot.qdot(acts, p) for p in parts], dim=-1)  # [M, N]
 
 

@@ -52,7 +52,7 @@ class SplitMLP(nn.Module):
         """x [T, hidden] -> this rank's term of the output [T, hidden] (the whole output with one rank)."""
         act = silu_and_mul(self.gate_up_proj(x))  # [T, I / n]
         if isinstance(self.down_proj, QuantLinear):  # its blocks, without the twin's all_reduce
-            return qmatmul(act, self.down_proj.qweights)  # [T, hidden]
+            return qmatmul(act, self.down_proj.qweights, self.down_proj.act_levels)  # [T, hidden]
         return F.linear(act, self.down_proj.weight)  # [T, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
