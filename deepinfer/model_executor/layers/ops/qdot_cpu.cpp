@@ -998,13 +998,14 @@ INLINE void store_tile(const Problem& pb, const float* yt, int64_t tile, int64_t
   const int64_t rows = pb.M / pb.levels;
   for (int64_t m = 0; m < rows; ++m) {
     float* out = pb.y + m * pb.N + tile * R;
-    if (pb.levels == 1) {
-      std::memcpy(out, yt + m * R, valid * sizeof(float));
+    const F y = pb.levels == 1 ? V::loadf(yt + m * R) : V::add(V::loadf(yt + m * R), V::loadf(yt + (rows + m) * R));
+    if (valid == R) {  // a whole tile: one vector store (not a library call per 64 bytes)
+      V::storef(out, y);
       continue;
     }
-    alignas(64) float sum[R];
-    V::storef(sum, V::add(V::loadf(yt + m * R), V::loadf(yt + (rows + m) * R)));
-    std::memcpy(out, sum, valid * sizeof(float));
+    alignas(64) float part[R];
+    V::storef(part, y);
+    std::memcpy(out, part, valid * sizeof(float));
   }
 }
 
