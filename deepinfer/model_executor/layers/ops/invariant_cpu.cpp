@@ -162,8 +162,54 @@ AVX512_TARGET INLINE __m512 dots16(const float* q, const T* const* keys) {
   return lane_trees16(acc);
 }
 
+// dots16 for HB heads of one KV group at once (q_h at q + h * qs): in passes of KB keys, each key
+// vector loaded once serves the HB heads, so HB x KB independent chains are in flight; every dot
+// is the same chain of operations as dots16's.
+template <int DC, int HB, class T>
+AVX512_TARGET INLINE void dots16_heads(const float* q, int64_t qs, const T* const* keys, __m512* out) {
+  constexpr int P = DC / 16, KB = HB == 3 ? 4 : 16 / HB;  // at most 16 chains
+  alignas(64) float done[HB][16][16];  // finished chains, for the lane trees
+#pragma GCC unroll 1
+  for (int c0 = 0; c0 < 16; c0 += KB) {
+    __m512 acc[HB][KB];
+#pragma GCC unroll 16
+    for (int i = 0; i < P; ++i) {
+      __m512 qv[HB];
+#pragma GCC unroll 4
+      for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * qs + 16 * i);
+#pragma GCC unroll 16
+      for (int c = 0; c < KB; ++c) {
+        const __m512 k = load16(keys[c0 + c] + 16 * i);
+#pragma GCC unroll 4
+        for (int h = 0; h < HB; ++h) acc[h][c] = i == 0 ? _mm512_mul_ps(qv[h], k) : _mm512_fmadd_ps(qv[h], k, acc[h][c]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < KB; ++c) _mm512_store_ps(done[h][c0 + c], acc[h][c]);
+  }
+  for (int h = 0; h < HB; ++h) {
+    __m512 a[16];
+    for (int c = 0; c < 16; ++c) a[c] = _mm512_load_ps(done[h][c]);
+    out[h] = lane_trees16(a);
+  }
+}
+
+// Scores of heads h .. h + HB - 1 for the 16 keys at columns j0 .. j0 + m - 1, into s [G, n].
+template <int DC, int HB, class T>
+AVX512_TARGET INLINE void scores_heads(const float* q, int64_t qs, const T* const* keys, int64_t n, int64_t j0,
+                                       int64_t m, float scale, float* s) {
+  __m512 dots[HB];
+  if constexpr (HB == 1) dots[0] = dots16<DC>(q, keys);
+  else dots16_heads<DC, HB>(q, qs, keys, dots);
+  for (int h = 0; h < HB; ++h) {
+    alignas(64) float out[16];
+    _mm512_store_ps(out, _mm512_mul_ps(dots[h], _mm512_set1_ps(scale)));
+    for (int64_t c = 0; c < m; ++c) s[h * n + j0 + c] = out[c];
+  }
+}
+
 // Scores of the G heads over columns 0 .. n-1, sixteen at a time (hidden or missing columns read
-// the zero row and are set to -inf by the caller).
+// the zero row and are set to -inf by the caller); up to four heads share each key load.
 template <int DC, class T>
 AVX512_TARGET void scores512(const float* q, int64_t qs, int64_t G, const T* const* kp, int64_t n, float scale,
                              float* s) {
@@ -172,10 +218,12 @@ AVX512_TARGET void scores512(const float* q, int64_t qs, int64_t G, const T* con
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - j0);
     for (int c = 0; c < 16; ++c) keys[c] = c < m && kp[j0 + c] ? kp[j0 + c] : zeros;
-    for (int64_t h = 0; h < G; ++h) {
-      alignas(64) float out[16];
-      _mm512_store_ps(out, _mm512_mul_ps(dots16<DC>(q + h * qs, keys), _mm512_set1_ps(scale)));
-      for (int64_t c = 0; c < m; ++c) s[h * n + j0 + c] = out[c];
+    int64_t h = 0;
+    for (; h + 4 <= G; h += 4) scores_heads<DC, 4>(q + h * qs, qs, keys, n, j0, m, scale, s + h * n);
+    switch (G - h) {
+      case 3: scores_heads<DC, 3>(q + h * qs, qs, keys, n, j0, m, scale, s + h * n); break;
+      case 2: scores_heads<DC, 2>(q + h * qs, qs, keys, n, j0, m, scale, s + h * n); break;
+      case 1: scores_heads<DC, 1>(q + h * qs, qs, keys, n, j0, m, scale, s + h * n); break;
     }
   }
 }
