@@ -193,6 +193,8 @@ class AttentionBackend:
         nd = md.num_decode_tokens
         if nd and nd == q.shape[0]:  # a decode-only step: no copy into a packed output
             return self.decode(cache, q, md, g, scale, *opts)  # [T, H, D]
+        if not nd and len(g.prefills) == 1 and g.prefills[0].token_end - g.prefills[0].token_start == q.shape[0]:
+            return self.prefill(cache, q, k, v, loaded[0], md, g, 0, scale, *opts)  # one chunk: [T, H, D], no copy
         out = torch.empty_like(q)  # [T, H, D]
         if nd:  # 3. decode reads
             out[:nd] = self.decode(cache, q[:nd], md, g, scale, *opts)
