@@ -151,9 +151,9 @@ def test_store_rows_takes_any_strides():
 def test_store_rows_keeps_the_last_row_for_a_slot_named_twice():
     """A chunk longer than a ring names a slot more than once: the later row wins, as in a
     sequential store, whatever the threads (heads run in parallel, rows in order)."""
-    cache = fake_cache(8, 4, 0, 3, 16, 2, torch.float32, units=2)
-    k, v = torch.randn(2, 7, 3, 16, generator=gen(6)).unbind(0)
-    slots = torch.tensor([1, 2, 3, 1, 2, 1, 6])
+    cache = fake_cache(8, 4, 0, 3, 64, 2, torch.float32, units=10)
+    k, v = torch.randn(2, 300, 3, 64, generator=gen(6)).unbind(0)  # enough rows for the threaded path
+    slots = torch.randint(0, 40, (300,), generator=gen(7))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -319,7 +319,8 @@ void store_typed(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const
   const int64_t n = k.size(0), Hkv = k.size(1), D = k.size(2), ld = rows.stride(0);
   T* base = rows.data_ptr<T>();
   const at::Tensor* tensors[2] = {&k, &v};
-  at::parallel_for(0, parts * Hkv, 1, [&](int64_t c0, int64_t c1) {
+  const int64_t grain = n * D >= 16384 ? 1 : parts * Hkv;  // a few rows (decode): one thread, no fork
+  at::parallel_for(0, parts * Hkv, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const at::Tensor& x = *tensors[c / Hkv];
       const float* src = x.data_ptr<float>() + (c % Hkv) * x.stride(1);
