@@ -22,10 +22,13 @@ On the CPU the activations are quantized to int8 in one or two levels (ops/qdot.
 by what its rounding does to the tokens (measured on SmolLM2-135M and Gemma 3 270M):
 
     q/k/v, the LM head, any 8-bit weight    2   q and k feed softmax(q k^T), whose exponent turns a
-                                                 small error into a different attention pattern: at
-                                                 one level SmolLM2 stops answering "Paris"
-    o, gate/up, down with <= 6-bit weights  1   llama.cpp's Q8 activations; their rounding is well
-                                                 below the weight's own (the tokens stay the same)
+                                                 small error into another attention pattern
+    o, gate/up, down with <= 6-bit weights  1   llama.cpp's Q8 activations, well below the
+                                                 weight's own rounding
+
+Teacher-forced agreement with the fp32 forward of the same GGUF: 98.1% (SmolLM2) and 98.8%
+(Gemma 3) this way, 100% with two levels everywhere, 95.6-96.9% (SmolLM2) with one everywhere
+(docs/quantization.md).
 
 The choice is a property of the module, never of the batch, so a row's bits still do not depend
 on how many rows run with it.
