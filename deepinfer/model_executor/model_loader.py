@@ -36,7 +36,7 @@ from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.fused_moe import quantize_experts
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_isa_name, kernel_status
 from deepinfer.model_executor.layers.ops.qmatmul import QUANTIZE_SCHEMES, best_time, one_thread, qdot_variant
-from deepinfer.model_executor.layers.quant_linear import quantize_linears
+from deepinfer.model_executor.layers.quant_linear import quantize_linears, set_activation_levels
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
 from deepinfer.model_executor.models.registry import get_model_class
 
@@ -180,7 +180,8 @@ def skip_weight_init():
 
 
 def build_model(source, dtype: torch.dtype, device: torch.device, max_positions: int,
-                speculative_method: str | None = None, quantization: str = "none", expert_parallel_size: int = 1):
+                speculative_method: str | None = None, quantization: str = "none", expert_parallel_size: int = 1,
+                activation_levels: str = "auto"):
     """The source's model on `device` in `dtype`: checkpoint weights (`quantization` 'gguf': its
     quantized matrices kept quantized; 'int8'/'int4': linear layers quantized after loading), or
     seeded random values when the source's load_format is "dummy" (no weight file is read).
@@ -188,7 +189,9 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     With tensor_parallel_size > 1 (distributed.parallel_state) the model holds this rank's slices,
     read from the checkpoint slice by slice; `expert_parallel_size` > 1 (a model whose
     `capabilities` say `expert_parallel`: DeepSeek-V4 and the Llama-family MoE models) splits its routed
-    experts over that many rank groups. int8 / int4 quantize routed experts as well (`quantize_experts`)."""
+    experts over that many rank groups. int8 / int4 quantize routed experts as well (`quantize_experts`).
+    `activation_levels` ("auto", "1", "2"): the int8 levels of the quantized modules' activations
+    (quant_linear.set_activation_levels; auto keeps each module's own)."""
     cfg = source.hf_config
     model_cls = get_model_class(cfg.model_type)
     dummy = check_load_format(getattr(source, "load_format", "auto")) == "dummy"
@@ -212,6 +215,7 @@ def build_model(source, dtype: torch.dtype, device: torch.device, max_positions:
     if quantization in _LOAD_QUANTIZE:
         quantize_linears(model, quantization)
         quantize_experts(model, quantization)
+    set_activation_levels(model, activation_levels)
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model

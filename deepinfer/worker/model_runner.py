@@ -32,7 +32,6 @@ from deepinfer.model_executor.layers.batch_invariant import (
     resolve_batch_invariant,
 )
 from deepinfer.model_executor.layers.linear import use_few_row_linear
-from deepinfer.model_executor.layers.quant_linear import set_activation_levels
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.model_executor.layers.sampling_metadata import device_tensor
 from deepinfer.model_executor.model_loader import build_model, resolve_dtype, resolve_quantization, torch_dtype
@@ -114,8 +113,7 @@ class ModelRunner:
                     "on" if self.batch_invariant else "off")
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
                                               config.speculative.method, self.quantization.value,
-                                              config.expert_parallel_size)
-        set_activation_levels(self.model, config.activation_levels)  # --activation-levels over each module's own
+                                              config.expert_parallel_size, config.activation_levels)
         self.speculative = config.speculative  # the one source of the draft allowance k
         self.env = config.env
         self.num_few_row_linear = 0  # large linear layers that run a few rows as W @ x.T
