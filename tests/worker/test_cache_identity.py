@@ -194,3 +194,46 @@ def test_canary_mismatch_on_one_rank_moves_both(tiny_checkpoint, tmp_path):
         assert llm.engine.runner.cache_identity == second
         assert tokens(again) == ref and again[0].num_cached_tokens >= 64
         assert llm.get_metrics()["prefix_cache_load_failures"] == 0, "every rank found its slices"
+
+
+class _FlipOneBit:
+    """`model` as the canary calls it, except that each forward ends by flipping bit 0 of the first
+    byte of the first row it stored (layer 0, token 0: block 0 of the first paged group) in the
+    engine's cache tensor: rows computed one bit apart, as a kernel or CPU outside the identity might."""
+
+    def __init__(self, model, allocation: torch.Tensor, row_bytes: int):
+        self.model, self.allocation, self.row_bytes = model, allocation, row_bytes
+
+    def __call__(self, *args):
+        out = self.model(*args)
+        assert self.allocation[0, :self.row_bytes].any(), "the canary stored this row"
+        self.allocation[0, 0] ^= 1
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_one_flipped_kv_bit_changes_the_digest_and_the_root(tiny_checkpoint, tmp_path, monkeypatch, caplog):
+    """The digest hashes the rows' bits: one flipped bit of one cached K/V row gives another digest
+    (a constant digest, or one that skips the rows, fails here), and `checked_identity` (what the
+    runner calls at start-up) then reads the directory's record, sees the mismatch, warns once and
+    moves to a root of its own whose record holds the flipped rows' digest."""
+    from deepinfer.worker.cache_canary import checked_identity
+
+    cache_dir = str(tmp_path / "kv")
+    with LLM(tiny_checkpoint("llama"), kv_cache_dir=cache_dir, **KW) as llm:
+        runner, cache_config = llm.engine.runner, llm.engine.config.cache
+        identity, digest = runner.cache_identity, canary_digest(runner)
+        assert digest == _record_of(cache_dir, identity)
+        assert checked_identity(runner, identity, cache_config) == identity  # unflipped rows agree
+        group = next(gi for gi, g in enumerate(runner.groups) if not g.is_ring)
+        flip = _FlipOneBit(runner.model, runner.cache.allocations[group], runner.cache.codecs[group].row_bytes)
+        monkeypatch.setattr(runner, "model", flip)
+        flipped = canary_digest(runner)
+        assert flipped != digest and flipped == canary_digest(runner)
+        caplog.set_level(logging.WARNING)
+        moved = checked_identity(runner, identity, cache_config)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert moved != identity and len(warnings) == 1 and "canary" in warnings[0], warnings
+    assert _record_of(cache_dir, identity) == digest and _record_of(cache_dir, moved) == flipped
