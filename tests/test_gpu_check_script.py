@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -74,6 +75,38 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def pytest_steps() -> dict[str, list[str]]:
+    """{step name: the arguments after `pytest`} of each `run_step ... -m pytest ...` in gpu_check.sh
+    (continuation lines joined)."""
+    with open(SCRIPT) as f:
+        text = f.read().replace("\\\n", " ")
+    steps = {}
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["run_step"] and "pytest" in words:
+            steps[words[1]] = words[words.index("pytest") + 1:]
+    return steps
+
+
+MOE_TEST = "tests/ops/triton/test_moe.py::test_cuda_matches_cpu_torch_loop"
+
+
+def test_a_gpu_check_step_runs_the_compiled_moe_test(tmp_path):
+    """The grouped-GEMM kernel test (CUDA-only outside the check) is selected by a gpu_check.sh step's own
+    paths and marker expression, and runs there, not skipped: compiled on a GPU, interpreted as in
+    `--cpu` (GPU_CHECK_CPU=1) here. Fails if the step is dropped, its `-m`/`-k` stops selecting the
+    test, or the test skips in the rehearsal."""
+    steps = {name: args for name, args in pytest_steps().items()
+             if any(MOE_TEST.startswith(a.rstrip("/")) for a in args if a.startswith("tests"))}
+    assert steps, f"no gpu_check.sh pytest step names {MOE_TEST.split('::')[0]}"
+    env = dict(os.environ, GPU_CHECK_CPU="1", TRITON_CACHE_DIR=str(tmp_path))
+    for name, args in steps.items():
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args, "-rA", "-k", MOE_TEST.split("::")[1]],
+                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+        passed = set(re.findall(r"^PASSED (\S+)", proc.stdout, re.M))
+        assert proc.returncode == 0 and passed == {f"{MOE_TEST}[1]", f"{MOE_TEST}[300]"}, (name, proc.stdout[-3000:])
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ under the Triton interpreter, so shapes stay small. Routed ids leave some expert
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -204,20 +205,42 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.fixture
+def gpu_check_device() -> str:
+    """cuda when torch sees a device; the CPU (the kernels interpreted) under GPU_CHECK_CPU=1, as
+    scripts/gpu_check.sh --cpu rehearses the check; else the test is skipped."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("GPU_CHECK_CPU") == "1":
+        return "cpu"
+    pytest.skip("needs a CUDA device (scripts/gpu_check.sh runs it; GPU_CHECK_CPU=1 rehearses it on the CPU)")
+
+
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled kernels, not the interpreter)")
 @pytest.mark.parametrize("num_tokens", [1, 300])
-def test_cuda_matches_cpu_torch_loop(num_tokens):
-    """On a GPU `FusedExperts` dispatches to the kernel; it must agree with the same experts' CPU torch loop."""
-    experts = FusedExperts(16, 256, 96, 0.75)  # I = 96: masked column tiles
+def test_cuda_matches_cpu_torch_loop(num_tokens, gpu_check_device, monkeypatch):
+    """`FusedExperts` bound to the Triton kernel set (as the Triton backend binds it) runs the grouped GEMM,
+    compiled on a GPU (interpreted under gpu_check.sh --cpu), and agrees with the same experts' CPU torch loop.
+    scripts/gpu_check.sh runs it (`-m cuda`); tests/test_gpu_check_script.py checks that its step selects it."""
+    reference = FusedExperts(16, 256, 96, 0.75)  # I = 96: masked column tiles
     gen = torch.Generator().manual_seed(9)
     with torch.no_grad():
-        for param in experts.parameters():
+        for param in reference.parameters():
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    experts = copy.deepcopy(reference).to(gpu_check_device)
+    experts.kernels = TRITON_KERNELS
+    calls = []
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.dtype)
+        return fused_experts(x, *args, **kwargs)
+
+    monkeypatch.setattr(triton_moe, "fused_experts", spy)
     ids = torch.stack([torch.randperm(12, generator=gen)[:6] for _ in range(num_tokens)])  # [T, 6]; 12..15 idle
     weights, x = torch.rand(num_tokens, 6, generator=gen), torch.randn(num_tokens, 256, generator=gen)  # [T, 6], [T, H]
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         with torch.no_grad():
-            expected = experts.to("cpu", dtype)(x.to(dtype), ids, weights)  # [T, H] torch loop
-            got = experts.to("cuda")(x.to("cuda", dtype), ids.cuda(), weights.cuda())  # [T, H] kernel
+            expected = reference.to(dtype)(x.to(dtype), ids, weights)  # [T, H] torch loop on the CPU
+            got = experts.to(dtype)(*(t.to(gpu_check_device) for t in (x.to(dtype), ids, weights)))  # [T, H] kernel
         torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+    assert calls == [torch.float32, torch.bfloat16], "the grouped GEMM ran once per dtype"
