@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import tempfile
 import time
 
 import pytest
@@ -277,15 +278,59 @@ def test_directory_under_a_file_is_rejected(tmp_path):
         KvDiskStore(str(afile / "kv"), 1 << 20, ROOT)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
-def test_read_only_directory_is_rejected(tmp_path):
-    directory = tmp_path / "ro"
-    directory.mkdir(mode=0o500)
+NOBODY = 65534  # the unprivileged uid and gid the writability test drops to when it runs as root
+
+
+def _as_unprivileged(fn) -> str:
+    """Run `fn()` as a user who cannot write where it may not: this process when it is not root; as
+    root (CI), a forked child that drops to uid/gid `nobody` first (root writes into any folder).
+    Returns "" when `fn` returned, else `"<type>: <message>"` of what it raised."""
+    if os.geteuid() != 0:
+        try:
+            fn()
+            return ""
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        outcome = b"child died"
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn()
+            outcome = b""
+        except BaseException as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}".encode()
+        finally:
+            os.write(write_end, outcome)
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        outcome = f.read().decode()
+    os.waitpid(pid, 0)
+    return outcome
+
+
+def test_read_only_directory_is_rejected():
+    """A folder its user may read but not write: ValueError naming kv_cache_dir, also when the tests
+    run as root (then as `nobody` in a forked child), while a folder that user owns is accepted (the
+    refusal is the folder's, not the child's). Fails if the store stops probing writability."""
+    base = tempfile.mkdtemp(prefix="kv-perm-")  # outside pytest's root-only 0700 tree
     try:
-        with pytest.raises(ValueError, match="kv_cache_dir"):
-            KvDiskStore(str(directory), 1 << 20, ROOT)
+        os.chmod(base, 0o755)
+        read_only, writable = os.path.join(base, "ro"), os.path.join(base, "rw")
+        os.mkdir(read_only, 0o555)
+        os.mkdir(writable, 0o755)
+        if os.geteuid() == 0:
+            os.chown(writable, NOBODY, NOBODY)
+        refused = _as_unprivileged(lambda: KvDiskStore(read_only, 1 << 20, ROOT))
+        assert refused.startswith("ValueError: kv_cache_dir=") and "is not writable" in refused, refused
+        assert os.listdir(read_only) == []
+        assert _as_unprivileged(lambda: KvDiskStore(writable, 1 << 20, ROOT).close()) == ""
     finally:
-        directory.chmod(0o700)
+        shutil.rmtree(base)  # "ro" is empty: removing it needs only base's write bit
 
 
 def test_budget_below_one_file_is_rejected(tmp_path):
