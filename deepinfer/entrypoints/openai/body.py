@@ -15,6 +15,9 @@ names the problem (and the field, where the JSON parses), never a 500:
     a lone surrogate in any string       "\\ud800" decodes to a str no encoder accepts; the
                                          400 names the field, e.g. messages[0].content
 
+JSON that a client sends inside a string of the body (a tool call's `arguments`) is read under
+the same bounds by `deepinfer.json_bounds.parse_nested_json`, where the depth scan lives.
+
 It is CPU work over up to `--max-body-bytes`: the server runs it off the event loop.
 """
 
@@ -24,18 +27,11 @@ import json
 import math
 import re
 
-import numpy as np
 from fastapi import Request
 
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
+from deepinfer.json_bounds import MAX_JSON_DEPTH, MAX_NUMBER_CHARS, json_depth
 
-MAX_JSON_DEPTH = 64  # arrays and objects inside one another
-MAX_NUMBER_CHARS = 100  # characters of one number literal (sign, digits, fraction, exponent)
-
-# A JSON string literal, or an unterminated one up to the end: one linear pass, no backtracking.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
-_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 / -1 as int8
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the JSON text
 
@@ -120,14 +116,6 @@ def parse_json(raw: bytes) -> dict:
     if _SURROGATE_ESCAPE.search(text):  # the only way a lone surrogate gets into the data
         _check_text(data)
     return data
-
-
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in `raw` (brackets inside strings do not count)."""
-    structure = _JSON_STRING.sub(b"", raw).translate(_BRACKET_STEPS, _NOT_BRACKETS)
-    if not structure:
-        return 0
-    return int(np.frombuffer(structure, dtype=np.int8).cumsum(dtype=np.int32).max())
 
 
 class _BadNumber:

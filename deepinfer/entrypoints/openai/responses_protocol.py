@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.json_bounds import check_json_depth
 from deepinfer.sampling_params import short_repr
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -139,10 +140,15 @@ def _string(i: int, item: dict, key: str) -> str:
 
 
 def _add_call(messages: list[dict], i: int, item: dict) -> None:
-    """A function_call item joins the assistant message before it (or starts one)."""
-    call = {"id": _string(i, item, "call_id"), "type": "function",
-            "function": {"name": _string(i, item, "name"), "arguments": _text(i, item.get("arguments", "{}"),
-                                                                            "arguments")}}
+    """A function_call item joins the assistant message before it (or starts one). Its arguments
+    (JSON text) are parsed later, with the chat's; their depth is checked here, naming the item."""
+    call_id, name = _string(i, item, "call_id"), _string(i, item, "name")
+    arguments = _text(i, item.get("arguments", "{}"), "arguments")
+    try:
+        check_json_depth(arguments, f"input[{i}].arguments")
+    except ValueError as exc:
+        raise FieldError("input", str(exc)) from None
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     if messages and messages[-1]["role"] == "assistant":
         messages[-1].setdefault("tool_calls", []).append(call)
     else:

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 
 from deepinfer.entrypoints.openai.tool_parsers import FunctionSpec, ToolParser
+from deepinfer.json_bounds import parse_nested_json
 from deepinfer.sampling_params import short_repr
 from deepinfer.structured_output import StructuredOutputsParams
 
@@ -153,7 +154,8 @@ def _choice(tool_choice, names: set[str], has_tools: bool) -> tuple[str, str | N
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates want them: an assistant call's `arguments` as an object (the
-    Hugging Face convention; OpenAI sends JSON text). FieldError for arguments that are not JSON."""
+    Hugging Face convention; OpenAI sends JSON text, read under the body's bounds by
+    `parse_nested_json`). FieldError naming the call for arguments that are not JSON or nest too deep."""
     result = []
     for i, message in enumerate(messages):
         calls = message.get("tool_calls")
@@ -172,10 +174,9 @@ def _template_call(i: int, j: int, call) -> dict:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            raise FieldError("messages", f"{where}.function.arguments is not valid JSON: "
-                             f"{short_repr(arguments)}") from None
+            arguments = parse_nested_json(arguments, f"{where}.function.arguments") if arguments.strip() else {}
+        except ValueError as exc:
+            raise FieldError("messages", str(exc)) from None
     elif arguments is None:
         arguments = {}
     return {"type": "function", **call, "function": {**function, "arguments": arguments}}

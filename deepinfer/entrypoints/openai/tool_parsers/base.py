@@ -179,5 +179,5 @@ def held_back(text: str, markers: tuple[str, ...]) -> int:
 def _is_object(arguments: str) -> bool:
     try:
         return isinstance(json.loads(arguments), dict)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's text: RecursionError when it nests ~1000 deep
         return False
