@@ -20,7 +20,8 @@ options through llguidance's "x-guidance" key.
 Reported logprobs are those of the masked distribution (forbidden tokens: -inf), as in vLLM.
 
 Limits (README, "Request limits"): a choice holds at most MAX_CHOICES strings of MAX_CHOICE_CHARS
-characters in all; a regex, a grammar or a schema (as JSON text) at most MAX_SPEC_CHARS characters.
+characters in all; a regex, a grammar or a schema (as JSON text) at most MAX_SPEC_CHARS characters;
+a schema nests at most MAX_JSON_DEPTH deep (`deepinfer.json_bounds`, as a request body).
 Every matcher runs under llguidance's resource limits (`grammar_limits`).
 
 Before a request is admitted, `GrammarCompiler` compiles its grammar completely (a real matcher
@@ -41,6 +42,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from deepinfer.json_bounds import MAX_JSON_DEPTH, check_json_depth, parse_nested_json
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # defaults -> schema["x-guidance"] -> (no overrides)
@@ -120,6 +123,13 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in _KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
 
+    def lazy_parts(self) -> tuple[str, ...]:
+        """Grammar texts inside `grammar_text` that llguidance builds only once generation reaches
+        them (a sub-grammar after a prefix, e.g. the reasoning section's); admission
+        (`GrammarCompiler.prepare`) compiles and checks each as a spec of its own first. A plain
+        spec has none."""
+        return ()
+
     @classmethod
     def from_value(cls, value) -> StructuredOutputsParams | None:
         """None, an instance, or a dict of its fields (as a JSON body sends it) -> an instance."""
@@ -173,19 +183,21 @@ def _check_choice(value) -> None:
 
 
 def _schema(value) -> dict:
-    """A JSON schema given as a dict or a JSON string -> the dict."""
+    """A JSON schema given as a dict or a JSON string (read under the request body's bounds) -> the dict."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"structured_output.json is not valid JSON ({exc}); got {_short(value)}") from None
+        value = parse_nested_json(value, "structured_output.json")
     if isinstance(value, bool):  # `true` and `false` are schemas too, but not useful ones here
         raise ValueError(f"structured_output.json must be a JSON schema object, got {_short(value)}")
     if not isinstance(value, dict):
         raise ValueError(f"structured_output.json must be a JSON schema object, got {_short(value)}")
-    size = len(json.dumps(value))
-    if size > MAX_SPEC_CHARS:
-        raise ValueError(f"structured_output.json has {size} characters as JSON; the limit is {MAX_SPEC_CHARS}")
+    try:
+        text = json.dumps(value)
+    except RecursionError:  # a dict nested ~1000 deep (LLM's callers; a server's bodies are bounded)
+        raise ValueError(f"structured_output.json nests arrays and objects about a thousand deep; the limit "
+                         f"is {MAX_JSON_DEPTH}") from None
+    check_json_depth(text, "structured_output.json")
+    if len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"structured_output.json has {len(text)} characters as JSON; the limit is {MAX_SPEC_CHARS}")
     return value
 
 
@@ -252,26 +264,29 @@ class GrammarCompiler:
         StructuredOutputError when llguidance refuses it or when every first token it allows is
         in `banned_first` (e.g. the one-token bad_words)."""
         compiled = spec.compiled
+        banned = token_bits(banned_first, self.vocab_size)
         if compiled is None or not compiled.fits(self.vocab_size, self.eos_token_ids):
+            for text in spec.lazy_parts():  # refused (or not) exactly as when sent on its own
+                _check_first_token(self.compile_text(text, spec.kind), banned, spec.kind)
             compiled = self.compile(spec)
             object.__setattr__(spec, "compiled", compiled)
-        banned = token_bits(banned_first, self.vocab_size)
-        if compiled.first_allowed & ~banned == 0:
-            raise StructuredOutputError(f"structured_output.{spec.kind} allows no first token that bad_words "
-                                        f"does not ban")
+        _check_first_token(compiled, banned, spec.kind)
         return compiled
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The compiled grammar of `spec`; a text seen before (compiled or refused) is answered
-        from the LRU."""
-        text = spec.grammar_text
+        """The compiled grammar of `spec` (see `compile_text`)."""
+        return self.compile_text(spec.grammar_text, spec.kind)
+
+    def compile_text(self, text: str, kind: str) -> CompiledGrammar:
+        """The compiled grammar text of a spec of `kind` (refusals name `structured_output.<kind>`);
+        a text seen before (compiled or refused) is answered from the LRU."""
         with self._lock:
             known = self._compiled.get(text)
             if known is not None:
                 self._compiled.move_to_end(text)
         if known is None:
             try:
-                known = self._compile(text, f"structured_output.{spec.kind}")
+                known = self._compile(text, f"structured_output.{kind}")
             except StructuredOutputError as exc:
                 known = str(exc)
             with self._lock:
@@ -335,6 +350,12 @@ class GrammarCompiler:
         if elapsed > self.budget_s:
             raise StructuredOutputError(f"{field_name} took {elapsed:.1f} s to compile; the limit is "
                                         f"{self.budget_s:g} s")
+
+
+def _check_first_token(compiled: CompiledGrammar, banned: int, kind: str) -> None:
+    """StructuredOutputError when every first token `compiled` allows is in `banned` (token bits)."""
+    if compiled.first_allowed & ~banned == 0:
+        raise StructuredOutputError(f"structured_output.{kind} allows no first token that bad_words does not ban")
 
 
 def token_bits(token_ids: Iterable[int], vocab_size: int) -> int:

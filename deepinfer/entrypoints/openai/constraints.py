@@ -13,7 +13,7 @@ or the spec's own grammar when there is no section. A forced call is a spec of k
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deepinfer.entrypoints.openai.reasoning import ReasoningParser
 from deepinfer.structured_output import StructuredOutputsParams, grammar_engine, grammar_limits
@@ -23,20 +23,27 @@ CONSTRAINED = "constrained"
 
 @dataclass(frozen=True)
 class ConstrainedOutput(StructuredOutputsParams):
-    """A structured output after an optional prefix grammar (Lark referring to `@constrained`)."""
+    """A structured output after an optional prefix grammar (Lark referring to `@constrained`).
+    llguidance builds the `@constrained` part only when generation reaches it, so admission
+    compiles it on its own too (`lazy_parts`): a spec is refused alike with and without a prefix."""
 
     prefix: str = ""
+    constrained_text: str = field(default="", init=False, repr=False, compare=False)  # the spec's own grammar
 
     def __post_init__(self):
         super().__post_init__()
         if not self.prefix:
             return
+        object.__setattr__(self, "constrained_text", self.grammar_text)
         text = after_prefix(self.prefix, self.grammar_text)
         error = grammar_engine().LLMatcher.validate_grammar(text, limits=grammar_limits())
         if error:
             raise ValueError(f"structured_output.{self.kind} is invalid after the reasoning section: "
                              f"{error.strip().splitlines()[0]}")
         object.__setattr__(self, "grammar_text", text)
+
+    def lazy_parts(self) -> tuple[str, ...]:
+        return (self.constrained_text,) if self.prefix else ()
 
 
 def after_prefix(prefix: str, grammar_text: str) -> str:
