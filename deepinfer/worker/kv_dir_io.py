@@ -24,14 +24,13 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from deepinfer.model_executor.loader.regular_file import NotRegular, kind_of, open_regular
+
 _log = logging.getLogger("deepinfer.kv_disk")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-_KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
 
 
 class Hostile(Exception):
@@ -51,13 +50,6 @@ class BadSize(Exception):
     def __init__(self, reason: str, ino: int):
         super().__init__(reason)
         self.ino = ino
-
-
-def kind_of(mode: int) -> str:
-    for test, name in _KINDS:
-        if test(mode):
-            return name
-    return "a regular file" if stat.S_ISREG(mode) else f"a file of mode {mode:o}"
 
 
 def parts_of(directory: str, path: str) -> list[str]:
@@ -132,14 +124,11 @@ def read_regular(parent: int, name: str, path: str,
     """(the bytes, the inode) of regular file `name` in folder fd `parent`. `check_size(size,
     first 8 bytes)` says why the size is wrong (BadSize, before anything more is read) or None.
     FileNotFoundError when missing; Hostile (after removing it) for anything but a regular file."""
-    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    if not stat.S_ISREG(st.st_mode):
-        raise Hostile(path, remove(parent, name, st.st_ino))
-    fd = os.open(name, _READ_FLAGS, dir_fd=parent)
     try:
-        fst = os.fstat(fd)
-        if not stat.S_ISREG(fst.st_mode) or fst.st_ino != st.st_ino:  # swapped after the lstat
-            raise Hostile(path, remove(parent, name, fst.st_ino))
+        fd, fst = open_regular(name, parent)  # lstat, O_NOFOLLOW open, fstat: regular, same inode
+    except NotRegular as e:
+        raise Hostile(path, remove(parent, name, e.ino)) from None
+    try:
         wrong = check_size(fst.st_size, os.pread(fd, 8, 0))
         if wrong is not None:
             raise BadSize(wrong, fst.st_ino)
