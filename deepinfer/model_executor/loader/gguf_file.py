@@ -13,12 +13,14 @@ and dequantization still come from the `gguf` package.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_LENGTH = 4096  # longer metadata arrays (vocabulary, merges, scores) are skipped, not read
 DEFAULT_ALIGNMENT = 32
 _SUPPORTED_VERSIONS = (2, 3)
@@ -51,17 +53,17 @@ def read_gguf_file(path: str) -> GGUFFile:
     # copy-on-write: views are writable for torch.from_numpy, and the file can never be modified;
     # a plain ndarray view slices faster than the memmap subclass
     blob = np.memmap(path, mode="c", dtype=np.uint8).view(np.ndarray)
-    if bytes(blob[:4]) != b"GGUF":
-        raise ValueError(f"{path!r} does not start with the GGUF magic bytes")
+    if bytes(blob[:4]) != b"GGUF" or blob.size < 24:
+        raise ValueError(f"{path!r} does not start with the GGUF magic bytes and header counts")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
     if version not in _SUPPORTED_VERSIONS:
         raise ValueError(f"{path!r} is GGUF version {version}; supported versions: {_SUPPORTED_VERSIONS}")
     try:
         metadata, pos = _read_metadata(blob, 24, n_kv)
-        entries, pos = _read_tensor_table(blob, pos, n_tensors)
+        entries, pos = _read_tensor_table(blob, pos, n_tensors, path)
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"{path!r} has a truncated or corrupt GGUF header: {exc}") from exc
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = _alignment(metadata, path)
     data_start = -(-pos // alignment) * alignment
     tensors = [_tensor_view(blob, data_start, entry, path) for entry in entries]
     return GGUFFile(path=path, metadata=metadata, tensors=tensors)
@@ -112,11 +114,21 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[
     return (values if count <= MAX_ARRAY_LENGTH else _SKIPPED), pos
 
 
-def _read_tensor_table(blob: np.ndarray, pos: int, n_tensors: int) -> tuple[list[tuple], int]:
+def _alignment(metadata: dict, path: str) -> int:
+    """general.alignment: a positive integer (the spec asks for a multiple of 8), default 32."""
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1:
+        raise ValueError(f"{path!r}: general.alignment must be a positive integer, got {alignment!r}")
+    return alignment
+
+
+def _read_tensor_table(blob: np.ndarray, pos: int, n_tensors: int, path: str) -> tuple[list[tuple], int]:
     entries = []
     for _ in range(n_tensors):
         name, pos = _read_string(blob, pos)
         (n_dims,) = struct.unpack_from("<I", blob, pos)
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ValueError(f"{path!r}: tensor {name!r} has {n_dims} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
         dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
         pos += 4 + 8 * n_dims
         tensor_type, offset = struct.unpack_from("<IQ", blob, pos)
@@ -138,7 +150,7 @@ def _tensor_view(blob: np.ndarray, data_start: int, entry: tuple, path: str) -> 
     if shape[-1] % block_size:
         raise ValueError(f"{path!r}: tensor {name!r} row of {shape[-1]} is not a multiple of {block_size}")
     row_bytes = shape[-1] // block_size * type_size
-    num_bytes = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+    num_bytes = math.prod(shape[:-1]) * row_bytes  # Python ints: a hostile shape cannot overflow
     start = data_start + offset
     if start + num_bytes > blob.size:
         raise ValueError(f"{path!r}: tensor {name!r} ends at byte {start + num_bytes}, past the file's end")
