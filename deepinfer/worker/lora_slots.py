@@ -23,7 +23,7 @@ from deepinfer.contracts.lora import LoRAAdapter, LoRABase
 from deepinfer.contracts.plan import StepPlan
 from deepinfer.model_executor.layers.lora import install_lora
 from deepinfer.model_executor.layers.ops.lora import lora_op_name
-from deepinfer.model_executor.loader.lora import adapter_modules, check_modules, read_adapter
+from deepinfer.model_executor.loader.lora import adapter_modules, check_modules, max_adapter_bytes, read_adapter
 from deepinfer.model_executor.models.utils import STACKED_PARAMS
 
 
@@ -52,7 +52,8 @@ class LoRASlots:
         """Read `adapter` and write it into `slot`; ValueError naming it when its files changed since
         admission (or cannot be read any more). The slot holds nothing valid until this succeeds."""
         self.held[slot] = None
-        config, tensors, identity = read_adapter(adapter.path, adapter.name, self.base.base_config)
+        config, tensors, identity = read_adapter(adapter.path, adapter.name, self.base.base_config,
+                                                 max_adapter_bytes(self.base))
         if identity != adapter.fingerprint:
             raise ValueError(f"LoRA adapter {adapter.name!r} ({adapter.path}) changed on disk after the request "
                              f"was admitted; send the request again")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,18 +35,29 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters (PEFT directories) served from the start, each a model of its own in "
                         "/v1/models, chosen by a request's `model` (needs --enable-lora)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
-                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({lora_name, lora_path})")
+                   help="add POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({lora_name, lora_path}); "
+                        "loads only from inside a --lora-dir")
+    g.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                   help="a directory /v1/load_lora_adapter may load adapters from (repeatable); a lora_path "
+                        "that resolves outside every --lora-dir is refused (without one, every runtime load is)")
 
 
 def lora_settings(args) -> dict:
-    """The ServerSettings fields of the LoRA flags: (name, path) pairs and the runtime switch."""
+    """The ServerSettings fields of the LoRA flags: (name, path) pairs, the runtime switch and the
+    directories runtime loads may read (each an existing directory, made absolute)."""
     from deepinfer.entrypoints.openai.lora_routes import parse_lora_module
 
     modules = tuple(parse_lora_module(m) for m in args.lora_modules or [])
     if modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    return {"lora_modules": modules,
-            "allow_runtime_lora_updating": bool(args.allow_runtime_lora_updating)}
+    dirs = tuple(getattr(args, "lora_dir", None) or [])
+    if dirs and not args.allow_runtime_lora_updating:
+        raise ValueError("--lora-dir only matters with --allow-runtime-lora-updating (the load route reads from it)")
+    for directory in dirs:
+        if not os.path.isdir(directory):
+            raise ValueError(f"--lora-dir {directory!r} is not a directory")
+    return {"lora_modules": modules, "allow_runtime_lora_updating": bool(args.allow_runtime_lora_updating),
+            "lora_dirs": tuple(os.path.abspath(os.path.expanduser(d)) for d in dirs)}
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:

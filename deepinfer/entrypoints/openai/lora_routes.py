@@ -7,6 +7,12 @@ a request's `model` field. `--lora-modules name=path ...` registers adapters at 
     POST /v1/load_lora_adapter     {"lora_name": ..., "lora_path": ...}   400: a bad adapter or a taken name
     POST /v1/unload_lora_adapter   {"lora_name": ...}                     400: an unknown name
 
+A runtime load reads only from inside the directories of `--lora-dir` (the path and each of its files,
+symlinks resolved; anything else is a 400 that says only that the path is outside them, whether or not
+it exists). `--lora-modules` is the operator's own choice and may name any path. Either way the
+files must be regular files (loader/lora_files.py), and /v1/models shows an adapter's name, never its
+path.
+
 An adapter is checked (files, rank, target modules) before its name is registered. Unloading only
 forgets the name: requests already admitted with it run to their end (they hold the adapter's
 content identity and path; its device slot stays pinned while they run).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 
 from fastapi import APIRouter, Request
@@ -24,6 +31,7 @@ from fastapi.responses import JSONResponse
 from deepinfer.contracts.lora import LoRARequest
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
+from deepinfer.model_executor.loader.lora_files import check_inside_dirs
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -37,8 +45,8 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 class ServedAdapters:
     """The adapters this server serves, by name (thread-safe: routes read it on the tokenizer pool)."""
 
-    def __init__(self, base_name: str, resolver=None):
-        self.base_name, self.resolver = base_name, resolver
+    def __init__(self, base_name: str, resolver=None, lora_dirs: tuple[str, ...] = ()):
+        self.base_name, self.resolver, self.lora_dirs = base_name, resolver, tuple(lora_dirs)
         self._lock = threading.Lock()
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
@@ -58,6 +66,14 @@ class ServedAdapters:
             self._by_name[name] = request
         return request
 
+    def load(self, name: str, path: str) -> LoRARequest:
+        """`add` for a runtime load: only a path inside the --lora-dir directories (ValueError that
+        says no more than that otherwise)."""
+        if self.resolver is None:
+            raise ValueError(f"cannot serve LoRA adapter {name!r}: start the server with --enable-lora")
+        check_inside_dirs(os.path.expanduser(path), name, self.lora_dirs)
+        return self.add(name, path)
+
     def remove(self, name: str) -> None:
         with self._lock:
             if self._by_name.pop(name, None) is None:
@@ -73,9 +89,9 @@ class ServedAdapters:
 
 
 def adapter_card(state, request: LoRARequest) -> dict:
-    """An adapter's entry in /v1/models: its own id, the base model as parent."""
+    """An adapter's entry in /v1/models: its own id (also its root: never its path), the base model as parent."""
     return {"id": request.lora_name, "object": "model", "created": state.created, "owned_by": "deepinfer",
-            "root": request.lora_path, "parent": state.settings.model_name, "max_model_len": state.max_model_len}
+            "root": request.lora_name, "parent": state.settings.model_name, "max_model_len": state.max_model_len}
 
 
 def lora_routes(state) -> APIRouter:
@@ -86,7 +102,7 @@ def lora_routes(state) -> APIRouter:
     async def load_lora_adapter(request: Request) -> JSONResponse:
         body = _body(parse_json(await read_body(request)), ("lora_name", "lora_path"))
         try:  # reads and hashes the adapter's files: off the event loop
-            await asyncio.to_thread(state.adapters.add, body["lora_name"], body["lora_path"])
+            await asyncio.to_thread(state.adapters.load, body["lora_name"], body["lora_path"])
         except ValueError as exc:
             raise bad_request(str(exc), "lora_path") from None
         return JSONResponse({"status": "ok", "message": f"LoRA adapter {body['lora_name']!r} added"})

@@ -1,9 +1,12 @@
 """LoRA adapters from disk: PEFT directories (adapter_config.json + adapter_model.safetensors) and,
 through `loader/gguf_lora.py` where it exists, llama.cpp's GGUF LoRA files.
 
-    adapter_files(path)         the files whose bytes make the adapter (ValueError if missing)
+    adapter_files(path)         the files whose bytes make the adapter (ValueError if missing, not a
+                                regular file, empty or larger than an adapter of the base can be)
     adapter_fingerprint(files)  their content identity (loader/fingerprint.py: stat-keyed digests)
-    read_adapter(path)          (config, {PEFT tensor name: tensor}) and the identity of the bytes read
+    read_adapter(path)          (config, {PEFT tensor name: tensor}) and the identity of the bytes read;
+                                headers are checked before any tensor is read (loader/lora_files.py)
+    max_adapter_bytes(base)     the most tensor bytes an adapter of the base within max_lora_rank holds
     adapter_modules(...)        per target module: A [r, in], B [out, r], scale (alpha / r, rsLoRA:
                                 alpha / sqrt(r); `rank_pattern` / `alpha_pattern` per module)
     AdapterChecker              `AdapterResolver`: a LoRARequest checked against the base -> LoRAAdapter
@@ -11,29 +14,40 @@ through `loader/gguf_lora.py` where it exists, llama.cpp's GGUF LoRA files.
 PEFT names a module's weights `base_model.model.<module>.lora_A.weight` / `.lora_B.weight`, where
 <module> is the HF module name (`model.layers.3.self_attn.q_proj`). Anything else PEFT may save
 (DoRA magnitudes, embedding LoRA, `modules_to_save`, trained biases) changes more than a linear
-layer's output and is refused, naming the adapter.
+layer's output and is refused, naming the adapter. Errors name the adapter, its path (the caller's
+own; a runtime load is checked against the allowed directories before it gets here) and the field,
+never a value from its files but numbers and short plain names (`lora_files.shown`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import math
 import os
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from deepinfer.contracts.lora import LoRAAdapter, LoRABase, LoRARequest
 from deepinfer.model_executor.loader.fingerprint import content_identity, default_cache_dir
+from deepinfer.model_executor.loader.lora_files import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MAX_CONFIG_BYTES,
+    MAX_HEADER_BYTES,
+    adapter_file_paths,
+    identity_of,
+    open_adapter_file,
+    read_config,
+    read_safetensors,
+    shown,
+)
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 GGUF_LORA_MODULE = "deepinfer.model_executor.loader.gguf_lora"
 _PEFT_PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
@@ -57,21 +71,37 @@ def _where(name: str, path: str) -> str:
     return f"LoRA adapter {name!r} ({path})"
 
 
-def adapter_files(path: str, name: str) -> list[str]:
-    """The files of the adapter at `path`: a PEFT directory's config and weights, or one .gguf file."""
+def adapter_files(path: str, name: str, max_bytes: int | None = None) -> list[str]:
+    """The files of the adapter at `path`: a PEFT directory's config and weights, or one .gguf file;
+    each a regular file (links followed) of at least one byte, the config at most MAX_CONFIG_BYTES,
+    the weights at most `max_bytes` of tensors plus a header (None: no bound)."""
     where = _where(name, path)
+    weights_limit = None if max_bytes is None else max_bytes + MAX_HEADER_BYTES + 8
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise ValueError(f"{where}: no such file")
+        _check_file(path, where, weights_limit)
         return [path]
     if not os.path.isdir(path):
         raise ValueError(f"{where}: no such directory (expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} in it)")
-    files = [os.path.join(path, ADAPTER_CONFIG), os.path.join(path, ADAPTER_WEIGHTS)]
-    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    files = adapter_file_paths(path)
+    missing = [os.path.basename(f) for f in files if not os.path.lexists(f)]
     if missing:
         raise ValueError(f"{where}: missing {', '.join(missing)} (a PEFT adapter saved with save_pretrained "
                          f"and safe_serialization)")
+    _check_file(files[0], where, MAX_CONFIG_BYTES)
+    _check_file(files[1], where, weights_limit)
     return files
+
+
+def _check_file(path: str, where: str, limit: int | None) -> None:
+    os.close(open_adapter_file(path, where, limit)[0])
+
+
+def max_adapter_bytes(base: LoRABase) -> int:
+    """The most tensor bytes an adapter of `base` can hold: A [r, in] and B [out, r] of every target
+    at r = max_lora_rank, in float64 (a larger weights file is refused before it is read)."""
+    return sum((i + o) * base.max_lora_rank * 8 for i, o in base.targets.values())
 
 
 def adapter_fingerprint(files: list[str]) -> str:
@@ -81,36 +111,22 @@ def adapter_fingerprint(files: list[str]) -> str:
 
 def bytes_identity(blobs: dict[str, bytes]) -> str:
     """`content_identity`'s value for files with these basenames and bytes (what was actually read)."""
-    identity = hashlib.sha256()
-    for name, data in sorted(blobs.items()):
-        digest = hashlib.blake2b(data, digest_size=32).hexdigest()
-        identity.update(f"{name}\0{digest}\0".encode())
-    return identity.hexdigest()
+    return identity_of({name: hashlib.blake2b(data, digest_size=32).hexdigest() for name, data in blobs.items()})
 
 
-def read_adapter(path: str, name: str, base_config: dict | None = None) -> tuple[dict, dict[str, torch.Tensor], str]:
+def read_adapter(path: str, name: str, base_config: dict | None = None,
+                 max_bytes: int | None = None) -> tuple[dict, dict[str, torch.Tensor], str]:
     """(adapter config, {PEFT tensor name: tensor}, identity of the bytes read) of the adapter at `path`;
-    `base_config`: the base's head counts (a GGUF adapter's q/k rows need them)."""
-    files = adapter_files(path, name)
+    `base_config`: the base's head counts (a GGUF adapter's q/k rows need them); `max_bytes`: the most
+    tensor bytes accepted (`max_adapter_bytes`), checked before a tensor is read."""
+    files = adapter_files(path, name, max_bytes)
     if path.endswith(".gguf"):
         config, tensors = _read_gguf(path, name, base_config)
         return config, tensors, adapter_fingerprint(files)
-    blobs = {}
-    for file in files:
-        with open(file, "rb") as f:
-            blobs[os.path.basename(file)] = f.read()
     where = _where(name, path)
-    try:
-        config = json.loads(blobs[ADAPTER_CONFIG])
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
-    try:
-        tensors = load_safetensors(blobs[ADAPTER_WEIGHTS])
-    except Exception as exc:  # safetensors raises its own error types for a damaged header
-        raise ValueError(f"{where}: {ADAPTER_WEIGHTS} is not a readable safetensors file ({exc})") from None
-    return config, tensors, bytes_identity(blobs)
+    config, config_digest = read_config(files[0], where)
+    tensors, weights_digest = read_safetensors(files[1], where, max_bytes, lambda key: _module_of(key, where))
+    return config, tensors, identity_of({ADAPTER_CONFIG: config_digest, ADAPTER_WEIGHTS: weights_digest})
 
 
 def _read_gguf(path: str, name: str, base_config: dict | None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -124,7 +140,7 @@ def _read_gguf(path: str, name: str, base_config: dict | None) -> tuple[dict, di
                          f"(no {GGUF_LORA_MODULE})") from None
     try:
         return module.read_gguf_lora(path, base_config=base_config or None)
-    except (OSError, KeyError, ValueError) as exc:
+    except (OSError, KeyError, ValueError, struct.error, OverflowError) as exc:
         raise ValueError(f"{_where(name, path)}: not a readable GGUF LoRA file ({exc})") from None
 
 
@@ -132,17 +148,38 @@ def _read_gguf(path: str, name: str, base_config: dict | None) -> tuple[dict, di
 
 def check_config(config: dict, where: str) -> None:
     """Refuse what a PEFT config asks for beyond plain LoRA on linear layers, naming the field."""
-    peft_type = str(config.get("peft_type", "LORA")).upper()
-    if peft_type != "LORA":
-        raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
+    peft_type = config.get("peft_type", "LORA")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise ValueError(f"{where}: peft_type {shown(peft_type)} is not supported (only LORA)")
     for field, allowed in (("use_dora", (False, None)), ("bias", ("none", None)), ("modules_to_save", (None,)),
                            ("fan_in_fan_out", (False, None))):
         value = config.get(field)
         if value not in allowed and value != []:
-            raise ValueError(f"{where}: {field}={value!r} is not supported (plain LoRA on linear layers only)")
+            raise ValueError(f"{where}: {field}={shown(value)} is not supported (plain LoRA on linear layers only)")
     alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise ValueError(f"{where}: lora_alpha must be a positive number, got {alpha!r}")
+    if not _positive_number(alpha):
+        raise ValueError(f"{where}: lora_alpha must be a positive number, got {shown(alpha)}")
+    for field in ("alpha_pattern", "rank_pattern"):
+        _check_patterns(config.get(field), field, where)
+
+
+def _positive_number(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _check_patterns(patterns, field: str, where: str) -> None:
+    """PEFT's per-module overrides: {regular expression: positive number}."""
+    if patterns is None:
+        return
+    if not isinstance(patterns, dict):
+        raise ValueError(f"{where}: {field} must be an object of {{module pattern: number}}, got {shown(patterns)}")
+    for key, value in patterns.items():
+        if not _positive_number(value):
+            raise ValueError(f"{where}: {field}[{shown(key)}] must be a positive number, got {shown(value)}")
+        try:
+            re.compile(rf"(.*\.)?{key}$")
+        except (re.error, RecursionError, OverflowError):
+            raise ValueError(f"{where}: {field} key {shown(key)} is not a valid regular expression") from None
 
 
 def adapter_modules(config: dict, tensors: dict[str, torch.Tensor], name: str, path: str) -> dict[str, ModuleLoRA]:
@@ -163,7 +200,7 @@ def _module_of(key: str, where: str) -> tuple[str, str]:
     for suffix, part in ((_A, "A"), (_B, "B")):
         if key.endswith(suffix):
             return key.removeprefix(_PEFT_PREFIX).removesuffix(suffix), part
-    raise ValueError(f"{where}: tensor {key!r} is not a LoRA A or B weight of a linear layer (DoRA, embedding "
+    raise ValueError(f"{where}: tensor {shown(key)} is not a LoRA A or B weight of a linear layer (DoRA, embedding "
                      f"LoRA, trained biases and modules_to_save are not supported)")
 
 
@@ -206,13 +243,16 @@ class AdapterChecker:
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         name, path = request.lora_name, os.path.expanduser(request.lora_path)
-        fingerprint = self._fingerprint(adapter_files(path, name))
-        with self._lock:
-            rank = self._checked.get(fingerprint)
-        if rank is None:
-            rank = self._check(name, path)
+        try:
+            fingerprint = self._fingerprint(adapter_files(path, name, max_adapter_bytes(self.base)))
             with self._lock:
-                self._checked[fingerprint] = rank
+                rank = self._checked.get(fingerprint)
+            if rank is None:
+                rank = self._check(name, path)
+                with self._lock:
+                    self._checked[fingerprint] = rank
+        except OSError as exc:  # a file that went away or failed to read between the checks and the read
+            raise ValueError(f"{_where(name, path)}: its files cannot be read ({exc.strerror})") from None
         key = hashlib.sha256(f"{fingerprint}\0{self.base.numerics_tag}\0{self.base.max_lora_rank}".encode())
         return LoRAAdapter(name, request.lora_int_id, path, fingerprint, key.hexdigest(), rank)
 
@@ -232,7 +272,7 @@ class AdapterChecker:
         return fingerprint
 
     def _check(self, name: str, path: str) -> int:
-        config, tensors, _ = read_adapter(path, name, self.base.base_config)
+        config, tensors, _ = read_adapter(path, name, self.base.base_config, max_adapter_bytes(self.base))
         check_target_names(config, self.base, _where(name, path))
         modules = adapter_modules(config, tensors, name, path)
         check_modules(modules, self.base, name, path)
@@ -246,10 +286,10 @@ def check_target_names(config: dict, base: LoRABase, where: str) -> None:
     if not isinstance(targets, list):
         return
     supported = sorted({t.rsplit(".", 1)[-1] for t in base.targets})
-    lacking = [t for t in targets if str(t).rsplit(".", 1)[-1] not in supported]
+    lacking = [shown(t) for t in targets if str(t).rsplit(".", 1)[-1] not in supported]
     if lacking:
-        raise ValueError(f"{where}: target_modules {lacking} are modules the base model lacks or LoRA does not "
-                         f"cover (supported: {', '.join(supported)})")
+        raise ValueError(f"{where}: target_modules [{', '.join(lacking)}] are modules the base model lacks or LoRA "
+                         f"does not cover (supported: {', '.join(supported)})")
 
 
 def check_modules(modules: dict[str, ModuleLoRA], base: LoRABase, name: str, path: str) -> None:
