@@ -84,10 +84,12 @@ def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
         state.check_capacity()
         raw = await read_body(request)
         body, history, chat, params = await state.pool.run(_prepare, state, store, prepare_chat_body, raw)
-        ctx = ResponseContext(new_id("resp"), state.settings.model_name, body, params.temperature, params.top_p)
+        lora_request = state.lora_request(body.model)
+        ctx = ResponseContext(new_id("resp"), _model_name(state, lora_request), body, params.temperature,
+                              params.top_p)
         try:
             handle = await state.engine_loop.add(ctx.response_id, chat.prompt_ids, params, time.monotonic(),
-                                                 lora_request=state.lora_request(body.model))
+                                                 lora_request=lora_request)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
         except EngineClosedError as exc:
@@ -133,6 +135,11 @@ def _prepare(tokenizer, state, store: ResponseStore, prepare_chat_body: Callable
         raise _renamed(from_validation_errors(exc.errors())) from None
     except APIError as exc:
         raise _renamed(exc) from None
+
+
+def _model_name(state, lora_request) -> str:
+    """The name a response reports: the adapter's when it runs with one, else the served base name."""
+    return state.settings.model_name if lora_request is None else lora_request.lora_name
 
 
 def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict]:
