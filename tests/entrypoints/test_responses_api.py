@@ -3,7 +3,8 @@ official openai client: text input and instructions (the same prompt and answer 
 route), the streamed events (and the client's own stream helper, which checks them), function
 tools and their calls, `function_call_output` with `previous_response_id` (the same prompt as
 sending the whole history), the stored responses' LRU, bad requests, and an openai-agents run on
-the Responses model with a function tool and a structured final output."""
+the Responses model with a function tool and a structured final output. Raw streams (text and a
+function call) pass `responses_stream.check_response_stream`, which fails on broken variants of them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from agent_models import HERMES, WEATHER, templated_checkpoint
 from app_server import AppServer
 from pydantic import BaseModel
+from responses_stream import check_response_stream, parse_events
 
 from deepinfer.entrypoints.openai.responses import ResponseStore
 
@@ -92,6 +94,61 @@ def test_function_calls_whole_and_streamed_then_the_result(client):
     assert follow.usage.input_tokens == whole_history.usage.input_tokens > first.usage.input_tokens
     assert follow.output_text == whole_history.output_text
     assert client.responses.retrieve(follow.id).model_dump() == follow.model_dump()
+
+
+STREAMED = [dict(model="tiny", input=QUESTION, temperature=0, max_output_tokens=10, stream=True),
+            dict(model="tiny", input=QUESTION, tools=[TOOL], tool_choice="required", temperature=0,
+                 max_output_tokens=150, stream=True)]
+
+
+@pytest.mark.parametrize("request_body", STREAMED, ids=["text", "function_call"])
+def test_raw_streams_pass_the_stream_check(server, request_body):
+    """A text answer and a function call, read as raw SSE: well-formed, numbered, in order, no `[DONE]`."""
+    raw = server.client.post("/v1/responses", json=request_body)
+    assert raw.status_code == 200 and b"[DONE]" not in raw.content
+    events = check_response_stream(raw.content)
+    item_types = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert set(item_types) == {"function_call" if "tools" in request_body else "message"}
+
+
+def _sse(events: list[dict]) -> bytes:
+    return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _renumbered(events: list[dict]) -> list[dict]:
+    return [{**e, "sequence_number": i} for i, e in enumerate(events)]
+
+
+def _broken_streams(events: list[dict]) -> dict[str, bytes]:
+    """Variants of a good stream that a client must not accept."""
+    delta = next(i for i, e in enumerate(events) if e["type"].endswith(".delta"))
+    done = next(i for i, e in enumerate(events) if e["type"] == "response.output_item.done")
+    changed = [*events[:delta], {**events[delta], "delta": events[delta]["delta"] + "x"}, *events[delta + 1:]]
+    late = _renumbered([*events[:delta], *events[delta + 1:done + 1], events[delta], *events[done + 1:]])
+    final = events[-1]
+    return {
+        "chat's [DONE] after it": _sse(events) + b"data: [DONE]\n\n",
+        "no terminal event": _sse(events[:-1]),
+        "two events swapped": _sse([*events[:3], events[4], events[3], *events[5:]]),
+        "numbered from 1": _sse([{**e, "sequence_number": e["sequence_number"] + 1} for e in events]),
+        "an error event": _sse(_renumbered([*events[:-1], {"type": "error", "message": "x"}, final])),
+        "a changed delta": _sse(changed),
+        "a delta after its item is done": _sse(late),
+        "an item missing from the response": _sse([*events[:-1], {
+            **final, "response": {**final["response"], "output": []}}]),
+        "a name unlike the data's type": _sse(events).replace(b"event: response.created", b"event: created", 1),
+        "a terminal event before the last": _sse(_renumbered([*events[:-1], final, final])),
+    }
+
+
+@pytest.mark.parametrize("request_body", STREAMED, ids=["text", "function_call"])
+def test_the_stream_check_refuses_broken_streams(server, request_body):
+    """Each broken variant of a good raw stream fails the check: it is not a check that cannot fail."""
+    events = parse_events(server.client.post("/v1/responses", json=request_body).content)
+    for name, raw in _broken_streams(events).items():
+        with pytest.raises(AssertionError):
+            check_response_stream(raw)
+            pytest.fail(f"accepted a stream with {name}")
 
 
 def test_unknown_or_unstored_previous_responses(client, server):

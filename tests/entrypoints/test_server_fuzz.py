@@ -5,12 +5,15 @@ a valid request is quick) gets hypothesis-generated JSON bodies over the request
 /v1/completions, /v1/chat/completions and /v1/embeddings (right names with right and wrong types, huge and
 negative numbers, nested junk, lone surrogates, any unicode, sent as escaped ASCII or as raw
 UTF-8) and a table of hand-written hostile requests. Every answer must be a 2xx or an OpenAI-shaped 4xx within the
-per-request timeout; a stream must end with `data: [DONE]` and carry no error event. Afterwards
+per-request timeout; a chat or completion stream must end with `data: [DONE]` and carry no error
+event; a Responses stream (no `[DONE]`) must pass `responses_stream.check_response_stream` (events in
+order, numbered, ending with `response.completed` / `.incomplete`, no `error`). Afterwards
 a normal request succeeds and every KV block is free again. `pytest -s` prints the counts.
 
 The server parses tool calls (hermes) and reasoning (deepseek_r1), so chat bodies with function
 tools, tool_choice and histories of calls reach the grammars and parsers; /v1/responses, /tokenize
-and /detokenize get bodies of their own fields.
+and /detokenize get bodies of their own fields; well-typed Responses bodies and a fixed streamed
+example make sure successful Responses streams are among the cases (`COUNTS["responses streams"]`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from collections import Counter
 import httpx
 import pytest
 from app_server import AppServer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from responses_stream import check_response_stream
 
 MODEL = "fuzz-model"
 MAX_BODY = 1 << 20
@@ -64,9 +68,18 @@ def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | Non
     if status >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
         assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
-        assert b'data: {"error"' not in body, body[-500:]
+        check_stream(path, body)
     return status
+
+
+def check_stream(path: str, body: bytes) -> None:
+    """A whole stream: Responses' events (no `[DONE]` there), else chunks ending with `data: [DONE]`."""
+    if path.startswith("/v1/responses"):
+        check_response_stream(body)
+        COUNTS["responses streams"] += 1
+        return
+    assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
+    assert b'data: {"error"' not in body, body[-500:]
 
 
 # -- strategies -------------------------------------------------------------------------------------
@@ -266,11 +279,46 @@ DETOKENIZE_FIELDS = {"model": st.one_of(st.just(MODEL), TEXT),
                      "tokens": st.one_of(TOKEN_IDS, st.lists(INTS, max_size=5))}
 _FUZZ_ROUTE = settings(_FUZZ, max_examples=60)
 
+# well-typed Responses bodies, mostly streamed: most reach the engine, and their streams are checked
+_INPUT_MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["user", "system", "developer", "assistant"]),
+    "content": st.one_of(_CLEAN_TEXT, st.lists(st.fixed_dictionaries(
+        {"type": st.just("input_text"), "text": _CLEAN_TEXT}), min_size=1, max_size=2))})
+WELL_TYPED_RESPONSES_FIELDS = {
+    "model": st.just(MODEL), "instructions": _CLEAN_TEXT, "max_output_tokens": st.integers(1, 40),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "store": st.booleans(),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": _NAMES, "parameters": _SCHEMA}),
+                      max_size=2),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]), "parallel_tool_calls": st.booleans(),
+    "text": st.fixed_dictionaries({"format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "name": st.just("s"), "schema": _SCHEMA}))}),
+}
+WELL_TYPED_RESPONSES = st.fixed_dictionaries(
+    {"input": st.one_of(_CLEAN_TEXT.filter(str.strip), st.lists(_INPUT_MESSAGE, min_size=1, max_size=3)),
+     "stream": st.sampled_from([True, True, False])}, optional=WELL_TYPED_RESPONSES_FIELDS)
+STREAMED_RESPONSE = {"model": MODEL, "input": "Say hi", "stream": True, "max_output_tokens": 8, "temperature": 0}
+
 
 @_FUZZ_ROUTE
 @given(body=bodies(RESPONSES_FIELDS, "input"), ascii_only=st.booleans())
+@example(body=STREAMED_RESPONSE, ascii_only=False)
 def test_fuzz_responses(client, body, ascii_only):
     send(client, "/v1/responses", encode(body, ascii_only))
+
+
+@_FUZZ_ROUTE
+@given(body=WELL_TYPED_RESPONSES)
+def test_fuzz_well_typed_responses(client, body):
+    send(client, "/v1/responses", encode(body, False))
+
+
+def test_a_streamed_response_passes_the_stream_check(client):
+    """A valid streamed /v1/responses request is a 200 whose events `send` reads and checks (with the
+    old `[DONE]` check this very request failed the fuzz test, so none could be among its cases)."""
+    before = COUNTS["responses streams"]
+    assert send(client, "/v1/responses", encode(STREAMED_RESPONSE, False)) == 200
+    assert COUNTS["responses streams"] == before + 1
 
 
 @_FUZZ_ROUTE
@@ -372,5 +420,5 @@ def test_server_is_whole_after_the_fuzz(fuzz_server, client):
     assert m["deepinfer_kv_free_blocks"] == m["deepinfer_kv_total_blocks"] > 0
     assert client.get("/health", timeout=5).status_code == 200
     print(f"\nfuzz totals: {COUNTS['cases']} cases, 2xx {COUNTS['2xx']}, 4xx {COUNTS['4xx']}, "
-          f"5xx {COUNTS['5xx']}, timeouts {COUNTS['timeouts']}")
+          f"5xx {COUNTS['5xx']}, timeouts {COUNTS['timeouts']}, responses streams {COUNTS['responses streams']}")
     assert COUNTS["5xx"] == 0 and COUNTS["timeouts"] == 0
