@@ -195,14 +195,15 @@ def test_a_refusing_chat_template_gets_a_400_without_its_text():
 
 
 def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
+    """A maximal chat message (a text prompt this long is refused by its length before tokenizing)."""
     max_body = 8 << 20  # the default --max-body-bytes
-    prompt = "hello world, " * ((max_body - 100) // 13)
-    raw = json.dumps({"prompt": prompt}).encode()
+    prompt = "hello world, " * ((max_body - 200) // 13)
+    raw = json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode()
     assert len(raw) <= max_body
     result = {}
 
     def send():
-        result["resp"] = post_raw(app, CMPL, raw)
+        result["resp"] = post_raw(app, CHAT, raw)
 
     sender = threading.Thread(target=send)
     latencies = []
@@ -215,7 +216,7 @@ def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
         latencies.append(time.perf_counter() - start)
         time.sleep(0.05)
     sender.join()
-    assert_openai_error(result["resp"], 400, "prompt", "context_length_exceeded")
+    assert_openai_error(result["resp"], 400, "messages", "context_length_exceeded")
     latencies.sort()
     print(f"\n/health during tokenization: {len(latencies)} probes, median "
           f"{latencies[len(latencies) // 2] * 1e3:.1f} ms, p90 {latencies[int(len(latencies) * 0.9)] * 1e3:.1f} ms, "

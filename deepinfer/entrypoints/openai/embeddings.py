@@ -13,10 +13,15 @@ The body (unknown fields refused, types strict, as for the other routes):
     truncate_prompt_tokens, normalize   extensions, as in vLLM (`PoolingParams`)
 
 Every input becomes one embedding request (`engine/pooling.py`): each joins the running batch like
-a prompt, chunked as the token budget says, and ends with its vector. The body is parsed, checked
-and tokenized in the tokenizer pool before anything reaches the engine: a bad input is a 400 naming
-`input` and its index, and nothing of the request is admitted. The answer lists the vectors in
-input order with `usage.prompt_tokens` (the tokens of every input). An input failed by the engine
+a prompt, chunked as the token budget says, and ends with its vector. A request has at most
+`window` of its inputs in the engine at a time (INPUT_WINDOW, at most max_num_seqs): the next
+input goes in when one finishes, so one request of 2,048 inputs holds a window's share of the
+waiting queue, not all of it, and another client's request queued meanwhile runs after at most a
+window of them. The body is parsed, checked and tokenized in the tokenizer pool before anything
+reaches the engine: a bad input is a 400 naming `input` and its index (a text input that cannot
+fit the context in tokens is refused by its length before it is tokenized, unless
+truncate_prompt_tokens is set), and nothing of the request is admitted. The answer lists the vectors
+in input order with `usage.prompt_tokens` (the tokens of every input). An input failed by the engine
 fails the request (500, the others aborted); aborted inputs (shutdown) give a 503.
 """
 
@@ -43,6 +48,7 @@ from deepinfer.entrypoints.openai.serving import engine_closed
 from deepinfer.outputs import EmbeddingRequestOutput
 
 MAX_INPUTS = 2048  # as OpenAI
+INPUT_WINDOW = 32  # inputs of one request in the engine at a time (at most max_num_seqs)
 _PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
 
 
@@ -118,6 +124,8 @@ def _token_ids(tokenizer, state, index: int, item: str | list[int], params: Pool
     if isinstance(item, str):
         if tokenizer is None:
             raise bad_request("this model ships no tokenizer; send the inputs as lists of token ids", "input")
+        if params.truncate_prompt_tokens is None:
+            state.bounds.check_text(item, "input", f"input[{index}]")
         ids = list(tokenizer(item, add_special_tokens=True)["input_ids"])
     else:
         bad = next((t for t in item if not 0 <= t < state.vocab_size), None)
@@ -148,42 +156,67 @@ def _param_error(exc: ValueError) -> APIError:
 
 async def _embed(state, request: Request, body: EmbeddingRequest, prompts: list[list[int]],
                  params: PoolingParams) -> Response:
-    """Admit every input (all or none), wait for their vectors, answer in input order."""
+    """Run the inputs (a window at a time), wait for their vectors, answer in input order."""
     response_id = f"embd-{uuid.uuid4().hex}"
-    handles = await _admit(state, response_id, prompts, params)
-    watcher = asyncio.create_task(_abort_on_disconnect(request, handles))
+    window = InputWindow(state.engine_loop, response_id, params, input_window(state))
+    watcher = asyncio.create_task(_abort_on_disconnect(request, window))
     try:
-        outputs = await asyncio.gather(*(_final(handle) for handle in handles))
+        outputs = await window.run(prompts)
     except EngineClosedError as exc:
         raise engine_closed(exc, response_id, state.engine_loop) from None
     finally:
         watcher.cancel()
-        for handle in handles:
-            handle.abort()  # a no-op for the finished ones
     failure = _failure(outputs, response_id)
     if failure is not None:
         raise failure
     return JSONResponse(_response(body, response_id, state.settings.model_name, outputs))
 
 
-async def _admit(state, response_id: str, prompts: list[list[int]], params: PoolingParams) -> list[RequestHandle]:
-    """One engine request per input; if one is refused, the admitted ones are aborted and the refusal
-    answered (a 400 naming `input` and its index)."""
-    arrival = time.monotonic()
-    adds = [state.engine_loop.add(f"{response_id}-{i}", ids, params, arrival) for i, ids in enumerate(prompts)]
-    results = await asyncio.gather(*adds, return_exceptions=True)
-    handles = [r for r in results if isinstance(r, RequestHandle)]
-    refused = [(i, r) for i, r in enumerate(results) if not isinstance(r, RequestHandle)]
-    if not refused:
-        return handles
-    for handle in handles:
-        handle.abort()
-    index, exc = refused[0]
-    if isinstance(exc, ValueError):
-        raise bad_request(f"input[{index}]: {exc}", "input") from exc
-    if isinstance(exc, EngineClosedError):
-        raise engine_closed(exc, response_id, state.engine_loop) from None
-    raise exc
+def input_window(state) -> int:
+    """How many inputs of one request may be in the engine at a time."""
+    return max(1, min(INPUT_WINDOW, state.engine_loop.engine.config.scheduler.max_num_seqs))
+
+
+class InputWindow:
+    """Runs one request's inputs through the engine, at most `size` of them admitted and unfinished
+    at a time. A refused input aborts the others and is a 400 naming `input` and its index."""
+
+    def __init__(self, engine_loop, response_id: str, params: PoolingParams, size: int):
+        self.engine_loop, self.response_id, self.params = engine_loop, response_id, params
+        self.handles: dict[int, RequestHandle] = {}  # the admitted, unfinished inputs
+        self.aborted = False
+        self._slots = asyncio.Semaphore(size)
+
+    async def run(self, prompts: list[list[int]]) -> list[EmbeddingRequestOutput | None]:
+        """Every input's final output in input order (None: aborted before it was admitted)."""
+        tasks = [asyncio.create_task(self._one(i, ids)) for i, ids in enumerate(prompts)]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            self.abort()  # a no-op when every input finished
+            for task in tasks:
+                task.cancel()
+
+    async def _one(self, index: int, ids: list[int]) -> EmbeddingRequestOutput | None:
+        async with self._slots:
+            if self.aborted:
+                return None
+            try:
+                handle = await self.engine_loop.add(f"{self.response_id}-{index}", ids, self.params,
+                                                    time.monotonic())
+            except ValueError as exc:
+                raise bad_request(f"input[{index}]: {exc}", "input") from exc
+            self.handles[index] = handle
+            try:
+                return await _final(handle)
+            finally:
+                del self.handles[index]
+
+    def abort(self) -> None:
+        """Abort the admitted inputs and admit no more."""
+        self.aborted = True
+        for handle in list(self.handles.values()):
+            handle.abort()
 
 
 async def _final(handle: RequestHandle) -> EmbeddingRequestOutput:
@@ -193,9 +226,9 @@ async def _final(handle: RequestHandle) -> EmbeddingRequestOutput:
     return last
 
 
-def _failure(outputs: list[EmbeddingRequestOutput], response_id: str) -> APIError | None:
-    reasons = {out.finish_reason for out in outputs}
-    if "abort" in reasons:
+def _failure(outputs: list[EmbeddingRequestOutput | None], response_id: str) -> APIError | None:
+    reasons = {None if out is None else out.finish_reason for out in outputs}
+    if "abort" in reasons or None in reasons:
         return service_unavailable("the request was aborted: the server is shutting down; retry later",
                                    code="request_aborted")
     failed = next((out for out in outputs if out.finish_reason == "error" or out.error is not None), None)
@@ -219,9 +252,8 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-async def _abort_on_disconnect(request: Request, handles: list[RequestHandle], poll_s: float = 0.25) -> None:
+async def _abort_on_disconnect(request: Request, window: InputWindow, poll_s: float = 0.25) -> None:
     """Abort every input of a request whose client went away."""
     while not await request.is_disconnected():
         await asyncio.sleep(poll_s)
-    for handle in handles:
-        handle.abort()
+    window.abort()

@@ -8,7 +8,11 @@
     POST /detokenize   {"model"?, "tokens": [int]} -> {"prompt"}
 
 A chat is rendered exactly as /v1/chat/completions renders it (with its tools), so `count` is the
-prompt's length there. Bodies are parsed and tokenized in the tokenizer pool.
+prompt's length there. Both routes are admitted as a generation request is (the same capacity
+check: 429 while the queue is full, 503 while shutting down; bodies parsed and tokenized in the
+tokenizer pool, a big body in its lane) and take the same input limits: a text (or rendered chat)
+with more characters than the context can hold in tokens is a 400 before it is tokenized, and more
+than max_model_len tokens (tokenized, or sent to /detokenize) is a 400 (`context_length_exceeded`).
 """
 
 from __future__ import annotations
@@ -58,11 +62,13 @@ def tokenize_routes(state) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
+        state.check_capacity()
         raw = await read_body(request)
         return await state.pool.run(_tokenize, state, raw)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
+        state.check_capacity()
         raw = await read_body(request)
         return {"prompt": await state.pool.run(_detokenize, state, raw)}
 
@@ -72,6 +78,7 @@ def tokenize_routes(state) -> APIRouter:
 def _tokenize(tokenizer, state, raw: bytes) -> dict:
     body = TokenizeRequest.model_validate(parse_json(raw))
     ids = _token_ids(tokenizer, state, body)
+    state.bounds.check_tokens(len(ids), "prompt" if body.prompt is not None else "messages")
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -84,6 +91,7 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
         raise bad_request("send one of prompt (text) or messages (a chat)", "prompt")
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
+        state.bounds.check_text(body.prompt, "prompt")
         return list(tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
     try:
         text = render_chat(tokenizer, [m.template_dict() for m in body.messages], tool_plan(body.tools, None),
@@ -94,6 +102,7 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
     except TemplateRefused:
         raise bad_request("the model's chat template refused the messages (check their roles, order and "
                           "content)", "messages") from None
+    state.bounds.check_text(text, "messages")
     return list(tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"])
 
 
@@ -102,6 +111,7 @@ def _detokenize(tokenizer, state, raw: bytes) -> str:
     state.check_model(body.model)
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer")
+    state.bounds.check_tokens(len(body.tokens), "tokens")
     bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
         raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
