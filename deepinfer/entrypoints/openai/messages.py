@@ -1,0 +1,255 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API over the chat path.
+
+A request (`messages_protocol.py`) becomes a chat completion request and goes through the same
+prompt, grammar and answer parsing as /v1/chat/completions (tool calls, the reasoning section);
+the answer comes back as a message or its stream of events (`messages_output.py`).
+count_tokens renders and tokenizes the same prompt: `{"input_tokens": N}`.
+
+Auth: with an API key, a request sends it as `x-api-key: KEY` (what the `anthropic` client does)
+or `Authorization: Bearer KEY`. Every error on these routes, wherever it is raised (the route,
+auth, admission, the body limit), is answered in Anthropic's shape
+`{"type": "error", "error": {"type", "message"}}` by the `AnthropicErrors` middleware; a
+stream that fails after its start ends with an `error` event of that shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from deepinfer.entrypoints.openai.body import parse_json, read_body
+from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
+from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
+from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, error_body, new_id
+from deepinfer.entrypoints.openai.messages_protocol import CHAT_TO_MESSAGES, CountTokensRequest, MessagesRequest
+from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
+from deepinfer.entrypoints.openai.serving import engine_closed, request_failure
+from deepinfer.entrypoints.openai.tools import FieldError
+
+PREFIX = "/v1/messages"
+
+
+def install_messages_api(app: FastAPI, state, prepare_chat_body: Callable) -> None:
+    """Add the routes (behind the API key check) and the error middleware to `app`. Call it after the
+    app's other middlewares are added, so that this one sees their errors too."""
+    app.include_router(messages_routes(state, prepare_chat_body),
+                       dependencies=[Depends(api_key_check(state.settings.api_key))])
+    app.add_middleware(AnthropicErrors)
+
+
+def messages_routes(state, prepare_chat_body: Callable) -> APIRouter:
+    """The routes; `prepare_chat_body(tokenizer, state, ChatCompletionRequest)` -> (ChatPrompt,
+    SamplingParams) is the chat path's preparation (run in the tokenizer pool)."""
+    router = APIRouter(prefix="/v1")
+
+    @router.post("/messages")
+    async def create(request: Request) -> Response:
+        state.check_capacity()
+        raw = await read_body(request)
+        body, chat, params = await state.pool.run(_prepare, state, prepare_chat_body, raw)
+        lora_request = state.lora_request(body.model)
+        ctx = MessageContext(new_id("msg"), state.response_model(body.model), len(chat.prompt_ids))
+        try:
+            handle = await state.engine_loop.add(ctx.message_id, chat.prompt_ids, params, time.monotonic(),
+                                                 lora_request=lora_request)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from exc
+        except EngineClosedError as exc:
+            raise engine_closed(exc, ctx.message_id, state.engine_loop) from None
+        if body.stream:
+            return StreamingResponse(_stream(state, ctx, handle, MessageEvents(ctx, chat.plan.stream())),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        out = await _whole_output(state, request, handle, ctx.message_id)
+        return JSONResponse(ctx.message(chat.plan.parse(out.outputs[0].text), out))
+
+    @router.post("/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        state.check_capacity()
+        raw = await read_body(request)
+        return {"input_tokens": await state.pool.run(_count_tokens, state, raw)}
+
+    return router
+
+
+# -- on a TokenizerPool thread ------------------------------------------------------------------------
+
+
+def _prepare(tokenizer, state, prepare_chat_body: Callable, raw: bytes):
+    """The request, its chat prompt and its SamplingParams (400s in the Messages API's field names)."""
+    body = MessagesRequest.model_validate(parse_json(raw))
+    with _renamed_errors():
+        return (body, *prepare_chat_body(tokenizer, state, ChatCompletionRequest.model_validate(body.chat_body())))
+
+
+def _count_tokens(tokenizer, state, raw: bytes) -> int:
+    body = CountTokensRequest.model_validate(parse_json(raw))
+    with _renamed_errors():
+        chat_body = ChatCompletionRequest.model_validate(body.chat_body())
+        chat_body.check_supported()
+        state.check_model(chat_body.model)
+        return len(chat_body.chat_prompt(tokenizer, state.chat_setup).prompt_ids)
+
+
+@contextmanager
+def _renamed_errors():
+    """The chat path's errors inside, as 400s that name the Messages API's fields."""
+    try:
+        yield
+    except FieldError as exc:
+        raise _renamed(bad_request(str(exc), exc.param)) from None
+    except ValidationError as exc:
+        raise _renamed(from_validation_errors(exc.errors())) from None
+    except APIError as exc:
+        raise _renamed(exc) from None
+
+
+def _renamed(error: APIError) -> APIError:
+    param, message = CHAT_TO_MESSAGES.get(error.param, error.param), error.message
+    if param in ("tools", "tool_choice"):  # tools[0].function.parameters -> tools[0].input_schema
+        message = message.replace(".function.parameters", ".input_schema").replace(".function.", ".")
+    if param != error.param:
+        message = message.replace(error.param, param, 1)
+    if param and param not in message:  # Anthropic's error has no param: the message names the field
+        message = f"{param}: {message}"
+    error.message, error.param = message, param
+    return error
+
+
+# -- on the event loop --------------------------------------------------------------------------------
+
+
+async def _whole_output(state, request: Request, handle, message_id: str):
+    """The request's last output (an APIError for a failed one); aborted if the client goes away."""
+    watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+    last = None
+    try:
+        async for out in handle:
+            last = out
+    except EngineClosedError as exc:
+        raise engine_closed(exc, message_id, state.engine_loop) from None
+    finally:
+        watcher.cancel()
+        handle.abort()  # a no-op when finished
+    failure = request_failure(last, message_id)
+    if failure is not None:
+        raise failure
+    return last
+
+
+async def _abort_on_disconnect(request: Request, handle, poll_s: float = 0.25) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
+    handle.abort()
+
+
+async def _stream(state, ctx: MessageContext, handle, events: MessageEvents) -> AsyncIterator[str]:
+    """The SSE events; a failure after the start ends the stream with an `error` event."""
+    try:
+        for event in events.start():
+            yield _sse(event)
+        async for out in handle:
+            failure = request_failure(out, ctx.message_id)
+            if failure is not None:
+                yield _sse(error_body(failure.status_code, failure.message))
+                return
+            for event in events.step(out):
+                yield _sse(event)
+            if out.finished:
+                for event in events.finish(out):
+                    yield _sse(event)
+    except EngineClosedError as exc:
+        error = engine_closed(exc, ctx.message_id, state.engine_loop)
+        yield _sse(error_body(error.status_code, error.message))
+    except Exception as exc:  # a bug while formatting: the client still gets an error event
+        error = internal_error(exc, f"streaming {ctx.message_id}")
+        yield _sse(error_body(error.status_code, error.message))
+    finally:
+        handle.abort()
+
+
+def _sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+
+# -- auth and errors ----------------------------------------------------------------------------------
+
+
+def api_key_check(api_key: str | None):
+    """A dependency: with an API key, the request must send it as `x-api-key` or as a Bearer token."""
+
+    async def verify(request: Request) -> None:
+        if api_key is None:
+            return
+        given = _given_key(request)
+        if given is None:
+            raise APIError(401, "x-api-key: you didn't provide an API key; send it as `x-api-key: KEY` or "
+                           "`Authorization: Bearer KEY`", "authentication_error", code="invalid_api_key")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "x-api-key: invalid API key", "authentication_error", code="invalid_api_key")
+
+    return verify
+
+
+def _given_key(request: Request) -> str | None:
+    """The key of `x-api-key`, else of `Authorization: Bearer`; a 400 for a header given twice."""
+    for name in ("x-api-key", "authorization"):
+        values = request.headers.getlist(name)
+        if len(values) > 1:
+            raise bad_request(f"{name}: the request has {len(values)} {name} headers; send exactly one", name)
+        if values and values[0]:
+            if name == "x-api-key":
+                return values[0].strip()
+            scheme, _, token = values[0].partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+class AnthropicErrors:
+    """ASGI middleware: an error answer (status >= 400) on a /v1/messages route, in OpenAI's shape
+    `{"error": {"message", "param", ...}}` or any other, is sent in Anthropic's shape instead."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
+            return await self.app(scope, receive, send)
+        held: dict = {}
+
+        async def reshaping_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held.update(start=message, body=b"")
+                return
+            if "start" not in held or message["type"] != "http.response.body":
+                return await send(message)
+            held["body"] += message.get("body", b"")
+            if not message.get("more_body", False):
+                await _send_reshaped(send, held["start"], held["body"])
+
+        await self.app(scope, receive, reshaping_send)
+
+
+async def _send_reshaped(send, start: dict, body: bytes) -> None:
+    status = start["status"]
+    try:
+        found = json.loads(body)
+        error = found.get("error") if isinstance(found, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+    except ValueError:
+        message = None
+    if not isinstance(message, str):
+        message = body.decode("utf-8", "replace")[:1000] or f"HTTP {status}"
+    new_body = json.dumps(error_body(status, message), ensure_ascii=True).encode("ascii")
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    await send({**start, "headers": headers + [(b"content-length", str(len(new_body)).encode())]})
+    await send({"type": "http.response.body", "body": new_body})

@@ -1,0 +1,239 @@
+"""The Anthropic Messages API's request bodies, and their mapping onto a chat completion request.
+
+    POST /v1/messages               MessagesRequest
+    POST /v1/messages/count_tokens  CountTokensRequest (the same, less the sampling fields)
+
+`model`, `messages` and (for /v1/messages) `max_tokens` are required, as in Anthropic's API.
+`system` is a string or a list of text blocks. A message's `role` is "user" or "assistant"; its
+`content` a string or a list of blocks:
+
+    user       text, tool_result {tool_use_id, content: string | text blocks, is_error?}
+    assistant  text, tool_use {id, name, input: object}; thinking / redacted_thinking are skipped
+               (the model's own notes are not sent back to it, as with /v1/responses' reasoning items)
+
+Text blocks of one message are joined with "\\n". A user message's tool_result blocks become
+`tool` messages (in order) before its text. A conversation must end with a user message (an
+assistant prefill is refused). `tools` are custom tools `{name, description?, input_schema}`;
+`tool_choice` `{type: auto | any | tool | none, name?, disable_parallel_tool_use?}` maps to the chat
+forms "auto", "required", a named function and "none". `thinking` `{type: enabled | adaptive |
+disabled}` reaches the chat template as `enable_thinking` (budget_tokens is accepted and ignored;
+the --reasoning-parser reads the section). `output_config.format` (`{type: json_schema, schema}`)
+constrains the answer as the chat route's response_format does. `temperature`, `top_p` and `top_k`
+are read (the newest client no longer declares them: send them in `extra_body`). `metadata`,
+`service_tier`, `cache_control` (the prefix cache is automatic) and `output_config.effort` are
+accepted and ignored; any other field is a 400 naming it. `cache_control` and `citations` on blocks are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.sampling_params import INT64_MAX, short_repr
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_USER_BLOCKS = ("text", "tool_result")
+_ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
+_TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+_THINKING = {"enabled": True, "adaptive": True, "disabled": False}
+# chat field -> the Messages field it comes from (for the param and message of a 400)
+CHAT_TO_MESSAGES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice",
+                    "chat_template_kwargs": "thinking", "response_format": "output_config"}
+
+
+class ToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: what the prompt is made of."""
+
+    model_config = _STRICT
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    cache_control: dict[str, Any] | None = None  # accepted and ignored: the prefix cache is automatic
+
+    def chat_body(self) -> dict:
+        """The chat completion request (a dict for ChatCompletionRequest); FieldError naming the field."""
+        body = {"model": self.model, "messages": chat_messages(self.system, self.messages),
+                "tools": chat_tools(self.tools), "chat_template_kwargs": thinking_kwargs(self.thinking),
+                "response_format": chat_response_format(self.output_config),
+                **chat_tool_choice(self.tool_choice, bool(self.tools))}
+        return {key: value for key, value in body.items() if value is not None}
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=INT64_MAX)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    # accepted and ignored
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+
+    def chat_body(self) -> dict:
+        body = super().chat_body()
+        sampling = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "top_k": self.top_k, "stop": self.stop_sequences}
+        return body | {key: value for key, value in sampling.items() if value is not None}
+
+
+def chat_messages(system, messages: list[dict]) -> list[dict]:
+    """`system` and `messages` as chat messages; FieldError naming `messages[i]...` for a bad one."""
+    converted = [{"role": "system", "content": _text(system, "system")}] if system else []
+    for i, message in enumerate(messages):
+        unknown = sorted(set(message) - {"role", "content"})
+        if unknown:
+            raise FieldError("messages", f"messages[{i}] has unknown field {short_repr(unknown[0])}")
+        role = message.get("role")
+        if role == "user":
+            converted += _user_messages(i, message.get("content"))
+        elif role == "assistant":
+            converted.append(_assistant_message(i, message.get("content")))
+        else:
+            raise FieldError("messages", f"messages[{i}].role must be 'user' or 'assistant', got {short_repr(role)}")
+    if converted[-1]["role"] == "assistant":
+        raise FieldError("messages", f"messages[{len(messages) - 1}]: the conversation must end with a user "
+                         "message (a final assistant message, to be continued, is not supported)")
+    return converted
+
+
+def _blocks(i: int, content, allowed: tuple[str, ...]) -> list[dict]:
+    """A message's content as a list of blocks of the `allowed` types."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise FieldError("messages", f"{where} must be a string or a non-empty list of content blocks, got "
+                         f"{short_repr(content)}")
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in allowed:
+            raise FieldError("messages", f"{where}[{j}].type must be one of {', '.join(allowed)}, got "
+                             f"{short_repr(kind if isinstance(block, dict) else block)}")
+    return content
+
+
+def _user_messages(i: int, content) -> list[dict]:
+    """One user message: its tool results (as `tool` messages), then its text (if any)."""
+    blocks = _blocks(i, content, _USER_BLOCKS)
+    results = [{"role": "tool", "tool_call_id": _string(block, "tool_use_id", f"messages[{i}].content[{j}]"),
+                "content": _text(block.get("content", ""), f"messages[{i}].content[{j}].content")}
+               for j, block in enumerate(blocks) if block["type"] == "tool_result"]
+    texts = [b for b in blocks if b["type"] == "text"]
+    return results + ([{"role": "user", "content": _text(texts, f"messages[{i}].content")}] if texts else [])
+
+
+def _assistant_message(i: int, content) -> dict:
+    blocks = _blocks(i, content, _ASSISTANT_BLOCKS)
+    texts = [b for b in blocks if b["type"] == "text"]
+    calls = [_call(block, f"messages[{i}].content[{j}]") for j, block in enumerate(blocks)
+             if block["type"] == "tool_use"]
+    message = {"role": "assistant", "content": _text(texts, f"messages[{i}].content") if texts else None}
+    return message | ({"tool_calls": calls} if calls else {})
+
+
+def _call(block: dict, where: str) -> dict:
+    arguments = block.get("input")
+    if not isinstance(arguments, dict):
+        raise FieldError("messages", f"{where}.input must be an object, got {short_repr(arguments)}")
+    return {"id": _string(block, "id", where), "type": "function",
+            "function": {"name": _string(block, "name", where), "arguments": json.dumps(arguments)}}
+
+
+def _text(content, where: str) -> str:
+    """A string, or text blocks joined with newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise FieldError(_param(where), f"{where} must be a string or a list of text blocks, got {short_repr(content)}")
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else block
+            raise FieldError(_param(where), f"{where}[{j}] must be a text block ({{\"type\": \"text\", \"text\": "
+                             f"...}}), got type {short_repr(kind)}")
+    return "\n".join(block["text"] for block in content)
+
+
+def _string(block: dict, key: str, where: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value:
+        raise FieldError("messages", f"{where}.{key} must be a non-empty string, got {short_repr(value)}")
+    return value
+
+
+def _param(where: str) -> str:
+    return where.split("[", 1)[0].split(".", 1)[0]
+
+
+def chat_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Custom tools as chat function tools (the chat path then checks names and schemas)."""
+    if tools is None:
+        return None
+    converted = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise FieldError("tools", f"tools[{i}].type: only custom tools ({{name, description, input_schema}}) "
+                             f"are supported, got {short_repr(kind)}")
+        unknown = sorted(set(tool) - _TOOL_FIELDS)
+        if unknown:
+            raise FieldError("tools", f"tools[{i}] has unknown field {short_repr(unknown[0])}")
+        if "input_schema" not in tool:
+            raise FieldError("tools", f"tools[{i}].input_schema is required (a JSON schema of an object)")
+        function = {"name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": tool["input_schema"]}
+        converted.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return converted
+
+
+def chat_tool_choice(choice: ToolChoice | None, has_tools: bool) -> dict:
+    """`tool_choice` (and `parallel_tool_calls`) of the chat request."""
+    if choice is None:
+        return {}
+    if choice.type in ("any", "tool") and not has_tools:
+        raise FieldError("tool_choice", f"tool_choice.type {choice.type!r} needs tools; the request has none")
+    if (choice.type == "tool") != (choice.name is not None):
+        raise FieldError("tool_choice", f"tool_choice.name goes with type 'tool' (and only with it); got type "
+                         f"{choice.type!r} and name {short_repr(choice.name)}")
+    value = {"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else \
+        _TOOL_CHOICES[choice.type]
+    return {"tool_choice": value, "parallel_tool_calls": False if choice.disable_parallel_tool_use else None}
+
+
+def chat_response_format(output_config: dict | None) -> dict | None:
+    """`output_config.format` (`{type: json_schema, schema}`) as the chat response_format (None: free
+    text); `output_config.effort` is accepted and ignored."""
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise FieldError("output_config", f"output_config.format must be {{\"type\": \"json_schema\", \"schema\": "
+                         f"{{...}}}}, got {short_repr(fmt)}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def thinking_kwargs(thinking: dict | None) -> dict | None:
+    """`thinking` as the chat template's `enable_thinking`."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in _THINKING:
+        raise FieldError("thinking", f"thinking.type must be one of {', '.join(_THINKING)}, got {short_repr(kind)}")
+    return {"enable_thinking": _THINKING[kind]}
