@@ -12,8 +12,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     g.add_argument("--served-model-name", default=None,
-                   help="model id clients send and /v1/models shows (default: the base name of --model's "
-                        "file or directory, or the default model's name)")
+                   help="model id clients send and /v1/models shows (default: a GGUF file's stem, the base "
+                        "name of --model's directory, or the default model's name)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="waiting requests above which new ones get 429 with Retry-After")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")

@@ -20,6 +20,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from deepinfer.entrypoints.openai.error_log import ClientErrorLog
+
 logger = logging.getLogger("deepinfer.server")
 
 INVALID_REQUEST = "invalid_request_error"
@@ -126,7 +128,9 @@ _STATUS_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not
 
 
 def install_error_handlers(app: FastAPI, on_error=None) -> None:
-    """Answer every error as OpenAI's JSON; `on_error(request, status)` sees each one (metrics)."""
+    """Answer every error as OpenAI's JSON; `on_error(request, status)` sees each one (metrics).
+    Every 4xx answer, these and the middlewares' added before, is logged in one line (error_log.py)."""
+    app.add_middleware(ClientErrorLog)
 
     def respond(request: Request, error: APIError) -> JSONResponse:
         if on_error is not None:

@@ -34,6 +34,7 @@ from deepinfer.entrypoints.openai.errors import APIError, service_unavailable
 from deepinfer.model_executor.loader.source import is_model_name
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_SUFFIX = ".gguf"
 FATAL_EXIT_STATUS = 1
 # The grace period, in order: running requests may finish (80% of what the reserve leaves),
 # then the aborted ones end their streams; the reserve is for uvicorn to close the connections
@@ -89,15 +90,19 @@ def run_server(args) -> int:
 
 
 def served_model_name(args) -> str:
-    """--served-model-name, else the base name of --model's file or directory, else --model as
-    given (a hub name such as org/name, or a short name), else the default's."""
+    """--served-model-name, else a GGUF file's stem (its base name without `.gguf`, local or on the
+    hub), else the base name of --model's file or directory, else --model as given (a hub name such
+    as org/name, or a short name), else the default's."""
     if args.served_model_name:
         return args.served_model_name
     if not args.model:
         return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(args.model)) or args.model
+    if base.lower().endswith(GGUF_SUFFIX) and len(base) > len(GGUF_SUFFIX):
+        return base[:-len(GGUF_SUFFIX)]
     if not os.path.exists(os.path.expanduser(args.model)) and is_model_name(args.model):
         return args.model
-    return os.path.basename(os.path.normpath(args.model)) or args.model
+    return base
 
 
 def _setup_logging(level: str) -> None:
