@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from deepinfer.chat_template import resolve_chat_template
 from deepinfer.environ import Environ, get_environ
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in bf16, or MXFP8
@@ -200,6 +201,8 @@ class EngineConfig:
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) splitting every layer; 1: no processes
     expert_parallel_size: int = 1  # ranks splitting MoE experts (DeepSeek-V4): 1 <= ep <= tp, tp % ep == 0
+    # a chat template replacing the model's own: Jinja text, or a path to a file (resolved to its text here)
+    chat_template: str | None = None
     scheduler: SchedulerConfig | None = None
     cache: CacheConfig | None = None
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
@@ -232,6 +235,8 @@ class EngineConfig:
             raise ValueError(f"activation_levels must be one of {', '.join(map(repr, ACTIVATION_LEVELS))}, "
                              f"got {self.activation_levels!r}")
         self._check_parallel()
+        if self.chat_template is not None:
+            self.chat_template = resolve_chat_template(self.chat_template)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(map(repr, ATTENTION_BACKENDS))}, "
                              f"got {self.attention_backend!r}")

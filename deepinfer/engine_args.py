@@ -123,6 +123,10 @@ class EngineArgs:
     num_speculative_tokens: int | None = _option(
         SpeculativeConfig, "num_speculative_tokens", "k: draft tokens a step may verify; rings keep S >= W + k + 1 "
         "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
+    chat_template: str | None = _option(
+        EngineConfig, "chat_template", "a chat template replacing the model's own: a path to a Jinja file, or the "
+        "template text itself (as vLLM's flag); chat requests, `deepinfer chat` and `generate` render with it",
+        metavar="FILE|TEMPLATE")
     load_format: str = _option(
         EngineConfig, "load_format", "auto: the checkpoint's weights; dummy: config.json only, seeded random "
         "weights (benchmarks and memory figures without weight files)", choices=LOAD_FORMATS)

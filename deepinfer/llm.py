@@ -291,7 +291,8 @@ class LLM:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tok = self.engine.tokenizer
         if not tok.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a prompt")
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a prompt, or give "
+                             "one with LLM(..., chat_template=TEXT_OR_FILE)")
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

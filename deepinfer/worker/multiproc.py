@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer.chat_template import apply_chat_template_override
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.plan import FatalStepError, describe_fault
 from deepinfer.distributed.parallel_state import backend_for, check_no_group, destroy_parallel, init_parallel
@@ -63,12 +64,13 @@ _REAP_S = 2  # a dead worker's exit code is collected within this long
 
 
 def load_source(config: EngineConfig):
-    """The model source `config` names (weights, tokenizer, hf_config with `hf_overrides` applied);
-    every rank loads its own."""
+    """The model source `config` names (weights, tokenizer with `chat_template` applied, hf_config with
+    `hf_overrides` applied); every rank loads its own."""
     revision = {} if config.revision is None else {"revision": config.revision}
     source = load_model_source(config.model, load_format=config.load_format, **revision)
     for key, value in (config.hf_overrides or {}).items():
         setattr(source.hf_config, key, value)
+    apply_chat_template_override(source.tokenizer, config.chat_template)
     return source
 
 

@@ -313,7 +313,7 @@ def test_models_show_the_served_name_not_a_path(app, tiny_checkpoint):
 
 
 @pytest.mark.parametrize("model, served, expected", [
-    ("/models/smol/model-q8.gguf", None, "model-q8.gguf"), ("/models/smol/", None, "smol"),
+    ("/models/smol/model-q8.gguf", None, "model-q8"), ("/models/smol/", None, "smol"),
     ("./relative/dir", None, "dir"), (None, None, "SmolLM2-135M-Instruct"), ("/x/y.gguf", "mine", "mine"),
     ("HuggingFaceTB/SmolLM2-135M-Instruct", None, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     ("gemma3-270m", None, "gemma3-270m")])
