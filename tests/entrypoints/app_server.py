@@ -142,7 +142,8 @@ def server_settings(args):
 
     return ServerSettings(model_name=served_model_name(args), api_key=args.api_key, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          max_requests_per_client=args.max_requests_per_client)
 
 
 class _LoopTransport(httpx.BaseTransport):

@@ -235,3 +235,15 @@ def test_the_tokenizer_routes_pass_the_capacity_check_and_the_input_limits(llm, 
     assert too_many.json()["error"]["param"] == "tokens" and str(max_len) in too_many.json()["error"]["message"]
     for resp in full:
         assert resp.status_code == 429 and resp.json()["error"]["code"] == "queue_full", resp.text
+
+
+def test_max_requests_per_client_is_a_serve_flag():
+    """`deepinfer serve --max-requests-per-client N` reaches the settings; 0 is refused naming the flag."""
+    from app_server import serve_args, server_settings
+
+    from deepinfer.entrypoints.openai.launcher import _check_args
+
+    assert server_settings(serve_args(["--max-requests-per-client", "3"])).max_requests_per_client == 3
+    assert server_settings(serve_args([])).max_requests_per_client is None
+    with pytest.raises(ValueError, match=r"--max-requests-per-client must be >= 1, got 0"):
+        _check_args(serve_args(["--max-requests-per-client", "0"]))

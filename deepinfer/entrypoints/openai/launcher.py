@@ -69,6 +69,7 @@ def run_server(args) -> int:
     settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                               tokenizer_workers=args.tokenizer_workers, tool_call_parser=args.tool_call_parser,
+                              max_requests_per_client=args.max_requests_per_client,
                               reasoning_parser=args.reasoning_parser, **lora)
     fatal = FatalExit()
     app = build_app(engine, settings, on_fatal=fatal)
@@ -121,6 +122,8 @@ def _check_args(args) -> None:
     for name in ("max_waiting", "max_body_bytes", "port"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.max_requests_per_client is not None and args.max_requests_per_client < 1:
+        raise ValueError(f"--max-requests-per-client must be >= 1, got {args.max_requests_per_client}")
     for name in ("max_connections", "tokenizer_workers"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
