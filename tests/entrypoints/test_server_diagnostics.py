@@ -151,8 +151,11 @@ def _refuse(*args, **kwargs):
 @pytest.mark.parametrize("where", ["compiling", "building"])
 def test_a_forced_call_the_server_cannot_constrain_blames_the_template_not_tools(hermes, monkeypatch, where):
     app, lines = hermes
-    if where == "compiling":  # llguidance refuses the forced call's grammar at admission
-        monkeypatch.setattr(app.app.state.server.grammars, "prepare", _refuse)
+    if where == "compiling":  # llguidance refuses the forced call's grammar (not the tool's own schema) at admission
+        grammars = app.app.state.server.grammars
+        prepare = grammars.prepare
+        monkeypatch.setattr(grammars, "prepare", lambda spec, *a: prepare(spec, *a) if spec.kind == "json"
+                            else _refuse())
     else:  # the grammar is refused while the chat's constraint is built
         monkeypatch.setattr("deepinfer.entrypoints.openai.chat_prompt.forced_call", _refuse)
     since = len(lines)
@@ -165,3 +168,16 @@ def test_a_forced_call_the_server_cannot_constrain_blames_the_template_not_tools
         assert not error["message"].startswith("tools")
     logged = _new_lines(lines, since, f"POST {CHAT} -> 400")
     assert len(logged) == 2 and all("code unsupported_tool_choice, param tool_choice" in x for x in logged)
+
+
+def test_a_forced_call_of_a_refused_schema_blames_the_tool(hermes):
+    """The forced call's grammar is refused because the client's own argument schema is (it refers to
+    itself): a 400 naming `tools` and the function's parameters, not the template."""
+    app, _ = hermes
+    selfref = {"type": "function", "function": {"name": "loop", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}
+    resp = app.client.post(CHAT, json={"messages": QUESTION, "tools": [WEATHER, selfref],
+                                       "tool_choice": {"type": "function", "function": {"name": "loop"}}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "tools" and "tools[1].function.parameters" in error["message"], error

@@ -14,6 +14,8 @@ The server parses tool calls (hermes) and reasoning (deepseek_r1), so chat bodie
 tools, tool_choice and histories of calls reach the grammars and parsers; /v1/responses, /tokenize
 and /detokenize get bodies of their own fields; well-typed Responses bodies and a fixed streamed
 example make sure successful Responses streams are among the cases (`COUNTS["responses streams"]`).
+/v1/messages and /v1/messages/count_tokens get Anthropic-shaped bodies: their 4xx must be in Anthropic's
+error shape, their streams Anthropic's events in order (`check_messages_stream`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | Non
     COUNTS[f"{status // 100}xx"] += 1
     assert status < 500, f"{status} for {method} {path} {raw[:300]!r}: {body[:500]!r}"
     if status >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
-        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+        anthropic = path.startswith("/v1/messages")  # Anthropic's error shape there
+        assert set(json.loads(body)["error"]) == ({"type", "message"} if anthropic else {"message", "type", "param",
+                                                                                          "code"})
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         check_stream(path, body)
     return status
@@ -77,6 +81,9 @@ def check_stream(path: str, body: bytes) -> None:
     if path.startswith("/v1/responses"):
         check_response_stream(body)
         COUNTS["responses streams"] += 1
+        return
+    if path.startswith("/v1/messages"):
+        check_messages_stream(body)
         return
     assert body.rstrip().endswith(b"data: [DONE]"), body[-300:]
     assert b'data: {"error"' not in body, body[-500:]
@@ -331,6 +338,79 @@ def test_fuzz_tokenize(client, body, ascii_only):
 @given(body=bodies(DETOKENIZE_FIELDS, "tokens"), ascii_only=st.booleans())
 def test_fuzz_detokenize(client, body, ascii_only):
     send(client, "/detokenize", encode(body, ascii_only))
+
+
+# -- Anthropic's Messages API ----------------------------------------------------------------------
+
+_BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": st.one_of(_NAMES, TEXT),
+                           "input": st.one_of(st.just({"a": 1}), JUNK)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": TEXT},
+                          optional={"content": st.one_of(TEXT, JUNK), "is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["thinking", "image"]), TEXT)},
+                          optional={"thinking": TEXT}),
+    JUNK)
+_ANTHROPIC_MESSAGE = st.fixed_dictionaries({
+    "role": st.one_of(st.sampled_from(["user", "assistant"]), TEXT),
+    "content": st.one_of(st.text(max_size=60), TEXT, st.lists(_BLOCK, max_size=3))})
+MESSAGES_FIELDS = {
+    "model": st.one_of(st.just(MODEL), TEXT), "max_tokens": INTS, "messages": st.lists(_ANTHROPIC_MESSAGE, max_size=4),
+    "system": st.one_of(TEXT, st.lists(_BLOCK, max_size=2)), "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS,
+    "stop_sequences": st.lists(TEXT, max_size=3), "stream": st.booleans(), "metadata": JUNK,
+    "tools": st.lists(st.fixed_dictionaries({"name": st.one_of(_NAMES, TEXT)}, optional={
+        "description": TEXT, "input_schema": st.one_of(_SCHEMA, JUNK), "type": TEXT}), max_size=2),
+    "tool_choice": st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["auto", "any", "tool", "none"]), TEXT)},
+                                         optional={"name": st.one_of(_NAMES, TEXT), "disable_parallel_tool_use": JUNK}),
+    "thinking": st.fixed_dictionaries({"type": st.one_of(st.sampled_from(["enabled", "disabled"]), TEXT)}),
+    "output_config": st.fixed_dictionaries({"format": st.fixed_dictionaries(
+        {"type": st.one_of(st.just("json_schema"), TEXT), "schema": st.one_of(_SCHEMA, JUNK)})}),
+}
+WELL_TYPED_MESSAGES = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_tokens": st.integers(1, 40), "stream": st.sampled_from([True, True, False]),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": _CLEAN_TEXT.filter(str.strip)}),
+                          min_size=1, max_size=2)},
+    optional={"system": _CLEAN_TEXT, "temperature": st.floats(0, 1), "top_p": st.floats(0.01, 1),
+              "top_k": st.integers(0, 100), "stop_sequences": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+              "tools": st.lists(st.fixed_dictionaries({"name": _NAMES, "input_schema": _SCHEMA}), max_size=2,
+                                unique_by=lambda tool: tool["name"]),
+              "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "none"])})})
+
+
+def check_messages_stream(body: bytes) -> None:
+    """Anthropic's events in order: message_start, framed content blocks, message_delta, message_stop."""
+    events = [json.loads(line[len(b"data: "):]) for line in body.splitlines() if line.startswith(b"data: ")]
+    kinds = [event["type"] for event in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    open_index = None
+    for event in events[1:-2]:
+        if event["type"] == "content_block_start":
+            assert open_index is None
+            open_index = event["index"]
+        else:
+            assert event["type"] in ("content_block_delta", "content_block_stop"), kinds
+            assert event["index"] == open_index, kinds
+            open_index = None if event["type"] == "content_block_stop" else open_index
+    assert open_index is None, kinds
+    COUNTS["messages streams"] += 1
+
+
+@_FUZZ_ROUTE
+@given(body=bodies(MESSAGES_FIELDS, "messages"), ascii_only=st.booleans())
+def test_fuzz_messages(client, body, ascii_only):
+    send(client, "/v1/messages", encode(body, ascii_only))
+
+
+@_FUZZ_ROUTE
+@given(body=WELL_TYPED_MESSAGES)
+def test_fuzz_well_typed_messages(client, body):
+    send(client, "/v1/messages", encode(body, False))
+
+
+@_FUZZ_ROUTE
+@given(body=bodies(MESSAGES_FIELDS, "messages"), ascii_only=st.booleans())
+def test_fuzz_count_tokens(client, body, ascii_only):
+    send(client, "/v1/messages/count_tokens", encode(body, ascii_only))
 
 
 # -- hand-written hostile requests ------------------------------------------------------------------

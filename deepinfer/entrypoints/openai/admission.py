@@ -31,7 +31,7 @@ UNICODE_SHRINK = 4  # NFC/NFKC join at most 3 code points into one (Hangul sylla
 _UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
 _LENGTH_KEEPING = frozenset({"Prepend", "Lowercase", "Replace"})
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                            "/tokenize", "/detokenize"})
+                            "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens"})
 
 
 class PromptBounds:
@@ -108,10 +108,12 @@ def _replaces_one_char(spec: dict) -> bool:
 
 
 def client_key(scope: dict, api_key: str | None) -> str:
-    """Who sent the request: a hash of its Authorization header when the server has an API key,
-    else its peer address."""
+    """Who sent the request: a hash of its Authorization header (else of its x-api-key header, as
+    the `anthropic` client sends the key) when the server has an API key, else its peer address."""
     if api_key is not None:
-        header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        headers = scope.get("headers", [])
+        header = next((v for k, v in headers if k == b"authorization"), None) or \
+            next((v for k, v in headers if k == b"x-api-key"), b"")
         return "key:" + hashlib.sha256(header).hexdigest()[:16]
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:unknown"

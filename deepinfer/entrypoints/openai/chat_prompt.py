@@ -6,7 +6,9 @@ that answer (`ChatOutputPlan`). Used by /v1/chat/completions, /v1/responses, /to
 The grammar: a forced tool call (`tool_choice` "required" or a function), in the tool parser's
 format; else the request's own structured output. With a reasoning parser, either begins after
 the reasoning section. Special tokens stay in the decoded answer when the formats' markers are
-special tokens (Mistral's `[TOOL_CALLS]`, say), so that the parsers see them.
+special tokens (Mistral's `[TOOL_CALLS]`, say), so that the parsers see them. With
+`tool_choice` "auto" answers are read leniently: a fenced or bare JSON
+call of one of the tools counts as a call (`tool_parsers/lenient.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan
 from deepinfer.entrypoints.openai.constraints import constrained, forced_call
 from deepinfer.entrypoints.openai.reasoning import ReasoningParser
-from deepinfer.entrypoints.openai.tool_parsers import ToolParser
+from deepinfer.entrypoints.openai.tool_parsers import ToolParser, skipped_when_decoded
+from deepinfer.entrypoints.openai.tool_parsers.lenient import LenientToolParser
 from deepinfer.entrypoints.openai.tools import (
     FieldError,
     ToolPlan,
@@ -55,6 +58,7 @@ class ChatPrompt:
     structured_output: StructuredOutputsParams | None  # the answer's grammar (None: free text)
     forced_call: bool  # the grammar is a forced tool call
     keep_special_tokens: bool
+    tools: ToolPlan | None = None  # the request's checked tools
 
 
 def prepare_chat(tokenizer, setup: ChatSetup, messages: list[dict], tools: ToolPlan | None,
@@ -74,9 +78,14 @@ def prepare_chat(tokenizer, setup: ChatSetup, messages: list[dict], tools: ToolP
         structured_output = forced_call(forced_call_grammar(tools, parser), reasoning, inside)
     else:
         structured_output = constrained(structured_output, reasoning, inside)
-    plan = ChatOutputPlan(parser, reasoning, inside)
-    keep = bool(parser is not None and parser.special_ids) or bool(reasoning is not None and reasoning.special_ids)
-    return ChatPrompt(text, ids, plan, structured_output, forced, keep)
+    reader = parser
+    if parser is not None and tools.choice == "auto":
+        reader = LenientToolParser(parser, tools.functions)  # fenced or bare JSON calls too
+    plan = ChatOutputPlan(reader, reasoning, inside)
+    marker_ids = [*(parser.special_ids.values() if parser is not None else ()),
+                  *((reasoning.special_ids or {}).values() if reasoning is not None else ())]
+    keep = skipped_when_decoded(tokenizer, marker_ids)  # the parsers must see their markers
+    return ChatPrompt(text, ids, plan, structured_output, forced, keep, tools)
 
 
 def _tool_parser(setup: ChatSetup, tools: ToolPlan | None) -> ToolParser | None:

@@ -7,7 +7,7 @@ treat it as any other) whose grammar text is llguidance's grammar list
     [ {name: "reasoning", lark: <the section> @constrained},  {name: "constrained", ...the spec's grammar} ]
 
 or the spec's own grammar when there is no section. A forced call is a spec of kind `grammar`
-(Lark), so a refusal names `structured_output.grammar`; the server names `tools` instead.
+(Lark), so a refusal names `structured_output.grammar`; the server names `tool_choice` instead (diagnostics.py).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import re
 
-from deepinfer.entrypoints.openai.errors import APIError
+from deepinfer.entrypoints.openai.errors import APIError, bad_request
 from deepinfer.entrypoints.openai.tool_parsers import ToolParser, chat_template_text, detect_tool_parser
+from deepinfer.structured_output import StructuredOutputsParams
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 _REFUSED = 'requests with tools are refused unless tool_choice is "none"'
@@ -76,3 +77,17 @@ def forced_call_refused(parser: ToolParser | None, exc: Exception) -> APIError:
     return APIError(400, f"tool_choice: the server cannot force a tool call with this model's chat template "
                     f"(the grammar of a call {fmt}was refused: {exc}); send tool_choice \"auto\" or \"none\"",
                     param="tool_choice", code="unsupported_tool_choice")
+
+
+def forced_call_error(grammars, tools, parser: ToolParser | None, exc: Exception) -> APIError:
+    """The 400 of a forced call whose grammar was refused. The client's fault (param `tools`, naming
+    the function) when one forced function's argument schema is refused on its own; else the
+    template's (`forced_call_refused`)."""
+    for fn in tools.forced_functions() if tools is not None else ():
+        try:
+            grammars.prepare(StructuredOutputsParams(json=fn.parameters))
+        except ValueError as own:
+            index = next(i for i, f in enumerate(tools.functions) if f.name == fn.name)
+            message = str(own).replace("structured_output.json", f"tools[{index}].function.parameters", 1)
+            return bad_request(message, "tools")
+    return forced_call_refused(parser, exc)

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup, TemplateRefused, prepare_chat
+from deepinfer.entrypoints.openai.diagnostics import forced_call_refused
 from deepinfer.entrypoints.openai.errors import APIError, bad_request
 from deepinfer.entrypoints.openai.tools import FieldError, ToolPlan, tool_plan
 from deepinfer.structured_output import StructuredOutputsParams
@@ -249,7 +250,7 @@ class ChatCompletionRequest(_GenerationRequest):
                               "and content)", "messages") from None
         except ValueError as exc:  # the grammar: a forced call's, or one after the reasoning section
             if tools is not None and tools.forced:
-                raise bad_request(f"tools: the forced call's grammar was refused: {exc}", "tools") from None
+                raise forced_call_refused(setup.tool_parser, exc) from None
             raise structured_output_error(self, exc) from None
 
 

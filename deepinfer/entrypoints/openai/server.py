@@ -9,6 +9,7 @@
     POST /v1/chat/completions    chat completion through the model's chat template, with tool calls
                                  and reasoning parsed out of the answer (chat_prompt.py, chat_output.py)
     POST /v1/responses           the Responses API over the same chat path (responses.py)
+    POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API over the same chat path (messages.py)
     POST /tokenize, /detokenize  vLLM's tokenizer routes (tokenize_routes.py)
     POST /v1/embeddings          embeddings of one input or a batch (embeddings.py)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --allow-runtime-lora-updating (lora_routes.py)
@@ -17,9 +18,15 @@ With --enable-lora, each LoRA adapter (--lora-modules name=path, or loaded at ru
 of its own in /v1/models, chosen by a request's `model` field (lora_routes.py).
 
 Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
-header). A generation request's body is parsed, validated and tokenized (or chat-templated) in
-a small worker pool (`TokenizerPool`), never on the event loop, so `/health` and streams stay
-responsive while a large prompt is tokenized. There too, before admission, its sampling params
+header; /v1/messages also takes `x-api-key: KEY`). Admission is by work (admission.py): each client
+(its API key, else its address) has at most `max_requests_per_client` requests in flight, and the
+one over it gets the 429; the waiting
+queue (engine and tokenizer pool together) is bounded by `max_waiting` for generation, embeddings
+and the tokenizer routes alike; a text prompt whose characters cannot fit the context in tokens is
+a 400 before it is tokenized. A request's body is parsed, validated and tokenized (or
+chat-templated) in a worker pool (tokenizer_pool.py), never on the event loop, so `/health` and
+streams stay responsive while a large prompt is tokenized; bodies over 1 MiB go to a lane of their
+own, so they never hold the workers small requests need. There too, before admission, its sampling params
 are built and checked (every per-request list within its limit), its bad words tokenized and its
 structured output compiled completely (`GrammarCompiler`, within llguidance's limits and a time
 budget): whatever llguidance refuses is a 400 naming the param. The token ids and the prepared
@@ -35,18 +42,13 @@ engine closed (the KV cache directory gets what it still lacks).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import hmac
 import logging
-import os
-import queue
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +57,10 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from deepinfer.entrypoints.openai.admission import ClientShares, PromptBounds
 from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
 from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup
+from deepinfer.entrypoints.openai.diagnostics import forced_call_error, tool_call_summary
 from deepinfer.entrypoints.openai.embeddings import embeddings_routes
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
 from deepinfer.entrypoints.openai.errors import (
@@ -68,6 +72,7 @@ from deepinfer.entrypoints.openai.errors import (
     service_unavailable,
 )
 from deepinfer.entrypoints.openai.lora_routes import ServedAdapters, adapter_card, lora_routes, model_not_found
+from deepinfer.entrypoints.openai.messages import install_messages_api
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structured_output_error
 from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
@@ -80,6 +85,7 @@ from deepinfer.entrypoints.openai.serving import (
     stream_events,
 )
 from deepinfer.entrypoints.openai.tokenize_routes import model_card, tokenize_routes
+from deepinfer.entrypoints.openai.tokenizer_pool import TokenizerPool
 from deepinfer.entrypoints.openai.tool_parsers import make_tool_parser
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, model_sampling_defaults
 from deepinfer.structured_output import GrammarCompiler
@@ -100,57 +106,12 @@ class ServerSettings:
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
     tokenizer_workers: int = 2  # threads that parse, tokenize and chat-template request bodies
+    max_requests_per_client: int | None = None  # in flight per client; None: max_num_seqs + max_waiting // 2
     tool_call_parser: str = "auto"  # the tool-call format (tool_parsers: auto = the chat template's)
     reasoning_parser: str | None = None  # deepseek_r1 | qwen3: <think> sections -> reasoning_content
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters served from the start
     allow_runtime_lora_updating: bool = False  # the load / unload adapter routes
-
-
-class TokenizerPool:
-    """Tokenization and chat templating off the event loop, in `max_workers` threads.
-
-    Each call gets a tokenizer copy of its own for its duration (a Hugging Face tokenizer is not
-    safe to share between threads; the engine thread and the event loop keep theirs). The copies
-    are made up front, one per thread. `pending` counts the calls queued or running. The threads
-    run at a lower CPU priority (nice +WORKER_NICENESS, where the OS allows), so that on a busy
-    machine the event loop is scheduled ahead of a long tokenization.
-    """
-
-    def __init__(self, tokenizer, max_workers: int):
-        self.pending = 0  # touched on the event loop only
-        self._copies: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(max_workers):
-            self._copies.put(copy.deepcopy(tokenizer))
-        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="deepinfer-tokenize",
-                                            initializer=_lower_thread_priority)
-
-    async def run(self, fn, *args):
-        """`fn(tokenizer, *args)` on a worker thread: its result, or its exception raised here."""
-        self.pending += 1
-        try:
-            return await asyncio.wrap_future(self._executor.submit(self._call, fn, args))
-        finally:
-            self.pending -= 1
-
-    def _call(self, fn, args):
-        tokenizer = self._copies.get()
-        try:
-            return fn(tokenizer, *args)
-        finally:
-            self._copies.put(tokenizer)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-WORKER_NICENESS = 5
-
-
-def _lower_thread_priority() -> None:
-    """Raise the calling thread's niceness (Linux applies it per thread; elsewhere a no-op)."""
-    with contextlib.suppress(AttributeError, OSError):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + WORKER_NICENESS)
+    lora_dirs: tuple[str, ...] = ()  # the only directories the load route reads adapters from
 
 
 class ServerState:
@@ -161,8 +122,12 @@ class ServerState:
         self.settings, self.metrics = settings, metrics
         self.engine_loop = EngineLoop(engine, metrics, on_fatal=on_fatal)
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread keeps the original
-        self.pool = TokenizerPool(self.tokenizer, max(1, settings.tokenizer_workers))
+        self.pool = TokenizerPool(self.tokenizer, max(1, settings.tokenizer_workers),
+                                  retry_after_s=settings.retry_after_s)
         self.max_model_len = engine.max_model_len
+        self.bounds = PromptBounds(self.tokenizer, self.max_model_len)
+        self.max_requests_per_client = settings.max_requests_per_client or (
+            engine.config.scheduler.max_num_seqs + max(1, settings.max_waiting // 2))
         self.vocab_size = engine.source.hf_config.vocab_size
         # compiles structured output in the pool threads, with a tokenizer copy of its own
         self.grammars = GrammarCompiler(copy.deepcopy(engine.tokenizer), self.vocab_size, engine.eos_token_ids)
@@ -170,7 +135,7 @@ class ServerState:
         self.created = int(time.time())
         self.chat_setup = ChatSetup(make_tool_parser(settings.tool_call_parser, self.tokenizer),
                                     make_reasoning_parser(settings.reasoning_parser, self.tokenizer))
-        self.adapters = ServedAdapters(settings.model_name, getattr(engine, "adapters", None))
+        self.adapters = ServedAdapters(settings.model_name, getattr(engine, "adapters", None), settings.lora_dirs)
         for name, path in settings.lora_modules:  # a bad adapter stops the start-up, naming it
             self.adapters.add(name, path)
 
@@ -206,6 +171,7 @@ def build_app(engine, settings: ServerSettings,
     """The FastAPI app serving `engine`; the engine thread runs while the app's lifespan does.
     `on_fatal(exc)` is called (on the engine thread) if the engine dies of a fatal fault."""
     state = ServerState(engine, settings, ServerMetrics(), on_fatal)
+    logger.info("%s", tool_call_summary(state.tokenizer, settings.tool_call_parser, state.chat_setup.tool_parser))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -222,6 +188,8 @@ def build_app(engine, settings: ServerSettings,
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ClientShares, limit=state.max_requests_per_client, api_key=settings.api_key,
+                       retry_after_s=settings.retry_after_s, accepting=lambda: state.engine_loop.accepting)
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     app.include_router(_public_routes(state))
     app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
@@ -229,6 +197,7 @@ def build_app(engine, settings: ServerSettings,
     app.include_router(tokenize_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(responses_routes(state, prepare_chat_body),
                        dependencies=[Depends(_auth_dependency(settings.api_key))])
+    install_messages_api(app, state, prepare_chat_body)  # after the middlewares: it reshapes their errors too
     if settings.allow_runtime_lora_updating:
         app.include_router(lora_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
@@ -342,6 +311,7 @@ def _completion_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[Compl
         return body, prompt
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer; send the prompt as a list of token ids", "prompt")
+    state.bounds.check_text(prompt, "prompt")  # before tokenizing: a text that cannot fit is refused at once
     return body, list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
@@ -378,7 +348,7 @@ def _prepared_params(tokenizer, state: ServerState, body, prompt_ids: list[int],
             state.grammars.prepare(params.structured_output, params.first_banned_token_ids())
         except ValueError as exc:
             if chat is not None and chat.forced_call:
-                raise bad_request(f"tools: the forced call's grammar was refused: {exc}", "tools") from None
+                raise forced_call_error(state.grammars, chat.tools, chat.plan.tool_parser, exc) from None
             raise structured_output_error(body, exc) from None
     return params
 
