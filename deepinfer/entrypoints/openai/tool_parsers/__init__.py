@@ -8,6 +8,9 @@
 
 `--tool-call-parser auto` (the default) picks the format the model's chat template writes (its
 markers, checked in DETECTION_ORDER); a name picks that parser whatever the template says.
+With `tool_choice` "auto" the chosen parser is wrapped in `LenientToolParser` (`lenient.py`):
+a fenced or bare JSON call of one of the request's tools counts too. Markers that are one added
+token of the tokenizer are referred to by id in grammars (`special_token_ids`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ TOOL_PARSER_CHOICES = ("auto", *TOOL_PARSERS)
 
 __all__ = ["DETECTION_ORDER", "TOOL_PARSERS", "TOOL_PARSER_CHOICES", "FunctionSpec", "ParsedToolCalls",
            "ToolCallStream", "ToolParser", "chat_template_text", "detect_tool_parser", "make_tool_parser",
-           "special_token_ids"]
+           "skipped_when_decoded", "special_token_ids"]
 
 
 def chat_template_text(tokenizer) -> str:
@@ -44,13 +47,24 @@ def detect_tool_parser(chat_template: str) -> type[ToolParser] | None:
 
 
 def special_token_ids(tokenizer, texts) -> dict[str, int]:
-    """{text: id} for those of `texts` that are special tokens of `tokenizer` (decoded only when
-    special tokens are kept; referenced by id in grammars)."""
+    """{text: id} for those of `texts` that are one added token of `tokenizer`, special or not
+    (a GGUF's USER_DEFINED tokens, Qwen's `<tool_call>` and `<think>`, are added but not special).
+    llguidance lexes every added token as a special token, which no string literal matches, so
+    grammars refer to these by id (`<[id]>`)."""
     if tokenizer is None:
         return {}
-    special = {token.content: token_id for token_id, token in tokenizer.added_tokens_decoder.items()
-               if token.special}
-    return {text: special[text] for text in texts if text in special}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    added = {token.content: token_id for token_id, token in decoder.items()}
+    return {text: added[text] for text in texts if text in added}
+
+
+def skipped_when_decoded(tokenizer, token_ids) -> bool:
+    """Whether decoding drops any of `token_ids` (a special token) unless special tokens are kept."""
+    if tokenizer is None:
+        return False
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    return any(t in special or (t in decoder and decoder[t].special) for t in token_ids)
 
 
 def make_tool_parser(name: str, tokenizer) -> ToolParser | None:

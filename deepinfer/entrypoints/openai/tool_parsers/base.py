@@ -13,8 +13,10 @@ section). It does three things with it:
 - `call_grammar(functions, parallel)`: the Lark grammar (llguidance) of a forced call in this format,
   with each function's arguments constrained by its JSON schema (`%json`).
 
-Markers that are special tokens of the tokenizer (`special_ids`) are written `<[id]>` in
-grammars, as llguidance wants; the server then keeps special tokens in the decoded text.
+Markers that are one added token of the tokenizer (`special_ids`; special or not, as Qwen's
+`<tool_call>` in a GGUF) are written `<[id]>` in grammars: llguidance lexes added tokens as
+special tokens, which a string literal never matches. The server keeps special tokens in the
+decoded text when a marker is one that decoding would drop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Llama 3.x JSON tool calls: the answer is `{"name": ..., "parameters": {...}}`, optionally after
 `<|python_tag|>`, several calls separated by `;`. An answer that does not start with `{` (after
 whitespace and the tag) is content; one that starts with `{` but is not such a call (another
-first key, text after the last call) is content too, once that is clear."""
+first key, text after the last call) is content too, once that is clear.
+
+A forced call may begin with the tag when the tag is one token of the tokenizer (by id)."""
 
 from __future__ import annotations
 
@@ -68,5 +70,7 @@ class Llama3JsonToolParser(ToolParser):
     def call_grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         lines = ["%llguidance {}", self.start_rule("call", '"; "', parallel),
                  f"call: {' | '.join(f'fn_{i}' for i in range(len(functions)))}"]
+        if self.TAG in self.special_ids:  # a model may open its call with the tag token, as it was trained
+            lines[1] = lines[1].replace("start: ", f"start: {self.literal(self.TAG)}? ", 1)
         lines += [f"fn_{i}: {json_rule(call_object_schema(fn, 'parameters'))}" for i, fn in enumerate(functions)]
         return "\n".join(lines)
