@@ -44,7 +44,7 @@ from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
 from deepinfer.entrypoints.openai.errors import APIError, bad_request, internal_error, service_unavailable
 from deepinfer.entrypoints.openai.request_stream import RequestHandle
-from deepinfer.entrypoints.openai.serving import engine_closed
+from deepinfer.entrypoints.openai.serving import abort_on_disconnect, engine_closed
 from deepinfer.outputs import EmbeddingRequestOutput
 
 MAX_INPUTS = 2048  # as OpenAI
@@ -159,7 +159,7 @@ async def _embed(state, request: Request, body: EmbeddingRequest, prompts: list[
     """Run the inputs (a window at a time), wait for their vectors, answer in input order."""
     response_id = f"embd-{uuid.uuid4().hex}"
     window = InputWindow(state.engine_loop, response_id, params, input_window(state))
-    watcher = asyncio.create_task(_abort_on_disconnect(request, window))
+    watcher = asyncio.create_task(abort_on_disconnect(request, window))
     try:
         outputs = await window.run(prompts)
     except EngineClosedError as exc:
@@ -250,10 +250,3 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-
-
-async def _abort_on_disconnect(request: Request, window: InputWindow, poll_s: float = 0.25) -> None:
-    """Abort every input of a request whose client went away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)
-    window.abort()

@@ -31,7 +31,7 @@ from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_vali
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, error_body, new_id
 from deepinfer.entrypoints.openai.messages_protocol import CHAT_TO_MESSAGES, CountTokensRequest, MessagesRequest
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
-from deepinfer.entrypoints.openai.serving import engine_closed, request_failure
+from deepinfer.entrypoints.openai.serving import abort_on_disconnect, engine_closed, request_failure
 from deepinfer.entrypoints.openai.tools import FieldError
 
 PREFIX = "/v1/messages"
@@ -129,7 +129,7 @@ def _renamed(error: APIError) -> APIError:
 
 async def _whole_output(state, request: Request, handle, message_id: str):
     """The request's last output (an APIError for a failed one); aborted if the client goes away."""
-    watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
     last = None
     try:
         async for out in handle:
@@ -143,13 +143,6 @@ async def _whole_output(state, request: Request, handle, message_id: str):
     if failure is not None:
         raise failure
     return last
-
-
-async def _abort_on_disconnect(request: Request, handle, poll_s: float = 0.25) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)
-    handle.abort()
-
 
 async def _stream(state, ctx: MessageContext, handle, events: MessageEvents) -> AsyncIterator[str]:
     """The SSE events; a failure after the start ends the stream with an `error` event."""

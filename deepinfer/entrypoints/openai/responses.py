@@ -39,7 +39,7 @@ from deepinfer.entrypoints.openai.responses_output import (
     usage,
 )
 from deepinfer.entrypoints.openai.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest
-from deepinfer.entrypoints.openai.serving import engine_closed, request_failure
+from deepinfer.entrypoints.openai.serving import abort_on_disconnect, engine_closed, request_failure
 from deepinfer.entrypoints.openai.tools import FieldError
 
 MAX_STORED_RESPONSES = 1024
@@ -99,7 +99,7 @@ def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
             events = _stream(state, store, ctx, handle, chat.plan.stream(), conversation)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+        watcher = asyncio.create_task(abort_on_disconnect(request, handle))
         try:
             out = await _last_output(state, handle, ctx.response_id)
         finally:
@@ -182,13 +182,6 @@ async def _last_output(state, handle, response_id: str):
     if failure is not None:
         raise failure
     return last
-
-
-async def _abort_on_disconnect(request: Request, handle, poll_s: float = 0.25) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)
-    handle.abort()
-
 
 async def _stream(state, store: ResponseStore, ctx: ResponseContext, handle, choice_stream,
                   conversation: list[dict]) -> AsyncIterator[str]:

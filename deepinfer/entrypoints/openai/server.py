@@ -80,6 +80,7 @@ from deepinfer.entrypoints.openai.responses import responses_routes
 from deepinfer.entrypoints.openai.serving import (
     ChatFormatter,
     CompletionFormatter,
+    abort_on_disconnect,
     collect,
     engine_closed,
     stream_events,
@@ -401,16 +402,9 @@ async def _generate(state: ServerState, request: Request, body, prompt_ids: list
         return StreamingResponse(stream_events(handle, formatter, body.include_usage, state.engine_loop),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
+    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
     try:
         return JSONResponse(await collect(handle, formatter, state.engine_loop))
     finally:
         watcher.cancel()
         handle.abort()  # a no-op when finished
-
-
-async def _abort_on_disconnect(request: Request, handle, poll_s: float = 0.25) -> None:
-    """Abort a non-streaming request whose client went away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)
-    handle.abort()

@@ -16,6 +16,7 @@ with a request id. A stream reports the same error as an `{"error": ...}` event,
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -313,3 +314,11 @@ async def _output_events(handle: RequestHandle, formatter: _Formatter, include_u
             yield sse(chunk)
     if include_usage:
         yield sse(formatter.usage_chunk())
+
+
+async def abort_on_disconnect(request, target, poll_s: float = 0.25) -> None:
+    """Abort `target` (a request handle, or all inputs of an embeddings request) once the client of
+    `request` (a fastapi Request) went away; run as a task, cancelled when the answer is sent."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
+    target.abort()
