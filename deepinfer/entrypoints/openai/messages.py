@@ -14,10 +14,8 @@ stream that fails after its start ends with an `error` event of that shape.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
 
@@ -31,7 +29,7 @@ from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_vali
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, error_body, new_id
 from deepinfer.entrypoints.openai.messages_protocol import CHAT_TO_MESSAGES, CountTokensRequest, MessagesRequest
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
-from deepinfer.entrypoints.openai.serving import abort_on_disconnect, engine_closed, request_failure
+from deepinfer.entrypoints.openai.serving import admit, engine_closed, final_output, request_failure
 from deepinfer.entrypoints.openai.tools import FieldError
 
 PREFIX = "/v1/messages"
@@ -57,18 +55,12 @@ def messages_routes(state, prepare_chat_body: Callable) -> APIRouter:
         body, chat, params = await state.pool.run(_prepare, state, prepare_chat_body, raw)
         lora_request = state.lora_request(body.model)
         ctx = MessageContext(new_id("msg"), state.response_model(body.model), len(chat.prompt_ids))
-        try:
-            handle = await state.engine_loop.add(ctx.message_id, chat.prompt_ids, params, time.monotonic(),
-                                                 lora_request=lora_request)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
-        except EngineClosedError as exc:
-            raise engine_closed(exc, ctx.message_id, state.engine_loop) from None
+        handle = await admit(state.engine_loop, ctx.message_id, chat.prompt_ids, params, lora_request)
         if body.stream:
             return StreamingResponse(_stream(state, ctx, handle, MessageEvents(ctx, chat.plan.stream())),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await _whole_output(state, request, handle, ctx.message_id)
+        out = await final_output(state.engine_loop, request, handle, ctx.message_id)
         return JSONResponse(ctx.message(chat.plan.parse(out.outputs[0].text), out))
 
     @router.post("/messages/count_tokens")
@@ -126,23 +118,6 @@ def _renamed(error: APIError) -> APIError:
 
 # -- on the event loop --------------------------------------------------------------------------------
 
-
-async def _whole_output(state, request: Request, handle, message_id: str):
-    """The request's last output (an APIError for a failed one); aborted if the client goes away."""
-    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
-    last = None
-    try:
-        async for out in handle:
-            last = out
-    except EngineClosedError as exc:
-        raise engine_closed(exc, message_id, state.engine_loop) from None
-    finally:
-        watcher.cancel()
-        handle.abort()  # a no-op when finished
-    failure = request_failure(last, message_id)
-    if failure is not None:
-        raise failure
-    return last
 
 async def _stream(state, ctx: MessageContext, handle, events: MessageEvents) -> AsyncIterator[str]:
     """The SSE events; a failure after the start ends the stream with an `error` event."""

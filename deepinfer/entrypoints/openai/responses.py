@@ -13,10 +13,8 @@ JSON (the least recently used go first; a restart forgets them all). An unknown 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
@@ -39,7 +37,7 @@ from deepinfer.entrypoints.openai.responses_output import (
     usage,
 )
 from deepinfer.entrypoints.openai.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest
-from deepinfer.entrypoints.openai.serving import abort_on_disconnect, engine_closed, request_failure
+from deepinfer.entrypoints.openai.serving import admit, engine_closed, final_output, request_failure
 from deepinfer.entrypoints.openai.tools import FieldError
 
 MAX_STORED_RESPONSES = 1024
@@ -87,24 +85,13 @@ def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
         lora_request = state.lora_request(body.model)
         ctx = ResponseContext(new_id("resp"), _model_name(state, lora_request), body, params.temperature,
                               params.top_p)
-        try:
-            handle = await state.engine_loop.add(ctx.response_id, chat.prompt_ids, params, time.monotonic(),
-                                                 lora_request=lora_request)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from exc
-        except EngineClosedError as exc:
-            raise engine_closed(exc, ctx.response_id, state.engine_loop) from None
+        handle = await admit(state.engine_loop, ctx.response_id, chat.prompt_ids, params, lora_request)
         conversation = body.conversation_messages(history)
         if body.stream:
             events = _stream(state, store, ctx, handle, chat.plan.stream(), conversation)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(abort_on_disconnect(request, handle))
-        try:
-            out = await _last_output(state, handle, ctx.response_id)
-        finally:
-            watcher.cancel()
-            handle.abort()
+        out = await final_output(state.engine_loop, request, handle, ctx.response_id)
         items = output_items(chat.plan.parse(out.outputs[0].text), status_of(out))
         response = ctx.envelope(status_of(out), items, usage(out, _count(state, reasoning_text(items))))
         _keep(store, body, response, conversation, items)
@@ -170,18 +157,6 @@ def _keep(store: ResponseStore, body: ResponsesRequest, response: dict, conversa
 def _count(state, text: str) -> int:
     return len(state.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
-
-async def _last_output(state, handle, response_id: str):
-    last = None
-    try:
-        async for out in handle:
-            last = out
-    except EngineClosedError as exc:
-        raise engine_closed(exc, response_id, state.engine_loop) from None
-    failure = request_failure(last, response_id)
-    if failure is not None:
-        raise failure
-    return last
 
 async def _stream(state, store: ResponseStore, ctx: ResponseContext, handle, choice_stream,
                   conversation: list[dict]) -> AsyncIterator[str]:

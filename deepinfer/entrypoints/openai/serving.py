@@ -322,3 +322,34 @@ async def abort_on_disconnect(request, target, poll_s: float = 0.25) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(poll_s)
     target.abort()
+
+
+async def admit(engine_loop: EngineLoop, request_id: str, prompt_ids: list[int], params,
+                lora_request=None) -> RequestHandle:
+    """Hand a prepared request to the engine loop: its handle; a 400 when the engine refuses it
+    (ValueError), a 503 when the engine stopped."""
+    try:
+        return await engine_loop.add(request_id, prompt_ids, params, time.monotonic(), lora_request=lora_request)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+    except EngineClosedError as exc:
+        raise engine_closed(exc, request_id, engine_loop) from None
+
+
+async def final_output(engine_loop: EngineLoop, request, handle: RequestHandle, request_id: str) -> RequestOutput:
+    """A whole (not streamed) request's last output, aborted if its client goes away; the APIError
+    of a failed request (or of a stopped engine) is raised."""
+    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
+    last = None
+    try:
+        async for out in handle:
+            last = out
+    except EngineClosedError as exc:
+        raise engine_closed(exc, request_id, engine_loop) from None
+    finally:
+        watcher.cancel()
+        handle.abort()  # a no-op when finished
+    failure = request_failure(last, request_id)
+    if failure is not None:
+        raise failure
+    return last
