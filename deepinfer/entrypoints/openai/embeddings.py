@@ -111,34 +111,41 @@ def _prepare(tokenizer, state, raw: bytes) -> tuple[EmbeddingRequest, list[list[
         raise bad_request(f"model {body.model!r} is a LoRA adapter; embeddings come from the base model only",
                           "model")
     inputs = body.inputs()
-    try:
-        params = state.engine_loop.engine.pooling.resolve(body.pooling_params())
-    except ValueError as exc:
-        raise _param_error(exc) from None
-    prompts = [_token_ids(tokenizer, state, i, item, params) for i, item in enumerate(inputs)]
+    params = resolve_pooling(state, body.pooling_params())
+    prompts = [token_ids(tokenizer, state, item, params, f"input[{i}]") for i, item in enumerate(inputs)]
     return body, prompts, params
 
 
-def _token_ids(tokenizer, state, index: int, item: str | list[int], params: PoolingParams) -> list[int]:
-    """One input's token ids (cut to truncate_prompt_tokens); a 400 naming `input` when it cannot run."""
+def resolve_pooling(state, params: PoolingParams) -> PoolingParams:
+    """`params` completed as the model pools; a 400 naming the field (else `model`) when refused."""
+    try:
+        return state.engine_loop.engine.pooling.resolve(params)
+    except ValueError as exc:
+        raise _param_error(exc) from None
+
+
+def token_ids(tokenizer, state, item: str | list[int], params: PoolingParams, name: str) -> list[int]:
+    """One input's token ids (cut to truncate_prompt_tokens); a 400 naming the field of `name`
+    ("input[3]" -> `input`) when it cannot run."""
+    param = name.split("[", 1)[0]
     if isinstance(item, str):
         if tokenizer is None:
-            raise bad_request("this model ships no tokenizer; send the inputs as lists of token ids", "input")
+            raise bad_request("this model ships no tokenizer; send the inputs as lists of token ids", param)
         if params.truncate_prompt_tokens is None:
-            state.bounds.check_text(item, "input", f"input[{index}]")
+            state.bounds.check_text(item, param, name)
         ids = list(tokenizer(item, add_special_tokens=True)["input_ids"])
     else:
         bad = next((t for t in item if not 0 <= t < state.vocab_size), None)
         if bad is not None:
-            raise bad_request(f"input[{index}] holds token id {bad}, outside the vocabulary [0, "
-                              f"{state.vocab_size})", "input")
+            raise bad_request(f"{name} holds token id {bad}, outside the vocabulary [0, "
+                              f"{state.vocab_size})", param)
         ids = list(item)
     ids = truncated(ids, params, state.max_model_len)
     if not ids:
-        raise bad_request(f"input[{index}] has no tokens", "input")
+        raise bad_request(f"{name} has no tokens", param)
     if len(ids) > state.max_model_len:
-        raise bad_request(f"input[{index}] has {len(ids)} tokens, but this model's maximum context length "
-                          f"is {state.max_model_len} tokens; shorten it or pass truncate_prompt_tokens", "input",
+        raise bad_request(f"{name} has {len(ids)} tokens, but this model's maximum context length "
+                          f"is {state.max_model_len} tokens; shorten it or pass truncate_prompt_tokens", param,
                           code="context_length_exceeded")
     return ids
 
@@ -158,7 +165,16 @@ async def _embed(state, request: Request, body: EmbeddingRequest, prompts: list[
                  params: PoolingParams) -> Response:
     """Run the inputs (a window at a time), wait for their vectors, answer in input order."""
     response_id = f"embd-{uuid.uuid4().hex}"
-    window = InputWindow(state.engine_loop, response_id, params, input_window(state))
+    outputs = await pooled_outputs(state, request, response_id, prompts, params)
+    return JSONResponse(_response(body, response_id, state.settings.model_name, outputs))
+
+
+async def pooled_outputs(state, request: Request, response_id: str, prompts: list[list[int]],
+                         params: PoolingParams, names: list[str] | None = None) -> list[EmbeddingRequestOutput]:
+    """Every prompt's finished embedding output, in order (a window of them in the engine at a
+    time; all aborted when the client leaves). `names` label the prompts in a refusal (default
+    `input[i]`); 503 when aborted by a shutdown, 500 when the engine failed one."""
+    window = InputWindow(state.engine_loop, response_id, params, input_window(state), names)
     watcher = asyncio.create_task(abort_on_disconnect(request, window))
     try:
         outputs = await window.run(prompts)
@@ -169,7 +185,7 @@ async def _embed(state, request: Request, body: EmbeddingRequest, prompts: list[
     failure = _failure(outputs, response_id)
     if failure is not None:
         raise failure
-    return JSONResponse(_response(body, response_id, state.settings.model_name, outputs))
+    return outputs
 
 
 def input_window(state) -> int:
@@ -179,10 +195,13 @@ def input_window(state) -> int:
 
 class InputWindow:
     """Runs one request's inputs through the engine, at most `size` of them admitted and unfinished
-    at a time. A refused input aborts the others and is a 400 naming `input` and its index."""
+    at a time. A refused input aborts the others and is a 400 naming its field and index
+    (`names[i]`, default `input[i]`)."""
 
-    def __init__(self, engine_loop, response_id: str, params: PoolingParams, size: int):
+    def __init__(self, engine_loop, response_id: str, params: PoolingParams, size: int,
+                 names: list[str] | None = None):
         self.engine_loop, self.response_id, self.params = engine_loop, response_id, params
+        self.names = names
         self.handles: dict[int, RequestHandle] = {}  # the admitted, unfinished inputs
         self.aborted = False
         self._slots = asyncio.Semaphore(size)
@@ -205,7 +224,8 @@ class InputWindow:
                 handle = await self.engine_loop.add(f"{self.response_id}-{index}", ids, self.params,
                                                     time.monotonic())
             except ValueError as exc:
-                raise bad_request(f"input[{index}]: {exc}", "input") from exc
+                name = f"input[{index}]" if self.names is None else self.names[index]
+                raise bad_request(f"{name}: {exc}", name.split("[", 1)[0]) from exc
             self.handles[index] = handle
             try:
                 return await _final(handle)

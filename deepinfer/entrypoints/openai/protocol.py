@@ -130,7 +130,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: str | None = None  # fill-in-the-middle: the text after the cursor (fim.py; a 400 without FIM tokens)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -144,7 +144,6 @@ class CompletionRequest(_GenerationRequest):
         _refuse_if(bool(self.stream) and (self.best_of or 1) > 1, "best_of",
                    "best_of cannot be used with stream: the best choices are known only at the end", code=None)
         _refuse_if(bool(self.echo), "echo", "echo is not supported")
-        _refuse_if(bool(self.suffix), "suffix", "suffix is not supported")
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt as text or token ids; batches of prompts are refused."""

@@ -51,6 +51,12 @@ _TOKEN_ID_KEYS = {
     "tokenizer.ggml.eos_token_id": "eos_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
+_FIM_TOKEN_KEYS = {  # fill-in-the-middle tokens (entrypoints/openai/fim.py): llama.cpp's keys, then the older ones
+    "fim_pre_token_id": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+    "fim_suf_token_id": ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+    "fim_mid_token_id": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+    "fim_sep_token_id": ("tokenizer.ggml.fim_sep_token_id",),
+}
 
 # Gemma 3's fixed design, which llama.cpp hard-codes instead of writing to the file.
 GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every sixth layer is global
@@ -88,6 +94,10 @@ def gguf_config_dict(
     config["vocab_size"] = _vocab_size(arch, metadata, tensor_shapes)
     config["tie_word_embeddings"] = "output.weight" not in tensor_shapes
     config.update({field: metadata[key] for key, field in _TOKEN_ID_KEYS.items() if key in metadata})
+    for field, keys in _FIM_TOKEN_KEYS.items():
+        found = [key for key in keys if key in metadata]
+        if found:
+            config[field] = int(metadata[found[0]])
     if arch in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "llama":
