@@ -113,6 +113,27 @@ def test_schema_check_bounds_refs_and_unions():
     assert not matches_schema({"v": [1, 2, 3]}, schema) and not matches_schema({"v": ["a"]}, schema)
 
 
+def test_schema_check_is_bounded_on_hostile_schemas(monkeypatch):
+    """The client's schema is never compiled in auto mode: a `$ref` inside an `anyOf` of itself would
+    make the walk exponential, and `$defs` that is not an object must not raise. Both end in "no"."""
+    import deepinfer.entrypoints.openai.tool_parsers.schema_check as schema_check
+
+    visits = 0
+    walk = schema_check._matches
+
+    def counted(*args):
+        nonlocal visits
+        visits += 1
+        return walk(*args)
+
+    monkeypatch.setattr(schema_check, "_matches", counted)
+    loop = {"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}] * 3}}, "$ref": "#/$defs/a"}
+    assert not matches_schema({"x": 1}, loop)
+    assert visits <= schema_check.MAX_STEPS + 1
+    assert not matches_schema({"x": 1}, {"$defs": [1], "$ref": "#/$defs/a"})
+    assert not matches_schema({"x": 1}, {"definitions": "x", "$ref": "#/definitions/a"})
+
+
 # -- the server: the tiny model's answer forced to each shape --------------------------------------
 
 

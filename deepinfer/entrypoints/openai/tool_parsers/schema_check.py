@@ -7,12 +7,15 @@ It knows the keywords function schemas use: `type` (one or a list), `enum`, `con
 `exclusiveMaximum`, `anyOf` / `oneOf` (as "any of") / `allOf`, and local `$ref`s
 (`#/$defs/...`, `#/definitions/...`). Other keywords (`pattern`, `format`, ...) are not checked:
 an answer is read as a call when nothing the check knows says otherwise. Nesting deeper than
-MAX_DEPTH fails the check. Pure Python, no dependency (jsonschema is a test dependency only).
+MAX_DEPTH fails the check, and so does a check that takes more than MAX_STEPS schema visits: the
+schema is the client's and is never compiled in auto mode, so `$ref`s inside `anyOf`s could make
+the walk exponential. Pure Python, no dependency (jsonschema is a test dependency only).
 """
 
 from __future__ import annotations
 
 MAX_DEPTH = 64
+MAX_STEPS = 20_000  # schema visits of one check
 _TYPES = {
     "object": lambda v: isinstance(v, dict),
     "array": lambda v: isinstance(v, list),
@@ -25,12 +28,29 @@ _TYPES = {
 }
 
 
+class _OutOfSteps(Exception):
+    pass
+
+
+class _Root:
+    """The schema `$ref`s resolve in, and the visits the check has left."""
+
+    def __init__(self, schema: dict):
+        self.schema, self.steps_left = schema, MAX_STEPS
+
+
 def matches_schema(value, schema: dict) -> bool:
     """Whether `value` (parsed JSON) satisfies `schema`, as far as the keywords above go."""
-    return _matches(value, schema, schema, 0)
+    try:
+        return _matches(value, schema, _Root(schema), 0)
+    except _OutOfSteps:
+        return False
 
 
-def _matches(value, schema, root: dict, depth: int) -> bool:
+def _matches(value, schema, root: _Root, depth: int) -> bool:
+    root.steps_left -= 1
+    if root.steps_left < 0:
+        raise _OutOfSteps
     if depth > MAX_DEPTH:
         return False
     if schema is True or schema == {}:
@@ -46,10 +66,11 @@ def _matches(value, schema, root: dict, depth: int) -> bool:
             and _bounds_ok(value, schema))
 
 
-def _resolve(root: dict, ref) -> dict | None:
+def _resolve(root: _Root, ref) -> dict | bool | None:
     for prefix in ("#/$defs/", "#/definitions/"):
         if isinstance(ref, str) and ref.startswith(prefix):
-            target = root.get(prefix[2:-1], {}).get(ref[len(prefix):])
+            definitions = root.schema.get(prefix[2:-1])
+            target = definitions.get(ref[len(prefix):]) if isinstance(definitions, dict) else None
             return target if isinstance(target, (dict, bool)) else None
     return None
 
@@ -73,7 +94,7 @@ def _same(a, b) -> bool:
     return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
-def _combinators_ok(value, schema: dict, root: dict, depth: int) -> bool:
+def _combinators_ok(value, schema: dict, root: _Root, depth: int) -> bool:
     for key in ("anyOf", "oneOf"):
         options = schema.get(key)
         if isinstance(options, list) and not any(_matches(value, s, root, depth + 1) for s in options):
@@ -82,7 +103,7 @@ def _combinators_ok(value, schema: dict, root: dict, depth: int) -> bool:
     return not isinstance(parts, list) or all(_matches(value, s, root, depth + 1) for s in parts)
 
 
-def _object_ok(value, schema: dict, root: dict, depth: int) -> bool:
+def _object_ok(value, schema: dict, root: _Root, depth: int) -> bool:
     if not isinstance(value, dict):
         return True
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -97,7 +118,7 @@ def _object_ok(value, schema: dict, root: dict, depth: int) -> bool:
     return True
 
 
-def _array_ok(value, schema: dict, root: dict, depth: int) -> bool:
+def _array_ok(value, schema: dict, root: _Root, depth: int) -> bool:
     if not isinstance(value, list):
         return True
     if not _size_ok(len(value), schema, "minItems", "maxItems"):
