@@ -9,9 +9,9 @@ UNICODE_SHRINK characters into one: the bound is widened by that factor), lowerc
 or replacing one character by one; any other normalizer (stripping, collapsing whitespace) gets no
 character bound, and its texts are counted in tokens only.
 
-Client shares. A client is identified by its API key when the server has one (a hash of the
-`Authorization` header, so the key itself is not kept), else by its peer address (a proxy's
-X-Forwarded-For is not trusted: behind a proxy every client is the proxy). `ClientShares` counts
+Client shares. A client is its peer address (the server has one API key at most, shared by all
+its clients, so a key tells no client from another; a header a client chooses, such as
+X-Forwarded-For, is not trusted: behind a proxy every client is the proxy). `ClientShares` counts
 each client's admitted requests in flight (from the start of the request until its answer, a
 stream included, is sent) and answers a 429 (`queue_full`) to the client that already has
 `limit` of them, before its body is read; other clients keep getting in. One request's own work
@@ -20,7 +20,6 @@ is bounded where it is done (an embeddings request runs at most a window of its 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -31,7 +30,9 @@ UNICODE_SHRINK = 4  # NFC/NFKC join at most 3 code points into one (Hangul sylla
 _UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
 _LENGTH_KEEPING = frozenset({"Prepend", "Lowercase", "Replace"})
 ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
-                            "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens"})
+                            "/tokenize", "/detokenize", "/v1/messages", "/v1/messages/count_tokens",
+                            "/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score", "/infill",
+                            "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"})
 
 
 class PromptBounds:
@@ -107,14 +108,8 @@ def _replaces_one_char(spec: dict) -> bool:
     return len(pattern.get("String", "")) == 1 and len(spec.get("content", "")) >= 1
 
 
-def client_key(scope: dict, api_key: str | None) -> str:
-    """Who sent the request: a hash of its Authorization header (else of its x-api-key header, as
-    the `anthropic` client sends the key) when the server has an API key, else its peer address."""
-    if api_key is not None:
-        headers = scope.get("headers", [])
-        header = next((v for k, v in headers if k == b"authorization"), None) or \
-            next((v for k, v in headers if k == b"x-api-key"), b"")
-        return "key:" + hashlib.sha256(header).hexdigest()[:16]
+def client_key(scope: dict) -> str:
+    """Who sent the request: its peer address."""
     client = scope.get("client")
     return f"addr:{client[0]}" if client else "addr:unknown"
 
@@ -122,18 +117,18 @@ def client_key(scope: dict, api_key: str | None) -> str:
 class ClientShares:
     """ASGI middleware: at most `limit` admitted requests in flight per client (module docstring)."""
 
-    def __init__(self, app, limit: int, api_key: str | None, retry_after_s: int = 1,
+    def __init__(self, app, limit: int, retry_after_s: int = 1,
                  accepting: Callable[[], bool] = lambda: True):
         if limit < 1:
             raise ValueError(f"max_requests_per_client must be at least 1, got {limit}")
-        self.app, self.limit, self.api_key, self.retry_after_s = app, limit, api_key, retry_after_s
+        self.app, self.limit, self.retry_after_s = app, limit, retry_after_s
         self.accepting = accepting  # False: shutting down (the route's 503 goes before any 429)
         self.in_flight: Counter[str] = Counter()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
-        client = client_key(scope, self.api_key)
+        client = client_key(scope)
         if self.in_flight[client] >= self.limit and self.accepting():
             return await self._refuse(client, scope, receive, send)
         self.in_flight[client] += 1

@@ -17,7 +17,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=256,
                    help="waiting requests above which new ones get 429 with Retry-After")
     g.add_argument("--max-requests-per-client", type=int, default=None, metavar="N",
-                   help="requests in flight per client (its API key, else its address) above which its new ones "
+                   help="requests in flight per client (its peer address) above which its new ones "
                         "get 429 (default: --max-num-seqs + --max-waiting / 2)")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
