@@ -247,3 +247,45 @@ def test_max_requests_per_client_is_a_serve_flag():
     assert server_settings(serve_args([])).max_requests_per_client is None
     with pytest.raises(ValueError, match=r"--max-requests-per-client must be >= 1, got 0"):
         _check_args(serve_args(["--max-requests-per-client", "0"]))
+
+
+def test_an_input_added_while_its_window_aborts_is_aborted_too():
+    """A client that leaves while an input is being added: that input's handle, stored after the
+    abort, is aborted as soon as the add returns (it used to run to its end, holding the answer)."""
+    from deepinfer.entrypoints.openai.embeddings import InputWindow
+
+    class Handle:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.aborted:
+                raise StopAsyncIteration
+            await asyncio.sleep(0.01)
+            return None
+
+    class Loop:
+        def __init__(self):
+            self.adding, self.release, self.handle = asyncio.Event(), asyncio.Event(), Handle()
+
+        async def add(self, *args, **kwargs):
+            self.adding.set()
+            await self.release.wait()
+            return self.handle
+
+    async def main():
+        loop = Loop()
+        window = InputWindow(loop, "embd-x", None, size=1)
+        run = asyncio.create_task(window.run([[5]]))
+        await loop.adding.wait()
+        window.abort()  # the client went away while the add was in flight
+        loop.release.set()
+        await asyncio.wait_for(run, 5)
+        return loop.handle.aborted
+
+    assert asyncio.run(main())

@@ -227,6 +227,8 @@ class InputWindow:
                 name = f"input[{index}]" if self.names is None else self.names[index]
                 raise bad_request(f"{name}: {exc}", name.split("[", 1)[0]) from exc
             self.handles[index] = handle
+            if self.aborted:  # aborted while this input was being added
+                handle.abort()
             try:
                 return await _final(handle)
             finally:
