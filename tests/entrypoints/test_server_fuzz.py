@@ -67,12 +67,17 @@ def send(client: httpx.Client, path: str, raw: bytes | None, headers: dict | Non
     COUNTS["cases"] += 1
     COUNTS[f"{status // 100}xx"] += 1
     assert status < 500, f"{status} for {method} {path} {raw[:300]!r}: {body[:500]!r}"
-    if status >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
+    if status >= 400 and path.startswith("/api/"):  # Ollama's error shape there
+        assert isinstance(json.loads(body)["error"], str) and len(json.loads(body)) == 1, body[:300]
+    elif status >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
         anthropic = path.startswith("/v1/messages")  # Anthropic's error shape there
         assert set(json.loads(body)["error"]) == ({"type", "message"} if anthropic else {"message", "type", "param",
                                                                                           "code"})
     if resp.headers.get("content-type", "").startswith("text/event-stream"):
         check_stream(path, body)
+    if resp.headers.get("content-type", "").startswith("application/x-ndjson"):  # Ollama: done or error last
+        lines = [json.loads(line) for line in body.splitlines()]
+        assert lines and (lines[-1].get("done") is True or "error" in lines[-1]), body[-300:]
     return status
 
 
@@ -411,6 +416,59 @@ def test_fuzz_well_typed_messages(client, body):
 @given(body=bodies(MESSAGES_FIELDS, "messages"), ascii_only=st.booleans())
 def test_fuzz_count_tokens(client, body, ascii_only):
     send(client, "/v1/messages/count_tokens", encode(body, ascii_only))
+
+
+# /v1/rerank, /v1/score (this model declares no pooling: refused after parsing) and /infill (no FIM tokens)
+_TEXTS = st.one_of(TEXT, st.lists(TEXT, max_size=4))
+RERANK_FIELDS = {"query": TEXT, "documents": st.lists(st.one_of(TEXT, st.fixed_dictionaries({"text": TEXT})),
+                                                      max_size=4),
+                 "model": st.one_of(st.just(MODEL), TEXT), "top_n": INTS, "return_documents": st.booleans()}
+SCORE_FIELDS = {"text_1": _TEXTS, "text_2": _TEXTS, "model": st.one_of(st.just(MODEL), TEXT)}
+INFILL_FIELDS = {"input_suffix": TEXT, "input_prefix": TEXT, "prompt": TEXT, "n_predict": INTS,
+                 "input_extra": st.lists(st.fixed_dictionaries({"filename": TEXT, "text": TEXT}), max_size=2),
+                 "temperature": FLOATS, "top_k": INTS, "stop": st.lists(TEXT, max_size=2), "stream": st.booleans()}
+
+
+@_FUZZ_ROUTE
+@given(case=st.one_of(bodies(RERANK_FIELDS, "documents").map(lambda b: ("/v1/rerank", b)),
+                      bodies(SCORE_FIELDS, "text_1").map(lambda b: ("/v1/score", b)),
+                      bodies(INFILL_FIELDS, "input_suffix").map(lambda b: ("/infill", b))),
+       ascii_only=st.booleans())
+def test_fuzz_rerank_score_infill(client, case, ascii_only):
+    path, body = case
+    send(client, path, encode(body, ascii_only))
+
+
+# -- Ollama's API -----------------------------------------------------------------------------------
+
+_OLLAMA_MESSAGE = st.fixed_dictionaries(
+    {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool"]), TEXT)},
+    optional={"content": st.one_of(st.text(max_size=60), TEXT), "tool_name": TEXT, "thinking": TEXT,
+              "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
+                  {"name": st.one_of(_NAMES, TEXT), "arguments": st.one_of(st.just({"a": 1}), JUNK)})}), max_size=2)})
+_OLLAMA_OPTIONS = st.fixed_dictionaries({}, optional={
+    "temperature": FLOATS, "top_p": FLOATS, "top_k": INTS, "seed": INTS, "num_predict": st.integers(-3, 40),
+    "stop": st.lists(TEXT, max_size=2), "repeat_penalty": FLOATS, "num_ctx": INTS, "mirostat": INTS, "x": JUNK})
+_OLLAMA_COMMON = {"model": st.sampled_from([MODEL, f"{MODEL}:latest", "other"]), "options": _OLLAMA_OPTIONS,
+                  "stream": st.booleans(), "format": st.one_of(st.sampled_from(["", "json"]), _SCHEMA, JUNK),
+                  "think": st.one_of(st.booleans(), TEXT), "keep_alive": st.one_of(INTS, TEXT)}
+OLLAMA_CHAT_FIELDS = _OLLAMA_COMMON | {"messages": st.lists(_OLLAMA_MESSAGE, max_size=3),
+                                       "tools": st.lists(_TOOL, max_size=2)}
+OLLAMA_GENERATE_FIELDS = _OLLAMA_COMMON | {"prompt": st.one_of(st.text(max_size=60), TEXT), "system": TEXT,
+                                           "raw": st.booleans(), "suffix": TEXT, "template": TEXT,
+                                           "context": TOKEN_IDS}
+OLLAMA_EMBED_FIELDS = {"model": _OLLAMA_COMMON["model"], "input": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
+                       "truncate": st.booleans(), "dimensions": INTS, "options": _OLLAMA_OPTIONS}
+
+
+@_FUZZ_ROUTE
+@given(case=st.one_of(bodies(OLLAMA_CHAT_FIELDS, "messages").map(lambda b: ("/api/chat", b)),
+                      bodies(OLLAMA_GENERATE_FIELDS, "prompt").map(lambda b: ("/api/generate", b)),
+                      bodies(OLLAMA_EMBED_FIELDS, "input").map(lambda b: ("/api/embed", b))),
+       ascii_only=st.booleans())
+def test_fuzz_ollama(client, case, ascii_only):
+    path, body = case
+    send(client, path, encode(body, ascii_only))
 
 
 # -- hand-written hostile requests ------------------------------------------------------------------

@@ -12,14 +12,20 @@
     POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API over the same chat path (messages.py)
     POST /tokenize, /detokenize  vLLM's tokenizer routes (tokenize_routes.py)
     POST /v1/embeddings          embeddings of one input or a batch (embeddings.py)
+    GET  /api/version, /api/tags; POST /api/show, /api/chat, /api/generate, /api/embed, /api/embeddings
+                                 Ollama's API over the same paths, NDJSON streams (ollama.py)
+    POST /v1/rerank, /v1/score   rerank documents / score text pairs by embedding cosine (rerank.py;
+                                 also /rerank, /v2/rerank and /score, as vLLM)
+    POST /infill                 llama.cpp's code infill from the model's FIM tokens (infill.py, fim.py);
+                                 /v1/completions takes `suffix` for the same
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --allow-runtime-lora-updating (lora_routes.py)
 
 With --enable-lora, each LoRA adapter (--lora-modules name=path, or loaded at run time) is a model
 of its own in /v1/models, chosen by a request's `model` field (lora_routes.py).
 
-Every /v1 route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
+Every /v1 (and /api) route checks `Authorization: Bearer KEY` when an API key is set (exactly one such
 header; /v1/messages also takes `x-api-key: KEY`). Admission is by work (admission.py): each client
-(its API key, else its address) has at most `max_requests_per_client` requests in flight, and the
+(its peer address) has at most `max_requests_per_client` requests in flight, and the
 one over it gets the 429; the waiting
 queue (engine and tokenizer pool together) is bounded by `max_waiting` for generation, embeddings
 and the tokenizer routes alike; a text prompt whose characters cannot fit the context in tokens is
@@ -71,11 +77,15 @@ from deepinfer.entrypoints.openai.errors import (
     install_error_handlers,
     service_unavailable,
 )
+from deepinfer.entrypoints.openai.fim import completion_fim_prompt
+from deepinfer.entrypoints.openai.infill import infill_routes
 from deepinfer.entrypoints.openai.lora_routes import ServedAdapters, adapter_card, lora_routes, model_not_found
 from deepinfer.entrypoints.openai.messages import install_messages_api
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
+from deepinfer.entrypoints.openai.ollama import install_ollama_api
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, structured_output_error
 from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
+from deepinfer.entrypoints.openai.rerank import rerank_routes
 from deepinfer.entrypoints.openai.responses import responses_routes
 from deepinfer.entrypoints.openai.serving import (
     ChatFormatter,
@@ -189,16 +199,19 @@ def build_app(engine, settings: ServerSettings,
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(ClientShares, limit=state.max_requests_per_client, api_key=settings.api_key,
+    app.add_middleware(ClientShares, limit=state.max_requests_per_client,
                        retry_after_s=settings.retry_after_s, accepting=lambda: state.engine_loop.accepting)
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     app.include_router(_public_routes(state))
     app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(embeddings_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(rerank_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(infill_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(tokenize_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(responses_routes(state, prepare_chat_body),
                        dependencies=[Depends(_auth_dependency(settings.api_key))])
     install_messages_api(app, state, prepare_chat_body)  # after the middlewares: it reshapes their errors too
+    install_ollama_api(app, state, prepare_chat_body, _prepare_completion, _auth_dependency(settings.api_key))
     if settings.allow_runtime_lora_updating:
         app.include_router(lora_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
@@ -308,6 +321,8 @@ def _completion_prompt(tokenizer, state: ServerState, raw: bytes) -> tuple[Compl
     body.check_supported()
     state.check_model(body.model)
     prompt = body.prompt_input()
+    if body.suffix:  # fill-in-the-middle: the prompt is the text before the cursor
+        return body, completion_fim_prompt(tokenizer, state, prompt, body.suffix)
     if isinstance(prompt, list):
         return body, prompt
     if tokenizer is None:

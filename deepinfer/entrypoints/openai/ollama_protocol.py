@@ -1,0 +1,265 @@
+"""Ollama's request bodies, and their mapping onto the chat and completion requests of the OpenAI path.
+
+    POST /api/chat       ChatBody      -> a chat completion request
+    POST /api/generate   GenerateBody  -> a chat request of [system, user: prompt] (the model's chat
+                                          template), or with `raw` (or a `suffix`) a completion request
+    POST /api/embed      EmbedBody     -> an embeddings request (`input` a string or a list of them)
+    POST /api/embeddings LegacyEmbedBody {prompt} -> the same, one input
+
+`stream` defaults to true, as in Ollama. `format` is "json" (any JSON object) or a JSON schema
+(structured output), "" for free text. `options` are Ollama's: temperature, top_p, top_k, min_p,
+seed, num_predict (-1 or -2: up to the context), stop, repeat_penalty, presence_penalty,
+frequency_penalty map onto the sampling fields; the load-time ones (num_ctx, num_gpu, num_thread,
+...) are accepted and ignored, as are the samplers' neutral values (typical_p 1, tfs_z 1,
+mirostat 0); any other option is a 400 naming it. `think` (true or a level) asks the chat template
+for its reasoning section (`enable_thinking`), read by the server's --reasoning-parser (a 400 without
+one); `keep_alive` is accepted and ignored. A chat message is `{role: system | user | assistant |
+tool, content, tool_calls?: [{function: {name, arguments: object}}], tool_name?, thinking?}`; a tool
+message answers the earliest unanswered call (of its `tool_name`, when given). Images, `template`,
+`context` and `logprobs` are refused with a 400 naming them. Errors name Ollama's fields
+(`OLLAMA_NAMES` renames the chat path's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.sampling_params import short_repr
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# Ollama option -> chat request field
+_SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
+                     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_LOAD_OPTIONS = frozenset({"num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+                           "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread", "numa",
+                           "num_keep"})
+_NEUTRAL_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
+_MESSAGE_FIELDS = frozenset({"role", "content", "images", "thinking", "tool_calls", "tool_name", "tool_call_id"})
+_ROLES = ("system", "user", "assistant", "tool")
+# the chat path's field -> Ollama's (for the 400s)
+OLLAMA_NAMES = {"truncate_prompt_tokens": "truncate", "max_tokens": "options.num_predict",
+                "response_format": "format", "structured_outputs": "format",
+                "chat_template_kwargs": "think", "repetition_penalty": "options.repeat_penalty",
+                **{field: f"options.{option}" for option, field in _SAMPLING_OPTIONS.items()
+                   if option != "repeat_penalty"}}
+
+
+class _Body(BaseModel):
+    model_config = _STRICT
+    model: str = Field(min_length=1)
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: bool | None = True
+    keep_alive: float | str | None = None  # accepted and ignored: the model stays loaded
+    think: bool | str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def sampling_fields(self, thinking: bool) -> dict:
+        """The chat request's sampling, structured output and template fields; FieldError naming the field."""
+        if self.logprobs or self.top_logprobs:
+            raise FieldError("logprobs", "logprobs and top_logprobs are not supported on the Ollama API; use "
+                             "/v1/chat/completions")
+        fields = {**options_fields(self.options), "response_format": response_format(self.format)}
+        fields["chat_template_kwargs"] = think_kwargs(self.think, thinking)
+        return {key: value for key, value in fields.items() if value is not None}
+
+
+class ChatBody(_Body):
+    """POST /api/chat."""
+
+    messages: list[Any] = Field(default_factory=list)
+    tools: list[Any] | None = None
+
+    def chat_body(self, model: str, thinking: bool) -> dict:
+        """The chat completion request (a dict for ChatCompletionRequest)."""
+        body = {"model": model, "messages": chat_messages(self.messages), **self.sampling_fields(thinking)}
+        return body | ({"tools": self.tools} if self.tools else {})
+
+
+class GenerateBody(_Body):
+    """POST /api/generate."""
+
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    images: list[Any] | None = None
+    width: int | None = None  # image generation: refused
+    height: int | None = None
+    steps: int | None = None
+
+    def check_supported(self) -> None:
+        """FieldError naming a field this server cannot honour."""
+        if self.template:
+            raise FieldError("template", "template (a Go template) is not supported: the model's own chat "
+                             "template is used; send raw=true with a prompt formatted already")
+        if self.context:
+            raise FieldError("context", "context (the tokens of an earlier answer) is not supported; send the "
+                             "conversation to /api/chat")
+        for name in ("images", "width", "height", "steps"):
+            if getattr(self, name):
+                raise FieldError(name, f"{name} is not supported: this server serves a text model")
+
+    @property
+    def templated(self) -> bool:
+        """The prompt goes through the chat template (neither raw nor a fill-in-the-middle suffix)."""
+        return not self.raw and not self.suffix
+
+    def chat_body(self, model: str, thinking: bool) -> dict:
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.prompt or ""}]
+        return {"model": model, "messages": messages, **self.sampling_fields(thinking)}
+
+    def completion_body(self, model: str) -> dict:
+        """The completion request of a raw (or suffix) prompt; `system` and `think` need the template."""
+        if self.system:
+            raise FieldError("system", "system needs the chat template; it cannot go with raw or suffix")
+        if self.think:
+            raise FieldError("think", "think needs the chat template; it cannot go with raw or suffix")
+        fields = self.sampling_fields(False)
+        fields.pop("chat_template_kwargs", None)
+        body = {"model": model, "prompt": self.prompt or "", **fields}
+        return body | ({"suffix": self.suffix} if self.suffix else {})
+
+
+class EmbedBody(BaseModel):
+    """POST /api/embed."""
+
+    model_config = _STRICT
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool | None = True  # Ollama's default: cut an input to the context
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+    def embeddings_body(self, model: str) -> dict:
+        options_fields(self.options)  # checked; no option changes an embedding
+        body = {"model": model, "input": self.input, "dimensions": self.dimensions,
+                "truncate_prompt_tokens": -1 if self.truncate else None}
+        return {key: value for key, value in body.items() if value is not None}
+
+
+class LegacyEmbedBody(BaseModel):
+    """POST /api/embeddings (Ollama's older route)."""
+
+    model_config = _STRICT
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class NameBody(BaseModel):
+    """POST /api/show."""
+
+    model_config = _STRICT
+    model: str | None = None
+    name: str | None = None  # Ollama's older spelling
+    verbose: bool | None = None
+
+    def model_name(self) -> str:
+        name = self.model or self.name
+        if not name:
+            raise FieldError("model", "model is required")
+        return name
+
+
+def options_fields(options: dict | None) -> dict:
+    """Ollama's options as chat request fields (their values checked there); FieldError naming an
+    option that is not supported."""
+    fields = {}
+    for name, value in (options or {}).items():
+        if name in _SAMPLING_OPTIONS:
+            fields[_SAMPLING_OPTIONS[name]] = value
+        elif name == "num_predict":
+            fields["max_tokens"] = None if value in (-1, -2) else value
+        elif name not in _LOAD_OPTIONS and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
+            raise FieldError("options", f"options.{name} = {short_repr(value)} is not supported (supported: "
+                             f"{', '.join([*_SAMPLING_OPTIONS, 'num_predict'])}; ignored: the load-time options)")
+    return fields
+
+
+def response_format(fmt) -> dict | None:
+    """`format` as the chat response_format: "json" any JSON object, a dict a JSON schema."""
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise FieldError("format", f"format must be \"json\" or a JSON schema object, got {short_repr(fmt)}")
+
+
+def think_kwargs(think, thinking: bool) -> dict | None:
+    """`think` as the chat template's enable_thinking (`thinking`: the server reads reasoning sections)."""
+    if think is None or (think is False and not thinking):
+        return None
+    if think not in (True, False, "high", "medium", "low"):
+        raise FieldError("think", f"think must be true, false, \"high\", \"medium\" or \"low\", got "
+                         f"{short_repr(think)}")
+    if not thinking:
+        raise FieldError("think", "think: this server reads no reasoning section (start it with --reasoning-parser)")
+    return {"enable_thinking": think is not False}
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """Ollama's messages as chat messages; FieldError naming `messages[i]...` for a bad one."""
+    converted, pending = [], []  # pending: the unanswered calls (id, name)
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise FieldError("messages", f"messages[{i}] must be an object, got {short_repr(message)}")
+        unknown = sorted(set(message) - _MESSAGE_FIELDS)
+        if unknown:
+            raise FieldError("messages", f"messages[{i}] has unknown field {short_repr(unknown[0])}")
+        if message.get("images"):
+            raise FieldError("messages", f"messages[{i}].images: images are not supported by this text model")
+        role, content = message.get("role"), message.get("content") or ""
+        if role not in _ROLES:
+            raise FieldError("messages", f"messages[{i}].role must be one of {', '.join(_ROLES)}, got "
+                             f"{short_repr(role)}")
+        if not isinstance(content, str):
+            raise FieldError("messages", f"messages[{i}].content must be a string, got {short_repr(content)}")
+        converted.append(_message(i, role, content, message, pending))
+    return converted
+
+
+def _message(i: int, role: str, content: str, message: dict, pending: list[tuple[str, str]]) -> dict:
+    if role == "assistant" and message.get("tool_calls"):
+        calls = [_call(i, j, call) for j, call in enumerate(_list(i, message["tool_calls"]))]
+        pending += [(call["id"], call["function"]["name"]) for call in calls]
+        return {"role": role, "content": content or None, "tool_calls": calls}
+    if role != "tool":
+        return {"role": role, "content": content}
+    name = message.get("tool_name")
+    match = next((entry for entry in pending if name is None or entry[1] == name), None)
+    if match is not None:
+        pending.remove(match)
+    call_id = message.get("tool_call_id") or (match[0] if match else f"call_{i}")
+    return {"role": "tool", "content": content, "tool_call_id": call_id} | ({"name": name} if name else {})
+
+
+def _list(i: int, calls) -> list:
+    if not isinstance(calls, list):
+        raise FieldError("messages", f"messages[{i}].tool_calls must be a list, got {short_repr(calls)}")
+    return calls
+
+
+def _call(i: int, j: int, call) -> dict:
+    where = f"messages[{i}].tool_calls[{j}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", {}) if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+        raise FieldError("messages", f"{where} must be {{\"function\": {{\"name\": string, \"arguments\": "
+                         f"object}}}}, got {short_repr(call)}")
+    call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{i}_{j}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
