@@ -53,14 +53,14 @@ def lora_settings(args) -> dict:
     modules = tuple(parse_lora_module(m) for m in args.lora_modules or [])
     if modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    dirs = tuple(getattr(args, "lora_dir", None) or [])
+    dirs = tuple(os.path.abspath(os.path.expanduser(d)) for d in getattr(args, "lora_dir", None) or [])
     if dirs and not args.allow_runtime_lora_updating:
         raise ValueError("--lora-dir only matters with --allow-runtime-lora-updating (the load route reads from it)")
     for directory in dirs:
         if not os.path.isdir(directory):
             raise ValueError(f"--lora-dir {directory!r} is not a directory")
     return {"lora_modules": modules, "allow_runtime_lora_updating": bool(args.allow_runtime_lora_updating),
-            "lora_dirs": tuple(os.path.abspath(os.path.expanduser(d)) for d in dirs)}
+            "lora_dirs": dirs}
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:

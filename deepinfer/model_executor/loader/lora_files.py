@@ -30,9 +30,9 @@ import os
 import re
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
+from deepinfer.json_bounds import json_depth
 from deepinfer.model_executor.loader.regular_file import NotRegular, open_regular
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,9 +43,6 @@ MAX_HEADER_BYTES = 16 << 20  # a safetensors header (the library's own limit is 
 MAX_DIMS = 8
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _PLAIN = re.compile(r"[A-Za-z0-9_.\-]{1,120}")
-_ESCAPE = re.compile(rb"\\.", re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEPS = bytes.maketrans(b"[]{}", bytes([1, 255, 1, 255]))  # +1 / -1 as int8
 
 
 def shown(value) -> str:
@@ -112,16 +109,6 @@ def _read_exactly(fd: int, size: int, offset: int, label: str, where: str) -> by
     finally:
         view.release()
     return buffer
-
-
-def json_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest in `raw` (brackets inside strings do not count); exact for
-    valid JSON, linear time for anything."""
-    outside = _ESCAPE.sub(b"", raw).split(b'"')[::2]  # escapes gone, every other piece is outside strings
-    brackets = b"".join(outside).translate(_STEPS, _NOT_BRACKETS)
-    if not brackets:
-        return 0
-    return int(np.frombuffer(brackets, dtype=np.int8).cumsum(dtype=np.int64).max())
 
 
 def parse_json_object(raw: bytes, label: str, where: str) -> dict:
