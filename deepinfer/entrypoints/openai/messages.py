@@ -14,7 +14,6 @@ stream that fails after its start ends with an `error` event of that shape.
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from deepinfer.entrypoints.openai.auth import api_key_dependency
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
 from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
@@ -39,7 +39,7 @@ def install_messages_api(app: FastAPI, state, prepare_chat_body: Callable) -> No
     """Add the routes (behind the API key check) and the error middleware to `app`. Call it after the
     app's other middlewares are added, so that this one sees their errors too."""
     app.include_router(messages_routes(state, prepare_chat_body),
-                       dependencies=[Depends(api_key_check(state.settings.api_key))])
+                       dependencies=[Depends(api_key_dependency(state.settings.api_key, x_api_key=True))])
     app.add_middleware(AnthropicErrors)
 
 
@@ -149,36 +149,6 @@ def _sse(event: dict) -> str:
 
 
 # -- auth and errors ----------------------------------------------------------------------------------
-
-
-def api_key_check(api_key: str | None):
-    """A dependency: with an API key, the request must send it as `x-api-key` or as a Bearer token."""
-
-    async def verify(request: Request) -> None:
-        if api_key is None:
-            return
-        given = _given_key(request)
-        if given is None:
-            raise APIError(401, "x-api-key: you didn't provide an API key; send it as `x-api-key: KEY` or "
-                           "`Authorization: Bearer KEY`", "authentication_error", code="invalid_api_key")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "x-api-key: invalid API key", "authentication_error", code="invalid_api_key")
-
-    return verify
-
-
-def _given_key(request: Request) -> str | None:
-    """The key of `x-api-key`, else of `Authorization: Bearer`; a 400 for a header given twice."""
-    for name in ("x-api-key", "authorization"):
-        values = request.headers.getlist(name)
-        if len(values) > 1:
-            raise bad_request(f"{name}: the request has {len(values)} {name} headers; send exactly one", name)
-        if values and values[0]:
-            if name == "x-api-key":
-                return values[0].strip()
-            scheme, _, token = values[0].partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return None
 
 
 class AnthropicErrors:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
-import hmac
 import logging
 import time
 import uuid
@@ -64,6 +63,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from deepinfer.entrypoints.openai.admission import ClientShares, PromptBounds
+from deepinfer.entrypoints.openai.auth import api_key_dependency
 from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
 from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup
 from deepinfer.entrypoints.openai.diagnostics import forced_call_error, tool_call_summary
@@ -203,17 +203,17 @@ def build_app(engine, settings: ServerSettings,
                        retry_after_s=settings.retry_after_s, accepting=lambda: state.engine_loop.accepting)
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     app.include_router(_public_routes(state))
-    app.include_router(_v1_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
-    app.include_router(embeddings_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
-    app.include_router(rerank_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
-    app.include_router(infill_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
-    app.include_router(tokenize_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+    app.include_router(_v1_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
+    app.include_router(embeddings_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
+    app.include_router(rerank_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
+    app.include_router(infill_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
+    app.include_router(tokenize_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
     app.include_router(responses_routes(state, prepare_chat_body),
-                       dependencies=[Depends(_auth_dependency(settings.api_key))])
+                       dependencies=[Depends(api_key_dependency(settings.api_key))])
     install_messages_api(app, state, prepare_chat_body)  # after the middlewares: it reshapes their errors too
-    install_ollama_api(app, state, prepare_chat_body, _prepare_completion, _auth_dependency(settings.api_key))
+    install_ollama_api(app, state, prepare_chat_body, _prepare_completion, api_key_dependency(settings.api_key))
     if settings.allow_runtime_lora_updating:
-        app.include_router(lora_routes(state), dependencies=[Depends(_auth_dependency(settings.api_key))])
+        app.include_router(lora_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
@@ -240,24 +240,6 @@ def _chat_page_route() -> APIRouter:
 def _count_error(state: ServerState, request: Request) -> None:
     if request.url.path in GENERATION_PATHS:
         state.metrics.record_error()
-
-
-def _auth_dependency(api_key: str | None):
-    async def verify(request: Request) -> None:
-        if api_key is None:
-            return
-        headers = request.headers.getlist("authorization")
-        if len(headers) > 1:
-            raise bad_request(f"the request has {len(headers)} Authorization headers; send exactly one",
-                              code="invalid_api_key")
-        if not headers or not headers[0]:
-            raise APIError(401, "You didn't provide an API key; send it as `Authorization: Bearer "
-                           "KEY`", code="invalid_api_key")
-        scheme, _, token = headers[0].partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
-
-    return verify
 
 
 def _public_routes(state: ServerState) -> APIRouter:
