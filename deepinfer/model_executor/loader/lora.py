@@ -235,6 +235,7 @@ class AdapterChecker:
 
     def __init__(self, base: LoRABase):
         self.base = base
+        self.max_bytes = max_adapter_bytes(base)  # a larger weights file is refused unread
         self._lock = threading.Lock()
         self._checked: dict[str, int] = {}  # fingerprint -> largest rank
         self._by_stat: dict[tuple, str] = {}  # the files' stats -> fingerprint (no digest file read per request)
@@ -244,7 +245,7 @@ class AdapterChecker:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
         name, path = request.lora_name, os.path.expanduser(request.lora_path)
         try:
-            fingerprint = self._fingerprint(adapter_files(path, name, max_adapter_bytes(self.base)))
+            fingerprint = self._fingerprint(adapter_files(path, name, self.max_bytes))
             with self._lock:
                 rank = self._checked.get(fingerprint)
             if rank is None:
@@ -272,7 +273,7 @@ class AdapterChecker:
         return fingerprint
 
     def _check(self, name: str, path: str) -> int:
-        config, tensors, _ = read_adapter(path, name, self.base.base_config, max_adapter_bytes(self.base))
+        config, tensors, _ = read_adapter(path, name, self.base.base_config, self.max_bytes)
         check_target_names(config, self.base, _where(name, path))
         modules = adapter_modules(config, tensors, name, path)
         check_modules(modules, self.base, name, path)
