@@ -12,6 +12,7 @@ import json
 import logging
 import reprlib
 import uuid
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -163,3 +164,53 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         return respond(request, internal_error(exc, f"serving {request.method} {request.url.path}"))
+
+
+class ReshapedErrors:
+    """ASGI middleware: an error answer (status >= 400) on the routes under `prefix`, in OpenAI's
+    shape `{"error": {"message", ...}}` or any other, is sent as `shape(status, message)` instead
+    (Anthropic's and Ollama's APIs), so the errors of the auth check and of the other middlewares
+    take the API's shape too."""
+
+    def __init__(self, app, prefix: str, shape: Callable[[int, str], dict]):
+        self.app, self.prefix, self.shape = app, prefix, shape
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == self.prefix or path.startswith(self.prefix + "/")):
+            return await self.app(scope, receive, send)
+        held: dict = {}
+
+        async def reshaping_send(message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held.update(start=message, body=b"")
+                return
+            if "start" not in held or message["type"] != "http.response.body":
+                return await send(message)
+            held["body"] += message.get("body", b"")
+            if not message.get("more_body", False):
+                await self._send_reshaped(send, held["start"], held["body"])
+
+        await self.app(scope, receive, reshaping_send)
+
+    async def _send_reshaped(self, send, start: dict, body: bytes) -> None:
+        status = start["status"]
+        new_body = json.dumps(self.shape(status, error_message(body, status)), ensure_ascii=True).encode("ascii")
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
+        await send({**start, "headers": headers + [(b"content-length", str(len(new_body)).encode()),
+                                                   (b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": new_body})
+
+
+def error_message(body: bytes, status: int) -> str:
+    """The message of an error answer's body: OpenAI's `error.message` (or a bare `error` string),
+    else the body's text, cut to 1,000 characters."""
+    try:
+        found = json.loads(body)
+    except ValueError:
+        found = None
+    error = found.get("error") if isinstance(found, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    if isinstance(message, str):
+        return message
+    return body.decode("utf-8", "replace")[:1000] or f"HTTP {status}"

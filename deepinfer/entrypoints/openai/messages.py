@@ -25,7 +25,13 @@ from pydantic import ValidationError
 from deepinfer.entrypoints.openai.auth import api_key_dependency
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
-from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
+from deepinfer.entrypoints.openai.errors import (
+    APIError,
+    ReshapedErrors,
+    bad_request,
+    from_validation_errors,
+    internal_error,
+)
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, error_body, new_id
 from deepinfer.entrypoints.openai.messages_protocol import CHAT_TO_MESSAGES, CountTokensRequest, MessagesRequest
 from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
@@ -151,43 +157,8 @@ def _sse(event: dict) -> str:
 # -- auth and errors ----------------------------------------------------------------------------------
 
 
-class AnthropicErrors:
-    """ASGI middleware: an error answer (status >= 400) on a /v1/messages route, in OpenAI's shape
-    `{"error": {"message", "param", ...}}` or any other, is sent in Anthropic's shape instead."""
+class AnthropicErrors(ReshapedErrors):
+    """ASGI middleware: an error answer on a /v1/messages route is sent in Anthropic's shape."""
 
     def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
-            return await self.app(scope, receive, send)
-        held: dict = {}
-
-        async def reshaping_send(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held.update(start=message, body=b"")
-                return
-            if "start" not in held or message["type"] != "http.response.body":
-                return await send(message)
-            held["body"] += message.get("body", b"")
-            if not message.get("more_body", False):
-                await _send_reshaped(send, held["start"], held["body"])
-
-        await self.app(scope, receive, reshaping_send)
-
-
-async def _send_reshaped(send, start: dict, body: bytes) -> None:
-    status = start["status"]
-    try:
-        found = json.loads(body)
-        error = found.get("error") if isinstance(found, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-    except ValueError:
-        message = None
-    if not isinstance(message, str):
-        message = body.decode("utf-8", "replace")[:1000] or f"HTTP {status}"
-    new_body = json.dumps(error_body(status, message), ensure_ascii=True).encode("ascii")
-    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-    await send({**start, "headers": headers + [(b"content-length", str(len(new_body)).encode())]})
-    await send({"type": "http.response.body", "body": new_body})
+        super().__init__(app, PREFIX, error_body)

@@ -32,7 +32,13 @@ from deepinfer.engine.pooling import DEFAULT_SOURCE
 from deepinfer.entrypoints.openai import embeddings
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
-from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
+from deepinfer.entrypoints.openai.errors import (
+    APIError,
+    ReshapedErrors,
+    bad_request,
+    from_validation_errors,
+    internal_error,
+)
 from deepinfer.entrypoints.openai.ollama_output import (
     OLLAMA_VERSION,
     OllamaReply,
@@ -255,42 +261,8 @@ async def _embeddings(state, request: Request, openai_body: dict) -> dict:
 # -- errors -------------------------------------------------------------------------------------------
 
 
-class OllamaErrors:
-    """ASGI middleware: an error answer (status >= 400) on an /api route, in OpenAI's shape or any other,
-    is sent in Ollama's shape `{"error": "message"}` instead."""
+class OllamaErrors(ReshapedErrors):
+    """ASGI middleware: an error answer on an /api route is sent in Ollama's shape `{"error": "message"}`."""
 
     def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith(PREFIX + "/"):
-            return await self.app(scope, receive, send)
-        held: dict = {}
-
-        async def reshaping_send(message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                held.update(start=message, body=b"")
-                return
-            if "start" not in held or message["type"] != "http.response.body":
-                return await send(message)
-            held["body"] += message.get("body", b"")
-            if not message.get("more_body", False):
-                await _send_reshaped(send, held["start"], held["body"])
-
-        await self.app(scope, receive, reshaping_send)
-
-
-async def _send_reshaped(send, start: dict, body: bytes) -> None:
-    try:
-        found = json.loads(body)
-    except ValueError:
-        found = None
-    error = found.get("error") if isinstance(found, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
-    if not isinstance(message, str):
-        message = body.decode("utf-8", "replace")[:1000] or f"HTTP {start['status']}"
-    new_body = json.dumps(error_line(message), ensure_ascii=True).encode("ascii")
-    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length", b"content-type")]
-    await send({**start, "headers": headers + [(b"content-length", str(len(new_body)).encode()),
-                                               (b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": new_body})
+        super().__init__(app, PREFIX, lambda status, message: error_line(message))
