@@ -107,7 +107,9 @@ def _function(i: int, tool) -> FunctionSpec:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise FieldError("tools", f"{where}.function.name must be 1-64 letters, digits, underscores or dashes, "
                          f"got {short_repr(name)}")
-    if not isinstance(function.get("description", ""), str) or not isinstance(function.get("strict", False), bool):
+    # null is absent (vLLM's Optional fields; the `llm` CLI sends "description": null for a bare function)
+    description, strict = function.get("description"), function.get("strict")
+    if not isinstance(description, (str, type(None))) or not isinstance(strict, (bool, type(None))):
         raise FieldError("tools", f"{where}.function: description must be a string and strict a boolean")
     return FunctionSpec(name, _parameters(where, function.get("parameters")))
 
@@ -126,7 +128,7 @@ def _parameters(where: str, schema) -> dict:
 
 
 def _template_functions(tools: list) -> list[dict]:
-    return [copy.deepcopy(tool["function"]) for tool in tools]
+    return [{k: copy.deepcopy(v) for k, v in tool["function"].items() if v is not None} for tool in tools]
 
 
 def _choice(tool_choice, names: set[str], has_tools: bool) -> tuple[str, str | None]:
