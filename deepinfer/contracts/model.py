@@ -55,7 +55,12 @@ class ModelCapabilities:
     mtp_drafting: it has next-n layers, and `add_mtp()` builds the draft module `mtp` before the
         weights load (a `DraftingModel`; speculative_method="mtp");
     drafting_streams: with the draft module on, `forward` keeps its pre-head residual streams in
-        `last_streams` [T, N, hidden], the draft module's input.
+        `last_streams` [T, N, hidden], the draft module's input;
+    native_batch_invariant: on the fp32 CPU path with the C++ kernels every op of its forward is
+        row-independent as it is, so DEEPINFER_BATCH_INVARIANT needs no BatchInvariantMode around it
+        and is on by default there (`layers/batch_invariant.native_path`);
+    quantize_at_load: its linear layers (and routed experts) may be quantized after loading
+        (`quantization` "int8" / "int4", `model_loader.build_model`).
     """
 
     graph_safe_decode: bool = False
@@ -63,6 +68,8 @@ class ModelCapabilities:
     expert_parallel: bool = False
     mtp_drafting: bool = False
     drafting_streams: bool = False
+    native_batch_invariant: bool = False
+    quantize_at_load: bool = False
 
 
 @runtime_checkable

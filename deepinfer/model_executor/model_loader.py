@@ -38,15 +38,13 @@ from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, kernel_i
 from deepinfer.model_executor.layers.ops.qmatmul import QUANTIZE_SCHEMES, best_time, one_thread, qdot_variant
 from deepinfer.model_executor.layers.quant_linear import quantize_linears, set_activation_levels
 from deepinfer.model_executor.loader.dummy import init_dummy_weights
-from deepinfer.model_executor.models.registry import get_model_class
+from deepinfer.model_executor.models.registry import get_model_class, model_types_with
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 SMALL_MODEL_WEIGHTS = 1 << 25  # matmul weight elements below which `auto` stays fp32
 _BF16_WIN = 0.9
 _LOAD_QUANTIZE = ("int8", "int4")
-_QUANTIZABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "gemma3_text", "qwen3_moe", "qwen2_moe",
-                      "mixtral", "gemma2", "phi3")
 
 
 @dataclass(frozen=True)
@@ -92,8 +90,9 @@ def _check_quantization_request(requested: str, source, device: torch.device, ba
     if requested == "gguf" and source.format != "gguf":
         raise ValueError(f"{where} needs a .gguf model; {source.path!r} is a {source.format} checkpoint")
     model_type = source.hf_config.model_type
-    if requested in _LOAD_QUANTIZE and model_type not in _QUANTIZABLE_TYPES:
-        raise ValueError(f"{where} supports model types {', '.join(_QUANTIZABLE_TYPES)}; got {model_type!r}")
+    if requested in _LOAD_QUANTIZE and not get_model_class(model_type).capabilities.quantize_at_load:
+        supported = model_types_with(lambda capabilities: capabilities.quantize_at_load)
+        raise ValueError(f"{where} supports model types {', '.join(supported)}; got {model_type!r}")
 
 
 def resolve_dtype(name: str, device: torch.device, source=None, quantization: str = "none",
@@ -271,8 +270,9 @@ def check_tensor_parallel_source(source, model_cls) -> None:
     where = f"tensor_parallel_size={n}"
     model_type = source.hf_config.model_type
     if not model_cls.capabilities.tensor_parallel:
+        covered = model_types_with(lambda capabilities: capabilities.tensor_parallel)
         raise ValueError(f"{where} is not supported for model_type {model_type!r} yet "
-                         f"(tensor parallelism covers {', '.join(_QUANTIZABLE_TYPES)}, deepseek_v4)")
+                         f"(tensor parallelism covers {', '.join(covered)})")
 
 
 def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int) -> None:

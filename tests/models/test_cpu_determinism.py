@@ -20,6 +20,7 @@ from torch import nn
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers.batch_invariant import resolve_batch_invariant
+from deepinfer.model_executor.models.registry import get_model_class
 
 TARGET = ("In a quiet village at the edge of a great forest, there lived an old clockmaker who repaired every "
           "clock in the valley. His workshop smelled of oil and cedar, and its walls were covered with clocks of "
@@ -92,7 +93,7 @@ def test_the_default_cpu_path_runs_the_mode_natively(engines):
     runner = engines["default"].engine.runner
     assert runner.quantization.value == "gguf"
     assert runner.batch_invariant and runner.numerics.batch_invariant and runner.sampler.batch_invariant
-    assert runner.attention_backend.batch_invariant and runner.attention_backend.fused_invariant
+    assert runner.attention_backend.batch_invariant and runner.attention_backend.cpu_invariant
     assert not hasattr(runner.model.forward, "__wrapped__")  # the model's own forward, not _under_mode's
 
 
@@ -119,24 +120,28 @@ def test_ngram_speculative_decoding_changes_no_bit(engines):
     assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
 
 
+def caps(model_type: str):
+    return get_model_class(model_type).capabilities
+
+
 def test_the_knob_resolves_to_on_for_the_cpu_path_only(monkeypatch):
     """Unset: on for fp32 on the CPU with the C++ kernels, the torch backend and a native model
     type; off for the Triton backend, bf16, DeepSeek-V4, a GPU, or no kernels. Set: as set."""
     from deepinfer.model_executor.layers.ops import cpu_kernels
 
     cpu, cuda, fp32 = torch.device("cpu"), torch.device("cuda"), torch.float32
-    assert resolve_batch_invariant(None, cpu, "auto", "llama", fp32)
-    assert resolve_batch_invariant(None, cpu, "torch", "gemma3_text", fp32)
-    assert not resolve_batch_invariant(None, cpu, "triton", "llama", fp32)
-    assert not resolve_batch_invariant(None, cpu, "auto", "llama", torch.bfloat16)
-    assert not resolve_batch_invariant(None, cpu, "auto", "deepseek_v4", fp32)
-    assert not resolve_batch_invariant(None, cuda, "auto", "llama", fp32)
-    assert not resolve_batch_invariant(False, cpu, "auto", "llama", fp32)
-    assert resolve_batch_invariant(True, cuda, "auto", "deepseek_v4", torch.bfloat16)
+    assert resolve_batch_invariant(None, cpu, "auto", caps("llama"), fp32)
+    assert resolve_batch_invariant(None, cpu, "torch", caps("gemma3_text"), fp32)
+    assert not resolve_batch_invariant(None, cpu, "triton", caps("llama"), fp32)
+    assert not resolve_batch_invariant(None, cpu, "auto", caps("llama"), torch.bfloat16)
+    assert not resolve_batch_invariant(None, cpu, "auto", caps("deepseek_v4"), fp32)
+    assert not resolve_batch_invariant(None, cuda, "auto", caps("llama"), fp32)
+    assert not resolve_batch_invariant(False, cpu, "auto", caps("llama"), fp32)
+    assert resolve_batch_invariant(True, cuda, "auto", caps("deepseek_v4"), torch.bfloat16)
     monkeypatch.setenv("DEEPINFER_CPU_ISA", "none")
     cpu_kernels.kernel_isa.cache_clear()
     try:
-        assert not resolve_batch_invariant(None, cpu, "auto", "llama", fp32)
+        assert not resolve_batch_invariant(None, cpu, "auto", caps("llama"), fp32)
     finally:
         monkeypatch.undo()
         cpu_kernels.kernel_isa.cache_clear()

@@ -46,7 +46,7 @@ def _prompts(n: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[lis
 def test_layers_take_their_windows_and_caps():
     gemma = Gemma2ForCausalLM(tiny_config("gemma2", vocab_size=64), max_positions=32)
     assert [a.sliding_window for a in gemma.attention_layers()] == [16, None, 16, None]
-    assert {a.softcap for a in gemma.attention_layers()} == {2.0} and gemma.final_logit_softcapping == 10.0
+    assert {a.softcap for a in gemma.attention_layers()} == {2.0} and gemma.spec.final_softcap == 10.0
     assert [g.name for g in gemma.cache_groups()] == ["full", "swa"]
     assert not hasattr(gemma.model.layers[0].self_attn, "q_norm")
     phi = Phi3ForCausalLM(tiny_config("phi3_swa", vocab_size=64), max_positions=32)
@@ -114,7 +114,7 @@ def test_gemma2_is_batch_invariant_and_matches_transformers(gemma2_phi3_checkpoi
     with _batch_invariant():
         roomy = LLM(path, max_model_len=256, kv_cache_memory="16MiB")
         tight = LLM(path, num_blocks=24, block_size=8, max_num_batched_tokens=37, max_num_seqs=8, max_model_len=192)
-    assert tight.engine.runner.attention_backend.fused_invariant  # the C++ invariant attention, soft-capped
+    assert tight.engine.runner.attention_backend.cpu_invariant  # the C++ invariant attention, soft-capped
     prompts = _prompts(6, seed=9)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
     got = [o.outputs[0] for o in tight.generate(prompts, params, use_tqdm=False)]

@@ -180,7 +180,7 @@ def test_triton_backend_parity(checkpoints):
     """The Triton kernel set (interpreted here): attention kernels with sinks and the MXFP4 grouped GEMM."""
     llm = _check_parity(checkpoints["mxfp4"], atol=1e-3, max_tokens=6, prompts=_prompts(3, seed=5, min_len=60),
                         attention_backend="triton")  # interpreted kernels: few, long prompts (still preempted)
-    assert all(layer.mlp.experts.use_triton for layer in llm.engine.runner.model.model.layers)
+    assert all(layer.mlp.experts.grouped_mxfp4 is not None for layer in llm.engine.runner.model.model.layers)
 
 
 def test_two_ranks_give_one_rank_tokens(checkpoints):

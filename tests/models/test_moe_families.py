@@ -31,10 +31,11 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers.fused_moe import FusedExperts, QuantFusedExperts, quant_grouped_experts
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul
 from deepinfer.model_executor.layers.quant_linear import kind_runs, packed_weights
+from deepinfer.model_executor.layers.router import Router
 from deepinfer.model_executor.loader.gguf import packed_file_bytes
 from deepinfer.model_executor.loader.gguf_config import gguf_config_dict
 from deepinfer.model_executor.loader.source import load_model_source
-from deepinfer.model_executor.models.moe_llama import FloatGate, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from deepinfer.model_executor.models.moe_llama import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MIN_AGREEMENT = 0.97
 MAX_PACKED_RATIO = 1.05  # packed bytes held over the file's bytes of those tensors
@@ -151,7 +152,7 @@ def test_int8_packs_the_experts(moe_checkpoint):
         blocks = llm.engine.runner.model.moe_blocks()
         assert blocks and all(isinstance(b.experts, QuantFusedExperts) for b in blocks)
         assert {w.kind for b in blocks for w in b.experts.qweights} == {"Q8_0"}
-        assert all(type(b.gate) is FloatGate and b.gate.weight.dtype == torch.float32 for b in blocks)
+        assert all(type(b.gate) is Router and b.gate.weight.dtype == torch.float32 for b in blocks)
         assert _agreement(llm, hf, _prompts(4, 49152, seed=2)) >= MIN_AGREEMENT
 
 

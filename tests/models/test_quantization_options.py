@@ -59,12 +59,17 @@ def test_bad_quantization_requests_are_named(tiny_checkpoint, kwargs, match):
 
 
 def test_quantization_refused_for_a_model_type_without_support(monkeypatch, tiny_checkpoint):
+    from dataclasses import replace
+
     from deepinfer.model_executor import model_loader
     from deepinfer.model_executor.loader.source import load_model_source
+    from deepinfer.model_executor.models.llama import LlamaForCausalLM
 
     source = load_model_source(tiny_checkpoint("llama"))
-    monkeypatch.setattr(model_loader, "_QUANTIZABLE_TYPES", ("qwen3",))
-    with pytest.raises(ValueError, match="supports model types qwen3; got 'llama'"):
+    refused = replace(LlamaForCausalLM.capabilities, quantize_at_load=False)  # llama, mistral, qwen2, qwen3
+    monkeypatch.setattr(LlamaForCausalLM, "capabilities", refused)
+    with pytest.raises(ValueError, match="supports model types gemma2, gemma3_text, mixtral, phi3, qwen2_moe, "
+                                         "qwen3_moe; got 'llama'"):
         model_loader.resolve_quantization("int4", source, torch.device("cpu"))
 
 

@@ -8,10 +8,7 @@ tests/models/test_quantized_parity.py's."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 from tiny_models import assert_teacher_forcing
 
 from deepinfer import LLM, SamplingParams
@@ -24,19 +21,15 @@ PROMPTS = [
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers(default_gguf_path):
-    from transformers import AutoModelForCausalLM
-
+def test_default_model_matches_transformers(smollm2_hf_model):
     llm = LLM(max_model_len=512, kv_cache_memory="256MiB", activation_levels=2)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(default_gguf_path), dtype=torch.float32,
-                                              gguf_file=os.path.basename(default_gguf_path)).eval()
     for out in outs:
         c = out.outputs[0]
         assert len(c.token_ids) == 32
         sampled = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
-        assert_teacher_forcing(hf, out.prompt_token_ids, c.token_ids, sampled, atol=2e-3)
+        assert_teacher_forcing(smollm2_hf_model, out.prompt_token_ids, c.token_ids, sampled, atol=2e-3)
 
 
 @pytest.mark.slow

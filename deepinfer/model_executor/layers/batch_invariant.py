@@ -108,6 +108,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.ops import fused
 
 ROW_MULTIPLE = 4  # MKL matmuls (attention's bmm; linear off the CPU) run on a multiple of 4 rows
@@ -118,9 +119,6 @@ KEY_BLOCK = 64  # keys per attention block
 VOCAB_BLOCK = 256  # elements per first-level block of `row_sum`
 DECODE_PAIR_BUDGET = 1 << 15  # query x key pairs per decode sub-batch (each pair gathers one cache row)
 PREFILL_PAIR_BUDGET = 1 << 20  # query x key pairs per prefill sub-batch (scores, expanded queries)
-UNSUPPORTED_MODEL_TYPES: tuple[str, ...] = ()  # model types the mode refuses at start-up (none today)
-# model types whose forward is row-independent without BatchInvariantMode on the CPU path (`native_path`)
-NATIVE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -428,38 +426,30 @@ def _under_mode(method):
     return wrapped
 
 
-def check_model_type(model_type: str) -> None:
-    """Refuse the models this mode does not cover, naming the knob and the model type."""
-    if model_type in UNSUPPORTED_MODEL_TYPES:
-        raise ValueError(f"DEEPINFER_BATCH_INVARIANT=1 is not supported for model_type={model_type!r}: it has no "
-                         "batch-invariant path; unset DEEPINFER_BATCH_INVARIANT")
-
-
-def native_path(device: torch.device, dtype: torch.dtype, model_type: str) -> bool:
+def native_path(device: torch.device, dtype: torch.dtype, capabilities: ModelCapabilities) -> bool:
     """Whether a model runs the mode without `BatchInvariantMode` around its forward (the CPU
-    default path): fp32 on the CPU with the C++ kernels built (`kernel_isa() > 0`), for the model
-    types whose every op is then row-independent as it is (`NATIVE_MODEL_TYPES`)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and model_type in NATIVE_MODEL_TYPES
+    default path): fp32 on the CPU with the C++ kernels built (`kernel_isa() > 0`), for a model class
+    whose every op is then row-independent as it is (`capabilities.native_batch_invariant`)."""
+    return (torch.device(device).type == "cpu" and dtype == torch.float32 and capabilities.native_batch_invariant
             and fused.kernel_isa() > 0)  # the instruction set the fused ops run their kernels with
 
 
-def resolve_batch_invariant(knob: bool | None, device: torch.device, attention_backend: str, model_type: str,
-                            dtype: torch.dtype) -> bool:
+def resolve_batch_invariant(knob: bool | None, device: torch.device, attention_backend: str,
+                            capabilities: ModelCapabilities, dtype: torch.dtype) -> bool:
     """DEEPINFER_BATCH_INVARIANT as the engine runs it: as set (1 / 0), else (unset) on exactly where
     it costs (almost) nothing: the native path (`native_path`) with the torch attention backend
     (`attention_backend` as requested: auto or torch; triton keeps it off). `dtype` is the compute
     dtype the engine resolves without the mode (the mode's fp32 rule then changes nothing)."""
     if knob is not None:
         return knob
-    return attention_backend != "triton" and native_path(device, dtype, model_type)
+    return attention_backend != "triton" and native_path(device, dtype, capabilities)
 
 
-def make_batch_invariant(model, model_type: str, native: bool = False) -> None:
+def make_batch_invariant(model, native: bool = False) -> None:
     """Run the model in the mode from now on: `model.forward` in BatchInvariantMode, or on the native
     path (`native_path`) as it is, with its float linear layers' forward replaced by `linear`;
     `model.compute_logits` in BatchInvariantMode either way (a float LM head or a tied embedding
     reaches `F.linear` there; a few dozen calls per step)."""
-    check_model_type(model_type)
     if native:
         use_invariant_linears(model)
     else:

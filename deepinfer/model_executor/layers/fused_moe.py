@@ -18,15 +18,18 @@ the stacks, or the quantized twin when every matrix arrived as a `QuantWeight`.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 from torch import nn
 
-from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
+from deepinfer.contracts.weight_storage import EXPERTS
+from deepinfer.model_executor.layers.activation import GatedMLP
 from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.layers.moe import clamped_swiglu
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
-from deepinfer.model_executor.layers.parallel_linear import MergedLinear, ShardSpec, expert_piece
+from deepinfer.model_executor.layers.parallel_linear import ShardSpec, expert_piece
 from deepinfer.model_executor.layers.quant_linear import QUANTIZATION_SCHEMES, kind_runs
 
 logger = logging.getLogger("deepinfer.quantization")
@@ -93,7 +96,7 @@ class FusedExperts(_RoutedExperts):
 
     Parameters: `gate_up_proj [E, 2I, H]` (gate rows, then up rows), `down_proj [E, H, I]`.
     `forward(x [T, H], topk_ids [T, k], topk_weights [T, k]) -> [T, H]`. The grouped GEMM is the
-    `grouped_moe` hook of the kernel set bound with the caches (attention/kernels.py): the torch
+    `grouped_moe` hook of the kernel set bound with the caches (layers/kernel_set.py): the torch
     reference (layers/moe.py: pairs sorted by expert, each active expert once over its contiguous
     rows, an fp32 scatter-add) or two Triton grouped-GEMM launches (ops/triton/moe.py).
 
@@ -105,10 +108,12 @@ class FusedExperts(_RoutedExperts):
     output does not depend on which other tokens share its experts.
     """
 
+    param_storage = {"gate_up_proj": EXPERTS, "down_proj": EXPERTS}  # stored as the checkpoint's experts
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float | None,
                  expert_parallel_size: int = 1):
         super().__init__(num_experts, swiglu_limit, expert_parallel_size)
-        self.kernels: KernelSet = FUSED_KERNELS  # the grouped_moe hook: set when the model binds its caches
+        self.kernels: KernelSet = CPU_KERNELS  # the grouped_moe hook: set when the model binds its caches
         self.gate_up_proj = nn.Parameter(torch.zeros(self.num_local, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden_size, intermediate_size))
         if self.num_local < num_experts:
@@ -315,14 +320,10 @@ def quantize_experts(model: nn.Module, scheme: str) -> int:
     return swapped
 
 
-class SharedExpert(nn.Module):
-    """Dense clamped-SwiGLU MLP; HF `gate_proj`/`up_proj` load into the merged `gate_up_proj`."""
+class SharedExpert(GatedMLP):
+    """Dense clamped-SwiGLU MLP held whole on every rank (the gated MLP, layers/activation.py);
+    HF `gate_proj`/`up_proj` load into the merged `gate_up_proj`."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None):
-        super().__init__()
+        super().__init__(hidden_size, intermediate_size, partial(clamped_swiglu, limit=swiglu_limit), split=False)
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_up_proj(x), self.swiglu_limit))  # [T, H]

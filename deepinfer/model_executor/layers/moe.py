@@ -1,5 +1,5 @@
 """Routed experts as a grouped GEMM, PyTorch reference (the torch hook `grouped_moe` of
-attention/kernels.py; ops/triton/moe.py is the Triton one, with the same contract).
+layers/kernel_set.py; ops/triton/moe.py is the Triton one, with the same contract).
 
 Experts are clamped-SwiGLU MLPs with stacked weights: `gate_up [E, 2I, H]` (gate rows, then up
 rows) and `down [E, H, I]`. The (token, slot) pairs are sorted by expert, each active expert runs

@@ -25,31 +25,27 @@ plus one collective per layer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.distributed.parallel_state import all_reduce, tp_size
 from deepinfer.model_executor.layers.mxfp4_moe import SWIGLU_ALPHA, OssExperts
-from deepinfer.model_executor.layers.norm import RMSNorm
-from deepinfer.model_executor.layers.parallel_linear import (
-    ShardSpec,
-    computes_expert_slice,
-    even_piece,
-    vocab_parallel_embedding,
-    vocab_parallel_head,
-)
-from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, head_dim_of
+from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, even_piece
+from deepinfer.model_executor.layers.rotary import RotaryEmbedding
+from deepinfer.model_executor.layers.router import Router, RouterSpec
+from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
+from deepinfer.model_executor.models.llama import LlamaAttention, llama_spec
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 _SINKS_WEIGHT = ".self_attn.sinks.weight"
 
 
-def mxfp4_experts_of(cfg) -> bool:
-    """Whether the checkpoint stores the experts in MXFP4 (`quantization_config.quant_method == "mxfp4"`);
-    a ValueError for any other quantization."""
-    quant = getattr(cfg, "quantization_config", None)
+def mxfp4_experts_of(quant) -> bool:
+    """Whether the checkpoint stores the experts in MXFP4 (`quantization_config` `quant` has
+    quant_method "mxfp4"); a ValueError for any other quantization."""
     if not quant:
         return False
     quant = quant if isinstance(quant, dict) else quant.to_dict()
@@ -59,7 +55,7 @@ def mxfp4_experts_of(cfg) -> bool:
     return True
 
 
-def check_gpt_oss_config(cfg, expert_parallel_size: int = 1) -> None:
+def check_gpt_oss_config(cfg, attention_bias: bool, expert_parallel_size: int = 1) -> None:
     """Refuse the options this model does not implement, naming the field and value."""
     if expert_parallel_size > 1 and cfg.num_local_experts % expert_parallel_size:
         raise ValueError(f"num_local_experts={cfg.num_local_experts} is not divisible by "
@@ -70,16 +66,41 @@ def check_gpt_oss_config(cfg, expert_parallel_size: int = 1) -> None:
                          f"{cfg.num_hidden_layers} layers; got {cfg.layer_types}")
     if "sliding_attention" in types and not cfg.sliding_window:
         raise ValueError(f"sliding_window={cfg.sliding_window!r}: sliding_attention layers need a window")
-    if not getattr(cfg, "attention_bias", True):
+    if not attention_bias:
         raise ValueError("attention_bias=False is not supported (GPT-OSS projections have biases)")
-    mxfp4_experts_of(cfg)
+
+
+@dataclass(frozen=True)
+class OssExpertsSpec:
+    """The experts' config, read once: MXFP4 or dense, the clamped SwiGLU's limit and alpha."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    mxfp4: bool
+    swiglu_limit: float
+    swiglu_alpha: float
+
+
+def gpt_oss_spec(cfg, expert_parallel_size: int = 1) -> DecoderSpec:
+    """The Llama spec (biases on q|k|v and o, windows from `layer_types`, YaRN from the rope
+    parameters) with sinks and the MoE block; the optional config fields are read here."""
+    attention_bias = bool(getattr(cfg, "attention_bias", True))
+    check_gpt_oss_config(cfg, attention_bias, expert_parallel_size)
+    router = RouterSpec(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok,
+                        topk_before_score=True, linear_bias=True, fp32_logits=False)
+    experts = OssExpertsSpec(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                             mxfp4_experts_of(getattr(cfg, "quantization_config", None)), cfg.swiglu_limit,
+                             getattr(cfg, "swiglu_alpha", SWIGLU_ALPHA))
+    return llama_spec(cfg, attention=GptOssAttention, qkv_bias=attention_bias, o_bias=attention_bias,
+                      mlp=lambda spec, cfg, layer_idx, ep: GptOssMoE(router, experts, ep))
 
 
 class GptOssAttention(LlamaAttention):
     """Llama attention (merged q|k|v with biases, window from `layer_types`) plus one sink per query head."""
 
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding):
-        super().__init__(cfg, layer_idx, rotary)
+    def __init__(self, spec: DecoderSpec, cfg, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__(spec, cfg, layer_idx, rotary)
         piece = even_piece(cfg.num_attention_heads, "num_attention_heads")  # the rank's heads
         self.sinks = nn.Parameter(torch.zeros(piece.local))  # [H_local]
         if tp_size() > 1:
@@ -94,55 +115,23 @@ class GptOssMoE(nn.Module):
     """Router (top-k of the logits, softmax over the k) and the experts: all of them, or with
     expert_parallel_size > 1 the rank's slice, whose partial outputs one all_reduce sums."""
 
-    def __init__(self, cfg, expert_parallel_size: int = 1):
+    def __init__(self, router: RouterSpec, experts: OssExpertsSpec, expert_parallel_size: int = 1):
         super().__init__()
-        self.top_k = cfg.num_experts_per_tok
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=True)
-        self.experts = OssExperts(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
-                                  mxfp4_experts_of(cfg), cfg.swiglu_limit,
-                                  getattr(cfg, "swiglu_alpha", SWIGLU_ALPHA), expert_parallel_size)
+        self.router = Router(router)
+        self.experts = OssExperts(experts.num_experts, experts.hidden_size, experts.intermediate_size,
+                                  experts.mxfp4, experts.swiglu_limit, experts.swiglu_alpha, expert_parallel_size)
         self.split = expert_parallel_size > 1  # fixed at construction: partial outputs summed over the ranks
         self.computes_experts = not self.split or computes_expert_slice(expert_parallel_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.router(x)  # [T, E]
-        top, ids = logits.topk(self.top_k, dim=-1)  # [T, k] each
-        out = self.experts(x, ids, top.softmax(dim=-1)) if self.computes_experts else torch.zeros_like(x)  # [T, H]
+        ids, weights = self.router(x)  # [T, k] each
+        out = self.experts(x, ids, weights) if self.computes_experts else torch.zeros_like(x)  # [T, H]
         return all_reduce(out) if self.split else out  # [T, hidden]
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding, expert_parallel_size: int):
-        super().__init__()
-        self.self_attn = GptOssAttention(cfg, layer_idx, rotary)
-        self.mlp = GptOssMoE(cfg, expert_parallel_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
-
-
-class GptOssModel(nn.Module):
-    def __init__(self, cfg, max_positions: int, expert_parallel_size: int):
-        super().__init__()
-        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
-        rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
-        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, i, rotary, expert_parallel_size)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)  # [T, hidden]
-
-
-class GptOssForCausalLM(LlamaForCausalLM):
-    """HF `gpt_oss`. forward() returns hidden states; compute_logits() runs the LM head on selected rows.
+class GptOssForCausalLM(DecoderLM):
+    """HF `gpt_oss`: the decoder (models/decoder.py) with `gpt_oss_spec`. forward() returns hidden
+    states; compute_logits() runs the LM head on selected rows.
 
     The cache protocol (token groups: one paged "full" group, one "swa" ring), the LM head and
     `load_weights` are the Llama family's: parameters carry HF's names, MXFP4 experts their
@@ -154,20 +143,15 @@ class GptOssForCausalLM(LlamaForCausalLM):
     # back to the host (and the held pairs are counted on the host under expert parallelism)
     capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True)
 
-    def __init__(self, cfg, max_positions: int, expert_parallel_size: int = 1):
-        nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a Llama body
-        check_gpt_oss_config(cfg, expert_parallel_size)
-        self.config = cfg
-        self.model = GptOssModel(cfg, max_positions, expert_parallel_size)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
+    @classmethod
+    def decoder_spec(cls, cfg, expert_parallel_size: int = 1) -> DecoderSpec:
+        return gpt_oss_spec(cfg, expert_parallel_size)
 
     def bind_caches(self, caches) -> None:
         super().bind_caches(caches)
         for layer in self.model.layers:
             layer.self_attn.bind_sinks()
-            layer.mlp.experts.bind_kernels(caches.backend.kernels.name)
+            layer.mlp.experts.bind_kernels(caches.backend.kernels)
 
     def load_weights(self, weights) -> None:
         """HF-named tensors; a GGUF file's sinks arrive as `self_attn.sinks.weight`."""

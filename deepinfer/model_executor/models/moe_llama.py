@@ -1,8 +1,9 @@
 """Mixture-of-experts members of the Llama family: Qwen3-MoE, Qwen2-MoE and Mixtral.
 
-Attention, norms, RoPE, the LM head, the cache groups and the loading of all but the experts are the
-Llama family's (llama.py). The MLP of a sparse layer is a router, routed SwiGLU experts
-(layers/fused_moe.py) and, for Qwen2-MoE, a gated shared expert, in fp32 where it routes:
+The decoder is models/decoder.py's with the Llama spec (llama.py): attention, norms, RoPE, the LM head,
+the cache groups and the loading of all but the experts are the Llama family's. The MLP of a sparse
+layer is a router (layers/router.py), routed SwiGLU experts (layers/fused_moe.py) and, for
+Qwen2-MoE, a gated shared expert, in fp32 where it routes:
 
     probs    = softmax(x W_router^T)            [T, E] fp32, over all E experts
     w, ids   = top-k(probs)                     [T, k]
@@ -33,7 +34,9 @@ added on rank 0. A dense layer is Llama's split MLP.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -42,17 +45,11 @@ from torch import nn
 from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
-from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
-from deepinfer.model_executor.layers.parallel_linear import (
-    ColumnParallelLinear,
-    computes_expert_slice,
-    head_pieces,
-    vocab_parallel_embedding,
-    vocab_parallel_head,
-)
-from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from deepinfer.model_executor.layers.parallel_linear import computes_expert_slice
+from deepinfer.model_executor.layers.router import Router, RouterSpec
+from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp
+from deepinfer.model_executor.models.llama import llama_spec
 from deepinfer.model_executor.models.utils import load_weights
 
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -68,17 +65,18 @@ class MoeFamily:
     qkv_bias_field: str | None = None  # config field that puts a bias on q, k and v (not on o)
     always_renormalize: bool = False  # renormalise the top-k weights whatever `norm_topk_prob` says
     shared_expert: bool = False  # a sigmoid-gated dense expert beside the routed ones
-    expert_size_field: str = "moe_intermediate_size"  # config field of an expert's intermediate size
+    expert_size: Callable = lambda cfg: cfg.moe_intermediate_size  # an expert's intermediate size
     dense_layers: bool = True  # `mlp_only_layers` / `decoder_sparse_step` make some layers dense
 
 
 QWEN3_MOE = MoeFamily(qk_norm=True)
 QWEN2_MOE = MoeFamily(qkv_bias_field="qkv_bias", shared_expert=True)
-MIXTRAL = MoeFamily(always_renormalize=True, expert_size_field="intermediate_size", dense_layers=False)
+MIXTRAL = MoeFamily(always_renormalize=True, expert_size=lambda cfg: cfg.intermediate_size, dense_layers=False)
 
 
-def check_moe_config(cfg, family: MoeFamily) -> None:
-    """Refuse what these blocks do not implement, naming the field and value."""
+def moe_spec(cfg, family: MoeFamily) -> DecoderSpec:
+    """The Llama spec with the family's attention choices and, on its sparse layers, a
+    `SparseMoeBlock`; every optional config field the family reads is read here."""
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported: the experts are SwiGLU (silu)")
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
@@ -87,19 +85,30 @@ def check_moe_config(cfg, family: MoeFamily) -> None:
     step = getattr(cfg, "decoder_sparse_step", 1) if family.dense_layers else 1
     if step < 1:
         raise ValueError(f"decoder_sparse_step={step} must be >= 1")
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ()) if family.dense_layers else set()
+    sparse = tuple(i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
+                   for i in range(cfg.num_hidden_layers))  # as HF decides it
+    renormalize = family.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
+    router = RouterSpec(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, renormalize=renormalize)
+    shared = cfg.shared_expert_intermediate_size if family.shared_expert else 0
+    block = partial(SparseMoeBlock, router, family.expert_size(cfg), shared)
+    spec = llama_spec(cfg)
+    qkv_bias = family.qkv_bias_field is not None and bool(getattr(cfg, family.qkv_bias_field, False))
+    return replace(spec, qk_norm=family.qk_norm, qkv_bias=spec.qkv_bias or qkv_bias,
+                   mlp=partial(_sparse_or_dense, sparse, block))
 
 
-def is_sparse_layer(cfg, family: MoeFamily, layer_idx: int) -> bool:
-    """Whether layer `layer_idx` routes to experts (else Llama's dense MLP), as HF decides it."""
-    if not family.dense_layers:
-        return True
-    dense = layer_idx in (getattr(cfg, "mlp_only_layers", None) or ())
-    return not dense and cfg.num_experts > 0 and (layer_idx + 1) % getattr(cfg, "decoder_sparse_step", 1) == 0
+def _sparse_or_dense(sparse: tuple[bool, ...], block: Callable, spec: DecoderSpec, cfg, layer_idx: int,
+                     expert_parallel_size: int) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the MoE block on a sparse layer, else Llama's dense MLP."""
+    if sparse[layer_idx]:
+        return block(cfg.hidden_size, expert_parallel_size)
+    return dense_mlp(spec, cfg, layer_idx, expert_parallel_size)
 
 
 class FloatGate(nn.Module):
-    """A small projection computed in fp32 and never quantized: a router's logits [T, E], a shared
-    expert's gate [T, 1]. Parameter `weight [out, in]`."""
+    """A small projection computed in fp32 and never quantized: a shared expert's gate [T, 1].
+    Parameter `weight [out, in]`."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -109,35 +118,22 @@ class FloatGate(nn.Module):
         return F.linear(x.float(), self.weight.float())  # [T, out] fp32
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] (fp32) -> (topk_ids [T, k], topk_weights [T, k] fp32): softmax over all
-    experts, the k largest probabilities, optionally renormalised to sum to 1."""
-    probs = logits.float().softmax(dim=-1)  # [T, E]
-    weights, ids = probs.topk(top_k, dim=-1)  # [T, k] each, largest first
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)  # [T, k]
-    return ids, weights
-
-
 class SparseMoeBlock(nn.Module):
     """Router `gate`, routed `experts` and (Qwen2-MoE) `shared_expert` with `shared_expert_gate`."""
 
-    def __init__(self, cfg, family: MoeFamily, expert_parallel_size: int = 1):
+    def __init__(self, router: RouterSpec, expert_size: int, shared_size: int, hidden: int,
+                 expert_parallel_size: int = 1):
         super().__init__()
-        hidden = cfg.hidden_size
-        self.top_k = cfg.num_experts_per_tok
-        self.renormalize = family.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
-        self.gate = FloatGate(hidden, cfg.num_experts)
-        inter = getattr(cfg, family.expert_size_field)
-        self.experts: nn.Module = FusedExperts(cfg.num_experts, hidden, inter, None, expert_parallel_size)
-        self.shared_expert = SharedExpert(hidden, cfg.shared_expert_intermediate_size, None) \
-            if family.shared_expert else None
-        self.shared_expert_gate = FloatGate(hidden, 1) if family.shared_expert else None
+        self.gate = Router(router)
+        E = router.num_experts
+        self.experts: nn.Module = FusedExperts(E, hidden, expert_size, None, expert_parallel_size)
+        self.shared_expert = SharedExpert(hidden, shared_size, None) if shared_size else None
+        self.shared_expert_gate = FloatGate(hidden, 1) if shared_size else None
         self.computes_experts = computes_expert_slice(expert_parallel_size)
         self.split, self.adds_shared = tp_size() > 1, tp_rank() == 0  # fixed at construction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = route(self.gate(x), self.top_k, self.renormalize)  # [T, k] each
+        topk_ids, topk_weights = self.gate(x)  # [T, k] each
         out = self.experts(x, topk_ids, topk_weights) if self.computes_experts else torch.zeros_like(x)  # [T, H]
         if self.shared_expert is not None and self.adds_shared:
             gate = torch.sigmoid(self.shared_expert_gate(x)).to(x.dtype)  # [T, 1]
@@ -145,69 +141,19 @@ class SparseMoeBlock(nn.Module):
         return all_reduce(out) if self.split else out  # [T, H], summed over the ranks
 
 
-class MoeAttention(LlamaAttention):
-    """Llama's attention with the family's q/k norm (Qwen3-MoE) or q/k/v bias (Qwen2-MoE)."""
-
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding, family: MoeFamily):
-        super().__init__(cfg, layer_idx, rotary)
-        wants_bias = family.qkv_bias_field is not None and bool(getattr(cfg, family.qkv_bias_field, False))
-        if wants_bias and self.qkv_proj.bias is None:
-            q, kv = head_pieces(cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim)
-            self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], bias=True)
-        if family.qk_norm:
-            self.qk_norm = True
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-
-
-class MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg, family: MoeFamily, layer_idx: int, rotary: RotaryEmbedding, expert_parallel_size: int):
-        super().__init__()
-        self.self_attn = MoeAttention(cfg, layer_idx, rotary, family)
-        sparse = is_sparse_layer(cfg, family, layer_idx)
-        self.mlp = SparseMoeBlock(cfg, family, expert_parallel_size) if sparse else LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))  # [T, hidden]
-        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
-
-
-class MoeModel(nn.Module):
-    def __init__(self, cfg, family: MoeFamily, max_positions: int, expert_parallel_size: int):
-        super().__init__()
-        inv_freq, scaling = rope_inv_freq(cfg, head_dim_of(cfg))
-        rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
-        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, family, i, rotary, expert_parallel_size)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)  # [T, hidden]
-
-
-class MoeForCausalLM(LlamaForCausalLM):
-    """A Llama-family MoE model; `family` (a class attribute) says which. forward() returns hidden
-    states, compute_logits() runs the LM head; caches, head and the other tensors' loading are Llama's."""
+class MoeForCausalLM(DecoderLM):
+    """A Llama-family MoE model; `family` (a class attribute) says which. The decoder is
+    models/decoder.py's with `moe_spec`; loading adds the routed experts."""
 
     # attention split over tensor-parallel ranks, routed experts over expert_parallel_size groups;
-    # decode is not graph-safe: the torch expert hook reads expert counts back to the host
-    capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True)
+    # decode is not graph-safe: the torch expert hook reads expert counts back to the host;
+    # linear layers and experts quantizable at load
+    capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True, quantize_at_load=True)
     family: MoeFamily = QWEN3_MOE
 
-    def __init__(self, cfg, max_positions: int, expert_parallel_size: int = 1):
-        nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a dense body
-        check_moe_config(cfg, self.family)
-        self.config = cfg
-        self.model = MoeModel(cfg, self.family, max_positions, expert_parallel_size)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
+    @classmethod
+    def decoder_spec(cls, cfg, expert_parallel_size: int = 1) -> DecoderSpec:
+        return moe_spec(cfg, cls.family)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

@@ -1,4 +1,4 @@
-"""Phi-3 / Phi-4 (HF `phi3`): the Llama family's layers (llama.py) with Phi's checkpoint and RoPE.
+"""Phi-3 / Phi-4 (HF `phi3`): the Llama family's decoder (llama.py) with Phi's checkpoint and RoPE.
 
     weights     the checkpoint's fused `qkv_proj` (q | k | v rows) and `gate_up_proj` (gate | up)
                 are cut into their pieces as they load (`FusedPiece`), so each tensor-parallel rank
@@ -27,13 +27,11 @@ sqrt(1 + ln(max_position_embeddings / original) / ln(original))).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from deepinfer.contracts.model import ModelCapabilities
-from deepinfer.model_executor.layers.norm import RMSNorm
-from deepinfer.model_executor.layers.parallel_linear import vocab_parallel_embedding, vocab_parallel_head
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
+from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
+from deepinfer.model_executor.models.llama import llama_spec
 
 _ROPE_TYPES = ("default", "longrope")
 
@@ -56,16 +54,15 @@ def longrope_seq_len(cfg, max_positions: int) -> int | None:
     return original + 1 if max_positions > original else None
 
 
-def phi3_rotary(cfg, max_positions: int) -> RotaryEmbedding:
+def phi3_rotaries(spec: DecoderSpec, cfg, max_positions: int) -> list[RotaryEmbedding]:
     """The RoPE every layer shares: R = head_dim * partial_rotary_factor rotating dims."""
-    params = cfg.rope_parameters
-    head_dim = head_dim_of(cfg)
+    params, head_dim = cfg.rope_parameters, spec.head_dim
     if params.get("rope_type", "default") == "longrope":  # transformers applies the partial factor
         inv_freq, scaling = rope_inv_freq(cfg, head_dim, seq_len=longrope_seq_len(cfg, max_positions))
     else:
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         inv_freq, scaling = rope_inv_freq(cfg, rotary_dim)
-    return RotaryEmbedding(inv_freq, max_positions, scaling)
+    return [RotaryEmbedding(inv_freq, max_positions, scaling)] * cfg.num_hidden_layers
 
 
 class FusedPiece:
@@ -86,11 +83,10 @@ class FusedPiece:
         return self.source.narrow(0, self.start, self.shape[0])
 
 
-def split_fused(weights, cfg):
+def split_fused(weights, cfg, head_dim: int):
     """(name, tensor) pairs with each fused `qkv_proj` / `gate_up_proj` tensor replaced by its pieces
     under the unfused names (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`), which loading
     stacks into the merged projections (models/utils.py)."""
-    head_dim = head_dim_of(cfg)
     q_rows, kv_rows = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     fused = {".qkv_proj.": ((".q_proj.", q_rows), (".k_proj.", kv_rows), (".v_proj.", kv_rows)),
              ".gate_up_proj.": ((".gate_proj.", cfg.intermediate_size), (".up_proj.", cfg.intermediate_size))}
@@ -108,32 +104,19 @@ def split_fused(weights, cfg):
             start += rows
 
 
-class Phi3Model(LlamaModel):
-    """The Llama body (embedding, layers, norm) around Phi's RoPE; forward is LlamaModel's."""
+class Phi3ForCausalLM(DecoderLM):
+    """HF `phi3` (Phi-3 mini / medium, Phi-3.5 mini, Phi-4, Phi-4-mini): the decoder
+    (models/decoder.py) with the Llama spec and Phi's RoPE; fused checkpoint tensors cut as they load."""
 
-    def __init__(self, cfg, max_positions: int):
-        nn.Module.__init__(self)  # not LlamaModel.__init__: its RoPE knows no LongRoPE factor choice
-        rotary = phi3_rotary(cfg, max_positions)
-        self.embed_tokens = vocab_parallel_embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    # as the Llama family: CUDA-graph-safe decode, split over tensor-parallel ranks, row-independent
+    # on the fp32 CPU path, quantizable at load
+    capabilities = ModelCapabilities(graph_safe_decode=True, tensor_parallel=True, native_batch_invariant=True,
+                                     quantize_at_load=True)
 
-
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """HF `phi3` (Phi-3 mini / medium, Phi-3.5 mini, Phi-4, Phi-4-mini). forward() returns hidden
-    states; the head, caches and `attention_layers()` are the Llama family's."""
-
-    # as the Llama family: CUDA-graph-safe decode, split over tensor-parallel ranks
-    capabilities = ModelCapabilities(graph_safe_decode=True, tensor_parallel=True)
-
-    def __init__(self, cfg, max_positions: int):
-        nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: that would build a Llama body
+    @classmethod
+    def decoder_spec(cls, cfg, expert_parallel_size: int = 1) -> DecoderSpec:
         check_phi3_config(cfg)
-        self.config = cfg
-        self.model = Phi3Model(cfg, max_positions)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = vocab_parallel_head(cfg.hidden_size, cfg.vocab_size)
+        return llama_spec(cfg, rotaries=phi3_rotaries)
 
     def load_weights(self, weights) -> None:
-        super().load_weights(split_fused(weights, self.config))
+        super().load_weights(split_fused(weights, self.config, self.spec.head_dim))

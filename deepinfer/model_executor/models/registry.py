@@ -31,6 +31,11 @@ _MODELS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(_MODELS))
 
 
+def model_types_with(capability) -> tuple[str, ...]:
+    """The model types whose class's `capabilities` satisfy `capability` (a predicate), sorted."""
+    return tuple(t for t in SUPPORTED_MODEL_TYPES if capability(_MODELS[t].capabilities))
+
+
 def get_model_class(model_type: str):
     if model_type not in _MODELS:
         raise ValueError(f"unsupported architecture model_type={model_type!r}; "

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.model_executor.forward_context import get_forward_context
-from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.models.deepseek_v3.mla import MLAAttention
 
 
@@ -45,14 +45,14 @@ class CachedMLAAttention(MLAAttention):
         self.num_kv_heads, self.head_dim = 1, self.row_dim
         self.cache = None  # LayerCache, bound later
         self.group: int | None = None  # index of its group in the step's metadata
-        self.kernels: KernelSet = FUSED_KERNELS
+        self.kernels: KernelSet = CPU_KERNELS
         # the decode hook's per-head sink logit: -inf, so the softmax is over the rows alone
         self.register_buffer("no_sink", torch.full((self.num_heads,), float("-inf")), persistent=False)
 
     def bind(self, cache, group: int, kernels: KernelSet) -> None:
         self.cache, self.group, self.kernels = cache, group, kernels
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         md = get_forward_context().attn_metadata
         g = md.groups[self.group]
         q_nope, q_pe, rows = self.project(x, positions)  # [T, H, dn], [T, H, dr], [T, D]

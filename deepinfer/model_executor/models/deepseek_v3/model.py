@@ -1,7 +1,7 @@
 """DeepSeek-V3 / R1 (`deepseek_v3`) and DeepSeek-V2 / V2-Lite (`deepseek_v2`) for causal LM.
 
     h      = embed(ids)                                                     [T, hidden]
-    layers = MLA attention (cached_attn.py) + dense MLP or MoE (layer.py)
+    layers = MLA attention (cached_attn.py) + dense MLP or MoE (moe.py): models/decoder.py's layer
     hidden = norm(h)                                                        [T, hidden]
 
 Cache groups (`cache_groups`): "mla", paged, every layer, ONE latent row per token per layer that
@@ -23,39 +23,39 @@ architecture (loader/gguf_deepseek2.py); with quantization "gguf" a file's matri
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
-from deepinfer.contracts.model import BoundCaches, ModelCapabilities, NoRequestState
+from deepinfer.contracts.model import BoundCaches, ModelCapabilities
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
-from deepinfer.model_executor.layers.norm import RMSNorm
-from deepinfer.model_executor.models.deepseek_v3.config import V2, check_config, num_mtp_layers
-from deepinfer.model_executor.models.deepseek_v3.layer import DeepseekDecoderLayer
+from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
+from deepinfer.model_executor.models.deepseek_v3.cached_attn import CachedMLAAttention
+from deepinfer.model_executor.models.deepseek_v3.config import V2, check_config, is_moe_layer, num_mtp_layers
 from deepinfer.model_executor.models.deepseek_v3.mla import mla_rotary
-from deepinfer.model_executor.models.deepseek_v3.moe import DeepseekMoE
+from deepinfer.model_executor.models.deepseek_v3.moe import DeepseekMoE, SplitMLP, deepseek_router
 from deepinfer.model_executor.models.deepseek_v3.mtp import DeepseekMTP
 from deepinfer.model_executor.models.deepseek_v3.weights import load_deepseek_weights
 
 LATENT_FIELD = "kv_lora_rank + qk_rope_head_dim"
 
 
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg, rotary, expert_parallel_size: int = 1):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, rotary, expert_parallel_size)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+def deepseek_spec(cfg) -> DecoderSpec:
+    """The decoder (models/decoder.py) of V2 / V3: MLA attention, a dense MLP on the first
+    `first_k_dense_replace` layers and an MoE block after (the MTP layers too), one RoPE table, the
+    embedding and the head held whole on every rank."""
+    check_config(cfg)
+    router = deepseek_router(cfg) if cfg.n_routed_experts else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[T] -> the final hidden states [T, hidden], after the norm (what the head and the MTP layers read)."""
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+    def feed_forward(spec: DecoderSpec, cfg, layer_idx: int, expert_parallel_size: int):
+        if is_moe_layer(cfg, layer_idx):
+            return DeepseekMoE(cfg, router, expert_parallel_size)
+        return SplitMLP(cfg.hidden_size, cfg.intermediate_size, "intermediate_size")
+
+    return DecoderSpec(attention=lambda spec, cfg, layer_idx, rotary: CachedMLAAttention(cfg, layer_idx, rotary),
+                       mlp=feed_forward, rotaries=lambda spec, cfg, max_positions:
+                       [mla_rotary(cfg, max_positions)] * cfg.num_hidden_layers, vocab_split=False)
 
 
-class DeepseekV3ForCausalLM(NoRequestState, nn.Module):
+class DeepseekV3ForCausalLM(DecoderLM):
     """forward() returns hidden states; compute_logits() runs the LM head on selected rows only."""
 
     # heads split over tensor-parallel ranks, routed experts over expert_parallel_size rank groups;
@@ -65,14 +65,13 @@ class DeepseekV3ForCausalLM(NoRequestState, nn.Module):
                                      drafting_streams=True)
 
     def __init__(self, cfg, max_positions: int = 0, expert_parallel_size: int = 1):
-        super().__init__()
-        check_config(cfg)
-        self.config, self.max_positions, self.expert_parallel_size = cfg, max_positions, expert_parallel_size
-        self.rotary = mla_rotary(cfg, max_positions)  # one table for every layer
-        self.model = DeepseekModel(cfg, self.rotary, expert_parallel_size)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        super().__init__(cfg, max_positions, expert_parallel_size)
         self.mtp: DeepseekMTP | None = None  # the next-n draft module, when `add_mtp` was called
         self.last_streams: torch.Tensor | None = None  # [T, 1, hidden] of the last forward (with MTP)
+
+    @classmethod
+    def decoder_spec(cls, cfg, expert_parallel_size: int = 1) -> DecoderSpec:
+        return deepseek_spec(cfg)
 
     def add_mtp(self) -> None:
         """Build the MTP draft module (before the weights load): speculative_method='mtp'."""
@@ -80,7 +79,7 @@ class DeepseekV3ForCausalLM(NoRequestState, nn.Module):
         if n < 1:
             raise ValueError(f"speculative_method='mtp' needs MTP layers, but the config's "
                              f"num_nextn_predict_layers is {n}; use speculative_method='ngram'")
-        self.mtp = DeepseekMTP(self.config, self.rotary, self.expert_parallel_size)
+        self.mtp = DeepseekMTP(self.spec, self.config, self.rotaries[0], self.expert_parallel_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] -> hidden [T, hidden]; with MTP on, also kept in `last_streams` [T, 1, hidden]."""
@@ -88,9 +87,6 @@ class DeepseekV3ForCausalLM(NoRequestState, nn.Module):
         if self.mtp is not None:
             self.last_streams = hidden[:, None]  # [T, 1, hidden]
         return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # [N, V]
 
     def attention_layers(self) -> list:
         return [layer.self_attn for layer in self.model.layers]
@@ -154,10 +150,11 @@ class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
 
     capabilities = ModelCapabilities(tensor_parallel=True, expert_parallel=True)
 
-    def __init__(self, cfg, max_positions: int = 0, expert_parallel_size: int = 1):
+    @classmethod
+    def decoder_spec(cls, cfg, expert_parallel_size: int = 1) -> DecoderSpec:
         if cfg.model_type != V2:
             raise ValueError(f"model_type={cfg.model_type!r} is not {V2!r}")
-        super().__init__(cfg, max_positions, expert_parallel_size)
+        return deepseek_spec(cfg)
 
 
 __all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.models.decoder import DecoderLayer, DecoderSpec
 from deepinfer.model_executor.models.deepseek_v3.config import num_mtp_layers
-from deepinfer.model_executor.models.deepseek_v3.layer import DeepseekDecoderLayer
 
 
 class SharedHead(nn.Module):
@@ -38,12 +38,13 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
 
 
-class DeepseekMTPLayer(DeepseekDecoderLayer):
-    """A decoder layer (always MoE) with the MTP input projection (`enorm`, `hnorm`, `eh_proj`) and
-    `shared_head.norm`; streams are [T, 1, hidden] (one residual stream: DraftingModel's shape)."""
+class DeepseekMTPLayer(DecoderLayer):
+    """A decoder layer (MoE: its index is past `first_k_dense_replace`) with the MTP input
+    projection (`enorm`, `hnorm`, `eh_proj`) and `shared_head.norm`; streams are [T, 1, hidden]
+    (one residual stream: DraftingModel's shape)."""
 
-    def __init__(self, cfg, layer_idx: int, rotary, expert_parallel_size: int = 1):
-        super().__init__(cfg, layer_idx, rotary, expert_parallel_size, moe=True)
+    def __init__(self, spec: DecoderSpec, cfg, layer_idx: int, rotary, expert_parallel_size: int = 1):
+        super().__init__(spec, cfg, layer_idx, rotary, expert_parallel_size)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
@@ -66,12 +67,13 @@ class DeepseekMTPLayer(DeepseekDecoderLayer):
 class DeepseekMTP(nn.Module):
     """The `num_nextn_predict_layers` MTP layers (`layers`); spec step j uses `layers[j % n]`."""
 
-    def __init__(self, cfg, rotary, expert_parallel_size: int = 1):
+    def __init__(self, spec: DecoderSpec, cfg, rotary, expert_parallel_size: int = 1):
         super().__init__()
         n = num_mtp_layers(cfg)
         if n < 1:
             raise ValueError(f"num_nextn_predict_layers must be >= 1 for an MTP module, got {n}")
-        self.layers = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_hidden_layers + i, rotary, expert_parallel_size)
+        self.layers = nn.ModuleList(DeepseekMTPLayer(spec, cfg, cfg.num_hidden_layers + i, rotary,
+                                                     expert_parallel_size)
                                     for i in range(n))
 
     def layer_for_step(self, spec_step_idx: int) -> DeepseekMTPLayer:

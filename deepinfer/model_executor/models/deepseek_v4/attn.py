@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.contracts.weight_storage import FP32, LINEAR
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts
 from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
@@ -97,6 +98,7 @@ class GroupedLinear(nn.Module):
     """
 
     batch_invariant = False
+    param_storage = {"weight": LINEAR}
 
     def __init__(self, in_per_group: int, out_features: int, n_groups: int):
         super().__init__()
@@ -143,6 +145,8 @@ class DeepseekV4Attention(nn.Module):
     Parameters mirror HF ``DeepseekV4Attention`` (q_a_proj, q_a_norm, q_b_proj, kv_proj, kv_norm,
     o_a_proj, o_b_proj, sinks); a CSA/HCA layer's ``compressor`` lives elsewhere.
     """
+
+    param_storage = {"sinks": FP32}
 
     def __init__(self, config, layer_type: str = SLIDING):
         super().__init__()

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.forward_context import get_forward_context
-from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.attention.torch_ref import visibility
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.models.deepseek_v4 import invariant
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import (
@@ -97,7 +97,7 @@ class CachedV4Attention(DeepseekV4Attention):
         self.window_cache = self.rows_cache = self.index_cache = None  # LayerCaches, bound later
         self.window_group = self.rows_group = self.index_group = None  # indices into the step's group metadata
         self.states: dict[str, StateBank] = {}  # compressor name -> per-slot state
-        self.kernels: KernelSet = FUSED_KERNELS  # store, sparse MLA (and the indexer's scores): set by bind_kernels
+        self.kernels: KernelSet = CPU_KERNELS  # store, sparse MLA (and the indexer's scores): set by bind_kernels
         self._verified: list[_Verified] = []  # this step's verification spans
         self.batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: set by `set_batch_invariant`
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.contracts.weight_storage import FP32
 from deepinfer.model_executor.layers.batch_invariant import pairwise_sum
 
 
@@ -68,6 +69,7 @@ class HyperConnection(nn.Module):
     """
 
     batch_invariant = False
+    param_storage = dict.fromkeys(("fn", "base", "scale"), FP32)
 
     def __init__(self, hidden_size: int, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         super().__init__()
@@ -120,6 +122,7 @@ class HyperHead(nn.Module):
     """
 
     batch_invariant = False
+    param_storage = dict.fromkeys(("hc_fn", "hc_base", "hc_scale"), FP32)
 
     def __init__(self, hidden_size: int, hc_mult: int, hc_eps: float, norm_eps: float):
         super().__init__()

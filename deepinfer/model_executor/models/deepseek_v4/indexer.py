@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.batch_invariant import index_scores
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.layers.ops.addressing import visible_rows
 from deepinfer.model_executor.models.deepseek_v4.pooling import CSA, WindowCompressor, apply_interleaved_rope
 
@@ -65,7 +65,7 @@ class IndexerScorer(nn.Module):
         self.softmax_scale = config.index_head_dim**-0.5
         self.weights_scaling = config.index_n_heads**-0.5
         self.weights_proj = nn.Linear(config.hidden_size, config.index_n_heads, bias=False)
-        self.kernels: KernelSet = FUSED_KERNELS  # the indexer_scores hook: set when the model binds its caches
+        self.kernels: KernelSet = CPU_KERNELS  # the indexer_scores hook: set when the model binds its caches
         self.batch_invariant = False  # DEEPINFER_BATCH_INVARIANT: `index_scores` instead of the hook
 
     def head_weights(self, hidden: torch.Tensor) -> torch.Tensor:

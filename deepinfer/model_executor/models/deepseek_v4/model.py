@@ -24,7 +24,7 @@ from torch import nn
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
 from deepinfer.contracts.model import BoundCaches, ModelCapabilities
-from deepinfer.model_executor.layers.attention.kernels import KernelSet
+from deepinfer.model_executor.layers.kernel_set import KernelSet
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import CSA, HCA
@@ -141,7 +141,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def bind_caches(self, caches: BoundCaches) -> None:
         """Give each layer its cache views, the metadata index of each group it uses, and its
         compressor state banks (one state per ring state slot); and the backend's kernel set
-        (attention/kernels.py), on which the row stores, the sparse MLA decode, the indexer's scores
+        (layers/kernel_set.py), on which the row stores, the sparse MLA decode, the indexer's scores
         and the routed experts run."""
         self._bind_kernels(caches.backend.kernels)
         self._set_batch_invariant(caches.backend.batch_invariant)

@@ -1,9 +1,9 @@
 """DeepSeek-V4 MoE block: a router, stacked routed experts and a shared expert.
 
-Routers (parameter names as in HF checkpoints, under `gate.`):
-- `HashRouter` (the first `num_hash_layers` layers): experts come from a frozen table
+Routers (layers/router.py; parameter names as in HF checkpoints, under `gate.`):
+- hash layers (the first `num_hash_layers` layers): experts come from a frozen table
   `tid2eid [vocab, k]` indexed by token id; the learned `weight [E, H]` only weights them.
-- `TopKRouter` (the other layers): experts are the top-k of `score + e_score_correction_bias`;
+- the other layers: experts are the top-k of `score + e_score_correction_bias`;
   the bias steers the choice only, the weights come from the unbiased scores.
 Both score with `scoring_func` (V4: sqrt(softplus(logits))), renormalise the k weights to sum to 1
 when `norm_topk_prob`, then multiply by `routed_scaling_factor`. Logits are computed in fp32.
@@ -22,73 +22,20 @@ expert stays whole and is added on rank 0 only; one all_reduce sums the partial 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
 from deepinfer.model_executor.layers.parallel_linear import computes_expert_slice
-
-SCORE_FUNCS = {
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-    "sigmoid": torch.sigmoid,
-    "softmax": lambda logits: logits.softmax(dim=-1),
-}
+from deepinfer.model_executor.layers.router import Router, RouterSpec
 
 
-def _finish_weights(scores: torch.Tensor, topk_ids: torch.Tensor, renormalize: bool,
-                    scaling: float) -> torch.Tensor:
-    weights = scores.gather(1, topk_ids)  # [T, k]
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # [T, k]
-    return weights * scaling  # [T, k]
-
-
-class _Router(nn.Module):
-    def __init__(self, cfg):
-        super().__init__()
-        if cfg.scoring_func not in SCORE_FUNCS:
-            raise ValueError(f"scoring_func must be one of {sorted(SCORE_FUNCS)}, got {cfg.scoring_func!r}")
-        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
-        self.score_fn = SCORE_FUNCS[cfg.scoring_func]
-        self.renormalize = getattr(cfg, "norm_topk_prob", True)
-        self.routed_scaling_factor = cfg.routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(self.num_experts, cfg.hidden_size))
-
-    def scores(self, x: torch.Tensor) -> torch.Tensor:
-        return self.score_fn(F.linear(x.float(), self.weight.float()))  # [T, E]
-
-
-class TopKRouter(_Router):
-    """Score-routed top-k. Parameters: `weight [E, H]`, `e_score_correction_bias [E]` (fp32)."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(self.num_experts), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        scores = self.scores(x)  # [T, E]
-        biased = scores + self.e_score_correction_bias.float()  # [T, E]
-        topk_ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices  # [T, k]
-        return topk_ids, _finish_weights(scores, topk_ids, self.renormalize, self.routed_scaling_factor)
-
-
-class HashRouter(_Router):
-    """Token-id-routed. Parameters: `weight [E, H]`, `tid2eid [vocab, k]` (int64 expert ids)."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.vocab_size = cfg.vocab_size
-        tid2eid = torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long)
-        self.tid2eid = nn.Parameter(tid2eid, requires_grad=False)
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H], input_ids [T] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        if input_ids.shape != x.shape[:1]:
-            raise ValueError(f"input_ids must have shape {tuple(x.shape[:1])}, got {tuple(input_ids.shape)}")
-        topk_ids = self.tid2eid[input_ids].long()  # [T, k]
-        return topk_ids, _finish_weights(self.scores(x), topk_ids, self.renormalize, self.routed_scaling_factor)
+def v4_router(cfg, hashed: bool) -> RouterSpec:
+    """A score-routed layer's router (`e_score_correction_bias` steers the top-k) or a hash layer's
+    (`tid2eid` picks the experts); both weight them by `scoring_func` of their logits."""
+    return RouterSpec(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, score=cfg.scoring_func,
+                      sorted_topk=False, correction_bias=not hashed, renormalize=getattr(cfg, "norm_topk_prob", True),
+                      scale=cfg.routed_scaling_factor, hash_vocab=cfg.vocab_size if hashed else 0)
 
 
 def is_hash_layer(cfg, layer_idx: int) -> bool:
@@ -102,7 +49,7 @@ def is_hash_layer(cfg, layer_idx: int) -> bool:
 class DeepseekV4MoE(nn.Module):
     """The MoE block of layer `layer_idx` (HF: `DeepseekV4SparseMoeBlock`).
 
-    Submodules: `gate` (`HashRouter` or `TopKRouter`), `experts` (`FusedExperts`), `shared_experts`.
+    Submodules: `gate` (a `Router`, hash or score routed), `experts` (`FusedExperts`), `shared_experts`.
     `forward(x [T, H], input_ids [T] | None) -> [T, H]`; hash layers require `input_ids`.
     """
 
@@ -111,7 +58,7 @@ class DeepseekV4MoE(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be 'silu' for DeepSeek-V4 experts, got {cfg.hidden_act!r}")
         self.is_hash = is_hash_layer(cfg, layer_idx)
-        self.gate = HashRouter(cfg) if self.is_hash else TopKRouter(cfg)
+        self.gate = Router(v4_router(cfg, self.is_hash))
         limit = getattr(cfg, "swiglu_limit", None)
         inter = cfg.moe_intermediate_size
         self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit, expert_parallel_size)
@@ -122,11 +69,7 @@ class DeepseekV4MoE(nn.Module):
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [T, k], topk_weights [T, k]) for the tokens `x [T, H]`."""
-        if not self.is_hash:
-            return self.gate(x)
-        if input_ids is None:
-            raise ValueError("input_ids is required by a hash-routed MoE layer, got None")
-        return self.gate(x, input_ids)
+        return self.gate(x, input_ids if self.is_hash else None)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(x, input_ids)  # [T, k], [T, k]

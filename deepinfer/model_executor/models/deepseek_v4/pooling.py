@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.contracts.weight_storage import FP32
 from deepinfer.model_executor.layers.batch_invariant import slot_pool
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.rotary import rope_inv_freq
@@ -103,6 +104,7 @@ class WindowCompressor(nn.Module):
     """
 
     batch_invariant = False
+    param_storage = {"position_bias": FP32}
 
     def __init__(self, config, head_dim: int, ratio: int, overlap: bool):
         super().__init__()
