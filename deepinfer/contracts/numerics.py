@@ -17,14 +17,26 @@ are named by the model source; everything the engine chooses on top of them live
     batch_invariant      the kernels' batch-invariant mode
     torch_version        the library whose kernels compute the rows
 
-The record is built in one place, where the choices are made (`model_loader.numerics_record`),
-and hashed as a whole (`prefix_store.cache_identity`): a new field cannot be left out of the
-identity. What the record still misses, the start-up canary catches (`worker/cache_canary.py`).
+and, not hashed (marked `DERIVED`: each follows from the hashed fields, or only explains them):
+
+    kernel_set           the kernel set the layers run (torch | cpu | triton: from attention_backend and
+                         device_type, layers/kernel_set.py)
+    few_row_linear       how many large linear layers run a few rows as W @ x.T (their module type is
+                         in tensor_types)
+    reasons              (setting, why) for each choice, 'auto' ones included: for people reading logs
+
+The choices are resolved in one place before the model is built (`worker/numerics.py`), the weights'
+formats filled in once it is final, and the record is logged once at start-up (`describe`). It is
+hashed as a whole less the derived fields (`identity`, read by `prefix_store.cache_identity`): a new
+field is in the identity unless it is marked derived. What the record still misses, the start-up
+canary catches (`worker/cache_canary.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+
+DERIVED = {"derived": True}  # field metadata: left out of the identity
 
 
 @dataclass(frozen=True)
@@ -41,3 +53,27 @@ class NumericsRecord:
     kv_cache_dtype: str
     batch_invariant: bool
     torch_version: str
+    kernel_set: str = field(default="", metadata=DERIVED)
+    few_row_linear: int = field(default=0, metadata=DERIVED)
+    reasons: tuple[tuple[str, str], ...] = field(default=(), metadata=DERIVED)
+
+    def identity(self) -> dict[str, object]:
+        """Every field but the derived ones, by name: what the cache identity hashes."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.metadata.get("derived")}
+
+    def reason(self, setting: str) -> str:
+        """Why `setting` (a key of `reasons`) went as it did ('' when the record has no reason for it)."""
+        return dict(self.reasons).get(setting, "")
+
+    def describe(self) -> str:
+        """The record on one line, each choice with its reason, for the start-up log."""
+        why = dict(self.reasons)
+        parts = [f"device {self.device_type}", f"dtype {self.compute_dtype}", f"quantization {self.quantization}",
+                 f"batch-invariant {'on' if self.batch_invariant else 'off'}",
+                 f"attention {self.attention_backend}", f"kernel set {self.kernel_set}", f"cpu isa {self.kernel_isa}",
+                 f"few-row linear {self.few_row_linear}", f"kv cache {self.kv_cache_dtype}"]
+        keys = ("device", "dtype", "quantization", "batch_invariant", "attention_backend", "kernel_set", "kernel_isa",
+                "few_row_linear", "kv_cache_dtype")
+        text = "; ".join(f"{part} ({why[key]})" if why.get(key) else part
+                         for part, key in zip(parts, keys, strict=True))
+        return f"{text}; weights {'+'.join(self.weight_formats) or '?'}; torch {self.torch_version}"

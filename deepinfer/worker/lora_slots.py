@@ -21,8 +21,8 @@ import torch
 from deepinfer.config import LoRAConfig
 from deepinfer.contracts.lora import LoRAAdapter, LoRABase
 from deepinfer.contracts.plan import StepPlan
+from deepinfer.model_executor.layers.kernel_set import KernelSet
 from deepinfer.model_executor.layers.lora import install_lora
-from deepinfer.model_executor.layers.ops.lora import lora_op_name
 from deepinfer.model_executor.loader.lora import adapter_modules, check_modules, max_adapter_bytes, read_adapter
 from deepinfer.model_executor.models.utils import STACKED_PARAMS
 
@@ -30,13 +30,13 @@ from deepinfer.model_executor.models.utils import STACKED_PARAMS
 class LoRASlots:
     """The adapter slots of one model on one rank."""
 
-    def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
+    def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device: torch.device, kernels: KernelSet,
                  batch_invariant: bool = False, hf_config=None):
         self.model = install_lora(model, STACKED_PARAMS, config.max_loras, config.max_lora_rank, dtype, device,
-                                  batch_invariant)
+                                  kernels, batch_invariant)
         self.held: list[str | None] = [None] * config.max_loras  # the fingerprint each slot holds
         dtype_name = str(dtype).removeprefix("torch.")
-        tag = f"lora_delta={lora_op_name(device, dtype)};dtype={dtype_name};invariant={int(batch_invariant)}"
+        tag = f"lora_delta={kernels.lora_op(device, dtype)};dtype={dtype_name};invariant={int(batch_invariant)}"
         heads = {name: getattr(hf_config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
         self.base = LoRABase(self.model.targets(), config.max_lora_rank, tag,
                              {name: value for name, value in heads.items() if value is not None})

@@ -43,12 +43,13 @@ def cache_identity(source, numerics: NumericsRecord, groups) -> str:
     the model config (RoPE and its scaling, windows, layer types: the whole config, less
     bookkeeping fields), the row identity `numerics` as a whole (quantization and every weight's
     format, compute dtype, kernels' ISA, attention backend, device, batch-invariant mode, ...: see
-    `contracts/numerics.py`) and the cache layout; with several tensor-parallel ranks, the rank and
-    their number. Two engines share saved units only when all of them agree."""
+    `contracts/numerics.py`; its derived fields, such as the reasons, are left out) and the cache
+    layout; with several tensor-parallel ranks, the rank and their number. Two engines share saved
+    units only when all of them agree."""
     config = source.hf_config.to_dict() if hasattr(source.hf_config, "to_dict") else vars(source.hf_config)
     config = {k: v for k, v in config.items() if not k.startswith("_") and k not in _NOT_KV}
     document = {"version": KV_FILE_VERSION, "weights": source.identity, "config": config,
-                "numerics": dataclasses.asdict(numerics), "groups": [dataclasses.asdict(g) for g in groups]}
+                "numerics": numerics.identity(), "groups": [dataclasses.asdict(g) for g in groups]}
     if tp_size() > 1:  # each rank's files hold its slice of the rows: a root of their own
         document["rank"] = f"{tp_rank()} of {tp_size()}"
     return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()

@@ -16,7 +16,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers import sampler as sampler_module
-from deepinfer.worker import model_runner as runner_module
+from deepinfer.worker import step_executor as runner_module
 from deepinfer.worker.input_batch import build_step_inputs, is_decode
 
 pytestmark = pytest.mark.cuda

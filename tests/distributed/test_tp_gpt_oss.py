@@ -22,6 +22,7 @@ from ops.test_mxfp4 import E, packed_experts, reference_experts, routing
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import parallel_state
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, TRITON_KERNELS
 from deepinfer.model_executor.layers.mxfp4_moe import OssExperts
 from deepinfer.model_executor.layers.ops.mxfp4 import dequantize_mxfp4
 from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
@@ -69,7 +70,7 @@ def test_partial_outputs_of_a_split_add_up(as_rank, triton):
         local = _rank_experts(full, 2)
         assert (local.expert_start, local.num_local) == (4 * rank, 4)
         assert torch.equal(local.down_proj_blocks, full.down_proj_blocks[4 * rank:4 * rank + 4])
-        local.bind_kernels("triton" if triton else "fused")
+        local.bind_kernels(TRITON_KERNELS if triton else CPU_KERNELS)
         with torch.no_grad():
             part = local(x, ids, weights).double()  # [T, H]
         held = ((ids >= 4 * rank) & (ids < 4 * rank + 4)).any(dim=1)  # [T] tokens routed to a held expert
@@ -81,16 +82,17 @@ def test_partial_outputs_of_a_split_add_up(as_rank, triton):
 def test_first_holder_of_each_slice_computes(as_rank):
     """tensor_parallel_size 4, expert_parallel_size 2: ranks 0, 1 hold experts 0-3, ranks 2, 3 experts
     4-7; ranks 0 and 2 compute, ranks 1 and 3 add zeros; 8 experts do not split 3 ways."""
-    from deepinfer.model_executor.models.gpt_oss import GptOssForCausalLM, GptOssMoE
+    from deepinfer.model_executor.models.gpt_oss import GptOssForCausalLM
 
     cfg = tiny_gpt_oss_config(vocab_size=64, quantization_config={"quant_method": "mxfp4"})
+    spec = GptOssForCausalLM.decoder_spec(cfg)
     held = []
     for rank in range(4):
         as_rank(rank, 4)
-        moe = GptOssMoE(cfg, expert_parallel_size=2)
+        moe = spec.mlp(spec, cfg, 0, 2)  # layer 0's MoE block, expert_parallel_size 2
         held.append((moe.experts.expert_start, moe.experts.num_local, moe.split, moe.computes_experts))
     assert held == [(0, 4, True, True), (0, 4, True, False), (4, 4, True, True), (4, 4, True, False)]
-    moe = GptOssMoE(cfg)  # ep = 1: every rank holds and computes all experts, no collective
+    moe = spec.mlp(spec, cfg, 0, 1)  # ep = 1: every rank holds and computes all experts, no collective
     assert (moe.experts.num_local, moe.split, moe.computes_experts) == (8, False, True)
     as_rank(0, 6)
     with pytest.raises(ValueError, match="num_local_experts=8 is not divisible by expert_parallel_size=3"):

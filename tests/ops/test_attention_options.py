@@ -29,9 +29,9 @@ from deepinfer.model_executor.layers.attention.backend import (
     PrefillSegment,
     TorchAttentionBackend,
 )
-from deepinfer.model_executor.layers.attention.kernels import TORCH_KERNELS
 from deepinfer.model_executor.layers.attention.layer import Attention
 from deepinfer.model_executor.layers.attention.triton_backend import TritonAttentionBackend
+from deepinfer.model_executor.layers.kernel_set import TORCH_KERNELS
 from deepinfer.model_executor.layers.ops import fused
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec

@@ -28,7 +28,6 @@ TINY_SCRIPT = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO, format="%(created).3f %(message)s")
     from deepinfer.model_executor.layers.ops import cpu_kernels
     print("module", cpu_kernels.__file__, flush=True)
-    print("calling", f"{time.time():.3f}", flush=True)
     try:
         path = cpu_kernels.load_library("tiny", [sys.argv[1]], retry_failed=len(sys.argv) > 2)
     except cpu_kernels.KernelBuildError as exc:
@@ -132,12 +131,12 @@ def _loaded(output: str) -> tuple[str, int]:
     return match.group(1), int(match.group(2))
 
 
-def _takeover_s(output: str) -> float:
-    """Seconds from the call of load_library to its 'building' line."""
-    called = float(re.search(r"^calling (\S+)$", output, re.M).group(1))
-    building = re.search(rf"^(\S+) {BUILDING}", output, re.M)
-    assert building, output
-    return float(building.group(1)) - called
+def _took_over(output: str, killed_build: bool) -> bool:
+    """The process built at once, without waiting on a lock (it says when it waits: WAITING), and, after a
+    killed build, removed torch's own lock (on which torch's load would wait forever) itself. Read from its
+    log, not timed: a timing fails on a busy machine."""
+    return (BUILDING in output and WAITING not in output
+            and ("left by a build that was killed" in output) == killed_build)
 
 
 def _snapshot(folder: Path) -> dict[str, int]:
@@ -167,7 +166,7 @@ def test_two_checkouts_share_one_build_and_the_second_says_it_waits(checkouts, s
     assert [p.name for p in cache.iterdir()] == [folder.name]
 
 
-def test_the_lock_of_a_build_killed_midway_is_taken_over_within_5_s(checkouts, sandbox):
+def test_the_lock_of_a_build_killed_midway_is_taken_over_without_waiting(checkouts, sandbox):
     start, cache, gate_dir = sandbox
     source = str(checkouts[0] / "tiny.cpp")
     killed = start(checkouts[0], source)
@@ -180,12 +179,12 @@ def test_the_lock_of_a_build_killed_midway_is_taken_over_within_5_s(checkouts, s
     assert (folder / "build" / "lock").exists()  # torch's own lock, on which torch's load waits forever
     (gate_dir / "gate").touch()
     out = start(checkouts[1], str(checkouts[1] / "tiny.cpp")).finish()
-    assert _takeover_s(out) < 5, out
-    assert WAITING not in out and _loaded(out) == (str(folder / "tiny.so"), 42)
+    assert _took_over(out, killed_build=True), out
+    assert _loaded(out) == (str(folder / "tiny.so"), 42)
     assert not (folder / "build" / "lock").exists()
 
 
-def test_a_lock_file_left_by_a_dead_pid_is_taken_over_within_5_s(checkouts, sandbox, monkeypatch):
+def test_a_lock_file_left_by_a_dead_pid_is_taken_over_without_waiting(checkouts, sandbox, monkeypatch):
     start, cache, gate_dir = sandbox
     source = str(checkouts[0] / "tiny.cpp")
     monkeypatch.setenv("DEEPINFER_KERNEL_CACHE", str(cache))
@@ -198,8 +197,8 @@ def test_a_lock_file_left_by_a_dead_pid_is_taken_over_within_5_s(checkouts, sand
     (folder / "build" / "lock").write_text(dead)
     (gate_dir / "gate").touch()
     out = start(checkouts[1], str(checkouts[1] / "tiny.cpp")).finish()
-    assert _takeover_s(out) < 5, out
-    assert WAITING not in out and _loaded(out) == (str(folder / "tiny.so"), 42)
+    assert _took_over(out, killed_build=True), out  # torch's lock of the dead pid's build, removed
+    assert _loaded(out) == (str(folder / "tiny.so"), 42)
 
 
 def test_a_failed_build_keeps_its_log_and_is_not_retried_by_every_process(checkouts, sandbox, tmp_path):

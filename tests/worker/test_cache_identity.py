@@ -18,7 +18,7 @@ from test_kv_restart import KW, generate, prompts_for, tiny_v4_dir, tokens
 
 from deepinfer import LLM
 from deepinfer.contracts import kv_files
-from deepinfer.contracts.numerics import NumericsRecord
+from deepinfer.contracts.numerics import DERIVED, NumericsRecord
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.worker.cache_canary import canary_digest
 from deepinfer.worker.prefix_store import cache_identity
@@ -100,7 +100,7 @@ def _changed(value):
     return f"{value}-changed"
 
 
-@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(NumericsRecord)])
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(NumericsRecord) if f.metadata != DERIVED])
 def test_every_field_of_the_record_changes_the_identity(field):
     source = types.SimpleNamespace(identity="weights", hf_config=types.SimpleNamespace(model_type="llama"))
     record = _record()
@@ -109,6 +109,35 @@ def test_every_field_of_the_record_changes_the_identity(field):
     assert cache_identity(source, dataclasses.replace(record), []) == cache_identity(source, record, [])
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.quantization = "int8"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("field", ["kernel_set", "few_row_linear", "reasons"])
+def test_derived_fields_leave_the_identity_as_it_was(field):
+    """What follows from the hashed fields (the kernel set, few-row linears) or only explains them (the
+    reasons: a measured dtype's timings differ run to run) is not hashed: the identity is the one the
+    record had before those fields existed."""
+    source = types.SimpleNamespace(identity="weights", hf_config=types.SimpleNamespace(model_type="llama"))
+    record = _record()
+    value = {"kernel_set": "cpu", "few_row_linear": 3, "reasons": (("dtype", "auto: measured 1.0 ms"),)}[field]
+    changed = dataclasses.replace(record, **{field: value})
+    assert cache_identity(source, changed, []) == cache_identity(source, record, [])
+    assert record.identity() == {f: getattr(record, f) for f in (
+        "device_type", "compute_dtype", "quantization", "tensor_types", "weight_formats", "kernel_isa",
+        "attention_backend", "kv_cache_dtype", "batch_invariant", "torch_version")}
+
+
+def test_the_runner_resolves_one_record_and_logs_it_once(tiny_checkpoint, caplog):
+    """Every numerics choice, with its reason, in the one record the identity hashes, logged on one line."""
+    caplog.set_level(logging.INFO, logger="deepinfer.worker")
+    with LLM(tiny_checkpoint("llama"), **KW) as llm:
+        runner = llm.engine.runner
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("numerics: ")]
+    assert lines == [f"numerics: {runner.numerics.describe()}"] and "\n" not in lines[0]
+    record = runner.numerics
+    assert record.kernel_set == runner.attention_backend.kernels.name == "cpu" and record.tensor_types
+    assert {key for key, _ in record.reasons} >= {"dtype", "quantization", "batch_invariant", "attention_backend",
+                                                   "kernel_set", "few_row_linear"}
+    assert runner.quantization.value == record.quantization and runner.dtype_choice.value == record.compute_dtype
 
 
 # ---- the canary --------------------------------------------------------------------------------------

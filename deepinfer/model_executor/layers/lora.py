@@ -9,6 +9,9 @@ weight (a quantized base stays packed: y = qmatmul(x) + delta):
     y = module(x)                                    [T, out]    q | k | v
     y[:, piece] += lora_delta(x, slots, A, B, scale) [T, size]   each piece its own columns
 
+`lora_delta` is the engine's kernel set's hook (`KernelSet.lora_delta`, layers/kernel_set.py), given at
+install: the set, not the layer, picks the C++, Triton or torch implementation.
+
 Tensor parallelism splits A and B like the base: a column-parallel module (q|k|v, gate|up) holds
 the rank's rows of each piece's B and all of A; a row-parallel one (o, down) the rank's input
 columns of A and all of B, so its delta is a partial sum, all-reduced like the base's.
@@ -30,7 +33,7 @@ from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.batch_invariant import BatchInvariantMode
-from deepinfer.model_executor.layers.ops.lora import lora_delta, lora_op_name
+from deepinfer.model_executor.layers.kernel_set import KernelSet
 from deepinfer.model_executor.layers.parallel_linear import Piece, shard_spec_of
 from deepinfer.model_executor.layers.quant_linear import QuantLinear
 
@@ -40,8 +43,10 @@ TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class LoRAStep:
     """The step's adapter rows, read by every hook: `slots` [T] (None: no adapter this step), the
-    slot ids used, and whether to compute the delta in batch-invariant mode."""
+    slot ids used, the kernel set whose LoRA hooks compute the delta, and whether to compute it in
+    batch-invariant mode."""
 
+    kernels: KernelSet
     slots: torch.Tensor | None = None
     used: frozenset[int] = frozenset()
     batch_invariant: bool = False
@@ -123,7 +128,7 @@ class LoRALayer:
             raise RuntimeError(f"LoRA: a target module ran on {x.shape[0]} rows, the step has "
                                f"{step.slots.shape[0]}; adapters apply only to modules that see every row")
         # the C++ kernel's rows are independent as it is; the torch reference needs the mode for that
-        invariant = step.batch_invariant and lora_op_name(x.device, x.dtype) != "cpu_kernel"
+        invariant = step.batch_invariant and step.kernels.lora_op(x.device, x.dtype) != "cpu_kernel"
         with BatchInvariantMode() if invariant else contextlib.nullcontext():
             delta = torch.cat([self._piece_delta(p, x, step) for p in self.pieces], dim=-1)  # [T, out]
         if self.row_split:
@@ -134,7 +139,7 @@ class LoRALayer:
     def _piece_delta(p: _Piece, x: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         if not p.loaded & step.used:
             return x.new_zeros(x.shape[0], p.size)  # [T, size]
-        return lora_delta(x, step.slots, p.A, p.B, p.scale)  # [T, size]
+        return step.kernels.lora_delta(x, step.slots, p.A, p.B, p.scale)  # [T, size]
 
 
 class LoRAModel:
@@ -162,14 +167,15 @@ class LoRAModel:
 
 
 def install_lora(model: nn.Module, stacked: tuple, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device, batch_invariant: bool = False) -> LoRAModel:
+                 device: torch.device, kernels: KernelSet, batch_invariant: bool = False) -> LoRAModel:
     """Attach a LoRALayer to each target module of `model`: linear modules (float or quantized) named
     like an HF projection in TARGET_NAMES, or merged ones (`stacked`: the loader's (HF fragment, our
-    fragment, piece) table, e.g. (".q_proj.", ".qkv_proj.", 0)). ValueError when there is none."""
+    fragment, piece) table, e.g. (".q_proj.", ".qkv_proj.", 0)). ValueError when there is none. The
+    deltas run through `kernels`' LoRA hooks."""
     merged: dict[str, list[str]] = {}
     for hf, ours, _ in sorted(stacked, key=lambda entry: entry[2]):
         merged.setdefault(ours.strip("."), []).append(hf.strip("."))
-    step = LoRAStep(batch_invariant=batch_invariant)
+    step = LoRAStep(kernels, batch_invariant=batch_invariant)
     layers = {}
     for name, module in model.named_modules():
         prefix, _, leaf = name.rpartition(".")

@@ -18,18 +18,23 @@ of the E (`expert_piece`): every parameter above has E/ep rows on dim 0 and a Sh
 reads only those experts. Ids stay global; only the (token, expert) pairs of held experts are
 computed, the others add nothing to the [T, H] partial output (the model sums the ranks' outputs).
 
-Kernels: bound to the Triton kernel set (`bind_kernels`), packed experts run as two grouped GEMM
-launches (ops/triton/mxfp4.py; under expert parallelism over the held pairs only, ids made local);
-otherwise one expert at a time, ascending, over its rows: packed weights through `mxfp4_matmul` (the
+Kernels: packed experts take the bound kernel set's `mxfp4_experts` hook (`bind_kernels`,
+layers/kernel_set.py): on the Triton set two grouped GEMM launches (ops/triton/mxfp4.py; under expert
+parallelism over the held pairs only, ids made local). Otherwise (a set without the hook, or dense
+weights) one expert at a time, ascending, over its rows: packed weights through `mxfp4_matmul` (the
 C++ kernel on the CPU: a row's result does not depend on the rows beside it), dense ones through a
 matmul; weighted outputs are added per token in fp32, in ascending expert order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from deepinfer.contracts.weight_storage import MXFP4_BLOCKS, MXFP4_SCALES
+from deepinfer.model_executor.layers.kernel_set import KernelSet
 from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK, BLOCK_BYTES, mxfp4_matmul, mxfp4_nbytes
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, expert_piece
 
@@ -53,6 +58,9 @@ class OssExperts(nn.Module):
     forward(x [T, H], topk_ids [T, k] global ids, topk_weights [T, k]) -> [T, H]: the weighted sum
     over the pairs whose expert is held (the whole output when every expert is)."""
 
+    param_storage = {f"{m}_{part}": kind for m in ("gate_up_proj", "down_proj")
+                     for part, kind in (("blocks", MXFP4_BLOCKS), ("scales", MXFP4_SCALES))}
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, packed: bool,
                  swiglu_limit: float, swiglu_alpha: float = SWIGLU_ALPHA, expert_parallel_size: int = 1):
         super().__init__()
@@ -61,7 +69,7 @@ class OssExperts(nn.Module):
                              f"hidden_size={hidden_size}, intermediate_size={intermediate_size}")
         self.num_experts, self.packed = num_experts, packed
         self.limit, self.alpha = float(swiglu_limit), float(swiglu_alpha)
-        self.use_triton = False  # set by bind_kernels
+        self.grouped_mxfp4: Callable | None = None  # the kernel set's grouped experts hook: set by bind_kernels
         piece = expert_piece(num_experts, expert_parallel_size)  # the rank's experts [start, start + length)
         self.expert_start, self.num_local = piece.start, piece.length
         e, h, i = self.num_local, hidden_size, intermediate_size
@@ -79,9 +87,10 @@ class OssExperts(nn.Module):
             spec = ShardSpec(0, (piece,))
             self.shard_specs = {name: spec for name, _ in self.named_parameters(recurse=False)}
 
-    def bind_kernels(self, kernel_set_name: str) -> None:
-        """Packed experts take the Triton grouped GEMM when the engine runs the Triton kernel set."""
-        self.use_triton = self.packed and kernel_set_name == "triton"
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        """Packed experts take the set's grouped MXFP4 hook where it has one (the Triton set); dense
+        experts, and every set without the hook, loop over the experts."""
+        self.grouped_mxfp4 = kernels.mxfp4_experts if self.packed else None
 
     def weight_bytes(self) -> int:
         """Bytes of the held experts' matrices (packed: blocks + scales), biases excluded."""
@@ -91,15 +100,14 @@ class OssExperts(nn.Module):
         return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
+        if self.grouped_mxfp4 is not None:
             return self._grouped(x, topk_ids, topk_weights)  # [T, H]
         return self._per_expert(x, topk_ids, topk_weights)  # [T, H]
 
     def _grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The Triton grouped GEMM over all pairs, or under expert parallelism over the held pairs only
+        """The kernel set's grouped GEMM over all pairs, or under expert parallelism over the held pairs only
         (ids made local, one pair per row; a host sync to count them), scattered back per token in fp32."""
-        from deepinfer.model_executor.layers.ops.triton.mxfp4 import mxfp4_experts
-
+        mxfp4_experts = self.grouped_mxfp4
         gate_up = (self.gate_up_proj_blocks, self.gate_up_proj_scales, self.gate_up_proj_bias)
         down = (self.down_proj_blocks, self.down_proj_scales, self.down_proj_bias)
         if self.num_local == self.num_experts:

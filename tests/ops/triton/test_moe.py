@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
+from deepinfer.model_executor.layers.kernel_set import TRITON_KERNELS
 from deepinfer.model_executor.layers.ops.triton import moe as triton_moe
 from deepinfer.model_executor.layers.ops.triton.moe import align_pairs_by_expert, fused_experts, max_padded_blocks
 

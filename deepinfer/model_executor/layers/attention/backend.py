@@ -19,7 +19,7 @@ cap of s = cap * tanh(s / cap) on the scaled logits) and `sinks` (None, or [H] l
 each query's softmax denominator and add no value).
 
 `AttentionBackend.forward` writes this order once; each step is a hook that runs through the
-backend's kernel set (attention/kernels.py). The torch backend (below) adds the batch-invariant
+backend's kernel set (layers/kernel_set.py). The torch backend (below) adds the batch-invariant
 variant; the Triton backend (triton_backend.py) is the same skeleton on the Triton set.
 """
 
@@ -31,9 +31,9 @@ import torch
 
 from deepinfer.model_executor.layers.attention import invariant
 from deepinfer.model_executor.layers.attention.invariant import StepLayouts, invariant_decode, invariant_prefill
-from deepinfer.model_executor.layers.attention.kernels import FUSED_KERNELS, KernelSet
 from deepinfer.model_executor.layers.attention.layer_cache import LayerCache
 from deepinfer.model_executor.layers.attention.transfer import transfer
+from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 
 
 def _moved(metadata, device):
@@ -174,7 +174,7 @@ def move_step(metadata: AttentionMetadata, extra: list[torch.Tensor], device,
 class AttentionBackend:
     """One call per layer per step. `forward` is the step order, written once; the work of each
     step is a hook (`load`, `store`, `decode`, `prefill`) that runs through the backend's kernel set
-    (attention/kernels.py: torch, fused C++ or Triton). A variant overrides hooks, never `forward`."""
+    (layers/kernel_set.py: torch, C++ CPU or Triton). A variant overrides hooks, never `forward`."""
 
     name = "kernels"
     batch_invariant = False  # DEEPINFER_BATCH_INVARIANT (the CPU default): only the torch backend has the mode
@@ -227,26 +227,26 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """The torch backend: the fused C++ kernels where they serve (CPU), torch elsewhere. With
+    """The torch backend: the C++ CPU kernels where they serve (CPU), torch elsewhere. With
     `batch_invariant=True` (DEEPINFER_BATCH_INVARIANT, on by default on the CPU) every query, decode
     or prefill, reduces over exactly its visible keys in fixed blocks (attention/invariant.py), so
-    its bits depend on neither the batch nor the chunking: on the fused kernel set through the C++
+    its bits depend on neither the batch nor the chunking: on the CPU kernel set through the C++
     kernels of ops/invariant_cpu.cpp where they serve the call class (fp32 CPU queries, plain cache
     rows), otherwise, and on the torch kernel set, through the torch implementation."""
 
     name = "torch"
 
-    def __init__(self, batch_invariant: bool = False, kernels: KernelSet = FUSED_KERNELS):
+    def __init__(self, batch_invariant: bool = False, kernels: KernelSet = CPU_KERNELS):
         super().__init__(kernels)
         self.batch_invariant = batch_invariant
         self.layouts = StepLayouts() if batch_invariant else None
-        # the C++ invariant attention (ops/invariant_cpu.cpp) where it serves the call: the fused (CPU) set
-        self.fused_invariant = batch_invariant and kernels.name == "fused"
+        # the C++ invariant attention (ops/invariant_cpu.cpp) where it serves the call: the CPU set
+        self.cpu_invariant = batch_invariant and kernels.name == CPU_KERNELS.name
 
     def decode(self, cache, q, metadata, group, scale, softcap=None, sinks=None):
         if not self.batch_invariant:
             return super().decode(cache, q, metadata, group, scale, softcap, sinks)
-        if self.fused_invariant:
+        if self.cpu_invariant:
             first = self.layouts.first(metadata, group)  # [N]: column 0 of each index row
             return invariant.decode_attention(cache, q, group.decode_index, first, scale, softcap, sinks)  # [N, H, D]
         return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale, softcap, sinks)  # [N, H, D]
@@ -254,7 +254,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale, softcap=None, sinks=None):
         if not self.batch_invariant:
             return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale, softcap, sinks)
-        if self.fused_invariant:
+        if self.cpu_invariant:
             seg = group.prefills[i]
             q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
             start = int(seg.load_positions[0]) if seg.load_positions.numel() else int(q_pos[0])

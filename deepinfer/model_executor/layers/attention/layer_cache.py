@@ -99,7 +99,7 @@ class LayerCache:
 
     def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Write rows for k, v [T, H_kv, D] (v None: a shared K = V row) at distinct flat slots [T]:
-        the torch reference of the kernel sets' `store_rows` hook (attention/kernels.py)."""
+        the torch reference of the kernel sets' `store_rows` hook (layers/kernel_set.py)."""
         rows = self.codec.encode(k, v)  # [T, row_bytes] uint8
         if not self.codec.fp8:
             rows = rows.view(self.rows2d.dtype)  # [T, row]

@@ -5,7 +5,7 @@ the window cache with one index row per query, optionally an extra cache (compre
 its own index rows, the softmax scale and the per-head sink. It is non-causal: it applies no mask
 of its own, so the index rows decide everything a query reads, and -1 marks padding. A GPU
 kernel replacing it keeps this signature. `indexer_scores` is the lightning indexer's score sum
-that picks the compressed rows such a call reads. Both are torch hooks of attention/kernels.py.
+that picks the compressed rows such a call reads. Both are torch hooks of layers/kernel_set.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PyTorch reference attention kernels: the torch hooks of attention/kernels.py.
+"""PyTorch reference attention kernels: the torch hooks of layers/kernel_set.py.
 
 Each reads the cache through explicit index rows (decode) or attends over [loaded rows | chunk
 rows] with a position mask (prefill); no causal mask is applied to a cache read, -1 marks padding.

@@ -1,13 +1,13 @@
 """The Triton attention backend, and the choice between it and the torch reference.
 
 The step order is the base backend's (attention/backend.py: load, store, decode reads, prefill);
-this backend runs it on the Triton kernel set (attention/kernels.py): the store and the decode read
+this backend runs it on the Triton kernel set (layers/kernel_set.py): the store and the decode read
 are Triton kernels (ops/triton/store.py, decode_attention.py; paged and ring groups alike, plain
 or MXFP8 rows); prefill runs the torch reference (`torch_ref.prefill_attention`).
 
 DeepSeek-V4's attention (compressed groups, sparse MLA with a sink) does not call a backend's
 `forward`: bound to this backend, its layers take the same kernel set's sparse MLA, indexer and
-grouped-MoE hooks (see DeepseekV4ForCausalLM.bind_caches).
+grouped-MoE hooks (see DeepseekV4ForCausalLM.bind_caches); GPT-OSS's MXFP4 experts its `mxfp4_experts`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from deepinfer.config import ATTENTION_BACKENDS
 from deepinfer.model_executor.layers.attention.backend import AttentionBackend, TorchAttentionBackend
-from deepinfer.model_executor.layers.attention.kernels import TRITON_KERNELS, kernels_for
+from deepinfer.model_executor.layers.kernel_set import TRITON_KERNELS, KernelSet, kernels_for
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,8 +68,14 @@ def resolve_attention_backend(choice: str, device: torch.device, batch_invariant
 
 def make_attention_backend(choice: str, device: torch.device, batch_invariant: bool) -> AttentionBackend:
     """The backend `attention_backend=choice` names for this device (see resolve_attention_backend)."""
-    if resolve_attention_backend(choice, device, batch_invariant) == "triton":
+    backend = resolve_attention_backend(choice, device, batch_invariant)
+    return attention_backend_on(backend, kernels_for(backend, device), batch_invariant)
+
+
+def attention_backend_on(backend: str, kernels: KernelSet, batch_invariant: bool) -> AttentionBackend:
+    """The backend object of a resolved backend name ("torch" or "triton") on its kernel set."""
+    if backend == "triton":
         return TritonAttentionBackend()
-    # batch-invariant on the CPU: the fused set, whose store gives the torch store's bits and whose C++
+    # batch-invariant on the CPU: the CPU set, whose store gives the torch store's bits and whose C++
     # invariant attention (ops/invariant_cpu.cpp) the backend runs; elsewhere the torch set
-    return TorchAttentionBackend(batch_invariant, kernels_for("torch", device))
+    return TorchAttentionBackend(batch_invariant, kernels)

@@ -10,13 +10,16 @@ adapter of a smaller rank has its A rows and B columns past that rank zero (they
 The order of operations is PEFT's (`lora_B(lora_A(x)) * scaling`). `scale` is float32 whatever the
 dtype of x, A and B (alpha / r need not be exact in bf16).
 
-`lora_delta_ref` is the torch reference; `lora_delta` is what the layers call, the one place a
-faster kernel (C++ on the CPU, Triton on CUDA) is chosen for a call; it returns the reference's
-result up to float rounding. `lora_op_name` names the implementation `lora_delta` takes for a
-device and dtype: it is part of an adapted row's cache identity.
+`lora_delta_ref` is the torch reference; `lora_delta_cpu` (C++) and `lora_delta_triton` (CUDA) return
+its result up to float rounding. Which one a call runs is a kernel set's choice (`KernelSet.lora_op`,
+layers/kernel_set.py), one of the rules below by the call's device and dtype; its name is part of an
+adapted row's cache identity. `lora_delta` / `lora_op_name` are the rule of any device (the CPU
+kernel, else Triton on CUDA, else torch).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,29 +43,53 @@ def lora_delta_ref(x: torch.Tensor, slot: torch.Tensor, A: torch.Tensor, B: torc
 
 def lora_delta(x: torch.Tensor, slot: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                scale: torch.Tensor) -> torch.Tensor:
-    """x [T, in], slot [T] int64 (-1: no adapter), A [S, r, in], B [S, out, r], scale [S] -> [T, out]."""
-    op = lora_op_name(x.device, x.dtype)
-    if op == "cpu_kernel":  # lora_cpu.cpp: a row's bits do not depend on the batch or the instruction set
-        return lora_delta_cpu(x, slot, A, B, scale)
-    if op == "triton":
-        from deepinfer.model_executor.layers.ops.triton.lora import lora_delta_triton
-
-        return lora_delta_triton(x, slot, A, B, scale)
-    return lora_delta_ref(x, slot, A, B, scale)
+    """x [T, in], slot [T] int64 (-1: no adapter), A [S, r, in], B [S, out, r], scale [S] -> [T, out],
+    through the implementation `lora_op_name` names for x's device and dtype."""
+    return LORA_OPS[lora_op_name(x.device, x.dtype)](x, slot, A, B, scale)  # [T, out]
 
 
-def lora_op_name(device: torch.device, dtype: torch.dtype) -> str:
-    """The implementation `lora_delta` runs on `device` in `dtype` (part of the cache identity): "cpu_kernel"
-    for fp32 on the CPU where the kernel runs, "triton" on CUDA, else "torch" (the reference)."""
-    device = torch.device(device)
-    if device.type == "cpu" and dtype == torch.float32 and lora_cpu_isa() is not None:
+def lora_delta_by(choose: Callable[[torch.device, torch.dtype], str]) -> Callable:
+    """`lora_delta` through the implementation `choose(x.device, x.dtype)` names (a kernel set's `lora_op`)."""
+    def delta(x: torch.Tensor, slot: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+              scale: torch.Tensor) -> torch.Tensor:
+        return LORA_OPS[choose(x.device, x.dtype)](x, slot, A, B, scale)  # [T, out]
+
+    return delta
+
+
+def lora_cpu_op(device: torch.device, dtype: torch.dtype) -> str:
+    """"cpu_kernel" for fp32 on the CPU where the kernel runs (lora_cpu.cpp: a row's bits do not depend
+    on the batch or the instruction set), else "torch" (the reference)."""
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and lora_cpu_isa() is not None:
         return "cpu_kernel"
-    if device.type == "cuda":
+    return "torch"
+
+
+def lora_gpu_op(device: torch.device, dtype: torch.dtype) -> str:
+    """"triton" on CUDA where Triton is installed, else "torch" (the reference)."""
+    if torch.device(device).type == "cuda":
         from deepinfer.model_executor.layers.ops.triton import triton_available
 
         if triton_available():
             return "triton"
     return "torch"
+
+
+def lora_op_name(device: torch.device, dtype: torch.dtype) -> str:
+    """The implementation on any device (part of the cache identity): "cpu_kernel" for fp32 on the CPU
+    where the kernel runs, "triton" on CUDA, else "torch" (the reference)."""
+    op = lora_cpu_op(device, dtype)
+    return op if op != "torch" else lora_gpu_op(device, dtype)
+
+
+def _lora_delta_triton(x, slot, A, B, scale) -> torch.Tensor:
+    from deepinfer.model_executor.layers.ops.triton.lora import lora_delta_triton
+
+    return lora_delta_triton(x, slot, A, B, scale)  # [T, out]
+
+
+LORA_OPS: dict[str, Callable] = {"cpu_kernel": lora_delta_cpu, "triton": _lora_delta_triton,
+                                 "torch": lora_delta_ref}
 
 
 def _check_shapes(x, slot, A, B, scale) -> None:
