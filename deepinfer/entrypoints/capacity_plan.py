@@ -2,14 +2,14 @@
 config.json), KV bytes per token and per request (from the model itself), and the requests that fit at a
 context length in what a device has left after the weights.
 
-Splits (T = tensor_parallel_size ranks, E = expert_parallel_size):
+Splits, as the models build a rank (T = tensor_parallel_size ranks, E = expert_parallel_size):
 
     Llama family   q/o: heads / T            k/v: kv heads / T (1 per rank, replicated, when kv < T)
                    MLP: intermediate / T     embedding, LM head: ceil(vocab / T) rows   norms: replicated
     DeepSeek-V4    q_b / o_a / o_b / sinks: heads / T (o_groups / T groups per rank)
                    q_a, kv_proj, compressors, indexer, routers, norms, mHC: replicated
-                   shared expert: intermediate / T     routed experts: n_routed_experts / E per rank
-                   (each slice held by T / E ranks)    embedding, LM head: ceil(vocab / T) rows
+                   routed experts: n_routed_experts / E per rank (each slice held by T / E ranks)
+                   shared experts, embedding, LM head: whole on every rank
     DeepSeek-V2/V3 q_b (or q) / kv_b / o: heads / T      q_a, kv_a_proj_with_mqa, routers, norms: replicated
     (MLA)          dense MLPs, shared experts: intermediate / T     routed experts: n_routed_experts / E
                    embedding, LM head: whole on every rank (the MTP drafter reads them)
@@ -22,21 +22,25 @@ ONE shared row per token (MQA, K = V) that every rank's heads read, so it is rep
 not split; so are the index keys, the window rings and the compressor state. MLA's latent row
 (kv_lora_rank + qk_rope_head_dim values, K = V) is replicated the same way.
 
-Stored formats: DeepSeek-V4's `quantization_config` gives FP4 routed experts (0.5 B per value + one
-UE8M0 byte per 32 values) and FP8 projections (1 B per value + one scale per 128 x 128 block);
-embeddings, LM head and routers stay in `torch_dtype`, mHC, sinks and position biases in fp32.
+The weights are the same build's parameters, the whole model's a second build at one rank (neither with
+the MTP layers): no family is described here. Each parameter is counted in the format the checkpoint stores
+it in, which its layer declares (`param_storage`, `contracts/weight_storage.py`) and the config's
+`quantization_config` resolves: DeepSeek's FP4 routed experts (0.5 B per value + one UE8M0 byte per 32
+values) and FP8 projections (1 B per value + one scale per 128 x 128 block), GPT-OSS's MXFP4 experts as
+held packed; embeddings, LM head and routers in `torch_dtype`, mHC, sinks and position biases in fp32.
+Its part (attention, MLP, routed experts, ...) is read off its module path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from deepinfer.config import CacheConfig, EngineConfig, SpeculativeConfig, parse_size
+from deepinfer.contracts.weight_storage import CHECKPOINT, LINEAR, CheckpointFormats
 from deepinfer.environ import Environ
 
 if TYPE_CHECKING:
@@ -44,8 +48,6 @@ if TYPE_CHECKING:
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 DEFAULT_DEVICE_MEMORY = "141GB"  # one H200
-_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4, "int64": 8}
-FP4_GROUP, FP8_BLOCK = 32, 128
 
 
 def load_config(path: str) -> dict:
@@ -56,33 +58,16 @@ def load_config(path: str) -> dict:
     return {**cfg, **cfg["text_config"]} if isinstance(cfg.get("text_config"), dict) else cfg
 
 
-def matrix_bytes(fmt: str, rows: int, cols: int, scale_bytes: int = 1) -> int:
-    """Bytes of a rows x cols tensor stored in `fmt` (fp4 / fp8 with their scales, or a plain dtype)."""
-    if fmt == "fp4":
-        return rows * cols // 2 + rows * math.ceil(cols / FP4_GROUP)
-    if fmt == "fp8":
-        return rows * cols + math.ceil(rows / FP8_BLOCK) * math.ceil(cols / FP8_BLOCK) * scale_bytes
-    return rows * cols * _DTYPE_BYTES[fmt]
-
-
 @dataclass(frozen=True)
 class Weight:
-    """`copies` tensors of rows x cols that ONE rank holds, of one part of the model, stored in `fmt`."""
+    """One parameter tensor that ONE rank holds: its part of the model, its stored format, its values and
+    stored bytes (`contracts/weight_storage.py`)."""
 
     part: str
-    rows: int
-    cols: int
-    copies: int
+    name: str
     fmt: str
-    scale_bytes: int = 1
-
-    @property
-    def params(self) -> int:
-        return self.rows * self.cols * self.copies
-
-    @property
-    def nbytes(self) -> int:
-        return self.copies * matrix_bytes(self.fmt, self.rows, self.cols, self.scale_bytes)
+    params: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -175,19 +160,8 @@ def _split_fields(cfg: dict) -> list[str]:
     return ["intermediate_size"]
 
 
-def head_dim_of(cfg: dict) -> int:
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
 def weight_dtype(cfg: dict) -> str:
     return {"float32": "fp32", "float16": "fp16"}.get(cfg.get("torch_dtype") or cfg.get("dtype"), "bf16")
-
-
-def vocab_weights(cfg: dict, tp: int) -> list[Weight]:
-    """Embedding and LM head, ceil(vocab / T) rows each per rank (one matrix when tied)."""
-    rows, dtype = math.ceil(cfg["vocab_size"] / tp), weight_dtype(cfg)
-    copies = 1 if cfg.get("tie_word_embeddings") else 2
-    return [Weight("embedding + LM head", rows, cfg["hidden_size"], copies, dtype)]
 
 
 _EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")  # DeepSeek, Qwen MoE, Mixtral / GPT-OSS
@@ -203,168 +177,67 @@ def routed_expert_count(cfg: dict) -> int:
     return cfg.get(routed_expert_field(cfg)) or 0
 
 
-def sparse_layer_count(cfg: dict) -> int:
-    """Layers of a Llama-family MoE whose MLP is routed experts (Qwen MoE: not in `mlp_only_layers`,
-    every `decoder_sparse_step`-th; Mixtral and GPT-OSS: all)."""
-    n = cfg["num_hidden_layers"]
-    if not cfg["model_type"].startswith("qwen"):
-        return n
-    dense, step = set(cfg.get("mlp_only_layers") or ()), cfg.get("decoder_sparse_step") or 1
-    return sum(1 for i in range(n) if i not in dense and (i + 1) % step == 0)
+def checkpoint_formats(cfg: dict) -> CheckpointFormats:
+    """How the checkpoint stores each kind of parameter (`contracts/weight_storage.py`), from its config:
+    `torch_dtype`, and `quantization_config` (DeepSeek's FP8 projections, FP4 / FP8 routed experts)."""
+    qc = cfg.get("quantization_config") or {}
+    return CheckpointFormats(dtype=weight_dtype(cfg), linear="fp8" if qc.get("quant_method") == "fp8" else "",
+                             experts={"fp4": "fp4", "fp8": "fp8"}.get(qc.get("expert_dtype"), ""),
+                             scale_bytes=1 if qc.get("scale_fmt") == "ue8m0" else 4)
 
 
-def llama_mlp(cfg: dict, tp: int, ep: int) -> list[Weight]:
-    """Dense MLPs split by T; routed experts E/ep per rank (held whole: every rank's with ep = 1),
-    Qwen2-MoE's shared expert and gate and the routers replicated; GPT-OSS's MXFP4 experts packed."""
-    h, dtype, experts = cfg["hidden_size"], weight_dtype(cfg), routed_expert_count(cfg)
-    sparse = sparse_layer_count(cfg) if experts else 0
-    dense, inter = cfg["num_hidden_layers"] - sparse, cfg["intermediate_size"] // tp
-    out = [Weight("MLP", 2 * inter, h, dense, dtype), Weight("MLP", h, inter, dense, dtype)]
-    if not sparse:
-        return out
-    expert_inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    quant = cfg.get("quantization_config") or {}
-    fmt = "fp4" if quant.get("quant_method") == "mxfp4" else dtype
-    held = experts // ep * sparse
-    out += [Weight("routed experts", 2 * expert_inter, h, held, fmt),
-            Weight("routed experts", h, expert_inter, held, fmt), Weight("routers", experts, h, sparse, dtype)]
-    if cfg["model_type"] == "gpt_oss":  # expert and router biases
-        out += [Weight("routed experts", 1, 2 * expert_inter + h, held, dtype),
-                Weight("routers", 1, experts, sparse, dtype)]
-    shared = cfg.get("shared_expert_intermediate_size") or 0
-    if cfg["model_type"] == "qwen2_moe" and shared:
-        out += [Weight("shared expert", 2 * shared, h, sparse, dtype),
-                Weight("shared expert", h, shared, sparse, dtype), Weight("shared expert", 1, h, sparse, dtype)]
-    return out
+VOCAB = "embedding + LM head"
+# (names in a parameter's module path, its part): the first match wins
+_PART_NAMES = ((VOCAB, ("embed_tokens", "lm_head")), ("routed experts", ("experts",)),
+               ("shared expert", ("shared_expert", "shared_expert_gate")), ("shared experts", ("shared_experts",)),
+               ("compressors + indexer", ("compressor", "indexer")), ("routers", ("gate", "router")),
+               ("attention", ("self_attn", "attn")), ("MLP", ("mlp", "ffn")))
+PARTS = ("attention", "compressors + indexer", "MLP", "routed experts", "routers", "shared expert", "shared experts",
+         "mHC", "norms", VOCAB, "other")  # the printed order
 
 
-def llama_weights(cfg: dict, tp: int, ep: int = 1) -> list[Weight]:
-    """Llama-family weights one rank holds (Megatron layout): Llama / Qwen / Mistral, Gemma 2 and 3,
-    Phi-3, and the MoE members (Qwen MoE, Mixtral, GPT-OSS)."""
-    h, d, n = cfg["hidden_size"], head_dim_of(cfg), cfg["num_hidden_layers"]
-    heads = cfg["num_attention_heads"] // tp
-    kv = max(1, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) // tp)
-    model_type, dtype = cfg["model_type"], weight_dtype(cfg)
-    gemma = model_type.startswith("gemma")
-    out = [Weight("attention", (heads + 2 * kv) * d, h, n, dtype), Weight("attention", h, heads * d, n, dtype),
-           *llama_mlp(cfg, tp, ep), Weight("norms", 1, h, n * (4 if gemma else 2) + 1, dtype)]
-    if model_type in ("qwen2", "qwen2_moe") or cfg.get("attention_bias"):
-        out.append(Weight("attention", 1, (heads + 2 * kv) * d, n, dtype))
-    if model_type in ("qwen3", "qwen3_moe") or model_type.startswith("gemma3"):
-        out.append(Weight("norms", 1, d, 2 * n, dtype))
-    if model_type == "gpt_oss":  # o_proj's bias and a sink per head
-        out.append(Weight("attention", 1, h + heads, n, dtype))
-    return out + vocab_weights(cfg, tp)
+def part_of(module_name: str) -> str:
+    """The part of the model a parameter of module `module_name` belongs to, read off the module path:
+    a norm wherever it sits is one of the norms, a hyper-connection (`*_hc`, `hc_*`) the mHC."""
+    path = module_name.split(".")
+    if "norm" in path[-1]:
+        return "norms"
+    if any(n.endswith("_hc") or n.startswith("hc_") for n in path):
+        return "mHC"
+    return next((part for part, names in _PART_NAMES if any(n in path for n in names)), "other")
 
 
-def v4_formats(cfg: dict) -> tuple[str, str, int]:
-    """(routed-expert format, projection format, FP8 scale bytes) from `quantization_config`."""
-    qc, dtype = cfg.get("quantization_config") or {}, weight_dtype(cfg)
-    proj = "fp8" if qc.get("quant_method") == "fp8" else dtype
-    expert = {"fp4": "fp4", "fp8": "fp8"}.get(qc.get("expert_dtype"), proj)
-    return expert, proj, 1 if qc.get("scale_fmt") == "ue8m0" else 4
+def param_kinds(module) -> dict[str, str]:
+    """The storage kinds `module` declares (`param_storage`); a linear layer's weight is LINEAR."""
+    from torch import nn
+
+    declared = getattr(module, "param_storage", {})
+    return {"weight": LINEAR, **declared} if isinstance(module, nn.Linear) else declared
 
 
-def v4_attention(cfg: dict, tp: int, proj: str, sb: int) -> list[Weight]:
-    """Per layer: q_a, kv_proj replicated; q_b, o_a, o_b and sinks split by heads."""
-    h, d, ql, n = cfg["hidden_size"], cfg["head_dim"], cfg["q_lora_rank"], cfg["num_hidden_layers"]
-    heads, groups, ol = cfg["num_attention_heads"] // tp, cfg["o_groups"] // tp, cfg["o_lora_rank"]
-    per_group = cfg["num_attention_heads"] * d // cfg["o_groups"]
-    norm = weight_dtype(cfg)
-    return [Weight("attention", ql, h, n, proj, sb), Weight("attention", 1, ql, n, norm),
-            Weight("attention", heads * d, ql, n, proj, sb), Weight("attention", d, h, n, proj, sb),
-            Weight("attention", 1, d, n, norm), Weight("attention", groups * ol, per_group, n, proj, sb),
-            Weight("attention", h, groups * ol, n, proj, sb), Weight("attention", 1, heads, n, "fp32")]
+def weights_of(model, formats: CheckpointFormats) -> list[Weight]:
+    """Every parameter of `model` (a meta-built rank) in the format the checkpoint stores it in, by part."""
+    out, seen = [], set()
+    for module_name, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:  # a tied weight counts once
+                seen.add(id(p))
+                out.append(stored_weight(module_name, module, leaf, p, formats))
+    return sorted(out, key=lambda w: PARTS.index(w.part))
 
 
-def v4_compressors(cfg: dict, proj: str, sb: int) -> list[Weight]:
-    """CSA compressor + indexer and HCA compressor (replicated): kv/gate projections, position bias, norm."""
-    h, types, norm = cfg["hidden_size"], cfg["layer_types"], weight_dtype(cfg)
-    num_csa, num_hca = types.count(CSA), types.count(HCA)
-    m, m_hca = cfg["compress_rates"][CSA], cfg["compress_rates"][HCA]
-    out = []
-    for width, ratio, overlap, count in ((cfg["head_dim"], m, 2, num_csa), (cfg["index_head_dim"], m, 2, num_csa),
-                                         (cfg["head_dim"], m_hca, 1, num_hca)):
-        out += [Weight("compressors + indexer", overlap * width, h, 2 * count, proj, sb),
-                Weight("compressors + indexer", ratio, overlap * width, count, "fp32"),
-                Weight("compressors + indexer", 1, width, count, norm)]
-    index_width = cfg["index_n_heads"] * cfg["index_head_dim"]
-    return out + [Weight("compressors + indexer", index_width, cfg["q_lora_rank"], num_csa, proj, sb),
-                  Weight("compressors + indexer", cfg["index_n_heads"], h, num_csa, proj, sb)]
-
-
-def v4_moe(cfg: dict, tp: int, ep: int, expert: str, proj: str, sb: int) -> list[Weight]:
-    """Routed experts (n_routed / E per rank), shared expert (split by T), routers (replicated)."""
-    h, inter, n = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"]
-    per_rank = cfg["n_routed_experts"] // ep * n
-    shared = inter * cfg.get("n_shared_experts", 1) // tp
-    num_hash = cfg["mlp_layer_types"].count("hash_moe")
-    return [Weight("routed experts", 2 * inter, h, per_rank, expert, sb),
-            Weight("routed experts", h, inter, per_rank, expert, sb),
-            Weight("shared expert", 2 * shared, h, n, proj, sb), Weight("shared expert", h, shared, n, proj, sb),
-            Weight("routers", cfg["n_routed_experts"], h, n, weight_dtype(cfg)),
-            Weight("routers", 1, cfg["n_routed_experts"], n - num_hash, "fp32"),
-            Weight("routers", cfg["vocab_size"], cfg["num_experts_per_tok"], num_hash, "int64")]
-
-
-def v4_residual(cfg: dict) -> list[Weight]:
-    """Norms and the mHC mixers (fp32): two per layer and the head's."""
-    h, hc, n = cfg["hidden_size"], cfg["hc_mult"], cfg["num_hidden_layers"]
-    mix = (2 + hc) * hc
-    return [Weight("norms + mHC", 1, h, 2 * n + 1, weight_dtype(cfg)),
-            Weight("norms + mHC", mix, hc * h, 2 * n, "fp32"), Weight("norms + mHC", 1, mix + 3, 2 * n, "fp32"),
-            Weight("norms + mHC", hc, hc * h, 1, "fp32"), Weight("norms + mHC", 1, hc + 1, 1, "fp32")]
-
-
-def v4_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
-    expert, proj, sb = v4_formats(cfg)
-    return [*v4_moe(cfg, tp, ep, expert, proj, sb), *v4_attention(cfg, tp, proj, sb),
-            *v4_compressors(cfg, proj, sb), *v4_residual(cfg), *vocab_weights(cfg, tp)]
-
-
-def mla_attention(cfg: dict, tp: int, proj: str, sb: int) -> list[Weight]:
-    """Per layer: q_a_proj (+ norm), kv_a_proj_with_mqa (+ norm) replicated; q_b_proj (or q_proj),
-    kv_b_proj and o_proj split by heads."""
-    h, n, norm = cfg["hidden_size"], cfg["num_hidden_layers"], weight_dtype(cfg)
-    heads = cfg["num_attention_heads"] // tp
-    r, dr, dn, dv, ql = (cfg[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-                                          "q_lora_rank"))
-    query = [Weight("attention", heads * (dn + dr), h, n, proj, sb)]
-    if ql:
-        query = [Weight("attention", ql, h, n, proj, sb), Weight("attention", 1, ql, n, norm),
-                 Weight("attention", heads * (dn + dr), ql, n, proj, sb)]
-    return query + [Weight("attention", r + dr, h, n, proj, sb), Weight("attention", 1, r, n, norm),
-                    Weight("attention", heads * (dn + dv), r, n, proj, sb),
-                    Weight("attention", h, heads * dv, n, proj, sb)]
-
-
-def mla_ffn(cfg: dict, tp: int, ep: int, proj: str, sb: int) -> list[Weight]:
-    """Dense MLPs (the first first_k_dense_replace layers) and shared experts split by T, routed experts
-    n_routed_experts / E per rank, routers (+ V3's correction bias) replicated."""
-    h, n, dense = cfg["hidden_size"], cfg["num_hidden_layers"], cfg.get("first_k_dense_replace") or 0
-    inter, moe_inter, experts = cfg["intermediate_size"] // tp, cfg["moe_intermediate_size"], cfg["n_routed_experts"]
-    shared, moe = moe_inter * (cfg.get("n_shared_experts") or 0) // tp, n - dense
-    out = [Weight("dense MLP", 2 * inter, h, dense, proj, sb), Weight("dense MLP", h, inter, dense, proj, sb),
-           Weight("routed experts", 2 * moe_inter, h, experts // ep * moe, proj, sb),
-           Weight("routed experts", h, moe_inter, experts // ep * moe, proj, sb),
-           Weight("shared experts", 2 * shared, h, moe, proj, sb), Weight("shared experts", h, shared, moe, proj, sb),
-           Weight("routers", experts, h, moe, weight_dtype(cfg))]
-    if cfg["model_type"] == "deepseek_v3":
-        out.append(Weight("routers", 1, experts, moe, "fp32"))
-    return out
-
-
-def mla_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
-    _, proj, sb = v4_formats(cfg)  # V3 ships FP8 linears with fp32 weight_scale_inv per 128 x 128 block
-    norms = Weight("norms", 1, cfg["hidden_size"], 2 * cfg["num_hidden_layers"] + 1, weight_dtype(cfg))
-    return [*mla_ffn(cfg, tp, ep, proj, sb), *mla_attention(cfg, tp, proj, sb), norms, *vocab_weights(cfg, 1)]
-
-
-def model_weights(cfg: dict, tp: int, ep: int) -> list[Weight]:
-    """One rank's weights at T and E, in their stored formats."""
-    if is_v4(cfg):
-        return v4_weights(cfg, tp, ep)
-    return mla_weights(cfg, tp, ep) if is_mla(cfg) else llama_weights(cfg, tp, ep)
+def stored_weight(module_name: str, module, leaf: str, p, formats: CheckpointFormats) -> Weight:
+    """Parameter `leaf` of `module` in the kind its layer declares; the embedding and the LM head in the
+    checkpoint dtype (quantized checkpoints leave them be), an integer tensor in its own dtype."""
+    part = part_of(module_name)
+    kind = CHECKPOINT if part == VOCAB else param_kinds(module).get(leaf, CHECKPOINT)
+    if kind == CHECKPOINT and not p.is_floating_point():
+        fmt = str(p.dtype).removeprefix("torch.")
+    else:
+        fmt = formats.format_of(kind)
+    pieces = tuple(getattr(module, "shard_sizes", ())) if kind == LINEAR else ()  # stored apart: q|k|v, gate|up
+    values, nbytes = formats.values_and_bytes(fmt, tuple(p.shape), pieces)
+    return Weight(part, f"{module_name}.{leaf}".lstrip("."), fmt, values, nbytes)
 
 
 def hf_config_of(cfg: dict):
@@ -390,15 +263,22 @@ def meta_model(cfg: dict, tp: int, ep: int, max_positions: int, speculative_meth
                            expert_parallel_size=ep)
 
 
-def plan_kv(cfg: dict, tp: int, ep: int, kv_format: str, max_model_len: int, block_size: int,
-            engine: EngineConfig) -> CacheSizing:
-    """One rank's cache of the meta-built model, sized as the engine sizes it (bf16 compute, rows in
+def plan_weights(cfg: dict, tp: int, ep: int, max_positions: int):
+    """(rank 0 of T built on the meta device, its weights, the whole model's stored bytes at one rank)."""
+    formats = checkpoint_formats(cfg)
+    model = meta_model(cfg, tp, ep, max_positions)
+    weights = weights_of(model, formats)
+    whole = weights if tp == ep == 1 else weights_of(meta_model(cfg, 1, 1, max_positions), formats)
+    return model, weights, sum(w.nbytes for w in whole)
+
+
+def plan_kv(model, kv_format: str, block_size: int, engine: EngineConfig) -> CacheSizing:
+    """One rank's cache of the meta-built `model`, sized as the engine sizes it (bf16 compute, rows in
     `kv_format`, the engine's block size and draft allowance k)."""
     import torch
 
     from deepinfer.worker.cache_sizing import plan_model_cache
 
-    model = meta_model(cfg, tp, ep, max_model_len, engine.speculative.method)
     kv_cache_dtype = "fp8" if kv_format == "fp8" else "bfloat16"
     return plan_model_cache(model, torch.bfloat16, kv_cache_dtype, block_size, engine.env,
                             engine.speculative.num_speculative_tokens)[2]
@@ -422,15 +302,16 @@ def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
     v4 = is_v4(cfg)
     kv_format = {"auto": "fp8" if v4 else "bf16", "bfloat16": "bf16", "fp8": "fp8"}[kv_cache_dtype]
-    weights, whole = model_weights(cfg, tp, ep), model_weights(cfg, 1, 1)
     usable = int(parse_size(device_memory, "device memory") * gpu_memory_utilization)
     max_model_len = max_model_len or cfg.get("max_position_embeddings") or 4096
     engine = engine_settings(speculative, env)
-    kv = plan_kv(cfg, tp, ep, kv_format, max_model_len, block_size, engine)
+    model, weights, whole = plan_weights(cfg, tp, ep, max_model_len)
+    if engine.speculative.method == "mtp":  # the drafter's layers: their cache counts, their weights not
+        model = meta_model(cfg, tp, ep, max_model_len, "mtp")
+    kv = plan_kv(model, kv_format, block_size, engine)
     notes = plan_notes(cfg, kv_cache_dtype, engine) + mla_notes(cfg, weights, usable)
     return CapacityPlan(cfg["model_type"], tp, ep, tuple(weights), kv, kv_format, max_model_len,
-                        parse_size(device_memory, "device memory"), gpu_memory_utilization,
-                        sum(w.nbytes for w in whole), notes)
+                        parse_size(device_memory, "device memory"), gpu_memory_utilization, whole, notes)
 
 
 def plan_notes(cfg: dict, kv_cache_dtype: str, engine: EngineConfig) -> tuple[str, ...]:

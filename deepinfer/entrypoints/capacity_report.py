@@ -47,21 +47,20 @@ def split_notes(cfg: dict, tp: int, ep: int) -> dict[str, str]:
         return {"attention": f"{heads}, {kv_note}", "MLP": f"intermediate {cfg['intermediate_size'] // tp:,} of "
                 f"{cfg['intermediate_size']:,} per rank", "norms": "replicated", "embedding + LM head": vocab}
     experts = cfg["n_routed_experts"]
-    shared = cfg["moe_intermediate_size"] * cfg.get("n_shared_experts", 1)
     return {"routed experts": f"{experts // ep} of {experts} experts per layer per rank, each slice on {tp // ep} "
                               f"rank(s)",
-            "shared expert": f"intermediate {shared // tp:,} of {shared:,} per rank",
+            "shared experts": "whole on every rank",
             "attention": f"{heads}, {cfg['o_groups'] // tp} of {cfg['o_groups']} o_groups; q_a_proj, kv_proj "
                          "replicated",
-            "compressors + indexer": "replicated", "routers": "replicated", "norms + mHC": "replicated",
-            "embedding + LM head": vocab}
+            "compressors + indexer": "replicated", "routers": "replicated", "mHC": "replicated",
+            "embedding + LM head": "whole on every rank"}
 
 
 def mla_split_notes(cfg: dict, tp: int, ep: int, heads: str) -> dict[str, str]:
     experts, inter = cfg["n_routed_experts"], cfg["intermediate_size"]
     shared = cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)
     return {"attention": f"{heads}: q_b_proj, kv_b_proj, o_proj split; q_a_proj, kv_a_proj_with_mqa replicated",
-            "dense MLP": f"intermediate {inter // tp:,} of {inter:,} per rank",
+            "MLP": f"intermediate {inter // tp:,} of {inter:,} per rank",
             "routed experts": f"{experts // ep} of {experts} experts per layer per rank, each slice on {tp // ep} "
                               f"rank(s)",
             "shared experts": f"intermediate {shared // tp:,} of {shared:,} per rank",
@@ -194,14 +193,14 @@ def add_plan_args(p) -> None:
 
 def plan_sizes(args) -> tuple[int, int] | None:
     """(T, E) when the flags ask for a plan (a size above 1), else None."""
-    tp, ep = getattr(args, "tensor_parallel_size", None) or 1, getattr(args, "expert_parallel_size", None) or 1
+    tp, ep = args.tensor_parallel_size or 1, args.expert_parallel_size or 1
     return (tp, ep) if tp > 1 or ep > 1 else None
 
 
 def is_config_only(args) -> bool:
     """A local directory with config.json and no weight files, and no --load-format dummy: plan without
     building (the model may be far larger than this machine)."""
-    path = getattr(args, "model", None)
+    path = args.model
     if not path or not os.path.isfile(os.path.join(path, "config.json")):
         return False
     return args.load_format != "dummy" and not any(
@@ -217,8 +216,8 @@ def print_plan(args, cfg: dict | None = None) -> None:
     one_rank = argparse.Namespace(**{**vars(args), "tensor_parallel_size": 1, "expert_parallel_size": 1})
     engine = EngineArgs.from_cli_args(one_rank).create_engine_config()  # the flags as the engine reads them
     plan = plan_capacity(cfg, tp, ep, max_model_len=args.max_model_len,
-                         device_memory=getattr(args, "gpu_memory", DEFAULT_DEVICE_MEMORY),
+                         device_memory=args.gpu_memory,
                          gpu_memory_utilization=engine.cache.gpu_memory_utilization,
                          kv_cache_dtype=engine.cache.kv_cache_dtype, block_size=engine.cache.block_size,
                          speculative=engine.speculative, env=engine.env)
-    print("\n".join(plan_lines(plan, cfg, getattr(args, "model", None) or "")))
+    print("\n".join(plan_lines(plan, cfg, args.model or "")))

@@ -14,6 +14,11 @@ FP8), about 3.4 KB of KV per token in MXFP8 (20 CSA layers at 165 B, 23 HCA laye
 test below recomputes the printed numbers from the config's fields with its own arithmetic, not the
 planner's helpers. Our weight total is 155.7 GB: the non-expert parameters count 7.3B (284.3B in all, the
 published 284B), with embeddings and LM head kept in bf16; so it matches 154 GB within 2%.
+
+The planner sums the parameters of the model it builds on the meta device, in the stored formats their
+layers declare; the tests below hold those sums to counts made without our model code: the checkpoint
+transformers would write for the config (its state dict, on the meta device), and the bytes of tiny
+checkpoints as stored (dense, GPT-OSS's MXFP4 experts, DeepSeek-V4's FP8 projections and FP4 experts).
 """
 
 from __future__ import annotations
@@ -37,6 +42,30 @@ CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 def run_info(capsys, *argv) -> str:
     assert cli.main(["info", *argv]) == 0
     return capsys.readouterr().out
+
+
+def hf_checkpoint_values(cfg: dict) -> int:
+    """Values in the checkpoint transformers writes for `cfg` (its state dict: parameters and persistent
+    buffers, a tied matrix once), counted on the meta device: independent of our model code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_of({**cfg, "pad_token_id": None}))
+    tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    return sum(t.numel() for t in tensors.values())
+
+
+def stored_bytes(path: str) -> int:
+    """Bytes of every tensor of a checkpoint directory's safetensors files, as stored."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                total += sum(f.get_tensor(key).nbytes for key in f.keys())
+    return total
 
 
 def figure(out: str, pattern: str) -> float:
@@ -66,26 +95,80 @@ def test_flash_config_is_the_published_shape(flash):
     assert cfg.layer_types == types and cfg.sliding_window == 128 and cfg.qk_rope_head_dim == 64
 
 
-def test_planner_counts_every_parameter_the_model_builds():
-    """At one rank the plan's parameters equal the meta-device build of configs/deepseek_v4_flash_mini
-    (3,244,994,317, pinned in test_v4_bench_info); the Flash routed experts are the issue's 277B."""
-    mini = plan_capacity(load_config(os.path.join(CONFIGS, "deepseek_v4_flash_mini")))
-    assert sum(w.params for w in mini.weights) == 3_244_994_317
+def test_planner_counts_every_value_of_the_checkpoint():
+    """At one rank the plan's parameters are transformers' checkpoint of configs/deepseek_v4_flash_mini
+    (3,244,994,317, pinned in test_v4_bench_info; no MTP layer); the Flash routed experts are the issue's 277B."""
+    cfg = load_config(os.path.join(CONFIGS, "deepseek_v4_flash_mini"))
+    assert sum(w.params for w in plan_capacity(cfg).weights) == hf_checkpoint_values(cfg) == 3_244_994_317
     routed = sum(w.params for w in plan_capacity(load_config(FLASH)).weights if w.part == "routed experts")
     assert routed == 256 * 43 * 3 * 4096 * 2048 and abs(routed / 277e9 - 1) < 0.001
 
 
-def test_qwen3_plan_counts_every_parameter_the_model_builds():
-    import torch
-    from transformers import AutoConfig
+def test_qwen3_plan_counts_every_value_of_the_checkpoint():
+    cfg = load_config(QWEN3)
+    assert sum(w.params for w in plan_capacity(cfg).weights) == hf_checkpoint_values(cfg) == 596_049_920
 
-    from deepinfer.model_executor.models.registry import get_model_class
 
-    cfg = AutoConfig.from_pretrained(QWEN3)
-    with torch.device("meta"):
-        model = get_model_class(cfg.model_type)(cfg, 4096)
-    built = sum(p.numel() for p in model.parameters())
-    assert sum(w.params for w in plan_capacity(load_config(QWEN3)).weights) == built
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_plan_counts_the_stored_bytes_of_a_tiny_checkpoint(tiny_checkpoint, arch):
+    """fp32 checkpoints (gemma3's tied head once): the plan at one rank is the file's tensors, byte for byte."""
+    path = tiny_checkpoint(arch)
+    assert plan_capacity(load_config(path)).weight_bytes == stored_bytes(path)
+
+
+def test_plan_counts_packed_mxfp4_experts_as_stored(tmp_path, tokenizer_dir):
+    """GPT-OSS's experts held packed (blocks + scales, 17 B per 32 values), the rest fp32, as the file is."""
+    from models.test_gpt_oss import write_mxfp4_checkpoint
+
+    write_mxfp4_checkpoint(str(tmp_path), tokenizer_dir)
+    plan = plan_capacity(load_config(str(tmp_path)))
+    assert plan.weight_bytes == stored_bytes(str(tmp_path))
+    assert {w.fmt for w in plan.weights if w.part == "routed experts"} == {"mxfp4 blocks", "mxfp4 scales", "fp32"}
+
+
+@pytest.fixture(scope="module")
+def v4_quantized_dir(tmp_path_factory) -> str:
+    """A tiny DeepSeek-V4 checkpoint as DeepSeek ships it (models/deepseek_v4/test_v4_checkpoint.py's
+    quantizers): FP4 routed experts, FP8 projections with UE8M0 block scales, the rest fp32."""
+    from models.deepseek_v4.test_v4_checkpoint import (
+        FP4_NAME,
+        QUANTIZATION_CONFIG,
+        is_fp8_target,
+        quantize_fp4,
+        quantize_fp8,
+        randomize,
+        v4_config,
+    )
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+
+    root = tmp_path_factory.mktemp("v4-stored")
+    model = DeepseekV4ForCausalLM(v4_config()).eval()
+    randomize(model)
+    model.save_pretrained(root)
+    tensors = {}
+    for name, t in load_file(os.path.join(root, "model.safetensors")).items():
+        quantize = quantize_fp4 if FP4_NAME.search(name) else quantize_fp8 if is_fp8_target(name, t) else None
+        if quantize is None:
+            tensors[name] = t
+        else:
+            tensors[name], tensors[name[: -len("weight")] + "scale"], _ = quantize(t)
+    save_file(tensors, os.path.join(root, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(root, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": {**QUANTIZATION_CONFIG, "expert_dtype": "fp4"}}, f)  # as DeepSeek's
+    return str(root)
+
+
+def test_plan_counts_fp8_and_fp4_weights_as_stored(v4_quantized_dir):
+    """Every FP8 matrix with its block scales (gate and up two matrices), every FP4 expert with its
+    group scales, mHC, sinks, position biases fp32, the hash table int64: the file's bytes exactly."""
+    plan = plan_capacity(load_config(v4_quantized_dir), kv_cache_dtype="bfloat16")  # index keys of 16: no MXFP8
+    assert plan.weight_bytes == stored_bytes(v4_quantized_dir)
+    formats = {(w.part, w.fmt) for w in plan.weights}
+    assert {("routed experts", "fp4"), ("shared experts", "fp8"), ("attention", "fp8"),
+            ("compressors + indexer", "fp8"), ("mHC", "fp32"), ("routers", "int64")} <= formats
 
 
 def test_v4_flash_plan_at_tp8_ep8_matches_the_formula_and_the_issue(flash, capsys):
@@ -113,7 +196,13 @@ def test_v4_flash_plan_at_tp8_ep8_matches_the_formula_and_the_issue(flash, capsy
     unsplit = figure(out, r"the model unsplit: ([\d,]+) B")
     assert abs(unsplit / 154e9 - 1) < 0.02
     per_rank = figure(out, r"total per rank: [\d,]+ params, ([\d,]+) B")
-    assert unsplit / 8 < per_rank < unsplit / 6  # mostly split: replicated attention parts and routers
+    # mostly split; whole on every rank: the vocabulary, the shared experts, compressors, routers, q_a, kv
+    assert unsplit / 8 < per_rank < unsplit / 6
+    vocab = 2 * 129280 * h * 2  # embedding and LM head, bf16
+    blocks = 3 * (inter // 128) * (h // 128)  # gate, up, down: one UE8M0 scale byte per 128 x 128 block
+    shared = layers * (3 * h * inter + blocks)  # e4m3 values + scales
+    assert figure(out, r"embedding \+ LM head: [\d,]+ params, ([\d,]+) B") == vocab
+    assert figure(out, r"shared experts: [\d,]+ params, ([\d,]+) B") == shared
     # a request takes whole pages of the pool the paged groups share, as the engine allocates them
     # (worker/cache_sizing.py): one page = 16 rows of the widest group (HCA: 23 layers x 528 B), and
     # each group fits as many of its rows as the page holds; so 2,334 pages, not 20 x 32,768 x 660
@@ -205,18 +294,13 @@ def _family_config(model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "gemma2", "phi3", "gpt_oss"])
-def test_llama_family_plans_count_every_parameter_the_model_builds(model_type):
-    """Dense and MoE members: the plan's parameters at one rank equal the meta-device build, and at
-    expert_parallel_size 2 the routed experts halve (the rest does not move)."""
-    import torch
-
-    from deepinfer.model_executor.models.registry import get_model_class
-
+def test_llama_family_plans_count_every_value_of_the_checkpoint(model_type):
+    """Dense and MoE members: the plan's parameters at one rank are transformers' checkpoint, every
+    part is named, and at expert_parallel_size 2 the routed experts halve (the rest does not move)."""
     cfg = _family_config(model_type)
-    with torch.device("meta"):
-        model = get_model_class(model_type)(hf_config_of(cfg), 256)
-    built = sum(p.numel() for p in model.parameters())
-    assert sum(w.params for w in plan_capacity(cfg).weights) == built
+    plan = plan_capacity(cfg)
+    assert sum(w.params for w in plan.weights) == hf_checkpoint_values(cfg)
+    assert "other" not in plan.part_totals()
     if model_type in ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"):
         one, two = (plan_capacity(cfg, tp=2, ep=ep).part_totals() for ep in (1, 2))
         assert two["routed experts"][0] * 2 == one["routed experts"][0]
