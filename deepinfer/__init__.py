@@ -31,7 +31,8 @@ def __getattr__(name):
 
         return PoolingParams
     if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "Logprob"):
-        from deepinfer import outputs
+        from deepinfer.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 
-        return getattr(outputs, name)
+        return {"RequestOutput": RequestOutput, "CompletionOutput": CompletionOutput,
+                "EmbeddingRequestOutput": EmbeddingRequestOutput, "Logprob": Logprob}[name]
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

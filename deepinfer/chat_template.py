@@ -49,13 +49,13 @@ def _read_template_file(value: str) -> str:
 
 def _check_compiles(text: str, value: str) -> None:
     """Compile the template as transformers does when it renders a chat (its extensions and filters)."""
-    from jinja2 import TemplateError
+    from jinja2 import TemplateError, TemplateSyntaxError
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
         _compile_jinja_template(text)
     except TemplateError as exc:
-        line = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        line = f" (line {exc.lineno})" if isinstance(exc, TemplateSyntaxError) and exc.lineno else ""
         raise ValueError(f"chat_template {_shown(value)} is not a valid Jinja template: {exc}{line}") from None
 
 

@@ -67,8 +67,10 @@ class SchedulerConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            _positive(name, getattr(self, name))
+        for name, value in (("max_num_seqs", self.max_num_seqs),
+                            ("max_num_batched_tokens", self.max_num_batched_tokens),
+                            ("max_model_len", self.max_model_len)):
+            _positive(name, value)
 
 
 @dataclass

@@ -166,8 +166,9 @@ class EngineArgs:
         ValueError naming the field and the value when one is bad."""
         parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, LoRAConfig: {},
                                    EngineConfig: {}}
+        values = dataclasses.asdict(self)
         for f in dataclasses.fields(self):
-            parts[f.metadata["config"]][f.metadata["name"]] = getattr(self, f.name)
+            parts[f.metadata["config"]][f.metadata["name"]] = values[f.name]
         cache = CacheConfig(**parts[CacheConfig])
         scheduler = SchedulerConfig(**parts[SchedulerConfig])
         speculative = SpeculativeConfig(**parts[SpeculativeConfig])

@@ -19,7 +19,7 @@ import functools
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
@@ -65,8 +65,9 @@ class Environ:
         "Accept a max_model_len beyond the model's context (outputs past it may be garbage).")
 
     def __post_init__(self):
+        values = asdict(self)
         for f in fields(self):
-            value = getattr(self, f.name)
+            value = values[f.name]
             if f.metadata["switch"]:
                 if not isinstance(value, bool) and not (value is None and f.default is None):
                     raise ValueError(f"{f.metadata['variable']}={value!r}: expected a boolean")
@@ -114,8 +115,8 @@ def get_environ() -> Environ:
 def describe_environ(env: Environ | None = None) -> list[str]:
     """One line per knob: `VARIABLE=value (default D): description`."""
     env = get_environ() if env is None else env
-    lines = []
+    lines, values = [], asdict(env)
     for f in fields(Environ):
-        value = getattr(env, f.name)
+        value = values[f.name]
         lines.append(f"{f.metadata['variable']}={_shown(value)} (default {_shown(f.default)}): {f.metadata['doc']}")
     return lines

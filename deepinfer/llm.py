@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.lora import LoRARequest
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.llm_engine import LLMEngine
@@ -47,7 +48,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             run_follower(config.device, job)
             raise SystemExit(0)
     source = load_source(config)
-    config.resolve_max_model_len(getattr(source.hf_config, "max_position_embeddings", 4096))
+    config.resolve_max_model_len(HFConfigFields.of(source.hf_config).max_position_embeddings)
     runner = _build_runner(source, config, job)
     engine = LLMEngine(config, source, runner, adapters=_adapter_checker(config, runner))
     logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start, source))
@@ -166,7 +167,7 @@ class LLM:
         becomes max_tokens), the rest SamplingParams' defaults. A checkpoint that names none of
         these (GGUF files never do) gets FALLBACK_SAMPLING: greedy decoding makes small models loop.
         ValueError naming the field and the value when the config holds a value we refuse."""
-        config = getattr(self.engine.source, "generation_config", None)
+        config = self.engine.source.generation_config
         try:
             return SamplingParams(**model_sampling_defaults(config))
         except ValueError as exc:
@@ -294,7 +295,7 @@ class LLM:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a prompt, or give "
                              "one with LLM(..., chat_template=TEXT_OR_FILE)")
         ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a dict or transformers' BatchEncoding
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:

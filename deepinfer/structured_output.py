@@ -98,18 +98,19 @@ class StructuredOutputsParams:
     compiled: CompiledGrammar | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        set_kinds = [k for k in _KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        given = self.given()
+        set_kinds = list(given)
         if self.json_object is not False and self.json_object is not True:
             raise ValueError(f"structured_output.json_object must be true or false, got {_short(self.json_object)}")
         if len(set_kinds) != 1:
             raise ValueError(f"structured_output must set exactly one of {', '.join(_KINDS)}; "
                              f"got {', '.join(set_kinds) or 'none'}")
-        kind = set_kinds[0]
-        text = _grammar_of(kind, getattr(self, kind))
+        kind, value = next(iter(given.items()))
+        text = _grammar_of(kind, value)
         error = grammar_engine().LLMatcher.validate_grammar(text, limits=grammar_limits())
         if error:
             raise ValueError(f"structured_output.{kind} is invalid: {_first_lines(error)}; "
-                             f"got {_short(getattr(self, kind))}")
+                             f"got {_short(value)}")
         object.__setattr__(self, "grammar_text", text)
 
     def __getstate__(self) -> dict:
@@ -119,9 +120,15 @@ class StructuredOutputsParams:
         for key, value in state.items():
             object.__setattr__(self, key, value)
 
+    def given(self) -> dict[str, object]:
+        """The kinds this spec sets, in `_KINDS` order, with their values (json_object when true)."""
+        values = {"json": self.json, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object}
+        return {k: v for k, v in values.items() if (v is not None if k != "json_object" else v)}
+
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+        return next(iter(self.given()))
 
     def lazy_parts(self) -> tuple[str, ...]:
         """Grammar texts inside `grammar_text` that llguidance builds only once generation reaches

@@ -140,7 +140,7 @@ class KVCacheManager(KVAllocator):
         empty = PrefixHit(blocks=tuple([] for _ in self.paged_specs))
         cache = self._requests.get(source.request_id)
         if (cache is None or self.ring_specs or req.prompt_token_ids != source.prompt_token_ids
-                or getattr(req.sampling_params, "prompt_logprobs", None) is not None):
+                or req.sampling_params.prompt_logprobs is not None):
             return empty
         limit = min(source.num_computed_tokens, req.num_prompt_tokens, req.num_tokens - 1)
         boundary = limit // self.hit_align * self.hit_align

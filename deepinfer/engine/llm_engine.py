@@ -31,6 +31,7 @@ import logging
 import weakref
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.lora import AdapterResolver, LoRAAdapter, LoRARequest
 from deepinfer.contracts.model import StepRunner
 from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
@@ -69,7 +70,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(source)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
         # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
-        self.pooling = pooling.pooling_config(getattr(source, "path", None), source.hf_config, config.pooling)
+        self.pooling = pooling.pooling_config(source.path, source.hf_config, config.pooling)
         # close() once: explicitly, when the engine is collected, or at exit (never holding the engine)
         self._finalizer = weakref.finalize(self, close_engine, self.kv_manager, runner)
         self._ids = itertools.count()
@@ -123,7 +124,7 @@ class LLMEngine:
         if lora_request is None:
             return None
         if self.adapters is None or not self.config.lora.enable_lora:
-            name = getattr(lora_request, "lora_name", lora_request)
+            name = lora_request.lora_name if isinstance(lora_request, LoRARequest) else lora_request
             raise ValueError(f"lora_request names adapter {name!r}, but LoRA is off: start the engine with "
                              f"enable_lora=True (--enable-lora)")
         return self.adapters.resolve(lora_request)
@@ -392,7 +393,8 @@ def checked_params(params: SamplingParams | None) -> SamplingParams:
 
 def eos_token_ids(source) -> frozenset[int]:
     ids = set()
-    for value in (getattr(source.hf_config, "eos_token_id", None), getattr(source.tokenizer, "eos_token_id", None)):
+    tokenizer_eos = source.tokenizer.eos_token_id if source.tokenizer is not None else None
+    for value in (HFConfigFields.of(source.hf_config).eos_token_id, tokenizer_eos):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):

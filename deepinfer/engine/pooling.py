@@ -28,6 +28,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.request import Request
 from deepinfer.sampling_params import SamplingParams, short_repr
@@ -91,9 +92,10 @@ def pooling_config(path: str | None, hf_config, choice: str = "auto") -> Pooling
             problem = f"its sentence-transformers pooling {mode!r} is not computed here (mean, cls, lasttoken are)"
     if choice != "auto":
         kind, source = choice, f"--pooling {choice}"
-    dims = getattr(hf_config, "matryoshka_dimensions", None)
-    return PoolingConfig(kind or "last", normalize, int(getattr(hf_config, "hidden_size", 0) or 0),
-                         bool(getattr(hf_config, "is_matryoshka", False) or dims), tuple(dims) if dims else None,
+    fields = HFConfigFields.of(hf_config)
+    dims = fields.matryoshka_dimensions
+    return PoolingConfig(kind or "last", normalize, int(fields.hidden_size or 0),
+                         bool(fields.is_matryoshka or dims), tuple(dims) if dims else None,
                          source, problem)
 
 

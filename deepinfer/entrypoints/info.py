@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from deepinfer.model_executor.layers.ops.cache_common import visible_rows
+from deepinfer.model_executor.layers.quant_linear import QuantEmbedding, QuantLinear
 from deepinfer.worker.kv_disk import scan_kv_dir
 from deepinfer.worker.summary import packed_summary
 
@@ -162,11 +163,11 @@ def info_lines(llm) -> list[str]:
     engine = llm.engine
     cfg, runner = engine.source.hf_config, engine.runner
     layers = runner.model.attention_layers()
-    load_format = getattr(engine.source, "load_format", "auto")
+    load_format = engine.source.load_format
     lines = [
         f"model: {engine.source.path}" + (f" (dummy weights: {_dummy_kind(runner.model)})" if load_format == "dummy"
                                           else ""),
-        f"architecture: {cfg.model_type} ({', '.join(getattr(cfg, 'architectures', None) or [])})",
+        f"architecture: {cfg.model_type} ({', '.join(cfg.architectures or [])})",
         f"layers: {len(layers)}, hidden: {cfg.hidden_size}, heads: {layers[0].num_heads}, "
         f"kv heads: {layers[0].num_kv_heads}, head dim: {layers[0].head_dim}, vocab: {cfg.vocab_size}",
         f"dtype: {runner.dtype}, kv cache dtype: {engine.config.cache.kv_cache_dtype}, device: {runner.device}, "
@@ -196,7 +197,7 @@ def weight_lines(runner, source=None) -> list[str]:
     packed = packed_summary(runner.model, source)
     if packed:
         lines.append(f"  quantized matrices: {packed}")
-        levels = Counter(m.act_levels for m in runner.model.modules() if hasattr(m, "act_levels"))
+        levels = Counter(m.act_levels for m in runner.model.modules() if isinstance(m, QuantLinear | QuantEmbedding))
         if levels:
             lines.append("  int8 activation levels (CPU): " + ", ".join(
                 f"{levels[n]} module{'s' * (levels[n] > 1)} at {n}" for n in sorted(levels, reverse=True)))

@@ -93,10 +93,10 @@ def selected_workloads(args) -> list[str]:
 def run_bench(args) -> int:
     names = selected_workloads(args)
     progress = WorkloadProgress(names)
-    max_tokens = getattr(args, "max_tokens", None)
+    max_tokens = args.max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    dummy_peer = bool(args.peer) and getattr(args, "load_format", "auto") == "dummy"
+    dummy_peer = bool(args.peer) and args.load_format == "dummy"
     if dummy_peer:
         from deepinfer.entrypoints.bench.peers import check_dummy_peers
 

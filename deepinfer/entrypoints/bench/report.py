@@ -57,7 +57,7 @@ def engine_line(llm) -> str:
     """What the measured engine is, so runs can be compared: e.g. `engine   llama, float32 on cpu,
     tensor-parallel-size 2, max-model-len 64`."""
     engine = llm.engine
-    model_type = getattr(engine.source.hf_config, "model_type", "?")
+    model_type = engine.source.hf_config.model_type
     dtype = str(engine.runner.dtype).removeprefix("torch.")
     return (f"engine   {model_type}, {dtype} on {engine.runner.device}, tensor-parallel-size "
             f"{engine.config.tensor_parallel_size}, max-model-len {engine.max_model_len}")

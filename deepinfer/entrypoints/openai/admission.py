@@ -71,10 +71,13 @@ def max_chars_per_token(tokenizer) -> int | None:
 
 
 def _normalizer_spec(tokenizer) -> dict | None | bool:
-    """The backend normalizer's JSON (None: no normalizer); False when it cannot be read."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    """The backend normalizer's JSON (None: no normalizer); False when it cannot be read (no
+    `tokenizers` backend)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
         return False
+    backend = tokenizer.backend_tokenizer
     try:
         return json.loads(backend.to_str()).get("normalizer")
     except (ValueError, AttributeError):

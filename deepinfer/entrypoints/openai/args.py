@@ -53,7 +53,7 @@ def lora_settings(args) -> dict:
     modules = tuple(parse_lora_module(m) for m in args.lora_modules or [])
     if modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    dirs = tuple(os.path.abspath(os.path.expanduser(d)) for d in getattr(args, "lora_dir", None) or [])
+    dirs = tuple(os.path.abspath(os.path.expanduser(d)) for d in args.lora_dir or [])
     if dirs and not args.allow_runtime_lora_updating:
         raise ValueError("--lora-dir only matters with --allow-runtime-lora-updating (the load route reads from it)")
     for directory in dirs:

@@ -62,11 +62,7 @@ def constrained(spec: StructuredOutputsParams | None, reasoning: ReasoningParser
     """`spec` placed after the reasoning section (unchanged without a reasoning parser)."""
     if spec is None or reasoning is None:
         return spec
-    fields = {kind: getattr(spec, kind) for kind in ("json", "regex", "choice", "grammar")
-              if getattr(spec, kind) is not None}
-    if spec.json_object:
-        fields["json_object"] = True
-    return ConstrainedOutput(**fields, prefix=reasoning.prefix_grammar(inside, CONSTRAINED))
+    return ConstrainedOutput(**spec.given(), prefix=reasoning.prefix_grammar(inside, CONSTRAINED))
 
 
 def forced_call(grammar: str, reasoning: ReasoningParser | None, inside: bool) -> StructuredOutputsParams:

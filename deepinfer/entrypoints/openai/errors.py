@@ -155,7 +155,7 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
         fallback = INVALID_REQUEST if exc.status_code < 500 else "server_error"
         kind = _STATUS_TYPES.get(exc.status_code, fallback)
         return respond(request, APIError(exc.status_code, str(exc.detail), kind,
-                                         headers=getattr(exc, "headers", None)))
+                                         headers=exc.headers))
 
     @app.exception_handler(ClientDisconnect)
     async def _disconnect(request: Request, exc: ClientDisconnect):  # nobody reads this answer

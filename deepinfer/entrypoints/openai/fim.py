@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.entrypoints.openai.errors import bad_request
 
 _VOCAB_SETS = (
@@ -31,7 +32,6 @@ _VOCAB_SETS = (
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
 )
 _SEPARATORS = ("<|file_sep|>", "<file_sep>")
-_CONFIG_FIELDS = ("fim_pre_token_id", "fim_suf_token_id", "fim_mid_token_id")
 SNIPPET_SEPARATOR = "\n\n--- snippet ---\n\n"
 
 
@@ -49,8 +49,9 @@ class FimTokens:
 def find_fim_tokens(tokenizer, hf_config) -> FimTokens | None:
     """The model's FIM tokens (config ids from GGUF metadata first, then the vocabulary); None
     when it has none."""
-    ids = [getattr(hf_config, name, None) for name in _CONFIG_FIELDS]
-    separator = getattr(hf_config, "fim_sep_token_id", None)
+    fields = HFConfigFields.of(hf_config)
+    ids = [fields.fim_pre_token_id, fields.fim_suf_token_id, fields.fim_mid_token_id]
+    separator = fields.fim_sep_token_id
     if tokenizer is not None and not all(isinstance(i, int) and i >= 0 for i in ids):
         ids = next((found for names in _VOCAB_SETS if None not in (found := [_token_id(tokenizer, n) for n in names])),
                    [None])

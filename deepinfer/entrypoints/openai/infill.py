@@ -111,8 +111,9 @@ def _prepare(tokenizer, state, raw: bytes) -> tuple[InfillRequest, list[int], Sa
     tokens = require_fim_tokens(tokenizer, state.engine_loop.engine.source.hf_config, "input_suffix")
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer, so its input cannot be tokenized", "input_prefix")
-    for name in ("input_prefix", "input_suffix", "prompt"):
-        state.bounds.check_text(getattr(body, name), name)
+    for name, text in (("input_prefix", body.input_prefix), ("input_suffix", body.input_suffix),
+                       ("prompt", body.prompt)):
+        state.bounds.check_text(text, name)
     for i, chunk in enumerate(body.input_extra):
         state.bounds.check_text(chunk.text, "input_extra", f"input_extra[{i}].text")
     extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]

@@ -119,17 +119,20 @@ def _setup_logging(level: str) -> None:
 
 
 def _check_args(args) -> None:
-    for name in ("max_waiting", "max_body_bytes", "port"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name, value in (("max_waiting", args.max_waiting), ("max_body_bytes", args.max_body_bytes),
+                        ("port", args.port)):
+        if value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if args.max_requests_per_client is not None and args.max_requests_per_client < 1:
         raise ValueError(f"--max-requests-per-client must be >= 1, got {args.max_requests_per_client}")
-    for name in ("max_connections", "tokenizer_workers"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("timeout_keep_alive", "timeout_request_header", "timeout_request_body"):
-        if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    for name, value in (("max_connections", args.max_connections), ("tokenizer_workers", args.tokenizer_workers)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name, value in (("timeout_keep_alive", args.timeout_keep_alive),
+                        ("timeout_request_header", args.timeout_request_header),
+                        ("timeout_request_body", args.timeout_request_body)):
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.shutdown_grace < 0:
         raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
 

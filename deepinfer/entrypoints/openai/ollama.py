@@ -148,10 +148,10 @@ def resolve_model(state, name: str) -> str:
 
 def _show(state, card: dict) -> dict:
     setup, tokenizer = state.chat_setup, state.tokenizer
-    template = getattr(tokenizer, "chat_template", None) or ""
+    template = (tokenizer.chat_template if tokenizer is not None else None) or ""
     capabilities = ["completion"] + (["tools"] if setup.tool_parser is not None else []) + (
         ["thinking"] if setup.reasoning is not None else [])
-    if getattr(state.engine_loop.engine.pooling, "source", DEFAULT_SOURCE) != DEFAULT_SOURCE:
+    if state.engine_loop.engine.pooling.source != DEFAULT_SOURCE:
         capabilities.append("embedding")  # a sentence-transformers checkpoint
     family = card["details"]["family"]
     model_info = {"general.architecture": family, "general.parameter_count": card["details"]["parameter_size"],

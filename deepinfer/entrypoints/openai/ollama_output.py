@@ -150,9 +150,8 @@ def base_card(engine, name: str) -> dict:
     source, runner = engine.source, engine.runner
     files = _weight_files(source.path)
     mtime = max((os.path.getmtime(f) for f in files), default=time.time())
-    quantization = getattr(getattr(runner, "quantization", None), "value", "none")
-    dtype = getattr(getattr(runner, "dtype_choice", None), "value", "")
-    family = getattr(source.hf_config, "model_type", "") or ""
+    quantization, dtype = runner.quantization.value, runner.dtype_choice.value
+    family = source.hf_config.model_type or ""
     level = quantization.upper() if quantization != "none" else _DTYPE_LEVELS.get(dtype, dtype)
     details = {"parent_model": "", "format": "gguf" if source.format == "gguf" else "safetensors",
                "family": family, "families": [family], "parameter_size": _parameter_size(runner),
@@ -177,11 +176,8 @@ def _weight_files(path: str) -> list[str]:
 
 
 def _parameter_size(runner) -> str:
-    """The parameter count as Ollama writes it ("494.03M", "7.6B"); "" when the runner does not tell."""
-    model = getattr(runner, "model", None)
-    if model is None or not hasattr(model, "parameters"):
-        return ""
-    count = sum(p.numel() for p in model.parameters())
+    """The parameter count as Ollama writes it ("494.03M", "7.6B")."""
+    count = sum(p.numel() for p in runner.model.parameters())
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= scale:
             return f"{count / scale:.2f}{unit}"

@@ -104,8 +104,9 @@ class GenerateBody(_Body):
         if self.context:
             raise FieldError("context", "context (the tokens of an earlier answer) is not supported; send the "
                              "conversation to /api/chat")
-        for name in ("images", "width", "height", "steps"):
-            if getattr(self, name):
+        for name, value in (("images", self.images), ("width", self.width), ("height", self.height),
+                            ("steps", self.steps)):
+            if value:
                 raise FieldError(name, f"{name} is not supported: this server serves a text model")
 
     @property

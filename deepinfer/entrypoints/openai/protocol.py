@@ -220,8 +220,9 @@ class ChatCompletionRequest(_GenerationRequest):
         _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
                    "top_logprobs requires logprobs to be true", code=None)
         _refuse_if(self.modalities not in (None, ["text"]), "modalities", "only the text modality is supported")
-        for name in ("audio", "reasoning_effort", "verbosity", "web_search_options"):
-            _refuse_if(getattr(self, name) is not None, name, f"{name} is not supported with this model")
+        for name, value in (("audio", self.audio), ("reasoning_effort", self.reasoning_effort),
+                            ("verbosity", self.verbosity), ("web_search_options", self.web_search_options)):
+            _refuse_if(value is not None, name, f"{name} is not supported with this model")
 
     def template_messages(self) -> list[dict]:
         return [m.template_dict() for m in self.messages]
@@ -259,8 +260,11 @@ def _refuse_if(condition: bool, param: str, message: str, code: str | None = "un
         raise APIError(400, message, param=param, code=code)
 
 
-_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-           ("guided_grammar", "grammar"))
+def _guided_specs(body: _GenerationRequest) -> list[tuple[str, str, dict]]:
+    """vLLM's guided_* fields the request sets, as structured_spec's entries."""
+    given = (("guided_json", "json", body.guided_json), ("guided_regex", "regex", body.guided_regex),
+             ("guided_choice", "choice", body.guided_choice), ("guided_grammar", "grammar", body.guided_grammar))
+    return [(name, name, {key: value}) for name, key, value in given if value is not None]
 
 
 def structured_output_of(body: _GenerationRequest) -> StructuredOutputsParams | None:
@@ -280,7 +284,7 @@ def structured_spec(body: _GenerationRequest) -> tuple[str, str, dict] | None:
     specs = _response_format_spec(body.response_format)
     if body.structured_outputs is not None:
         specs.append(("structured_outputs", "structured_outputs", dict(body.structured_outputs)))
-    specs += [(name, name, {key: getattr(body, name)}) for name, key in _GUIDED if getattr(body, name) is not None]
+    specs += _guided_specs(body)
     if len(specs) > 1:
         raise bad_request(f"{specs[0][0]} and {specs[1][0]} both constrain the output; send one of them",
                           specs[1][0])

@@ -65,8 +65,9 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
     def check_supported(self) -> None:
-        for name in ("conversation", "prompt", "max_tool_calls", "top_logprobs"):
-            if getattr(self, name) is not None:
+        for name, value in (("conversation", self.conversation), ("prompt", self.prompt),
+                            ("max_tool_calls", self.max_tool_calls), ("top_logprobs", self.top_logprobs)):
+            if value is not None:
                 raise FieldError(name, f"{name} is not supported")
         if self.background:
             raise FieldError("background", "background responses are not supported")

@@ -146,7 +146,7 @@ class ServerState:
         self.created = int(time.time())
         self.chat_setup = ChatSetup(make_tool_parser(settings.tool_call_parser, self.tokenizer),
                                     make_reasoning_parser(settings.reasoning_parser, self.tokenizer))
-        self.adapters = ServedAdapters(settings.model_name, getattr(engine, "adapters", None), settings.lora_dirs)
+        self.adapters = ServedAdapters(settings.model_name, engine.adapters, settings.lora_dirs)
         for name, path in settings.lora_modules:  # a bad adapter stops the start-up, naming it
             self.adapters.add(name, path)
 
@@ -356,7 +356,7 @@ def sampling_defaults(source) -> dict:
     `--generation-config auto`), else FALLBACK_SAMPLING, as everywhere (`model_sampling_defaults`).
     max_new_tokens is left out: an unset max_tokens runs to the context. ValueError naming the
     file's bad value at start-up."""
-    defaults = model_sampling_defaults(getattr(source, "generation_config", None))
+    defaults = model_sampling_defaults(source.generation_config)
     defaults.pop("max_tokens", None)
     try:
         SamplingParams(**defaults)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.model_executor.layers.ops import fused
 
 
@@ -23,10 +24,11 @@ def rope_inv_freq(config, head_dim: int, rope_parameters: dict | None = None, la
     kind's dict and `layer_type`, which transformers' scaled variants read. `seq_len`: the length
     transformers' variants that depend on it (longrope's factor set) are asked for.
     """
-    params = rope_parameters or getattr(config, "rope_parameters", None) or {}
+    fields = HFConfigFields.of(config)
+    params = rope_parameters or fields.rope_parameters or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        fallback = default_theta if default_theta is not None else getattr(config, "rope_theta", 10000.0)
+        fallback = default_theta if default_theta is not None else fields.rope_theta
         theta = params.get("rope_theta", fallback)
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim  # [head_dim/2]
         return (1.0 / theta**exponent).float(), 1.0

@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
+from deepinfer.model_executor.layers.router import Router
 
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
@@ -52,7 +54,8 @@ def _dummy_value(owner: nn.Module, name: str, param: torch.Tensor, gen: torch.Ge
     if name in _ONE_NAMES:
         return torch.ones(param.shape, dtype=param.dtype)
     if name == "weight" and param.dim() == 1:  # a norm's weight: unit effective scale
-        return torch.full(param.shape, 1.0 - float(getattr(owner, "offset", 0.0) or 0.0), dtype=param.dtype)
+        offset = owner.offset if isinstance(owner, RMSNorm) else 0.0  # Gemma's norms store w with offset 1
+        return torch.full(param.shape, 1.0 - float(offset or 0.0), dtype=param.dtype)
     spec = shard_spec_of(owner, name)
     if spec is not None:  # the rank's slice of the full draw
         return spec.take(torch.empty(spec.full_shape(param.shape), dtype=param.dtype).normal_(0.0, std, generator=gen))
@@ -63,7 +66,7 @@ def _dummy_value(owner: nn.Module, name: str, param: torch.Tensor, gen: torch.Ge
 
 
 def _num_experts(owner: nn.Module, param: torch.Tensor) -> int:
-    num = getattr(owner, "num_experts", None)
+    num = owner.num_experts if isinstance(owner, Router) else None  # the hash layer's router
     if not isinstance(num, int) or num < param.shape[-1]:
         raise ValueError(f"tid2eid of shape {tuple(param.shape)} needs its router's num_experts >= "
                          f"{param.shape[-1]}, got {num!r}")

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.model_executor.loader.gguf import dequantize_tensor, gguf_to_hf_name, unpermute_qk
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES
 from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
@@ -91,14 +92,16 @@ def _peft_module(tensor: GGUFTensor, arch: str, path: str) -> tuple[str, str, st
 def _num_heads(base_config: Any, metadata: dict, field: str, path: str) -> int:
     """The base's `field` (num_attention_heads / num_key_value_heads) from its config, else from head
     counts the file may carry (`llama.attention.head_count[_kv]`)."""
-    def get(name: str) -> Any:
-        if isinstance(base_config, dict):
-            return base_config.get(name)
-        return getattr(base_config, name, None)
-
-    value = get(field) if base_config is not None else None
-    if value is None and field == "num_key_value_heads" and base_config is not None:
-        value = get("num_attention_heads")  # no GQA field: as many KV heads as heads
+    if base_config is None:
+        heads = kv_heads = None
+    elif isinstance(base_config, dict):
+        heads, kv_heads = base_config.get("num_attention_heads"), base_config.get("num_key_value_heads")
+    else:
+        fields = HFConfigFields.of(base_config)
+        heads, kv_heads = fields.num_attention_heads, fields.num_key_value_heads
+    value = heads if field == "num_attention_heads" else kv_heads
+    if value is None and field == "num_key_value_heads":
+        value = heads  # no GQA field: as many KV heads as heads
     if value is None:
         key = "llama.attention.head_count" + ("_kv" if field == "num_key_value_heads" else "")
         value = metadata.get(key, metadata.get("llama.attention.head_count"))

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.model_executor.loader.base_model import causal_lm_names
 from deepinfer.model_executor.loader.model_source import EXPECTED_LAYOUT, ModelSource, compute_identity, load_tokenizer
 
@@ -30,7 +31,7 @@ def load_hf_source(path: str) -> ModelSource:
         )
     shard_files = safetensors_files(path)
     config = AutoConfig.from_pretrained(path)
-    quantization = getattr(config, "quantization_config", None)
+    quantization = HFConfigFields.of(config).quantization_config
     if quantization and not _dequantized_on_load(config, quantization):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise ValueError(
@@ -65,9 +66,11 @@ def _dequantized_on_load(config, quantization) -> bool:
     UE8M0, with V4's FP4 routed experts riding along): the model dequantizes them as it loads
     (models/deepseek_v4/weights.py, which V3's loader reuses). GPT-OSS's
     MXFP4 experts: the model keeps their blocks and scales as they are (layers/mxfp4_moe.py)."""
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
     if not isinstance(quantization, dict):
-        quantization = quantization.to_dict() if hasattr(quantization, "to_dict") else {}
-    model_type, method = getattr(config, "model_type", None), quantization.get("quant_method")
+        quantization = quantization.to_dict() if isinstance(quantization, QuantizationConfigMixin) else {}
+    model_type, method = config.model_type, quantization.get("quant_method")
     if model_type == "gpt_oss" and method == "mxfp4":
         return True
     return (model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v4") and method == "fp8"

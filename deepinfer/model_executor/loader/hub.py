@@ -126,7 +126,6 @@ def _gguf_files(repo_id: str, revision: str, folder: str) -> list[str]:
 
 def _explain(exc: Exception, model: str, repo_id: str, filename: str | None, revision: str) -> Exception:
     """One line for a failed resolution: what is missing, where we looked, and the command that fixes it."""
-    from huggingface_hub import errors
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -134,7 +133,10 @@ def _explain(exc: Exception, model: str, repo_id: str, filename: str | None, rev
         RevisionNotFoundError,
     )
 
-    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # newer releases tell a partial snapshot apart
+    try:  # newer releases (huggingface_hub >= 1.x) tell a partial snapshot apart
+        from huggingface_hub.errors import IncompleteSnapshotError as incomplete
+    except ImportError:
+        incomplete = ()
     pinned = "" if revision == DEFAULT_REVISION else f" --revision {revision}"
     command = f"`hf download {repo_id}{' ' + filename if filename else ''}{pinned}`"
     what = f"model {model!r}" + ("" if revision == DEFAULT_REVISION else f" (revision {revision!r})")

@@ -60,7 +60,7 @@ def check_dummy_peers(args) -> None:
     from deepinfer.entrypoints.bench.peers.hf import V4_MODEL_TYPE
     from deepinfer.model_executor.loader import load_model_source
 
-    model_type = getattr(load_model_source(args.model, load_format="dummy").hf_config, "model_type", None)
+    model_type = load_model_source(args.model, load_format="dummy").hf_config.model_type
     if model_type != V4_MODEL_TYPE or set(args.peer) != {"hf"}:
         raise ValueError(f"--peer {' '.join(args.peer)} runs the checkpoint's weights, which load_format='dummy' "
                          f"does not read (with dummy weights only a {V4_MODEL_TYPE} model has a peer: --peer hf, "

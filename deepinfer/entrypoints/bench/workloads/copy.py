@@ -147,7 +147,7 @@ def repeated_span_prompts(vocab_size: int, num_prompts: int, seed: int = 0) -> l
 def run_copy(args) -> list[BenchResult]:
     """Plain, then speculative decoding of the copy requests, each at batch 1 and 8; prints and
     returns their results (the speculative ones carry `spec` and `vs_plain`)."""
-    method = getattr(args, "speculative_method", None) or DEFAULT_METHOD
+    method = args.speculative_method or DEFAULT_METHOD
     workload, runs = None, {}
     for speculative_method in (None, method):
         with make_llm(_engine_args(args, speculative_method)) as llm:  # closed (its ranks stopped) before the next

@@ -86,7 +86,7 @@ def kv_lines(llm) -> list[str]:
 
     engine, runner = llm.engine, llm.engine.runner
     cfg = engine.source.hf_config
-    if not has_compressed_groups(runner) or not hasattr(cfg, "compress_rates"):
+    if not has_compressed_groups(runner):  # only DeepSeek-V4's, one per entry of cfg.compress_rates
         return []
     kv_dtype = engine.config.cache.kv_cache_dtype
     plan = planned_sizing(runner, engine.config.cache)

@@ -193,7 +193,7 @@ def bandwidth_lines(probe, results: list[LlamaBenchResult]) -> list[str]:
 
 def bench_threads(args) -> int:
     """The thread count of both engines and the probe: --threads, else DEFAULT_THREADS (2)."""
-    return getattr(args, "threads", None) or DEFAULT_THREADS
+    return args.threads or DEFAULT_THREADS
 
 
 def _plural(n: int, word: str) -> str:
@@ -217,14 +217,14 @@ def run_llama_bench(args, names: list[str], progress: WorkloadProgress) -> list[
     from deepinfer.entrypoints.bench.bandwidth import engine_weight_bytes, gguf_tensor_bytes, measure_copy_bandwidth
 
     threads = bench_threads(args)
-    repetitions = getattr(args, "repetitions", DEFAULT_REPETITIONS)
-    peer = "llama.cpp" in (getattr(args, "peer", None) or [])
-    if set(getattr(args, "peer", None) or []) - {"llama.cpp"}:
+    repetitions = args.repetitions
+    peer = "llama.cpp" in (args.peer or [])
+    if set(args.peer or []) - {"llama.cpp"}:
         print(f"{'/'.join(names):8s} only the llama.cpp peer runs pp512 / tg128; other peers are skipped", flush=True)
     results: list[LlamaBenchResult] = []
     with make_llm(_engine_args(args, threads)) as llm:
         print(engine_line(llm) + f", {_plural(threads, 'thread')}, prefix caching off", flush=True)
-        source, label = llm.engine.source, engine_label(getattr(args, "speculative_method", None))
+        source, label = llm.engine.source, engine_label(args.speculative_method)
         for name in names:
             workload = llama_bench_workload(name, source.hf_config.vocab_size, repetitions)
             progress.start(name, f"{_plural(repetitions, 'run')} + 1 warm-up")

@@ -169,11 +169,11 @@ class PrefixResult(BenchResult):
 def run_prefix(args) -> list[BenchResult]:
     """Cold, memory hit and after restart on the same requests; prints the table and returns one
     result per configuration."""
-    num_requests = getattr(args, "num_requests", None) or DEFAULT_NUM_REQUESTS
-    max_tokens = getattr(args, "max_tokens", None) or DEFAULT_MAX_TOKENS
-    prefix_len = getattr(args, "prefix_len", DEFAULT_PREFIX_LEN)
+    num_requests = args.num_requests or DEFAULT_NUM_REQUESTS
+    max_tokens = args.max_tokens or DEFAULT_MAX_TOKENS
+    prefix_len = args.prefix_len
     kwargs = _engine_kwargs(args, num_requests)
-    cache_dir = getattr(args, "kv_cache_dir", None)
+    cache_dir = args.kv_cache_dir
     own_dir = cache_dir is None
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="deepinfer-bench-prefix-")
     load_before = _load_average()
@@ -183,7 +183,7 @@ def run_prefix(args) -> list[BenchResult]:
             start = time.perf_counter()
             llm = _build(args.model, kwargs, enable_prefix_caching=caching, kv_cache_dir=None)
             if prompts is None:
-                prompts = prefix_prompts(llm, prefix_len, num_requests, getattr(args, "prefix_seed", 0))
+                prompts = prefix_prompts(llm, prefix_len, num_requests, args.prefix_seed)
                 info = _describe(llm)
             runs[name] = run_config(llm, prompts, max_tokens, prefix_warmup=caching)
             llm.close()
@@ -320,9 +320,9 @@ def _describe(llm) -> dict:
     path = engine.source.path
     return {"model": os.path.basename(str(path).rstrip("/")) if path else "default",
             "model_path": str(path) if path else None,
-            "model_type": getattr(engine.source.hf_config, "model_type", "?"),
-            "device": str(getattr(runner, "device", "?")), "dtype": str(getattr(runner, "dtype", "?")).replace(
-                "torch.", ""), "num_kv_blocks": llm.get_metrics().get("num_total_blocks"),
+            "model_type": engine.source.hf_config.model_type,
+            "device": str(runner.device), "dtype": str(runner.dtype).replace("torch.", ""),
+            "num_kv_blocks": llm.get_metrics().get("num_total_blocks"),
             "block_size": engine.config.cache.block_size}
 
 

@@ -7,6 +7,7 @@ two questions share a first block. A model without a tokenizer gets random token
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 QUESTION_TOKENS = (20, 40)  # the question's own text, before the chat template's wrapping
@@ -156,7 +157,7 @@ def text_prompts(tokenizer, prefix_len: int, num_requests: int, seed: int = 0) -
             ids = tokenizer.apply_chat_template([{"role": "system", "content": system},
                                                  {"role": "user", "content": question}],
                                                 add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a dict or a BatchEncoding
     else:
         def render(system: str, question: str) -> list[int]:
             return list(tokenizer(f"{system}\n\nQuestion: {question}\nAnswer:", add_special_tokens=True)["input_ids"])

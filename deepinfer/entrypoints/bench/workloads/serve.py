@@ -58,8 +58,7 @@ def add_bench_serve_parser(bench_parser) -> None:
 
 
 def run_bench_serve(args) -> int:
-    for name in ("num_requests", "concurrency"):
-        value = getattr(args, name)
+    for name, value in (("num_requests", args.num_requests), ("concurrency", args.concurrency)):
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.request_rate is not None and args.request_rate <= 0:

@@ -25,9 +25,9 @@ def run_engine_workloads(args, names: list[str], progress: WorkloadProgress, dum
             print(line, flush=True)
         for name in names:
             workload = make_workload(name, llm.engine.source.hf_config.vocab_size, args.num_requests or 32,
-                                     max_output_len=getattr(args, "max_tokens", None))
+                                     max_output_len=args.max_tokens)
             progress.start(name, f"{len(workload.prompts)} requests")
-            results.append(run_deepinfer(llm, workload, engine_label(getattr(args, "speculative_method", None))))
+            results.append(run_deepinfer(llm, workload, engine_label(args.speculative_method)))
             print_result(results[-1])
             print_spec(results[-1:])
             if name == "cpu32" and has_compressed_groups(llm.engine.runner):

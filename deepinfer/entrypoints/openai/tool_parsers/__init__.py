@@ -35,7 +35,7 @@ __all__ = ["DETECTION_ORDER", "TOOL_PARSERS", "TOOL_PARSER_CHOICES", "FunctionSp
 
 def chat_template_text(tokenizer) -> str:
     """The tokenizer's chat template(s) as one text ("" without one; a dict of named templates joined)."""
-    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    template = tokenizer.chat_template if tokenizer is not None else None
     if isinstance(template, dict):
         return "\n".join(str(t) for t in template.values())
     return template or ""
@@ -53,7 +53,7 @@ def special_token_ids(tokenizer, texts) -> dict[str, int]:
     grammars refer to these by id (`<[id]>`)."""
     if tokenizer is None:
         return {}
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    decoder = tokenizer.added_tokens_decoder or {}
     added = {token.content: token_id for token_id, token in decoder.items()}
     return {text: added[text] for text in texts if text in added}
 
@@ -62,8 +62,8 @@ def skipped_when_decoded(tokenizer, token_ids) -> bool:
     """Whether decoding drops any of `token_ids` (a special token) unless special tokens are kept."""
     if tokenizer is None:
         return False
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    special = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = tokenizer.added_tokens_decoder or {}
+    special = set(tokenizer.all_special_ids)
     return any(t in special or (t in decoder and decoder[t].special) for t in token_ids)
 
 

@@ -1,0 +1,42 @@
+"""The optional fields of a checkpoint's transformers config, declared once with their defaults.
+
+A transformers `PretrainedConfig` holds only what its model class and config.json name:
+`eos_token_id`, `max_position_embeddings`, `quantization_config`, the sentence-transformers
+(Matryoshka), FIM (from GGUF metadata) and RoPE fields may each be absent. The engine, the loaders
+and the entry points read them through `HFConfigFields.of(hf_config)`, never probing the config
+where they use a field. Fields every config has (`model_type`, `architectures`) and those every
+model class of ours requires (`vocab_size`, ...) are read from the config directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HFConfigFields:
+    """What a config sets of the optional fields; a field it does not set has the default here."""
+
+    max_position_embeddings: int = 4096  # the model's context (4096 when the config names none)
+    eos_token_id: int | list[int] | None = None  # one id or several
+    hidden_size: int = 0  # 0: unknown (a bare PretrainedConfig)
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None  # None: as many KV heads as heads
+    # RoPE: transformers >= 5 keeps theta inside rope_parameters; older configs (and GGUF's) a field
+    rope_parameters: dict | None = None
+    rope_theta: float = 10000.0
+    quantization_config: Any = None  # a dict as config.json holds it, or transformers' config object
+    # sentence-transformers' Matryoshka embeddings: the sizes a vector may be shortened to
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+    # fill-in-the-middle token ids (GGUF metadata, loader/gguf_config.py)
+    fim_pre_token_id: int | None = None
+    fim_suf_token_id: int | None = None
+    fim_mid_token_id: int | None = None
+    fim_sep_token_id: int | None = None
+
+    @classmethod
+    def of(cls, hf_config: Any) -> HFConfigFields:
+        """The fields `hf_config` sets (a transformers config, or any object with such attributes)."""
+        return cls(**{f.name: getattr(hf_config, f.name, f.default) for f in fields(cls)})
