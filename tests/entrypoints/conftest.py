@@ -1,4 +1,7 @@
-"""Fixtures of the server tests: the default model's app, loaded once for the session."""
+"""Fixtures of the server tests: the apps several modules share, each loaded once for the session
+(modules that use one are scheduled on one xdist worker: tests/conftest.py's SHARED_SESSION_FIXTURES).
+A shared app is read-only to its tests: none closes it, changes its settings or reads counters that
+another module's requests move."""
 
 from __future__ import annotations
 
@@ -11,4 +14,21 @@ def default_server():
     """`deepinfer serve` without flags (the default model) as an in-process app, shared by every
     module that asks for it."""
     with AppServer() as app:
+        yield app
+
+
+@pytest.fixture(scope="session")
+def tiny_app_server(tiny_checkpoint):
+    """`deepinfer serve --model <tiny llama>` as an in-process app."""
+    with AppServer("--model", tiny_checkpoint("llama")) as app:
+        yield app
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tiny_checkpoint, tmp_path_factory):
+    """The tiny llama with the Hermes tool-call chat template, served as "tiny" (in-process app)."""
+    from agent_models import HERMES, templated_checkpoint
+
+    path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
+    with AppServer("--model", path, "--served-model-name", "tiny") as app:
         yield app

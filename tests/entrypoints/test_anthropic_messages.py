@@ -42,10 +42,9 @@ def _client(server: AppServer, **kwargs) -> anthropic.Anthropic:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
-    with AppServer("--model", path, "--served-model-name", "tiny") as app:
-        yield app
+def server(hermes_server):
+    """The tiny llama with the Hermes template, served as "tiny": the session's (tests/entrypoints/conftest.py)."""
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import stat
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -194,11 +193,9 @@ def test_node_llama_cpp_generates_exactly_the_requested_tokens(node_llama_cpp_di
     """2 tiny requests on the embedded model, one at a time and as 2 parallel sequences; 1 thread,
     so that llama.cpp's spinning thread barrier does not stall on a shared machine."""
     workload = _tiny_workload()
-    start = time.perf_counter()
     for parallel in (1, 2):
         result, info = nlc.run_node_llama_cpp(default_gguf_path, workload, parallel=parallel, threads=1,
                                               directory=node_llama_cpp_dir)
         assert result.output_tokens == 8 and result.seconds > 0 and result.batch == parallel
         assert info["node_llama_cpp_version"] == "3.21.1" and info["build_type"] == "prebuilt"
         assert info["parallel"] == parallel and info["threads"] == 1 and info["ctx_size"] >= 8
-    assert time.perf_counter() - start < 60

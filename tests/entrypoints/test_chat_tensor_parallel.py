@@ -17,7 +17,9 @@ from tp_processes import still_alive, workers
 from deepinfer.entrypoints.chat import INTERRUPTED, LENGTH_LIMIT, QUIT_HINT
 
 TIMEOUT_S = 120  # per step: loading two ranks on a busy 2-core machine takes a while
-STOP_S = 15  # from a way out to the end of the process (the pty closes once every rank is gone)
+# from a way out to the end of the process (the pty closes once every rank is gone): a hang guard, not a
+# speed bound (a second or two on a quiet machine; a loaded one stretches the ranks' teardown)
+STOP_S = 120
 CTRL_C = "\x03"
 TURNS = ["hello there", "how are you"]
 

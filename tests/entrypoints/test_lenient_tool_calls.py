@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from agent_models import ADD, HERMES, WEATHER, templated_checkpoint
-from app_server import AppServer
+from agent_models import ADD, WEATHER
 
 from deepinfer.entrypoints.openai.tool_parsers import FunctionSpec, ToolCallStream
 from deepinfer.entrypoints.openai.tool_parsers.hermes import HermesToolParser
@@ -134,14 +133,7 @@ def test_schema_check_is_bounded_on_hostile_schemas(monkeypatch):
     assert not matches_schema({"x": 1}, {"definitions": "x", "$ref": "#/definitions/a"})
 
 
-# -- the server: the tiny model's answer forced to each shape --------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hermes_server(tiny_checkpoint, tmp_path_factory):
-    path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
-    with AppServer("--model", path, "--served-model-name", "tiny") as server:
-        yield server
+# -- the server: the tiny model's answer forced to each shape (the session's hermes_server) -------
 
 
 SERVED = [("fenced", True), ("bare", True), ("tagged", True), ("prose with JSON", False),

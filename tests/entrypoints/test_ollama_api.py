@@ -16,7 +16,7 @@ import json
 import jsonschema
 import ollama
 import pytest
-from agent_models import HERMES, WEATHER, templated_checkpoint
+from agent_models import HERMES, WEATHER
 from app_server import AppServer
 from embedding_models import make_st_checkpoint
 
@@ -32,10 +32,9 @@ CALL_FORMAT = {"type": "object", "required": ["name", "arguments"], "additionalP
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
-    with AppServer("--model", path, "--served-model-name", "tiny") as app:
-        yield app
+def server(hermes_server):
+    """The tiny llama with the Hermes template, served as "tiny": the session's (tests/entrypoints/conftest.py)."""
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

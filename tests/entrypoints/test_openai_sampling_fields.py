@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from app_server import AppServer
 from tiny_models import hf_reference
 
 EOS = 2
@@ -17,9 +16,9 @@ PROMPT = [5, 17, 301, 44, 9000, 12, 7, 600, 81, 3, 77]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
-    with AppServer("--model", tiny_checkpoint("llama")) as app:
-        yield app
+def server(tiny_app_server):
+    """The session's tiny llama app (tests/entrypoints/conftest.py)."""
+    return tiny_app_server
 
 
 @pytest.fixture(scope="module")

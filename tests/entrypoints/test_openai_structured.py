@@ -14,16 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import jsonschema
 import pytest
-from app_server import AppServer
 
 _CHAT, _CMPL = "/v1/chat/completions", "/v1/completions"
 _MSG = [{"role": "user", "content": "Answer:"}]
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_checkpoint):
-    with AppServer("--model", tiny_checkpoint("llama")) as server:
-        yield server
+def tiny_server(tiny_app_server):
+    """The session's tiny llama app (tests/entrypoints/conftest.py)."""
+    return tiny_app_server
 
 
 def _post(server, path, body) -> httpx.Response:

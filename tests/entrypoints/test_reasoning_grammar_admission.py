@@ -61,9 +61,15 @@ def _answers(llm, monkeypatch, reasoning_parser: str | None) -> list[tuple[int, 
     return [(resp.status_code, resp.json()) for resp in answers]
 
 
+@pytest.fixture(scope="module")
+def plain(llm):
+    """The answers without a reasoning parser: the same for every parser compared with them, served once."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _answers(llm, monkeypatch, None)
+
+
 @pytest.mark.parametrize("reasoning_parser", ["deepseek_r1", "qwen3"])
-def test_a_reasoning_parser_refuses_the_same_grammars(llm, monkeypatch, reasoning_parser):
-    plain = _answers(llm, monkeypatch, None)
+def test_a_reasoning_parser_refuses_the_same_grammars(llm, plain, monkeypatch, reasoning_parser):
     reasoning = _answers(llm, monkeypatch, reasoning_parser)
     for (name, _, _, param), (status, body), (plain_status, plain_body) in zip(
             REFUSED, reasoning, plain, strict=False):

@@ -15,8 +15,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from agent_models import HERMES, WEATHER, templated_checkpoint
-from app_server import AppServer
+from agent_models import WEATHER
 from pydantic import BaseModel
 from responses_stream import check_response_stream, parse_events
 
@@ -28,10 +27,9 @@ QUESTION = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
-    with AppServer("--model", path, "--served-model-name", "tiny") as app:
-        yield app
+def server(hermes_server):
+    """The tiny llama with the Hermes template, served as "tiny": the session's (tests/entrypoints/conftest.py)."""
+    return hermes_server
 
 
 @pytest.fixture(scope="module")

@@ -48,9 +48,10 @@ def hardened(tiny_checkpoint):
         yield server
 
 
-def post_raw(server: AppServer, path: str, raw: bytes, headers: dict | None = None) -> httpx.Response:
+def post_raw(server: AppServer, path: str, raw: bytes, headers: dict | None = None,
+             timeout: float = 60) -> httpx.Response:
     headers = (AUTH if headers is None else headers) | {"Content-Type": "application/json"}
-    return server.client.post(path, content=raw, headers=headers, timeout=60)
+    return server.client.post(path, content=raw, headers=headers, timeout=timeout)
 
 
 def dumps(body: dict) -> bytes:
@@ -202,12 +203,13 @@ def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
     assert len(raw) <= max_body
     result = {}
 
-    def send():
-        result["resp"] = post_raw(app, CHAT, raw)
+    def send():  # a hang guard, not a speed bound: tokenizing takes minutes on a loaded machine
+        result["resp"] = post_raw(app, CHAT, raw, timeout=600)
 
     sender = threading.Thread(target=send)
     latencies = []
     assert app.client.get("/health").status_code == 200
+    began = time.perf_counter()
     sender.start()
     time.sleep(0.3)  # the body is handed over; tokenizing it takes seconds
     while sender.is_alive():
@@ -216,15 +218,17 @@ def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
         latencies.append(time.perf_counter() - start)
         time.sleep(0.05)
     sender.join()
+    tokenizing = time.perf_counter() - began
     assert_openai_error(result["resp"], 400, "messages", "context_length_exceeded")
     latencies.sort()
     print(f"\n/health during tokenization: {len(latencies)} probes, median "
           f"{latencies[len(latencies) // 2] * 1e3:.1f} ms, p90 {latencies[int(len(latencies) * 0.9)] * 1e3:.1f} ms, "
           f"max {latencies[-1] * 1e3:.1f} ms")
+    # on the event loop, one probe would wait out the whole tokenization (seconds), and there would be
+    # one or two probes: counted, and each probe against the tokenization of the same run (a busy
+    # machine slows both), not against a number of seconds
     assert len(latencies) >= 10, "tokenizing took too little time to measure anything"
-    # on the event loop, one probe would wait out the whole tokenization (seconds); the tail allows
-    # for other processes on a loaded machine
-    assert latencies[int(len(latencies) * 0.9)] < 0.1 and latencies[-1] < 1.0, latencies[-5:]
+    assert latencies[-1] < tokenizing / 4, (latencies[-5:], tokenizing)
 
 
 # -- 3. connection limits ---------------------------------------------------------------------------
@@ -268,19 +272,22 @@ def test_slow_connections_are_closed_while_others_are_served(hardened):
 
 def test_a_trickling_client_is_closed_at_the_deadline(hardened):
     sock = _open(hardened)
-    start = time.monotonic()
     sock.settimeout(0.2)
-    answer = b""
+    answer, sent = b"", 0
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
     with pytest.raises(OSError):  # the server closes the connection: a reset, or EOF below
-        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+        for byte in head:
             sock.send(bytes([byte]))
+            sent += 1
             try:
                 if (chunk := sock.recv(65536)) == b"":
                     raise ConnectionResetError("EOF")
                 answer += chunk
             except TimeoutError:
                 pass
-    assert time.monotonic() - start < TIMEOUT_S + 2
+    # closed well before the whole head was sent (a byte per 0.2 s, ~30 s): a per-read timeout would never
+    # fire here. Counted in bytes, with room for a busy machine (~TIMEOUT_S / 0.2 bytes on a quiet one)
+    assert sent < len(head) // 2, sent
     assert answer == b"" or answer.startswith(b"HTTP/1.1 408 ")
     sock.close()
 

@@ -32,10 +32,12 @@ def reference(source):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    start = time.perf_counter()
     config = AutoConfig.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
-    return config, load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    tensors = load_gguf_checkpoint(source.path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    return config, tensors, time.perf_counter() - start
 
 
 def test_config_matches_the_file(source, reference):
@@ -83,10 +85,14 @@ def test_weights_equal_transformers(source, reference):
         torch.testing.assert_close(tensor, tensors[name], rtol=0, atol=0, msg=name)
 
 
-def test_load_time(source):
+def test_load_time(source, reference):
     start = time.perf_counter()
     count = sum(tensor.numel() for _, tensor in source.iter_weights(torch.bfloat16))
     seconds = source.load_seconds + time.perf_counter() - start
-    print(f"SmolLM2 config+tokenizer {source.load_seconds:.2f} s, total with bf16 weights {seconds:.2f} s")
+    theirs = reference[2]
+    print(f"SmolLM2 config+tokenizer {source.load_seconds:.2f} s, total with bf16 weights {seconds:.2f} s; "
+          f"transformers' GGUF load of the same file {theirs:.2f} s")
     assert count == 134_515_008
-    assert seconds < 60  # generous: a shared 2-core machine; typically a few seconds
+    # against a baseline of the same run (a busy machine slows both), not a number of seconds:
+    # typically several times faster than transformers' own GGUF loader
+    assert seconds < theirs, (seconds, theirs)
