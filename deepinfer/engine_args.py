@@ -166,9 +166,8 @@ class EngineArgs:
         ValueError naming the field and the value when one is bad."""
         parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, LoRAConfig: {},
                                    EngineConfig: {}}
-        values = dataclasses.asdict(self)
-        for f in dataclasses.fields(self):
-            parts[f.metadata["config"]][f.metadata["name"]] = values[f.name]
+        for f in dataclasses.fields(self):  # shallow: a ModelSource or LoRA module stays an object
+            parts[f.metadata["config"]][f.metadata["name"]] = getattr(self, f.name)
         cache = CacheConfig(**parts[CacheConfig])
         scheduler = SchedulerConfig(**parts[SchedulerConfig])
         speculative = SpeculativeConfig(**parts[SpeculativeConfig])

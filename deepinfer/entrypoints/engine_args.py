@@ -46,9 +46,8 @@ def cache_config(args) -> CacheConfig:
 
 def engine_kwargs(args) -> dict:
     """The engine flags as `LLM(args.model, **engine_kwargs(args))` keywords (every EngineArgs field but model)."""
-    kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
-    del kwargs["model"]
-    return kwargs
+    engine_args = EngineArgs.from_cli_args(args)  # shallow: dataclasses.asdict would turn nested objects into dicts
+    return {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
 
 
 def use_model_defaults(parser: argparse.ArgumentParser, max_tokens: int, max_tokens_help: str) -> None:
@@ -71,8 +70,8 @@ def sampling_params(args, defaults: SamplingParams | None = None) -> SamplingPar
                  top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                  seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    flags = {name: value for name, value in given.items() if value is not None}
-    return SamplingParams(**flags) if defaults is None else dataclasses.replace(defaults, **flags)
+    base = {name: getattr(defaults, name) for name in given} if defaults is not None else {}
+    return SamplingParams(**{**base, **{name: value for name, value in given.items() if value is not None}})
 
 
 def make_llm(args):
