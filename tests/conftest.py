@@ -242,6 +242,7 @@ FAST_TIER_SLOW = (
     "test_structured_output.py::test_preemption_keeps_the_matchers",
     "engine/test_scheduler.py::test_random_operations_keep_invariants",
 )
+_SLOW_IDS = tuple(f"tests/{t}" for t in FAST_TIER_SLOW)
 FAST_EXCLUDES = ("slow", *TIER_PATTERNS, "parity")
 _SHARED_FIXTURES = {"tokenizer_dir", "tiny_checkpoint", "default_gguf_path", "_deepinfer_cache_dir"}
 _NAME = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(")
@@ -296,7 +297,7 @@ def _tier_source(item) -> str:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.replace(os.sep, "/").startswith(tuple(f"tests/{t}" for t in FAST_TIER_SLOW)):
+        if item.nodeid.replace(os.sep, "/").startswith(_SLOW_IDS):
             item.add_marker(pytest.mark.slow)
         text = _tier_source(item)
         in_distributed = os.sep + "distributed" + os.sep in str(item.path)
