@@ -7,13 +7,14 @@ Every bad value raises ValueError naming the field and the value.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from deepinfer.chat_template import resolve_chat_template
 from deepinfer.environ import Environ, get_environ
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8")  # rows in the compute dtype, in bf16, or MXFP8
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "int8")  # rows in the compute dtype, in bf16, MXFP8, or q8 (CPU)
 # auto: Triton kernels on CUDA (where installed and the model is covered), else the torch reference
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
@@ -121,7 +122,8 @@ class CacheConfig:
         return isinstance(self.kv_cache_memory, str) and self.kv_cache_memory.strip().lower() == "auto"
 
 
-SPECULATIVE_METHODS = ("ngram", "mtp")  # prompt lookup (any model); DeepSeek-V4's next-n module
+# prompt lookup (any model); DeepSeek-V4's next-n module; a smaller model with the same tokenizer (`model`)
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # drafts one verification step may carry: each costs a query row every step
 
 
@@ -130,15 +132,18 @@ class SpeculativeConfig:
     """Speculative decoding: who drafts (`method`; None: nobody) and how many tokens a step may
     verify (k). k is also the ring allowance: rings keep S = W + max(backtracking, k + 1) rows.
 
-    k = None resolves to DEEPINFER_USE_NEXTN_DECODE (5) in `EngineConfig`.
+    k = None resolves to DEEPINFER_USE_NEXTN_DECODE (5) in `EngineConfig`. A draft `model` (a path
+    the engine loads) implies method "draft_model".
     """
 
-    method: str | None = None  # None, "ngram" or "mtp"
+    method: str | None = None  # None, "ngram", "mtp" or "draft_model"
     num_speculative_tokens: int | None = None  # k; None: DEEPINFER_USE_NEXTN_DECODE
     prompt_lookup_max: int = 4  # ngram: longest suffix matched against the history
     prompt_lookup_min: int = 1  # ngram: shortest
+    model: str | None = None  # draft_model: the draft checkpoint (GGUF file or HF directory), same tokenizer
 
     def __post_init__(self):
+        self._check_model()
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} "
                              f"or None, got {self.method!r}")
@@ -153,6 +158,18 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must not exceed "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    def _check_model(self) -> None:
+        """A draft model path implies method "draft_model"; that method needs one, and no other takes one."""
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative_model must be a path to a checkpoint, got {self.model!r}")
+        if self.model is not None and self.method is None:
+            self.method = "draft_model"
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_method='draft_model' needs speculative_model (a draft checkpoint), got None")
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_model={self.model!r} drafts with speculative_method='draft_model', "
+                             f"got speculative_method={self.method!r}")
 
     @property
     def enabled(self) -> bool:
@@ -195,7 +212,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (worker/cuda_graphs.py)
     seed: int = 0
     num_threads: int | None = None  # CPU threads per rank for the model's kernels; None: torch's default
-    max_model_len: int | None = None  # None: min(the model's context, 4096)
+    max_model_len: int | None = None  # None: the model's context, or the longest one request the KV cache holds
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     load_format: str = "auto"  # one of LOAD_FORMATS
     pooling: str = "auto"  # embeddings: one of POOLING_CHOICES (auto: the checkpoint's declaration)
@@ -210,6 +227,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
     lora: LoRAConfig | None = None  # None: LoRA off
     env: Environ | None = None  # None: the process environment (read once)
+    # set by resolve_max_model_len when max_model_len was not given: the cache sizing may lower it
+    max_model_len_fitted: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
         self.scheduler = self.scheduler or SchedulerConfig()
@@ -255,13 +274,14 @@ class EngineConfig:
         if tp == 1:
             return
 
-    def resolve_max_model_len(self, model_context: int, default: int = 4096) -> int:
-        """max_model_len, or min(the model's context, `default`) when unset; the scheduler's too.
+    def resolve_max_model_len(self, model_context: int) -> int:
+        """max_model_len, or the model's context when unset (`max_model_len_fitted` then says the cache
+        sizing may lower it to what one request can take: `fit_max_model_len`); the scheduler's too.
         One beyond the model's context is refused unless allow_long_max_model_len (or
         DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) says to accept it: positions past what the model was
         trained on give garbage."""
         if self.max_model_len is None:
-            self.max_model_len = min(model_context, default)
+            self.max_model_len, self.max_model_len_fitted = model_context, True
         allowed = self.allow_long_max_model_len or self.env.allow_long_max_model_len
         if self.max_model_len > model_context and not allowed:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context of "
@@ -269,3 +289,9 @@ class EngineConfig:
                              f"(DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) to accept it anyway")
         self.scheduler.max_model_len = self.max_model_len
         return self.max_model_len
+
+    def fit_max_model_len(self, length: int) -> None:
+        """Lower a max_model_len that was not given to `length` (what the KV cache can hold for one request)."""
+        if not self.max_model_len_fitted or length >= self.max_model_len:
+            return
+        self.max_model_len = self.scheduler.max_model_len = length

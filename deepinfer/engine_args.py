@@ -38,13 +38,15 @@ LORA = "LoRA adapters"  # the argument group of the LoRA flags
 
 
 def _option(config: type, name: str, help: str, *, flag: str | None = None, metavar: str | None = None,
-            choices: tuple[str, ...] | None = None, group: str = "engine"):
-    """A field of EngineArgs that sets `config`'s field `name` and takes its default from there."""
+            choices: tuple[str, ...] | None = None, group: str = "engine", aliases: tuple[str, ...] = ()):
+    """A field of EngineArgs that sets `config`'s field `name` and takes its default from there
+    (`aliases`: more flags for it, e.g. llama.cpp's name)."""
     default = config.__dataclass_fields__[name].default
     if default is dataclasses.MISSING:
         raise TypeError(f"{config.__name__}.{name} has no default for EngineArgs to take")
     return dataclasses.field(default=default, metadata=dict(
-        config=config, name=name, help=help, flag=flag, metavar=metavar, choices=choices, group=group))
+        config=config, name=name, help=help, flag=flag, metavar=metavar, choices=choices, group=group,
+        aliases=aliases))
 
 
 def json_object(text: str) -> dict:
@@ -93,7 +95,8 @@ class EngineArgs:
         EngineConfig, "enforce_eager", "run every step eagerly: no CUDA graphs for decode steps (by default they "
         "are captured at start-up on CUDA with the triton backend)")
     max_model_len: int | None = _option(
-        EngineConfig, "max_model_len", "prompt + output tokens per request (default: min(the model's context, 4096))")
+        EngineConfig, "max_model_len", "prompt + output tokens per request (default: the model's context where "
+        "the KV cache can hold one request that long, else the longest it can hold)", aliases=("--ctx-size",))
     allow_long_max_model_len: bool = _option(
         EngineConfig, "allow_long_max_model_len", "accept a --max-model-len beyond the model's context (also "
         "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1); positions past it give garbage")
@@ -106,8 +109,8 @@ class EngineArgs:
     num_blocks: int | None = _option(CacheConfig, "num_blocks", "paged blocks (overrides --kv-cache-memory)")
     block_size: int = _option(CacheConfig, "block_size", "tokens per paged block")
     kv_cache_dtype: str = _option(
-        CacheConfig, "kv_cache_dtype", "cache row format: auto (the compute dtype), bfloat16, or fp8 (MXFP8: "
-        "e4m3 + UE8M0 per 32)", choices=KV_CACHE_DTYPES)
+        CacheConfig, "kv_cache_dtype", "cache row format: auto (the compute dtype), bfloat16, fp8 (MXFP8: "
+        "e4m3 + UE8M0 per 32), or int8 (CPU: int8 + an fp32 scale per 32)", choices=KV_CACHE_DTYPES)
     max_num_seqs: int = _option(SchedulerConfig, "max_num_seqs", "requests running at once")
     max_num_batched_tokens: int = _option(SchedulerConfig, "max_num_batched_tokens", "token budget per step")
     seed: int = _option(EngineConfig, "seed", "engine seed for unseeded sampling")
@@ -118,8 +121,13 @@ class EngineArgs:
         EngineConfig, "hf_overrides", 'JSON object of model config fields to override, e.g. \'{"sliding_window": '
         "128}'")
     speculative_method: str | None = _option(
-        SpeculativeConfig, "method", "draft tokens and verify them in one pass: ngram (prompt lookup, any model) "
-        "or mtp (DeepSeek-V4's next-n module); default: none", choices=SPECULATIVE_METHODS)
+        SpeculativeConfig, "method", "draft tokens and verify them in one pass: ngram (prompt lookup, any model), "
+        "mtp (DeepSeek-V4's next-n module) or draft_model (--speculative-model); default: none",
+        choices=SPECULATIVE_METHODS)
+    speculative_model: str | None = _option(
+        SpeculativeConfig, "model", "a smaller draft model (a .gguf file or an HF directory, with the target's "
+        "tokenizer) whose greedy tokens are verified by the model; implies --speculative-method draft_model",
+        metavar="PATH")
     num_speculative_tokens: int | None = _option(
         SpeculativeConfig, "num_speculative_tokens", "k: draft tokens a step may verify; rings keep S >= W + k + 1 "
         "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
@@ -187,8 +195,8 @@ class EngineArgs:
             name = f.metadata["group"]
             if name not in groups:
                 groups[name] = parser.add_argument_group(name)
-            groups[name].add_argument(cli_flag(f), default=f.default, help=f.metadata["help"],
-                                      **_cli_kind(hints[f.name], f))
+            groups[name].add_argument(cli_flag(f), *f.metadata["aliases"], dest=cli_dest(f), default=f.default,
+                                      help=f.metadata["help"], **_cli_kind(hints[f.name], f))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -7,8 +7,6 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from tqdm.auto import tqdm
-
 from deepinfer.config import EngineConfig
 from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.lora import LoRARequest
@@ -78,9 +76,10 @@ class LLM:
     The keywords are the fields of `EngineArgs` (`deepinfer/engine_args.py` gives each one's type,
     default and meaning; the CLI's engine flags are the same options), plus vLLM's below.
 
-    `speculative_method="ngram"` (prompt lookup, any model) or `"mtp"` (DeepSeek-V4's next-n
-    module) drafts up to `num_speculative_tokens` tokens per step, verified by the model in one
-    pass; outputs keep the distribution of plain decoding (greedy: the same tokens).
+    `speculative_method="ngram"` (prompt lookup, any model), `"mtp"` (DeepSeek-V4's next-n
+    module) or `speculative_model=PATH` (a smaller checkpoint with the same tokenizer) drafts up to
+    `num_speculative_tokens` tokens per step, verified by the model in one pass; outputs keep the
+    distribution of plain decoding (greedy: the same tokens).
 
     Prefix caching is on by default (`enable_prefix_caching=False` turns it off): a prompt that
     starts like an earlier one reuses the KV blocks already computed for the shared prefix
@@ -246,6 +245,8 @@ class LLM:
         return [results[rid] for rid in order]
 
     def _run_to_completion(self, mine: set[str], results: dict[str, RequestOutput], use_tqdm: bool) -> None:
+        from tqdm.auto import tqdm  # imported when a batch first runs: not on the start-up path
+
         with tqdm(total=len(mine), desc="requests", disable=not use_tqdm, initial=len(results)) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

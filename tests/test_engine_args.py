@@ -29,7 +29,8 @@ FIELDS = dataclasses.fields(EngineArgs)
 # composite, or fixed (the n-gram proposer's lookup lengths)
 NOT_OPTIONS = {(SchedulerConfig, "max_model_len"), (SpeculativeConfig, "prompt_lookup_max"),
                (SpeculativeConfig, "prompt_lookup_min"), (EngineConfig, "scheduler"), (EngineConfig, "cache"),
-               (EngineConfig, "speculative"), (EngineConfig, "lora"), (EngineConfig, "env")}
+               (EngineConfig, "speculative"), (EngineConfig, "lora"), (EngineConfig, "env"),
+               (EngineConfig, "max_model_len_fitted")}  # set by resolve_max_model_len, not an option
 # a value we can give each vLLM-only keyword without changing anything
 VLLM_VALUES = {"trust_remote_code": True, "swap_space": 4, "disable_log_stats": True, "pipeline_parallel_size": 1,
                "tokenizer": None, "tokenizer_mode": "auto"}
@@ -49,7 +50,9 @@ def test_every_field_is_a_flag_with_its_default():
         assert action.help == f.metadata["help"] and action.choices == (
             list(f.metadata["choices"]) if f.metadata["choices"] else None), f.name
     engine_flags = {s for s in actions if s not in ("-h", "--help")}
-    assert engine_flags == {cli_flag(f) for f in FIELDS} | {"--no-enable-prefix-caching"}
+    aliases = {a for f in FIELDS for a in f.metadata["aliases"]}
+    assert aliases == {"--ctx-size"} and actions["--ctx-size"] is actions["--max-model-len"]
+    assert engine_flags == {cli_flag(f) for f in FIELDS} | {"--no-enable-prefix-caching"} | aliases
     assert EngineArgs.from_cli_args(_parser().parse_args([])) == EngineArgs()
     assert actions["--threads"].dest == "threads" and "--num-threads" not in actions
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 KV_FILE_FORMAT = "deepinfer-kv"
-KV_FILE_VERSION = "1"
+KV_FILE_VERSION = "2"  # 2: the CPU attention merges 512-key chunks (rows past position 512 have other bits)
 KV_FILE_SUFFIX = ".safetensors"
 SNAPSHOT = "snapshot"
 CANARY_RECORD = "canary"

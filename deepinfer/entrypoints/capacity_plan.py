@@ -301,7 +301,11 @@ def plan_capacity(cfg: dict, tp: int = 1, ep: int = 1, max_model_len: int | None
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {gpu_memory_utilization}")
     v4 = is_v4(cfg)
-    kv_format = {"auto": "fp8" if v4 else "bf16", "bfloat16": "bf16", "fp8": "fp8"}[kv_cache_dtype]
+    formats = {"auto": "fp8" if v4 else "bf16", "bfloat16": "bf16", "fp8": "fp8"}  # the GPU row formats
+    if kv_cache_dtype not in formats:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, formats))} for a device plan, "
+                         f"got {kv_cache_dtype!r}")
+    kv_format = formats[kv_cache_dtype]
     usable = int(parse_size(device_memory, "device memory") * gpu_memory_utilization)
     max_model_len = max_model_len or cfg.get("max_position_embeddings") or 4096
     engine = engine_settings(speculative, env)

@@ -153,10 +153,17 @@ def multi_format_lines(llm) -> list[str]:
         f"compressor state per request (fp32, all layers): {state:,} B",
         f"KV bytes per token, all layers: {fmt_bytes(per_token)} B (paged rows, growing) + "
         f"{rings + state:,} B per request (rings {rings:,} + state {state:,}) "
-        f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)",
+        f"({kv_memory(runner.cache)})",
         f"capacity: {requests:,} requests at max_model_len {max_len} at once ({blocks} blocks of the shared pool "
         f"of {runner.num_blocks:,}, {runner.num_state_slots} state slots)",
     ]
+
+
+def kv_memory(cache) -> str:
+    """Reserved (address space the cache may fill) and resident (pages written so far) KV bytes."""
+    resident = cache.resident_bytes
+    now = "" if resident is None else f", resident now: {resident / 2**20:,.1f} MiB"
+    return f"reserved: {cache.num_bytes / 2**20:,.1f} MiB{now}"
 
 
 def info_lines(llm) -> list[str]:
@@ -179,7 +186,7 @@ def info_lines(llm) -> list[str]:
         lines += multi_format_lines(llm)
     else:
         lines.append(f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
-                     f"(allocated: {runner.cache.num_bytes / 2**20:,.1f} MiB)")
+                     f"({kv_memory(runner.cache)})")
     return lines + prefix_cache_lines(llm)
 
 

@@ -16,6 +16,7 @@ every view aliases the group's one allocation. The row codec and the layer view 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 
@@ -67,6 +68,24 @@ def zeroed_bytes(num_units: int, unit_bytes: int, device: torch.device) -> torch
     return torch.frombuffer(pages, dtype=torch.uint8).view(num_units, unit_bytes)  # [units, unit_bytes]
 
 
+def resident_bytes(t: torch.Tensor) -> int | None:
+    """Bytes of CPU tensor `t`'s pages that are in physical memory (mincore(2) over its range); None
+    for a GPU tensor or where mincore is not available."""
+    if t.device.type != "cpu" or not hasattr(ctypes, "CDLL"):
+        return None
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + n - start
+    vec = (ctypes.c_ubyte * (-(-length // page)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) != 0:
+        return None
+    return min(n, sum(b & 1 for b in bytes(vec)) * page)
+
+
 class CacheEngine:
     """One uint8 allocation per ring group, and one shared by all paged groups (one page size:
     see `page_rows`; a block id addresses the same page bytes in each of them)."""
@@ -74,6 +93,8 @@ class CacheEngine:
     def __init__(self, groups: list[CacheGroupSpec], num_units: list[int], codecs: list[RowCodec],
                  device: torch.device):
         self.groups, self.num_units, self.codecs = groups, num_units, codecs
+        if any(c.int8 for c in codecs) and torch.device(device).type != "cpu":
+            raise ValueError(f"kv_cache_dtype='int8' is a CPU row format; the cache is on {device}")
         paged = [i for i, g in enumerate(groups) if not g.is_ring]
         page = max((self.unit_bytes(i) for i in paged), default=0)
         shared = zeroed_bytes(num_units[paged[0]], page, device) if paged else None
@@ -107,12 +128,20 @@ class CacheEngine:
     def rows2d(blocks: torch.Tensor, codec: RowCodec) -> torch.Tensor:
         """The group's allocation as one row per line, typed as the rows' element type."""
         lines = blocks.view(-1, codec.row_bytes)  # [units * layers * R, row_bytes]
-        return lines if codec.fp8 else lines.view(codec.row_dtype)
+        return lines if codec.quantized else lines.view(codec.row_dtype)
 
     @property
     def num_bytes(self) -> int:
         unique = {id(a): a for a in self.allocations}
         return sum(a.numel() for a in unique.values())
+
+    @property
+    def resident_bytes(self) -> int | None:
+        """Bytes of the allocations in physical memory now (CPU: the pages written so far, by
+        mincore(2)); None where that cannot be known (a GPU, or no mincore)."""
+        unique = {id(a): a for a in self.allocations}.values()
+        counts = [resident_bytes(a) for a in unique]
+        return None if None in counts else sum(counts)
 
     def group_bytes(self, gi: int) -> int:
         """Bytes of group gi's allocation (for paged groups: the pool they share)."""

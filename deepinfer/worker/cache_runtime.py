@@ -10,9 +10,16 @@ everything that copies rows between them.
 
 `open` takes the identity, which hashes the numerics record once the model is final (after the
 binding): the runner completes the record between the two.
+
+With a draft model (speculative_model) its groups are sized at the target's units and counted in
+the byte record (`GroupSizing.mirrors`: bytes added to each block and state slot), then allocated
+beside the target's and bound to the draft (`worker/draft_cache.py`: `draft`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 
@@ -22,25 +29,34 @@ from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
 from deepinfer.worker.cache_canary import checked_identity
 from deepinfer.worker.cache_engine import CacheEngine
-from deepinfer.worker.cache_sizing import min_over_ranks, plan_model_cache, size_cache
+from deepinfer.worker.cache_sizing import longest_request, min_over_ranks, plan_model_cache, size_cache
+from deepinfer.worker.draft_cache import DraftCache, plan_draft_cache, scratch_blocks_per_request
 from deepinfer.worker.input_batch import group_addressing
 from deepinfer.worker.kv_disk import KvDiskStore
 from deepinfer.worker.prefix_store import PrefixStore
 from deepinfer.worker.step_undo import StepUndo
+
+logger = logging.getLogger("deepinfer.worker")
 
 
 class CacheRuntime:
     """The cache groups of `model` on `device`, their allocation, addressing and copies."""
 
     def __init__(self, model: CachedModel, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 backend) -> None:
+                 backend, draft_model: CachedModel | None = None) -> None:
         cache_config = config.cache
         self.model, self.device = model, device
+        k = config.speculative.num_speculative_tokens
         # the cache's one sizing (`cache_sizing`): groups sized for k drafts, their codecs, the byte record
         self.groups, self.codecs, self.sizing = plan_model_cache(
-            model, dtype, cache_config.kv_cache_dtype, cache_config.block_size, config.env,
-            config.speculative.num_speculative_tokens)
+            model, dtype, cache_config.kv_cache_dtype, cache_config.block_size, config.env, k)
+        draft_plan = None
+        if draft_model is not None:  # the draft's rows at the same units: counted in every unit's bytes
+            draft_plan = plan_draft_cache(draft_model, self.groups, dtype, cache_config.kv_cache_dtype, config.env, k)
+            self.sizing = dataclasses.replace(self.sizing, groups=self.sizing.groups + draft_plan.sizing())
         self.codec = self.codecs[0]
+        if config.max_model_len_fitted:  # not given: the model's context, or the longest request that fits
+            fit_max_model_len(config, self.sizing, device)
         self.cache_need = self.sizing.request_need(config.max_model_len)
         self.num_state_slots, self.num_snapshot_slots, self.num_blocks = min_over_ranks(size_cache(
             self.cache_need, cache_config, config.scheduler.max_num_seqs, config.max_model_len, device),
@@ -51,6 +67,9 @@ class CacheRuntime:
         self.addressing = group_addressing(self.groups)
         model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                       num_ring_units, backend))
+        self.draft: DraftCache | None = None if draft_plan is None else DraftCache(
+            draft_plan, draft_model, self.num_blocks, config.scheduler.max_num_seqs * scratch_blocks_per_request(
+                draft_plan, k), self.num_state_slots, self.num_snapshot_slots, device, backend)
         self.cache_identity: str | None = None  # set by `open`, as are `prefix` and `undo`
         self.prefix: PrefixStore | None = None
         self.undo: StepUndo | None = None
@@ -60,7 +79,7 @@ class CacheRuntime:
         prefix store over it and the undo of failed steps."""
         self.cache_identity = checked_identity(self, identity, cache_config)
         self.prefix = PrefixStore(self.cache, self.model, self.num_state_slots, self.num_snapshot_slots,
-                                  self._disk_store(cache_config))
+                                  self._disk_store(cache_config), draft=self.draft)
         self.undo = StepUndo(self.cache, self.model)  # what a failed step changed that its re-run reads
 
     def codec_of(self, group: CacheGroupSpec) -> RowCodec:
@@ -95,3 +114,16 @@ class CacheRuntime:
     def close(self) -> None:
         """Finish writing the cache directory (idempotent)."""
         self.prefix.close()
+
+
+def fit_max_model_len(config: EngineConfig, sizing, device: torch.device) -> None:
+    """max_model_len was not given: keep the model's context if the cache can hold one request that
+    long, else lower it to the longest that fits (alike on every rank) and say so in one line."""
+    context = config.max_model_len
+    (longest,) = min_over_ranks((longest_request(sizing, config.cache, config.scheduler.max_num_seqs, context,
+                                                 device),), device)
+    if longest >= context or longest == 0:  # 0: nothing fits; size_cache refuses it with the numbers
+        return
+    config.fit_max_model_len(longest)
+    logger.info("max_model_len %d: the longest request the KV cache can hold (the model's context is %d; "
+                "raise --kv-cache-memory or --gpu-memory-utilization for more)", longest, context)

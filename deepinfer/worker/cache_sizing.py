@@ -6,7 +6,7 @@ capacity planner and the benchmarks all size through `plan_model_cache`; nothing
                 per block, then one page P for all of them (`cache_engine.page_rows`); ring groups
                 S = W + max(DEEPINFER_MAX_BACKTRACKING_TOKENS, k + 1) rows per state slot, k the
                 speculative setting (+ the prefill extra state when on); S >= W + k + 1 is checked
-    row bytes   one codec per group (`make_codecs`): K|V or one shared K = V row, plain or MXFP8
+    row bytes   one codec per group (`make_codecs`): K|V or one shared K = V row, plain, MXFP8 or q8
     per token   a paged group: layers x row_bytes / m (one row per m tokens)
     per request a ring group: layers x S x row_bytes; plus the model's state (`state_bytes_per_slot`)
     at L tokens fixed + blocks(L) x P, blocks(L) = sum over paged groups of ceil(floor(L / m) / R)
@@ -82,6 +82,9 @@ class GroupSizing:
     rows_per_unit: int
     compress_ratio: int = 1
     window: int | None = None
+    # a draft model's group (`worker/draft_cache.py`): its rows sit at the units (block ids, state
+    # slots) of the target's group of this name, so it adds bytes to each unit and no unit of its own
+    mirrors: str | None = None
 
     @property
     def is_ring(self) -> bool:
@@ -127,12 +130,15 @@ class CacheSizing:
 
     @property
     def paged(self) -> tuple[GroupSizing, ...]:
-        return tuple(g for g in self.groups if not g.is_ring)
+        """The paged groups that hold blocks of the pool (a draft's paged groups use theirs)."""
+        return tuple(g for g in self.groups if not g.is_ring and g.mirrors is None)
 
     @property
     def page_bytes(self) -> int:
-        """One page of the shared pool (0: no paged group)."""
-        return max((g.unit_bytes for g in self.paged), default=0)
+        """One page of the shared pool (0: no paged group), with the draft model's rows at the same
+        block id (`mirrors`)."""
+        page = max((g.unit_bytes for g in self.paged), default=0)
+        return page + sum(g.unit_bytes for g in self.groups if not g.is_ring and g.mirrors is not None) if page else 0
 
     @property
     def per_token(self) -> float:
@@ -280,6 +286,32 @@ def size_cache(need: RequestNeed, cache_config, max_num_seqs: int, max_model_len
     num_blocks = split_blocks(cache_config.num_blocks, memory, slots, snapshots, need)
     check_fits_one_request(need, num_blocks, cache_config.num_blocks, memory, max_model_len)
     return slots, snapshots, num_blocks
+
+
+def longest_request(sizing, cache_config, max_num_seqs: int, limit: int, device: torch.device) -> int:
+    """The longest max_model_len <= `limit` at which one request fits the cache this configuration
+    gives (the auto size's cap, an explicit kv_cache_memory or num_blocks); 0 when none does."""
+    free = available_memory(device) if cache_config.auto_sized and not cache_config.num_blocks else 0
+
+    def fits(length: int) -> bool:
+        need = sizing.request_need(length)
+        if cache_config.auto_sized and cache_config.num_blocks:
+            return not need.page_bytes or cache_config.num_blocks >= need.num_blocks
+        memory = int(cache_config.gpu_memory_utilization * free) if cache_config.auto_sized \
+            else cache_config.kv_cache_memory
+        snapshots = wanted_snapshots(cache_config, max_num_seqs) if need.ring_bytes else 0
+        try:
+            slots, snapshots = split_state_slots(memory, max_num_seqs, snapshots, need)
+        except ValueError:
+            return False
+        return not need.page_bytes or split_blocks(cache_config.num_blocks, memory, slots, snapshots,
+                                                   need) >= need.num_blocks
+
+    low, high = 0, limit  # fits(low) or low == 0; the answer is in [low, high]
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def split_state_slots(memory: int, max_num_seqs: int, wanted: int, need: RequestNeed) -> tuple[int, int]:

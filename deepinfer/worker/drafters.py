@@ -3,10 +3,12 @@ for its next step, which the scheduler then verifies in one span of 1 + k' token
 
     NgramDrafter  prompt lookup over the request's prompt and outputs (any model)
     MtpDrafter    DeepSeek-V4's next-n module, chained k times (`worker/mtp_drafter.py`)
+    DraftModelDrafter  a smaller model with the target's tokenizer (speculative_model), over its
+                  own cache at the target's addresses (`worker/draft_model_drafter.py`)
 
 A drafter offers `propose(inputs, samples) -> {request_id: drafts}`, `draft_probs`
 (the proposal distribution q of drafts it handed out, None for one-hot), `release(ids)` and
-`runs_model` (True: its passes run the model, so every tensor-parallel rank runs them).
+`runs_model` (True: its passes run a model, so every tensor-parallel rank runs them).
 It proposes no more than the request's max_tokens leaves room to verify.
 """
 

@@ -9,6 +9,10 @@
     steps        the step executor (`worker/step_executor.py`): a StepPlan -> inputs -> forward ->
                  sampled tokens and drafts
 
+With speculative_model a draft model is loaded and built after the target, under the same
+numerics (`worker/draft_model.py`); the cache runtime gives it rows at the target's addresses and
+the cache identity covers both.
+
 The engine, the tensor-parallel workers and tests call the runner; it hands each call to its part.
 """
 
@@ -28,6 +32,8 @@ from deepinfer.model_executor.layers.kernel_set import KERNEL_SETS
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.model_loader import Choice, build_model
 from deepinfer.worker.cache_runtime import CacheRuntime
+from deepinfer.worker.cpu_threads import StepThreads
+from deepinfer.worker.draft_model import DraftModel, combined_identity, draft_identity, load_draft
 from deepinfer.worker.lora_slots import LoRASlots
 from deepinfer.worker.numerics import compute_dtype, resolve_numerics, with_weights
 from deepinfer.worker.prefix_store import cache_identity
@@ -88,16 +94,27 @@ class ModelRunner:
         self.speculative = config.speculative  # the one source of the draft allowance k
         self.env = config.env
         self.num_few_row_linear = self._settle_linears()
+        self.draft: DraftModel | None = load_draft(config, source, self.numerics, self.dtype, self.device) \
+            if config.speculative.method == "draft_model" else None
         # LoRA adapter slots beside the target layers (`lora_base`: what adapters may target, for admission)
         self.lora = LoRASlots(self.model, config.lora, self.dtype, self.device, self.attention_backend.kernels,
                               self.batch_invariant, source.hf_config) if config.lora.enable_lora else None
         self.lora_base = self.lora.base if self.lora is not None else None
-        self.caches = CacheRuntime(self.model, config, self.dtype, self.device, self.attention_backend)
+        self.caches = CacheRuntime(self.model, config, self.dtype, self.device, self.attention_backend,
+                                   None if self.draft is None else self.draft.model)
         self.numerics = with_weights(self.numerics, self.model, self.num_few_row_linear)  # the model is final
         logger.info("numerics: %s", self.numerics.describe())
-        self.caches.open(cache_identity(source, self.numerics, self.groups), config.cache)
+        self.caches.open(self._identity(source), config.cache)
         self.steps = StepExecutor(source, config, self.model, self.caches, self.lora, self.attention_backend.name,
                                   self.batch_invariant, emulate_graphs=self.emulate_cuda_graphs)
+        self.steps.threads = StepThreads.for_numerics(self.numerics, torch.get_num_threads())
+
+    def _identity(self, source) -> str:
+        """The cache identity: the target's rows, and the draft's when its rows share the units."""
+        identity = cache_identity(source, self.numerics, self.groups)
+        if self.draft is None:
+            return identity
+        return combined_identity(identity, draft_identity(self.draft, self.numerics, self.caches.draft.groups))
 
     def _settle_linears(self) -> int:
         """The model's linear layers as the numerics say: batch-invariant (DEEPINFER_BATCH_INVARIANT:

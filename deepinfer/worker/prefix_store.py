@@ -14,6 +14,10 @@ live in one allocation of their own, [snapshot slots, paged groups, page bytes].
 
 Memory per snapshot: the ring state slot of every ring group (S rows of each of its layers),
 the per-request state, and one page per paged group.
+
+With a draft model (speculative_model, `worker/draft_cache.py`) every copy also moves the draft's
+rows of the same unit: its ring slots and partial pages in snapshots, its block beside the
+target's in a saved block's file (`draft.*` tensors).
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ def cache_identity(source, numerics: NumericsRecord, groups) -> str:
 class PrefixStore:
     """Copies between requests' cache units, snapshot slots and the cache directory."""
 
-    def __init__(self, cache, model, num_state_slots: int, num_snapshot_slots: int, disk=None):
+    def __init__(self, cache, model, num_state_slots: int, num_snapshot_slots: int, disk=None, draft=None):
         self.cache, self.model, self.disk = cache, model, disk
+        self.draft = draft  # the draft model's DraftCache: its rows travel with each unit (None: no draft)
         self.groups = cache.groups
         self.ring = [gi for gi, g in enumerate(self.groups) if g.is_ring]
         self.paged = [gi for gi, g in enumerate(self.groups) if not g.is_ring]
@@ -95,6 +100,8 @@ class PrefixStore:
             j = self._partial_block(pi, boundary)
             if j is not None:
                 self.pages[s.capture_to, pi].copy_(self._page(pi, s.block_ids[pi][j]))
+        if self.draft is not None:
+            self.draft.capture(s, boundary)
 
     def restore(self, s: ScheduledRequest) -> None:
         """The request's fresh rings, state and partial pages at s.start_pos from s.restore_from."""
@@ -106,6 +113,8 @@ class PrefixStore:
             j = self._partial_block(pi, s.start_pos)
             if j is not None:
                 self._page(pi, s.block_ids[pi][j]).copy_(self.pages[s.restore_from, pi])
+        if self.draft is not None:
+            self.draft.restore(s)
 
     # ---- the plan's operations ----------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> tuple[StepPlan, dict[str, list[str]]]:
@@ -148,12 +157,16 @@ class PrefixStore:
 
     # ---- the cache directory ------------------------------------------------------------------
     def _unit_tensors(self, op: CachePersist | CacheLoad) -> dict[str, torch.Tensor]:
-        """The live tensors a unit's file holds (views into the caches)."""
+        """The live tensors a unit's file holds (views into the caches; the draft's beside them)."""
         if op.group >= 0:
-            return {"page": self._page(op.group, op.unit)}
-        unit = self.first_snapshot_unit + op.unit
-        tensors = {f"ring.{self.groups[gi].name}": self.cache.allocations[gi][unit] for gi in self.ring}
-        tensors.update({f"page.{self.groups[gi].name}": self.pages[op.unit, pi] for pi, gi in enumerate(self.paged)})
+            tensors = {"page": self._page(op.group, op.unit)}
+        else:
+            unit = self.first_snapshot_unit + op.unit
+            tensors = {f"ring.{self.groups[gi].name}": self.cache.allocations[gi][unit] for gi in self.ring}
+            tensors.update({f"page.{self.groups[gi].name}": self.pages[op.unit, pi]
+                            for pi, gi in enumerate(self.paged)})
+        if self.draft is not None:
+            tensors.update(self.draft.unit_tensors(op.group, op.unit))
         return tensors
 
     def _kind(self, op: CachePersist | CacheLoad) -> str:

@@ -33,7 +33,10 @@ from deepinfer.model_executor.layers.sampling_metadata import device_tensor
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 from deepinfer.structured_output import StructuredOutputError
 from deepinfer.worker.cache_runtime import CacheRuntime
+from deepinfer.worker.cpu_threads import StepThreads
 from deepinfer.worker.cuda_graphs import build_decode_graphs
+from deepinfer.worker.draft_cache import DraftCache
+from deepinfer.worker.draft_model_drafter import DraftModelDrafter
 from deepinfer.worker.drafters import NgramDrafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, num_logits_rows
 from deepinfer.worker.lora_slots import LoRASlots
@@ -46,10 +49,16 @@ from deepinfer.worker.structured import StructuredOutputs, eos_ids_of
 logger = logging.getLogger("deepinfer.worker")
 
 
-def make_drafter(config: SpeculativeConfig, model, groups, addressing):
-    """The drafter of `config.method` (None without one)."""
+def make_drafter(config: SpeculativeConfig, model, groups, addressing, draft: DraftCache | None = None,
+                 vocab_size: int = 0, max_model_len: int = 0):
+    """The drafter of `config.method` (None without one); "draft_model" drafts with `draft`'s model
+    ids below `vocab_size` (the target's), at positions below `max_model_len`."""
     if config.method is None:
         return None
+    if config.method == "draft_model":
+        if draft is None:
+            raise ValueError("speculative_method='draft_model' needs speculative_model (a draft checkpoint)")
+        return DraftModelDrafter(config, draft, vocab_size, max_model_len)
     return NgramDrafter(config) if config.method == "ngram" else MtpDrafter(config, model, groups, addressing)
 
 
@@ -75,6 +84,8 @@ class StepExecutor:
     """Runs steps on a built model whose caches `caches` holds: inputs, forward (eager or a decode
     CUDA graph), sampling with draft verification, then the next drafts."""
 
+    threads = StepThreads(None, None)  # the runner sets the CPU policy (worker/cpu_threads.py)
+
     def __init__(self, source, config: EngineConfig, model: CachedModel, caches: CacheRuntime,
                  lora: LoRASlots | None, backend_name: str, batch_invariant: bool, emulate_graphs: bool = False):
         self.model, self.caches, self.lora, self.device = model, caches, lora, caches.device
@@ -83,7 +94,8 @@ class StepExecutor:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.pooler = Pooler()  # embedding requests' pools, over prefill chunks
-        self.drafter = make_drafter(self.speculative, model, caches.groups, caches.addressing)
+        self.drafter = make_drafter(self.speculative, model, caches.groups, caches.addressing, caches.draft,
+                                    source.hf_config.vocab_size, config.max_model_len)
         self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(model, caches.groups, backend_name, self.device, config,
                                           emulate=emulate_graphs)  # the cache is bound: its addresses hold
@@ -118,7 +130,8 @@ class StepExecutor:
         a re-run reads are put back (`worker/step_undo.py`); a sampling fault is retried request
         by request and requests that still fail come back in `errors`."""
         try:
-            return self.finish(self.start(plan))
+            with self.threads.step():  # torch's thread count for the step (worker/cpu_threads.py)
+                return self.finish(self.start(plan))
         except Exception as exc:
             if not is_fatal_fault(exc):
                 self.caches.undo.undo()
@@ -131,8 +144,9 @@ class StepExecutor:
         then, where `step.needs_tokens`, `receive_tokens()` (rank 0's `StepTokens`), and `finish`
         with them: the kept counts to the model and the passes of a drafter that runs the model
         (MTP: its drafts dropped, rank 0 has the same)."""
-        step = self.start(plan, sample=False)
-        self.finish(step, receive_tokens() if step.needs_tokens else None)
+        with self.threads.step():
+            step = self.start(plan, sample=False)
+            self.finish(step, receive_tokens() if step.needs_tokens else None)
 
     @torch.inference_mode()
     def start(self, plan: StepPlan, sample: bool = True) -> Step:

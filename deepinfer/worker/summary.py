@@ -49,4 +49,13 @@ def startup_summary(runner, max_model_len: int, load_s: float, source=None) -> s
     return (f"engine ready in {load_s:.1f} s: weights {weights}, "
             f"KV cache {mib(runner.cache.num_bytes)} ({units}), max concurrency {requests:,} requests at "
             f"max_model_len {max_model_len:,}, dtype {runner.dtype_choice.value}, quantization "
-            f"{runner.quantization.value}, attention {runner.attention_backend.name}, device {runner.device}")
+            f"{runner.quantization.value}, attention {runner.attention_backend.name}, device {runner.device}"
+            f"{_draft_summary(runner)}")
+
+
+def _draft_summary(runner) -> str:
+    """With speculative_model: the draft's weights and its rows at the target's units."""
+    if runner.draft is None:
+        return ""
+    return (f"; draft model {runner.draft.path}: weights {mib(weight_bytes(runner.draft.model))}, "
+            f"KV cache {mib(runner.caches.draft.num_bytes)} at the same blocks and state slots")

@@ -30,10 +30,10 @@ def test_pp512_and_tg128_run_end_to_end_on_a_tiny_model(tiny_checkpoint, tmp_pat
     seen = []
     time_request = lb.time_request
 
-    def spy(engine, prompt, params):
+    def spy(engine, prompt, params, cached=0):
         seen.append((len(prompt), params.max_tokens, engine.get_metrics()["prefix_caching"],
                      torch.get_num_threads()))
-        return time_request(engine, prompt, params)
+        return time_request(engine, prompt, params, cached)
 
     monkeypatch.setattr(lb, "time_request", spy)
     model = tiny_checkpoint("llama")
@@ -89,17 +89,50 @@ def _checkpoint_bytes(path: str) -> int:
     return total
 
 
+def test_a_prompt_at_a_depth_computes_only_its_own_tokens(tiny_checkpoint, capsys):
+    """ppN@dD runs each request's context alone first; the timed request finds all of it cached
+    (`time_request` checks the cached count and raises otherwise)."""
+    model = tiny_checkpoint("llama")
+    assert cli.main(["bench", "--model", model, "--workload", "pp32@d64", "--workload", "tg8@d64",
+                     "--repetitions", "1", "--threads", "1", "--num-blocks", "64"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^pp32@d64 +deepinfer +1 thread, 32 prompt tokens at depth 64: ", text, re.M), text
+    assert re.search(r"^tg8@d64 +deepinfer +1 thread, 8 generated tokens after a 16-token prompt at depth 64: ",
+                     text, re.M), text
+    assert "prefix caching on (for the depth's context)" in text
+
+
 def test_both_engines_default_to_2_threads_and_the_engine_to_no_prefix_caching():
     from deepinfer.engine_args import EngineArgs
 
     parser = cli.build_parser()
     args = parser.parse_args(["bench", "--workload", "pp512"])
     assert lb.bench_threads(args) == 2 and args.repetitions == lb.DEFAULT_REPETITIONS == 5
-    engine = EngineArgs.from_cli_args(lb._engine_args(args, lb.bench_threads(args)))
+    engine = EngineArgs.from_cli_args(lb._engine_args(args, lb.bench_threads(args), ["pp512"]))
     assert engine.num_threads == 2 and engine.enable_prefix_caching is False
     args = parser.parse_args(["bench", "--workload", "tg128", "--threads", "3", "--max-model-len", "64"])
-    engine = EngineArgs.from_cli_args(lb._engine_args(args, lb.bench_threads(args)))
+    engine = EngineArgs.from_cli_args(lb._engine_args(args, lb.bench_threads(args), ["tg128", "pp512"]))
     assert engine.num_threads == 3 and engine.max_model_len == 512 + 1  # room for pp512's request
+    # at a depth: room for the context too, and prefix caching on where a ppN's context is cached first
+    args = parser.parse_args(["bench", "--workload", "pp512@d4096", "--workload", "tg128@d4096"])
+    engine = EngineArgs.from_cli_args(lb._engine_args(args, 2, ["pp512@d4096", "tg128@d4096"]))
+    assert engine.enable_prefix_caching is True and engine.max_model_len is None  # unset: the model's context
+    engine = EngineArgs.from_cli_args(lb._engine_args(args, 2, ["tg128@d4096"]))
+    assert engine.enable_prefix_caching is False
+
+
+def test_depth_shapes_and_names():
+    assert lb.shape_of("tg128@d4096") == lb.Shape(16, 129, "decode", 128, depth=4096)
+    assert lb.shape_of("pp512@d4096") == lb.Shape(512, 1, "prompt", 512, depth=4096)
+    assert lb.shape_of("pp64") == lb.Shape(64, 1, "prompt", 64)
+    tg = lb.llama_bench_workload("tg128@d4096", VOCAB, repetitions=1)
+    assert [len(p) for p in tg.prompts] == [4096 + 16] * 2
+    for bad in ("pp0", "tg128@4096", "pp512@d", "qq1"):
+        with pytest.raises(ValueError, match=f"unknown llama-bench workload {bad!r}"):
+            lb.shape_of(bad)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--workload", "tg128@x"])
+    assert lb.peer_flash_attention("tg128@d4096") == (False, True) and lb.peer_flash_attention("tg128") == (None,)
 
 
 def test_workloads_are_fixed_random_ids_one_request_per_run_plus_a_warm_up():
@@ -112,8 +145,8 @@ def test_workloads_are_fixed_random_ids_one_request_per_run_plus_a_warm_up():
     assert lb.llama_bench_workload("pp512", VOCAB, repetitions=3).prompts == pp.prompts  # same ids every run
     with pytest.raises(ValueError, match="repetitions must be a positive integer, got 0"):
         lb.llama_bench_workload("tg128", VOCAB, repetitions=0)
-    with pytest.raises(ValueError, match="unknown workload 'pp1'"):
-        lb.llama_bench_workload("pp1", VOCAB, repetitions=1)
+    with pytest.raises(ValueError, match="unknown llama-bench workload 'pq1'"):
+        lb.llama_bench_workload("pq1", VOCAB, repetitions=1)
 
 
 def test_the_peer_times_the_same_requests_and_the_ratio_is_of_the_means(monkeypatch, capsys):
@@ -122,8 +155,8 @@ def test_the_peer_times_the_same_requests_and_the_ratio_is_of_the_means(monkeypa
     workload = lb.llama_bench_workload("tg128", VOCAB, repetitions=2)
     jobs = []
 
-    def fake_run(model_path, w, parallel=1, threads=2):
-        jobs.append(nlc.build_job(model_path, w, parallel, threads))
+    def fake_run(model_path, w, parallel=1, threads=2, **extra):
+        jobs.append(nlc.build_job(model_path, w, parallel, threads, **extra))
         requests = [{"tokens": 129, "prompt_s": 0.01, "decode_s": s} for s in (9.0, 1.0, 2.0)]
         info = {"seconds": 12.0, "output_tokens": 3 * 129, "requests": requests, "threads": threads, "parallel": 1}
         return nlc.parse_result(json.dumps(info), w, parallel)
@@ -140,6 +173,14 @@ def test_the_peer_times_the_same_requests_and_the_ratio_is_of_the_means(monkeypa
     # pp512 times the prompt, not the decode
     pp = lb.make_result("llama.cpp", "pp512", 2, [(0.25, 0.0), (0.5, 0.0)])
     assert pp.runs_s == [0.25, 0.5] and pp.tokens_per_s == pytest.approx((2048 + 1024) / 2)
+    # a ppN at a depth: the driver evaluates each request's context untimed first
+    deep = lb.llama_bench_workload("pp512@d64", VOCAB, repetitions=2)
+    monkeypatch.setattr(nlc, "run_node_llama_cpp", lambda path, w, parallel=1, threads=2, **extra: (
+        jobs.append(nlc.build_job(path, w, parallel, threads, **extra)) or nlc.parse_result(json.dumps(
+            {"seconds": 1.0, "output_tokens": 3, "requests": [{"tokens": 1, "prompt_s": 0.1, "decode_s": 0}] * 3}),
+            w, parallel)))
+    theirs = lb.run_peer_shape(SimpleNamespace(format="gguf", path="/m.gguf"), deep, threads=2, flash_attention=True)
+    assert jobs[-1]["depths"] == [64] * 3 and jobs[-1]["flash_attention"] is True and theirs.engine == "llama.cpp-fa"
     with pytest.raises(RuntimeError, match="no per-request timings"):
         monkeypatch.setattr(nlc, "run_node_llama_cpp", lambda *a, **k: (theirs, {"requests": None}))
         lb.run_peer_shape(SimpleNamespace(format="gguf", path="/m.gguf"), workload, threads=3)

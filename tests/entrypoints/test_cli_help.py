@@ -18,7 +18,7 @@ def test_help_shows_defaults(sub, capsys):
     assert "requests running at once (default: 64)" in out
     assert "tokens per paged block (default: 16)" in out
     assert "(default: auto)" in out and "(default: 0.9)" in out
-    assert "default: min(the model's context, 4096)" in out
+    assert "default: the model's context where the KV cache can hold one request that long" in out
 
 
 def test_bench_serve_help_shows_defaults(capsys):

@@ -65,9 +65,9 @@ def test_bf16_row_matches_the_book_separate_layout():
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    (dict(quantized_dtype="int8", quantized_elements=32, elements_per_sf=32, sf_format="ue8m0"), "int8"),
+    (dict(quantized_dtype="int4", quantized_elements=32, elements_per_sf=32, sf_format="ue8m0"), "int4"),
     (dict(quantized_dtype="e4m3", quantized_elements=48, elements_per_sf=32, sf_format="ue8m0"), "48"),
-    (dict(quantized_dtype="e4m3", quantized_elements=32, elements_per_sf=32, sf_format="fp32"), "fp32"),
+    (dict(quantized_dtype="e4m3", quantized_elements=32, elements_per_sf=32, sf_format="fp16"), "fp16"),
     (dict(quantized_dtype="e2m1", quantized_elements=1, elements_per_sf=1, sf_format="ue8m0"), "whole bytes"),
     (dict(), "at least one element"),
     (dict(bf16_elements=-1), "bf16_elements.*-1"),

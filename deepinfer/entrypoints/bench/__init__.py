@@ -19,6 +19,15 @@ Workloads (same requests for every engine):
   tg128   llama-bench's generation figure: 128 decode steps after a 16-token prompt (the prompt's time
           left out), tokens/s as pp512; then a STREAM-like copy probe and, per engine, its weight bytes
           per token x tokens/s as a share of the copy bandwidth (workloads.llama_bench, bench.bandwidth).
+          Any ppN / tgN runs the same way, and @dD puts D tokens of context before it (llama-bench's -d:
+          tg128@d4096 decodes at depth 4096; pp512@d4096 times 512 prompt tokens after a cached 4096),
+          the llama.cpp peer with flash attention off and on.
+  spec    four code-completion prompts one at a time, plain and with --speculative-model (or a
+          --speculative-method): tok/s, acceptance, ratio, identical outputs; with --peer llama.cpp
+          also llama.cpp plain and with the same draft model (workloads.spec).
+  entrypoints  one 129-token request through an LLM in this process (what generate and chat run)
+          and through a `deepinfer serve` child process, decode tokens/s of each and their ratio;
+          with --busy N again beside N busy-loop processes (workloads.entrypoints).
 
 Without --workload only cpu32 runs. Each workload prints a line as it starts, and a progress bar
 over the workloads goes to stderr when it is a terminal. cpu32 and decode1 share one engine, whose
@@ -50,13 +59,16 @@ printed lines and tables).
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from deepinfer.entrypoints.bench.report import WorkloadProgress, print_ratios, print_spec
 from deepinfer.entrypoints.bench.workloads import WORKLOADS
+from deepinfer.entrypoints.bench.workloads.entrypoints import add_entrypoints_args
 from deepinfer.entrypoints.bench.workloads.llama_bench import (
     LLAMA_BENCH_WORKLOADS,
     add_llama_bench_args,
+    is_llama_bench,
     run_llama_bench,
 )
 from deepinfer.entrypoints.bench.workloads.long import run_long
@@ -65,7 +77,7 @@ from deepinfer.entrypoints.bench.workloads.throughput import run_engine_workload
 
 __all__ = ["BENCH_WORKLOADS", "add_bench_args", "add_bench_serve_parser", "run_bench", "selected_workloads"]
 
-BENCH_WORKLOADS = (*WORKLOADS, "prefix", *LLAMA_BENCH_WORKLOADS)
+BENCH_WORKLOADS = (*WORKLOADS, "prefix", "entrypoints", "spec", *LLAMA_BENCH_WORKLOADS)
 
 
 def add_bench_args(p) -> None:
@@ -74,8 +86,9 @@ def add_bench_args(p) -> None:
     # must not be imported already by this package's __init__
     from deepinfer.entrypoints.bench.workloads.prefix import add_prefix_args
 
-    p.add_argument("--workload", action="append", choices=BENCH_WORKLOADS, default=None,
-                   help="workload to run (repeatable; default: cpu32)")
+    p.add_argument("--workload", action="append", type=workload_name, default=None, metavar="NAME",
+                   help=f"workload to run (repeatable; default: cpu32): {', '.join(BENCH_WORKLOADS)}, "
+                        "or ppN / tgN at a depth, e.g. tg128@d4096")
     p.add_argument("--num-requests", type=int, default=None, help="requests in cpu32 (32) and prefix (16)")
     p.add_argument("--peer", action="append", choices=["hf", "llama.cpp"], default=[],
                    help="also run a peer on the same requests (repeatable)")
@@ -83,6 +96,15 @@ def add_bench_args(p) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     add_prefix_args(p)
     add_llama_bench_args(p)
+    add_entrypoints_args(p)
+
+
+def workload_name(text: str) -> str:
+    """argparse type of --workload: a named workload, or a llama-bench shape (ppN / tgN[@dD])."""
+    if text in BENCH_WORKLOADS or is_llama_bench(text):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown workload {text!r}: choose from {', '.join(BENCH_WORKLOADS)}, "
+                                     f"or ppN / tgN at a depth (tg128@d4096)")
 
 
 def selected_workloads(args) -> list[str]:
@@ -119,10 +141,22 @@ def run_bench(args) -> int:
         progress.start("prefix")
         results += run_prefix(args)
         names = [n for n in names if n != "prefix"]
-    llama_bench = [n for n in names if n in LLAMA_BENCH_WORKLOADS]
+    if "spec" in names:
+        from deepinfer.entrypoints.bench.workloads.spec import run_spec
+
+        progress.start("spec")
+        results += run_spec(args)
+        names = [n for n in names if n != "spec"]
+    if "entrypoints" in names:
+        from deepinfer.entrypoints.bench.workloads.entrypoints import run_entrypoints
+
+        progress.start("entrypoints")
+        results += run_entrypoints(args)
+        names = [n for n in names if n != "entrypoints"]
+    llama_bench = [n for n in names if is_llama_bench(n)]
     if llama_bench:
         results += run_llama_bench(args, llama_bench, progress)
-        names = [n for n in names if n not in LLAMA_BENCH_WORKLOADS]
+        names = [n for n in names if not is_llama_bench(n)]
     if names:
         results += run_engine_workloads(args, names, progress, dummy_peer)
     progress.close()

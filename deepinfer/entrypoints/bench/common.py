@@ -44,6 +44,7 @@ class BenchResult:
     batch: int | None = None  # requests in flight at once; None: the whole workload at once
     spec: SpecDecodeStats | None = None  # speculative decoding in this run (None: no method)
     vs_plain: dict | None = None  # a speculative run against plain decoding of the same requests
+    extra: dict | None = None  # a workload's own figures (entrypoints: decode and request tokens/s)
 
     @property
     def tokens_per_s(self) -> float:

@@ -223,15 +223,15 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def kind_runs(weights: list[QuantWeight]) -> tuple[QuantWeight, ...]:
     """Weights stacked on the output axis as parts: each run of consecutive weights of one type is
-    joined into one (their rows concatenated, bytes unchanged)."""
+    joined into one (their rows concatenated, bytes unchanged: a view of the file's mapping when
+    they are neighbours in it, QuantWeight.stacked)."""
     runs: list[list[QuantWeight]] = []
     for w in weights:
         if runs and runs[-1][0].kind == w.kind:
             runs[-1].append(w)
         else:
             runs.append([w])
-    return tuple(run[0] if len(run) == 1 else QuantWeight(torch.cat([w.data for w in run]), run[0].kind)
-                 for run in runs)
+    return tuple(run[0] if len(run) == 1 else QuantWeight.stacked(run) for run in runs)
 
 
 def quantize_linears(model: nn.Module, scheme: str) -> int:

@@ -29,16 +29,17 @@ import os
 import re
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
+from deepinfer.model_executor.loader.gguf_cache import load_derived
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_deepseek2 import DEEPSEEK2_BLOCK_NAMES, DENSE_PARTS, iter_deepseek2_tensors
-from deepinfer.model_executor.loader.gguf_file import GGUFTensor, read_gguf_file
+from deepinfer.model_executor.loader.gguf_file import GGUFFile, GGUFTensor, as_tensor, read_gguf_file
 from deepinfer.model_executor.loader.gguf_gpt_oss import is_expert_stack, iter_gpt_oss_experts
 from deepinfer.model_executor.loader.gguf_repack import is_packed, packed_gguf
 from deepinfer.model_executor.loader.gguf_slice import GGUFSlice
@@ -108,10 +109,10 @@ logger = logging.getLogger("deepinfer.loader")
 def load_gguf_source(path: str) -> ModelSource:
     """A `ModelSource` for a .gguf file; ValueError for an unsupported architecture or bad metadata.
 
-    `tokenizer` is None when the file carries no tokenizer metadata.
+    `tokenizer` is None when the file carries no tokenizer metadata. The config and tokenizer come
+    from the cache once built (gguf_cache.py); the weights are read from the file's read-only
+    mapping, each pass mapping it again (the pages are the page cache's, shared by every mapping).
     """
-    from transformers import AutoConfig
-
     file = read_gguf_file(path)
     arch = file.metadata.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -119,6 +120,24 @@ def load_gguf_source(path: str) -> ModelSource:
             f"GGUF file {path!r} has architecture {arch!r}, which is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
+    identity = compute_identity(path, [path])
+    derived = load_derived(path, identity, _config_fields(file, arch), "tokenizer.ggml.model" in file.metadata)
+    config = derived.config
+    return ModelSource(
+        path=path,
+        format="gguf",
+        hf_config=config,
+        tokenizer=derived.tokenizer,
+        identity=identity,
+        _weights=lambda dtype, keep_quantized=False: iter_gguf_weights(
+            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
+        _weight_slices=lambda dtype, keep_quantized=False: iter_gguf_slices(
+            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
+    )
+
+
+def _config_fields(file: GGUFFile, arch: str) -> dict:
+    """The transformers config fields of the file (gguf_config.py), with the RoPE tensors it reads."""
     tensors = {tensor.name: tensor for tensor in file.tensors}
     rope_freqs = rope_factors = None
     if _ROPE_FREQS in tensors:
@@ -127,44 +146,7 @@ def load_gguf_source(path: str) -> ModelSource:
         rope_factors = tuple(dequantize_tensor(tensors[name], torch.float32).numpy() for name in _ROPE_FACTORS)
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
     types = {name: tensor.tensor_type.name for name, tensor in tensors.items()}
-    config = AutoConfig.for_model(**gguf_config_dict(arch, file.metadata, shapes, rope_freqs, rope_factors,
-                                                     tensor_types=types))
-    return ModelSource(
-        path=path,
-        format="gguf",
-        hf_config=config,
-        tokenizer=load_gguf_tokenizer(path, config) if "tokenizer.ggml.model" in file.metadata else None,
-        identity=compute_identity(path, [path]),
-        # the file is mapped again for each pass, so no page of it stays resident after loading
-        _weights=lambda dtype, keep_quantized=False: iter_gguf_weights(
-            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
-        _weight_slices=lambda dtype, keep_quantized=False: iter_gguf_slices(
-            read_gguf_file(path).tensors, arch, config, dtype, keep_quantized),
-    )
-
-
-def load_gguf_tokenizer(path: str, config: Any) -> Any:
-    """The tokenizer and chat template stored in the file, built by transformers' GGUF support.
-
-    `AutoTokenizer.from_pretrained(..., gguf_file=...)` would first rebuild the config by parsing
-    the whole metadata again (seconds); the class it would pick is chosen here from our config.
-    """
-    directory, name = os.path.split(path)
-    return _tokenizer_class(config).from_pretrained(directory, gguf_file=name)
-
-
-def _tokenizer_class(config: Any) -> Any:
-    try:
-        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: let AutoTokenizer choose, at its cost
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer
-    try:
-        return TOKENIZER_MAPPING.get(type(config), None) or TokenizersBackend
-    except KeyError:
-        return TokenizersBackend
+    return gguf_config_dict(arch, file.metadata, shapes, rope_freqs, rope_factors, tensor_types=types)
 
 
 def gguf_to_hf_name(arch: str, name: str) -> str:
@@ -187,7 +169,8 @@ def iter_gguf_weights(
     with `keep_quantized`, matrices of a packed type come as `QuantWeight`s instead.
 
     Names are checked before any tensor is decoded; decoding runs on a few threads (numpy and
-    torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors.
+    torch release the GIL) with a bounded look-ahead, so memory stays at a few tensors. A matrix
+    kept packed (a view of the mapping) and a vector are made at once: a thread hop costs more.
     """
     tensors = yield from _gpt_oss_experts(tensors, arch, dtype)
     tensors = yield from _deepseek2_tensors(tensors, arch, config, dtype)
@@ -196,13 +179,25 @@ def iter_gguf_weights(
     with ThreadPoolExecutor(max_workers=num_workers) as pool:
         pending: deque = deque()
         for hf_name, tensor in jobs:
-            pending.append((hf_name, pool.submit(to_hf_tensor, tensor, arch, config, dtype, keep_quantized)))
+            args = (tensor, arch, config, dtype, keep_quantized)
+            light = len(tensor.shape) == 1 or (keep_quantized and is_packed(tensor.tensor_type.name, tensor.shape))
+            pending.append((hf_name, _done(to_hf_tensor, *args) if light else pool.submit(to_hf_tensor, *args)))
             if len(pending) > 2 * num_workers:
                 name, future = pending.popleft()
                 yield name, future.result()
         while pending:
             name, future = pending.popleft()
             yield name, future.result()
+
+
+def _done(fn, *args) -> Future:
+    """fn(*args) run here, as a finished Future (its exception kept for `result()`, as a pool's)."""
+    future: Future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
 
 
 def iter_gguf_slices(tensors: list[GGUFTensor], arch: str, config: Any, dtype: torch.dtype,
@@ -323,10 +318,13 @@ def packed_file_bytes(path: str) -> dict[str, int]:
 
 
 def _map_rows(weight: torch.Tensor | QuantWeight, fn) -> torch.Tensor | QuantWeight:
-    """Apply a row permutation to a dense weight, or to a QuantWeight's rows of blocks."""
+    """Apply a row permutation to a dense weight, or to a QuantWeight's rows of blocks (gathered by
+    numpy from the mapping into a new array: one thread, where torch's copy would wait for its
+    thread pool on a busy machine)."""
     if isinstance(weight, torch.Tensor):
         return fn(weight)
-    return dataclasses.replace(weight, data=fn(weight.data))
+    order = fn(torch.arange(weight.data.shape[0])).numpy()  # [N]: the source row of each row
+    return dataclasses.replace(weight, data=torch.from_numpy(weight.data.numpy()[order]))
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -349,7 +347,7 @@ def dequantize_tensor(tensor: GGUFTensor, dtype: torch.dtype) -> torch.Tensor:
         values = torch.from_numpy(quants.dequantize(data, kind))  # float32, a fresh array
         return values.to(dtype).reshape(tensor.shape)
     if kind == GGMLQuantizationType.BF16:
-        values = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)  # [..., cols] bytes -> values
+        values = as_tensor(data.view(np.int16)).view(torch.bfloat16)  # [..., cols] bytes -> values
     else:
-        values = torch.from_numpy(data)  # a view of the file mapping: copied right below
+        values = as_tensor(data)  # a view of the file mapping: copied right below
     return values.to(dtype, copy=True).reshape(tensor.shape)

@@ -2,8 +2,16 @@
 
 `gguf.GGUFReader` turns every vocabulary string into numpy views (about 2.5 s for a 49k
 vocabulary, more for 262k); a loader needs none of them (the tokenizer is built by transformers),
-so this reader walks past long string arrays and reads the rest with `struct`. Types, block sizes
-and dequantization still come from the `gguf` package.
+so this reader steps over long arrays by their lengths alone and reads the rest with `struct`.
+Types, block sizes and dequantization still come from the `gguf` package.
+
+The file is mapped read-only and shared (PROT_READ, MAP_SHARED): its pages are the page cache's,
+counted once however many processes map it, and dropped under memory pressure, never swapped.
+Every tensor's `data` is a read-only numpy view of that mapping, and `as_tensor` turns such a view
+into a torch tensor that is a slice of the mapping's one torch tensor (so views of neighbouring
+tensors share a storage), without a copy. Torch has no read-only tensors: a write into one of them
+faults (SIGSEGV) instead of changing the file; the engine never writes into weights. The mapping
+lives as long as any view or tensor of it does (each holds a reference to its base).
 
     file = magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
            | n_kv x (string key, u32 type, value)
@@ -14,11 +22,15 @@ and dequantization still come from the `gguf` package.
 from __future__ import annotations
 
 import math
+import mmap
+import os
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_LENGTH = 4096  # longer metadata arrays (vocabulary, merges, scores) are skipped, not read
@@ -36,7 +48,7 @@ class GGUFTensor:
     name: str
     tensor_type: Any  # gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # torch order (outermost first)
-    data: np.ndarray  # a copy-on-write view, as gguf.quants.dequantize expects: values or uint8 blocks
+    data: np.ndarray  # a read-only view of the mapping, as gguf.quants.dequantize expects: values or uint8 blocks
 
 
 @dataclass(frozen=True)
@@ -49,11 +61,29 @@ class GGUFFile:
 
 
 def read_gguf_file(path: str) -> GGUFFile:
-    """Parse the header of `path`; ValueError naming the path when it is not a readable GGUF."""
-    # copy-on-write: views are writable for torch.from_numpy, and the file can never be modified;
-    # a plain ndarray view slices faster than the memmap subclass
-    blob = np.memmap(path, mode="c", dtype=np.uint8).view(np.ndarray)
-    if bytes(blob[:4]) != b"GGUF" or blob.size < 24:
+    """Parse the header of `path`; ValueError naming the path when it is not a readable GGUF.
+
+    Loading reads a file's header several times (config, weights, sizes): the parsed header is kept
+    per process for the file as `os.stat` sees it (a rewritten file is parsed again); the file is
+    mapped anew each time (a system call).
+    """
+    blob, stat = _map(path)
+    key = (os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    header = _HEADERS.pop(key, None) or _parse_header(blob, path)
+    _HEADERS[key] = header  # most recent last
+    while len(_HEADERS) > _MAX_HEADERS:
+        del _HEADERS[next(iter(_HEADERS))]
+    metadata, entries, data_start = header
+    tensors = [_tensor_view(blob, data_start, entry, path) for entry in entries]
+    return GGUFFile(path=path, metadata=dict(metadata), tensors=tensors)
+
+
+_HEADERS: dict[tuple, tuple] = {}  # stat key -> (metadata, tensor table, data start)
+_MAX_HEADERS = 8
+
+
+def _parse_header(blob: np.ndarray, path: str) -> tuple[dict, list[tuple], int]:
+    if blob.size < 24 or bytes(blob[:4]) != b"GGUF":
         raise ValueError(f"{path!r} does not start with the GGUF magic bytes and header counts")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", blob, 4)
     if version not in _SUPPORTED_VERSIONS:
@@ -64,9 +94,59 @@ def read_gguf_file(path: str) -> GGUFFile:
     except (struct.error, UnicodeDecodeError) as exc:
         raise ValueError(f"{path!r} has a truncated or corrupt GGUF header: {exc}") from exc
     alignment = _alignment(metadata, path)
-    data_start = -(-pos // alignment) * alignment
-    tensors = [_tensor_view(blob, data_start, entry, path) for entry in entries]
-    return GGUFFile(path=path, metadata=metadata, tensors=tensors)
+    return metadata, entries, -(-pos // alignment) * alignment
+
+
+def map_read_only(path: str) -> np.ndarray:
+    """The bytes of `path`, mapped read-only and shared: a non-writable uint8 [size] array whose base
+    is the mapping's torch tensor (`as_tensor`); ValueError naming the path for an empty file."""
+    return _map(path)[0]
+
+
+def _map(path: str) -> tuple[np.ndarray, os.stat_result]:
+    with open(path, "rb") as f:
+        stat = os.fstat(f.fileno())
+        if stat.st_size == 0:
+            raise ValueError(f"{path!r} is empty, not a GGUF file")
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # PROT_READ, MAP_SHARED
+    blob = readonly_tensor(mapping).numpy()  # [size]; base: the tensor, whose storage holds the mapping
+    blob.flags.writeable = False  # and so every view of it
+    return blob, stat
+
+
+def readonly_tensor(buffer: Any) -> torch.Tensor:
+    """A uint8 torch tensor over a read-only buffer (a read-only mapping), without a copy.
+
+    `torch.frombuffer` (like `torch.from_numpy` of a non-writable array) warns that the tensor is
+    writable while its memory is not: torch has no read-only tensors. The warning is silenced here,
+    the one place such a tensor is made; the pages themselves refuse writes (SIGSEGV), so a weight
+    can never change the file or another process's view of it.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """`array` as a torch tensor of the same dtype and shape, sharing its memory: a slice of the
+    mapping's tensor for a C-contiguous view of a mapped file, else `torch.from_numpy` (a writable
+    array: a decoded or cut copy). Any other read-only array is copied."""
+    root = array.base
+    while isinstance(root, np.ndarray):
+        root = root.base
+    dtype = _TORCH_DTYPES.get(array.dtype.str)
+    mapped = isinstance(root, torch.Tensor) and root.dim() == 1 and root.dtype == torch.uint8  # map_read_only's
+    start = array.ctypes.data - root.data_ptr() if mapped else -1
+    if start < 0 or dtype is None or not array.flags.c_contiguous or start % array.itemsize:
+        # not a view of a mapping, or one no tensor view can hold (strides, an unaligned value type):
+        # the array itself when it is writable (a decoded or cut copy), else a copy
+        return torch.from_numpy(array if array.flags.writeable else np.array(array, order="C"))
+    flat = root[start:start + array.nbytes]  # uint8 [bytes]: a view of the mapping
+    return flat.view(dtype).view(array.shape)
+
+
+_TORCH_DTYPES = {"|u1": torch.uint8, "|i1": torch.int8, "<f4": torch.float32, "<f2": torch.float16,
+                 "<i2": torch.int16, "<i4": torch.int32, "<f8": torch.float64, "<i8": torch.int64}
 
 
 def _read_string(blob: np.ndarray, pos: int) -> tuple[str, int]:
@@ -106,12 +186,26 @@ def _read_value(blob: np.ndarray, pos: int, value_type: int, key: str) -> tuple[
         if count > MAX_ARRAY_LENGTH:
             return _SKIPPED, end
         return list(struct.unpack_from(f"<{count}{fmt[1]}", blob, pos)), end
+    if count > MAX_ARRAY_LENGTH:
+        return _SKIPPED, _skip_items(blob, pos, item_type, count, key)
     values = []
-    for _ in range(count):  # strings (or nested arrays): walk them, keep them only when short
+    for _ in range(count):  # strings (or nested arrays)
         value, pos = _read_value(blob, pos, item_type, key)
-        if count <= MAX_ARRAY_LENGTH:
-            values.append(value)
-    return (values if count <= MAX_ARRAY_LENGTH else _SKIPPED), pos
+        values.append(value)
+    return values, pos
+
+
+def _skip_items(blob: np.ndarray, pos: int, item_type: int, count: int, key: str) -> int:
+    """The position after `count` array items of `item_type`, read no further than their lengths
+    (a 49k vocabulary in ~20 ms, where decoding every string took ~200 ms)."""
+    if item_type != _STRING:
+        for _ in range(count):
+            _, pos = _read_value(blob, pos, item_type, key)
+        return pos
+    unpack = struct.Struct("<Q").unpack_from
+    for _ in range(count):
+        pos += 8 + unpack(blob, pos)[0]
+    return pos
 
 
 def _alignment(metadata: dict, path: str) -> int:

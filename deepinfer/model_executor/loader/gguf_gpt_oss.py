@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from deepinfer.model_executor.layers.ops.mxfp4 import BLOCK, BLOCK_BYTES
-from deepinfer.model_executor.loader.gguf_file import GGUFTensor
+from deepinfer.model_executor.loader.gguf_file import GGUFTensor, as_tensor
 
 EXPERT_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 _GGML_BLOCK_BYTES = 1 + BLOCK_BYTES
@@ -41,7 +41,7 @@ def is_expert_stack(name: str) -> bool:
 
 def ggml_mxfp4_to_hf(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """ggml MXFP4 rows uint8 [..., nb * 17] -> (blocks [..., nb, 16], scales [..., nb]) in HF's order."""
-    raw = torch.from_numpy(np.ascontiguousarray(data))
+    raw = as_tensor(data)  # [..., nb * 17]: a view of the file's mapping, or a copy
     raw = raw.view(*raw.shape[:-1], raw.shape[-1] // _GGML_BLOCK_BYTES, _GGML_BLOCK_BYTES)  # [..., nb, 17]
     qs = raw[..., 1:]  # [..., nb, 16]
     codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., nb, 32]: the values in order
@@ -51,7 +51,7 @@ def ggml_mxfp4_to_hf(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def ggml_mxfp4_scales(data: np.ndarray) -> torch.Tensor:
     """ggml MXFP4 rows uint8 [..., nb * 17] -> their scale bytes [..., nb] (HF's `*_scales`)."""
-    raw = torch.from_numpy(np.ascontiguousarray(data))
+    raw = as_tensor(data)  # [..., nb * 17]: a view of the file's mapping, or a copy
     return raw.view(*raw.shape[:-1], raw.shape[-1] // _GGML_BLOCK_BYTES, _GGML_BLOCK_BYTES)[..., 0].contiguous()
 
 

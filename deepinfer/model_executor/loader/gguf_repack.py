@@ -1,6 +1,8 @@
 """Which GGUF matrices stay quantized: a 2-D tensor of a type the integer kernels multiply becomes a
-`QuantWeight` (layers/ops/qmatmul.py) of its own rows of blocks, copied from the file unchanged, so
-a matrix holds in memory exactly the bytes it has in the file.
+`QuantWeight` (layers/ops/qmatmul.py) of its own rows of blocks, unchanged: a view of the file's
+read-only mapping (loader/gguf_file.py), so a matrix costs no memory beyond the file's pages in the
+page cache. Only a layout the kernels cannot read in place is copied (llama's q/k rows put back in
+HF order, a tensor-parallel rank's columns, a padded vocabulary).
 
     type   values / bytes per block   block                                  the kernel decodes
     Q4_0   32 / 18                    d | 16 B nibbles                       d (q - 8)
@@ -19,20 +21,21 @@ scale and min.) Any other type returns None: the caller dequantizes it and logs 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from deepinfer.model_executor.layers.ops.qmatmul import BLOCKS, QuantWeight
+from deepinfer.model_executor.loader.gguf_file import as_tensor
 
 PACKED_TYPES = tuple(BLOCKS)
 
 
 def packed_gguf(kind: str, data: np.ndarray, shape: tuple[int, ...]) -> QuantWeight | None:
-    """The 2-D tensor `shape` [N, K] stored as GGUF blocks `data` (uint8, e.g. a view of the file's
-    mapping), copied into memory; None if `kind` (the ggml type name) stays dequantized."""
+    """The 2-D tensor `shape` [N, K] stored as GGUF blocks `data` (uint8): a view of `data`'s memory
+    (the file's mapping when `data` is a view of it); None if `kind` (the ggml type name) stays
+    dequantized."""
     if not is_packed(kind, shape):
         return None
-    rows = np.array(data, dtype=np.uint8, copy=True).reshape(shape[0], -1)  # [N, row bytes]: no view of the file
-    return QuantWeight(torch.from_numpy(rows), kind)
+    rows = as_tensor(np.asarray(data, dtype=np.uint8).reshape(shape[0], -1))  # [N, row bytes], not copied
+    return QuantWeight(rows, kind)
 
 
 def is_packed(kind: str, shape: tuple[int, ...]) -> bool:

@@ -3,6 +3,9 @@
 // Usage: node llama_cpp_peer.mjs INSTALL_DIR < job.json
 //   INSTALL_DIR  a directory holding node_modules/node-llama-cpp (`npm i -E --prefix INSTALL_DIR node-llama-cpp@3.21.1`)
 //   job.json     {model_path, threads, prompts: [[token id, ...], ...], output_lens: [n, ...], parallel, ctx_size}
+//                optional: depths [n, ...] (per request, its first n prompt tokens are evaluated untimed
+//                first: llama-bench's -d), flash_attention (true / false; absent: llama.cpp's default),
+//                draft_model_path and draft_tokens (speculative decoding with a draft model, one sequence)
 //
 // The GGUF is loaded on the CPU with a prebuilt binary only (never a source build, never a download).
 // Every request is fed as its token ids (no tokenization) and generates greedily exactly
@@ -84,30 +87,34 @@ function secondsSince(start) {
 /** Greedy generation of exactly `count` tokens after `prompt` on a cleared sequence; EOS does not stop it.
  *  Returns the tokens and the request's timings: prompt_s (to the first token: the prompt's evaluation
  *  and the first sampling) and decode_s (from the first token to the last: count - 1 decode steps). */
-async function generate(sequence, prompt, count) {
+async function generate(sequence, prompt, count, depth = 0) {
     await sequence.clearHistory();
+    if (depth > 0)  // the context the timed part runs at (llama-bench's -d): evaluated, not timed
+        await sequence.evaluateWithoutGeneratingNewTokens(prompt.slice(0, depth));
     let produced = 0;
     const start = process.hrtime.bigint();
     let first = null, last = null;
-    for await (const _token of sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true })) {
+    const ids = [];
+    for await (const token of sequence.evaluate(prompt.slice(depth), { temperature: 0, yieldEogToken: true })) {
+        ids.push(token);
         last = process.hrtime.bigint();
         first ??= last;
         produced += 1;
         if (produced === count)
             break;
     }
-    return { tokens: produced, prompt_s: Number(first - start) / 1e9, decode_s: Number(last - first) / 1e9 };
+    return { tokens: produced, prompt_s: Number(first - start) / 1e9, decode_s: Number(last - first) / 1e9, ids };
 }
 
 /** Run every request on `sequences`, each sequence taking the next request from a shared queue;
  *  returns each request's generate() result, in request order. */
-async function runQueue(sequences, prompts, outputLens) {
+async function runQueue(sequences, prompts, outputLens, depths = null) {
     let next = 0;
     const requests = new Array(prompts.length);
     const worker = async (sequence) => {
         while (next < prompts.length) {
             const i = next++;
-            requests[i] = await generate(sequence, prompts[i], outputLens[i]);
+            requests[i] = await generate(sequence, prompts[i], outputLens[i], depths ? depths[i] : 0);
         }
     };
     await Promise.all(sequences.map(worker));
@@ -125,21 +132,31 @@ async function runJob(job, installDir) {
     });
     try {
         const model = await llama.loadModel({ modelPath: job.model_path, gpuLayers: 0 });
-        const context = await model.createContext({
-            sequences: job.parallel, contextSize: job.ctx_size, threads: { ideal: job.threads, min: job.threads },
-            failedCreationRemedy: false,
-        });
+        const contextOptions = {
+            contextSize: job.ctx_size, threads: { ideal: job.threads, min: job.threads }, failedCreationRemedy: false,
+            ...(typeof job.flash_attention === "boolean" ? { flashAttention: job.flash_attention } : {}),
+        };
+        const context = await model.createContext({ sequences: job.parallel, ...contextOptions });
         const sequences = Array.from({ length: job.parallel }, () => context.getSequence());
+        if (job.draft_model_path) {  // llama.cpp's draft-model speculation (one sequence)
+            const draftModel = await llama.loadModel({ modelPath: job.draft_model_path, gpuLayers: 0 });
+            const draftContext = await draftModel.createContext(contextOptions);
+            const predictor = new lib.DraftSequenceTokenPredictor(draftContext.getSequence(),
+                { minTokens: 0, maxTokens: job.draft_tokens ?? 16 });
+            sequences[0] = context.getSequence({ tokenPredictor: predictor });
+        }
         await runQueue(sequences, sequences.map(() => WARMUP_PROMPT), sequences.map(() => WARMUP_TOKENS));
         const start = process.hrtime.bigint();
-        const requests = await runQueue(sequences, job.prompts, job.output_lens);
+        const requests = await runQueue(sequences, job.prompts, job.output_lens, job.depths ?? null);
         const seconds = secondsSince(start);
         return {
             seconds, output_tokens: requests.reduce((sum, r) => sum + r.tokens, 0), requests,
             threads: job.threads, parallel: job.parallel,
             ctx_size: context.contextSize, node_llama_cpp_version: version,
             llama_cpp_release: llama.llamaCppRelease?.release ?? null, build_type: llama.buildType,
-            cpu_variant: loadedCpuVariant(),
+            cpu_variant: loadedCpuVariant(), flash_attention: context.flashAttention,
+            draft_model_path: job.draft_model_path ?? null,
+            tokens: job.return_tokens ? requests.map((r) => r.ids) : undefined,
         };
     } finally {
         await llama.dispose();

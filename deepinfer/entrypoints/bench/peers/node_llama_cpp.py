@@ -97,7 +97,7 @@ def context_size(workload: Workload) -> int:
     return -(-need // CTX_ALIGN) * CTX_ALIGN
 
 
-def build_job(model_path: str, workload: Workload, parallel: int, threads: int = THREADS) -> dict:
+def build_job(model_path: str, workload: Workload, parallel: int, threads: int = THREADS, **extra) -> dict:
     """The JSON job of the .mjs peer for `workload` (its token ids as is; outputs of exactly
     `output_lens` tokens, so the workload must ignore EOS)."""
     if not workload.ignore_eos:
@@ -106,7 +106,8 @@ def build_job(model_path: str, workload: Workload, parallel: int, threads: int =
     if parallel < 1 or threads < 1:
         raise ValueError(f"parallel and threads must be >= 1, got parallel={parallel!r}, threads={threads!r}")
     return {"model_path": str(model_path), "threads": threads, "prompts": [list(p) for p in workload.prompts],
-            "output_lens": list(workload.output_lens), "parallel": parallel, "ctx_size": context_size(workload)}
+            "output_lens": list(workload.output_lens), "parallel": parallel, "ctx_size": context_size(workload),
+            **extra}  # extra: the .mjs's optional fields (depths, flash_attention, draft_model_path, ...)
 
 
 def engine_name(parallel: int) -> str:
@@ -147,12 +148,12 @@ def run_job(job: dict, directory: Path, timeout: float = RUN_TIMEOUT_S) -> str:
 
 
 def run_node_llama_cpp(model_path: str, workload: Workload, parallel: int = 1, threads: int = THREADS,
-                       directory: Path | None = None) -> tuple[BenchResult, dict]:
-    """Measure `workload` in node-llama-cpp (installed first if needed) with `parallel` sequences;
-    returns the result and the peer's JSON object."""
+                       directory: Path | None = None, **extra) -> tuple[BenchResult, dict]:
+    """Measure `workload` in node-llama-cpp (installed first if needed) with `parallel` sequences
+    (`extra`: the job's optional fields); returns the result and the peer's JSON object."""
     _which("node", install_dir() if directory is None else directory)
     directory = ensure_installed(directory)
-    stdout = run_job(build_job(model_path, workload, parallel, threads), directory)
+    stdout = run_job(build_job(model_path, workload, parallel, threads, **extra), directory)
     return parse_result(stdout, workload, parallel)
 
 
@@ -160,9 +161,12 @@ def describe(info: dict) -> str:
     """One line on what ran: versions, build, CPU variant, threads and sequences."""
     parallel = info.get("parallel", 1)
     sequences = "one sequence" if parallel == 1 else f"{parallel} parallel sequences"
+    fa = {True: ", flash attention on", False: ", flash attention off"}.get(info.get("flash_attention"), "")
+    draft = f", draft model {os.path.basename(info['draft_model_path'])}" if info.get("draft_model_path") else ""
     return (f"peer     {engine_name(parallel)}: node-llama-cpp {info.get('node_llama_cpp_version')}, "
             f"llama.cpp {info.get('llama_cpp_release')} ({info.get('build_type')}, CPU variant "
-            f"{info.get('cpu_variant')}), {info.get('threads')} threads, {sequences} of {info.get('ctx_size')} tokens")
+            f"{info.get('cpu_variant')}), {info.get('threads')} threads, {sequences} of {info.get('ctx_size')} "
+            f"tokens{fa}{draft}")
 
 
 def node_available() -> bool:

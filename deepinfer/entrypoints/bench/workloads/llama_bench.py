@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,26 +34,40 @@ from deepinfer.entrypoints.bench.report import WorkloadProgress, engine_line
 from deepinfer.entrypoints.engine_args import make_llm
 from deepinfer.sampling_params import SamplingParams
 
-LLAMA_BENCH_WORKLOADS = ("pp512", "tg128")
+LLAMA_BENCH_WORKLOADS = ("pp512", "tg128")  # and any ppN / tgN, at a depth with @dD: tg128@d4096
 DEFAULT_THREADS = 2
 DEFAULT_REPETITIONS = 5
 SEED = 0
+_NAME = re.compile(r"^(pp|tg)([1-9][0-9]*)(?:@d([0-9]+))?$")
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One llama-bench test: prompt length, output tokens per request, and what is timed."""
+    """One llama-bench test: prompt length, output tokens per request, what is timed, and the depth
+    (tokens of context already in the cache when the timed part starts: llama-bench's -d)."""
 
     prompt_len: int
     output_len: int  # tokens each request generates (greedy, EOS ignored)
     timed: str  # "prompt": submit to first token; "decode": first token to last
     measured_tokens: int  # the tokens the timed span covers
+    depth: int = 0
 
 
-SHAPES = {
-    "pp512": Shape(prompt_len=512, output_len=1, timed="prompt", measured_tokens=512),
-    "tg128": Shape(prompt_len=16, output_len=129, timed="decode", measured_tokens=128),
-}
+def is_llama_bench(name: str) -> bool:
+    return _NAME.match(name) is not None
+
+
+def shape_of(name: str) -> Shape:
+    """ppN: N prompt tokens timed to the first token; tgN: N decode steps after a 16-token prompt;
+    either after @dD tokens of context (ValueError naming the workload otherwise)."""
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(f"unknown llama-bench workload {name!r}: ppN or tgN, optionally at a depth, e.g. "
+                         f"pp512, tg128, tg128@d4096")
+    kind, n, depth = match.group(1), int(match.group(2)), int(match.group(3) or 0)
+    if kind == "pp":
+        return Shape(prompt_len=n, output_len=1, timed="prompt", measured_tokens=n, depth=depth)
+    return Shape(prompt_len=16, output_len=n + 1, timed="decode", measured_tokens=n, depth=depth)
 
 
 def add_llama_bench_args(p) -> None:
@@ -63,13 +78,13 @@ def add_llama_bench_args(p) -> None:
 
 def llama_bench_workload(name: str, vocab_size: int, repetitions: int, seed: int = SEED) -> Workload:
     """`repetitions` + 1 requests of the shape `name` (the first is the warm-up), each of its own
-    random token ids in [100, vocab_size); greedy, EOS ignored."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(SHAPES)}")
+    random token ids in [100, vocab_size) (its depth's context first); greedy, EOS ignored."""
+    shape = shape_of(name)
     if repetitions < 1:
         raise ValueError(f"repetitions must be a positive integer, got {repetitions!r}")
-    shape, rng = SHAPES[name], random.Random(f"{name}-{seed}")
-    prompts = [[rng.randrange(100, vocab_size) for _ in range(shape.prompt_len)] for _ in range(repetitions + 1)]
+    rng = random.Random(f"{name}-{seed}")
+    length = shape.depth + shape.prompt_len
+    prompts = [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(repetitions + 1)]
     return Workload(name, prompts, [shape.output_len] * (repetitions + 1))
 
 
@@ -106,7 +121,7 @@ class LlamaBenchResult(BenchResult):
 
 def make_result(engine: str, name: str, threads: int, timings: list[tuple[float, float]]) -> LlamaBenchResult:
     """The result from (prompt seconds, decode seconds) per timed repetition (the warm-up excluded)."""
-    shape = SHAPES[name]
+    shape = shape_of(name)
     runs = [prompt_s if shape.timed == "prompt" else decode_s for prompt_s, decode_s in timings]
     if not runs or min(runs) <= 0:
         raise RuntimeError(f"{engine} {name}: every repetition must take a positive time, got {runs}")
@@ -114,9 +129,10 @@ def make_result(engine: str, name: str, threads: int, timings: list[tuple[float,
                             measured_tokens=shape.measured_tokens, runs_s=runs)
 
 
-def time_request(engine, prompt: list[int], params: SamplingParams) -> tuple[float, float]:
+def time_request(engine, prompt: list[int], params: SamplingParams, cached: int = 0) -> tuple[float, float]:
     """Run one request alone on an idle engine: (seconds from submission to its first token,
-    seconds from its first token to its last). Raises if it fails or falls short of max_tokens."""
+    seconds from its first token to its last). Raises if it fails, falls short of max_tokens, or
+    found fewer than `cached` of its prompt tokens in the prefix cache."""
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle to time one request alone")
     start = time.perf_counter()
@@ -135,24 +151,39 @@ def time_request(engine, prompt: list[int], params: SamplingParams) -> tuple[flo
                 produced = len(out.outputs[0].token_ids)
                 if produced != params.max_tokens:
                     raise RuntimeError(f"deepinfer produced {produced} tokens, expected {params.max_tokens}")
+                if out.num_cached_tokens < cached:
+                    raise RuntimeError(f"deepinfer found {out.num_cached_tokens} of the {cached} context tokens "
+                                       "in its prefix cache")
                 return first - start, now - first
 
 
 def run_deepinfer_shape(llm, workload: Workload, engine: str, threads: int) -> LlamaBenchResult:
-    """Every request of `workload` alone, the first untimed (warm-up)."""
-    params = workload.sampling_params()
-    timings = [time_request(llm.engine, p, sp) for p, sp in zip(workload.prompts, params, strict=True)]
+    """Every request of `workload` alone, the first untimed (warm-up). A ppN at a depth first runs its
+    context alone (untimed), so the timed request finds it in the prefix cache and computes N tokens."""
+    shape, timings = shape_of(workload.name), []
+    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
+        cached = 0
+        if shape.depth and shape.timed == "prompt":
+            time_request(llm.engine, prompt[:shape.depth], SamplingParams(max_tokens=1, ignore_eos=True))
+            cached = shape.depth // llm.engine.config.cache.block_size * llm.engine.config.cache.block_size
+        timings.append(time_request(llm.engine, prompt, params, cached))
     return make_result(engine, workload.name, threads, timings[1:])
 
 
-def run_peer_shape(source, workload: Workload, threads: int) -> LlamaBenchResult:
+def run_peer_shape(source, workload: Workload, threads: int, flash_attention: bool | None = None) -> LlamaBenchResult:
     """The llama.cpp peer (node-llama-cpp, one sequence) on the same requests and threads; its
-    driver times each request the way `time_request` does."""
+    driver times each request the way `time_request` does, a ppN at a depth after its context."""
     from deepinfer.entrypoints.bench.peers import node_llama_cpp
 
     if source.format != "gguf":
         raise ValueError(f"the llama.cpp peer needs a .gguf model, got {source.path!r}")
-    result, info = node_llama_cpp.run_node_llama_cpp(source.path, workload, parallel=1, threads=threads)
+    shape = shape_of(workload.name)
+    extra = {"depths": [shape.depth] * len(workload.prompts)} if shape.depth and shape.timed == "prompt" else {}
+    if flash_attention is not None:
+        extra["flash_attention"] = flash_attention
+    result, info = node_llama_cpp.run_node_llama_cpp(source.path, workload, parallel=1, threads=threads, **extra)
+    if flash_attention is not None:
+        result.engine += "-fa" if flash_attention else "-nofa"
     print(node_llama_cpp.describe(info), flush=True)
     requests = info.get("requests")
     if not isinstance(requests, list) or len(requests) != len(workload.prompts):
@@ -165,11 +196,12 @@ def run_peer_shape(source, workload: Workload, threads: int) -> LlamaBenchResult
 def format_llama_bench(r: LlamaBenchResult) -> str:
     """e.g. `tg128    deepinfer       2 threads, 128 generated tokens after a 16-token prompt:
     45.67 ± 0.12 tok/s (5 runs, 2.803 s each)`."""
-    shape = SHAPES[r.workload]
+    shape = shape_of(r.workload)
     what = (f"{shape.measured_tokens} prompt tokens" if shape.timed == "prompt"
             else f"{shape.measured_tokens} generated tokens after a {shape.prompt_len}-token prompt")
+    what += f" at depth {shape.depth}" if shape.depth else ""
     runs = f"{_plural(len(r.runs_s), 'run')}, {statistics.fmean(r.runs_s):.3f} s each"
-    return (f"{r.workload:8s} {r.engine:15s} {_plural(r.threads, 'thread')}, {what}: {r.tokens_per_s:9.2f} ± "
+    return (f"{r.workload:12s} {r.engine:15s} {_plural(r.threads, 'thread')}, {what}: {r.tokens_per_s:9.2f} ± "
             f"{r.std_tokens_per_s:.2f} tok/s ({runs})")
 
 
@@ -191,6 +223,12 @@ def bandwidth_lines(probe, results: list[LlamaBenchResult]) -> list[str]:
     return lines
 
 
+def peer_flash_attention(name: str) -> tuple[bool | None, ...]:
+    """The peer's flash-attention settings to run: at a depth both (its best is the one to beat), else
+    its default."""
+    return (False, True) if shape_of(name).depth else (None,)
+
+
 def bench_threads(args) -> int:
     """The thread count of both engines and the probe: --threads, else DEFAULT_THREADS (2)."""
     return args.threads or DEFAULT_THREADS
@@ -200,12 +238,14 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _engine_args(args, threads: int) -> argparse.Namespace:
-    """The bench flags with prefix caching off, the thread count set and room for the longest shape."""
+def _engine_args(args, threads: int, names: list[str]) -> argparse.Namespace:
+    """The bench flags with the thread count set, room for the longest shape, and prefix caching off
+    unless a ppN at a depth needs it (its context is cached by an untimed request first)."""
     ns = argparse.Namespace(**vars(args))
-    ns.enable_prefix_caching = False
+    shapes = [shape_of(n) for n in names]
+    ns.enable_prefix_caching = any(s.depth and s.timed == "prompt" for s in shapes)
     ns.threads = threads  # the dest of --threads (EngineArgs.num_threads)
-    need = max(s.prompt_len + s.output_len for s in SHAPES.values())
+    need = max(s.depth + s.prompt_len + s.output_len for s in shapes)
     if ns.max_model_len is not None:
         ns.max_model_len = max(ns.max_model_len, need)
     return ns
@@ -222,8 +262,10 @@ def run_llama_bench(args, names: list[str], progress: WorkloadProgress) -> list[
     if set(args.peer or []) - {"llama.cpp"}:
         print(f"{'/'.join(names):8s} only the llama.cpp peer runs pp512 / tg128; other peers are skipped", flush=True)
     results: list[LlamaBenchResult] = []
-    with make_llm(_engine_args(args, threads)) as llm:
-        print(engine_line(llm) + f", {_plural(threads, 'thread')}, prefix caching off", flush=True)
+    engine_args = _engine_args(args, threads, names)
+    with make_llm(engine_args) as llm:
+        caching = "on (for the depth's context)" if engine_args.enable_prefix_caching else "off"
+        print(engine_line(llm) + f", {_plural(threads, 'thread')}, prefix caching {caching}", flush=True)
         source, label = llm.engine.source, engine_label(args.speculative_method)
         for name in names:
             workload = llama_bench_workload(name, source.hf_config.vocab_size, repetitions)
@@ -233,8 +275,8 @@ def run_llama_bench(args, names: list[str], progress: WorkloadProgress) -> list[
                 ours.weight_bytes = engine_weight_bytes(llm)
             print(format_llama_bench(ours), flush=True)
             results.append(ours)
-            if peer:
-                theirs = run_peer_shape(source, workload, threads)
+            for flash_attention in (peer_flash_attention(name) if peer else ()):
+                theirs = run_peer_shape(source, workload, threads, flash_attention)
                 if name == "tg128":
                     theirs.weight_bytes = gguf_tensor_bytes(source.path)
                 print(format_llama_bench(theirs), flush=True)

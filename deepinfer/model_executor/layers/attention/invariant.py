@@ -12,10 +12,13 @@ prefill, in any batch and any chunking (they do not give each other's bits):
             `layers/batch_invariant.py`. A step's layouts are the same for every layer of a cache
             group: the first layer builds them, the others reuse them (`StepLayouts`).
     C++     `decode_attention` / `prefill_attention` below (ops/invariant_cpu.cpp through
-            ops/fused.py): one function per (query, KV head) over the query's keys in position
-            order, for fp32 queries on the CPU over plain (fp32 / bf16) cache rows; any other call
-            class runs the torch implementation, which these ops wrap as their reference. Both
-            ops pick from the same class (q and the cache), so decode and prefill never mix them.
+            ops/fused.py): per (query, KV head), the query's keys cut into chunks of 512 at
+            absolute positions, each chunk's partial (max, sum of exp, weighted values) in blocks
+            of KEY_BLOCK, the partials merged in chunk order by one formula (split across threads
+            or not, the same bits); for fp32 queries on the CPU over plain (fp32 / bf16) or int8
+            (q8) cache rows; any other call class runs the torch implementation, which these ops
+            wrap as their reference. Both ops pick from the same class (q and the cache), so
+            decode and prefill never mix them.
 
 A layer's options (attention/layer.py) take part in both: the soft-cap on each scaled logit
 (elementwise `tanh`, the same bits at any position), the sink logit in each query's max and as

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from deepinfer.environ import Environ, get_environ
 
 # Bits per stored element of each quantized dtype, and bytes per stored scale factor.
-_QUANTIZED_BITS = {"e4m3": 8, "e5m2": 8, "e2m1": 4}
-_SCALE_FACTOR_BYTES = {"ue8m0": 1}
+_QUANTIZED_BITS = {"e4m3": 8, "e5m2": 8, "e2m1": 4, "int8": 8}
+_SCALE_FACTOR_BYTES = {"ue8m0": 1, "fp32": 4}
 # Bytes per unquantized element. The book's formats keep them as bf16; a CPU engine computing in
 # fp32 keeps fp32 rows, counted through the same field.
 _UNQUANTIZED_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MXFP8_ELEMENTS_PER_SF = 32  # one UE8M0 scale byte per 32 e4m3 values
+Q8_ELEMENTS_PER_SF = 32  # one fp32 scale per 32 int8 values (ops/q8.py)
 BF16_BYTES = 2
 
 
@@ -43,12 +44,12 @@ class KVCacheFormat:
     them, scales included. Quantized values share one scale factor per `elements_per_sf`.
     """
 
-    quantized_dtype: str | None = None  # "e4m3", "e5m2", "e2m1"; None when nothing is quantized
+    quantized_dtype: str | None = None  # "e4m3", "e5m2", "e2m1", "int8"; None when nothing is quantized
     quantized_elements: int = 0  # values stored in quantized_dtype
     elements_per_sf: int = 0  # quantized values per scale factor
     bf16_elements: int = 0  # values stored as bf16 (2 bytes each)
     do_cast: bool = False  # rows are cast to the quantized dtype on store
-    sf_format: str | None = None  # scale-factor encoding, "ue8m0" (one byte, power of two)
+    sf_format: str | None = None  # scale-factor encoding, "ue8m0" (one byte, power of two), "fp32"
     note: str = ""
     token_interleaved: bool = False  # a token's values and scales lie together in its row
     unquantized_dtype: str = "bf16"  # storage of the bf16_elements: "bf16" (the book), "fp16", "fp32"
@@ -131,6 +132,16 @@ def mxfp8_format(row_elements: int, note: str = "MXFP8 row") -> KVCacheFormat:
     return KVCacheFormat(quantized_dtype="e4m3", quantized_elements=row_elements,
                          elements_per_sf=MXFP8_ELEMENTS_PER_SF, do_cast=True, sf_format="ue8m0",
                          note=note, token_interleaved=True)
+
+
+def q8_format(row_elements: int, note: str = "q8 row") -> KVCacheFormat:
+    """A q8 row (ops/q8.py) of `row_elements` int8 values, one fp32 scale per 32 values."""
+    check_int("row_elements", row_elements, 1)
+    if row_elements % Q8_ELEMENTS_PER_SF:
+        raise ValueError(f"int8 row_elements must be a multiple of {Q8_ELEMENTS_PER_SF} "
+                         f"(one scale per {Q8_ELEMENTS_PER_SF} values), got {row_elements}")
+    return KVCacheFormat(quantized_dtype="int8", quantized_elements=row_elements, elements_per_sf=Q8_ELEMENTS_PER_SF,
+                         do_cast=True, sf_format="fp32", note=note, token_interleaved=True)
 
 
 def bf16_format(row_elements: int, note: str = "bf16 row") -> KVCacheFormat:

@@ -57,7 +57,8 @@ import torch
 logger = logging.getLogger("deepinfer.kernels")
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("fused_cpu.cpp", "qdot_cpu.cpp", "invariant_cpu.cpp", "mxfp4_cpu.cpp", "lora_cpu.cpp")]
+            for name in ("fused_cpu.cpp", "qdot_cpu.cpp", "invariant_cpu.cpp", "mxfp4_cpu.cpp", "lora_cpu.cpp",
+                         "work_pool.cpp")]
 _LIB_NAME = "deepinfer_cpu"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
 _QDOT_NAMES = {0: "none", 1: "plain", 2: "avx2", 3: "avx_vnni", 4: "avx512_vnni"}
@@ -241,6 +242,13 @@ def _load() -> tuple[int, str]:
         logger.warning("%s; quantized weights use the plain-torch path; %s", status, _FIX_HINT)
         return 0, status
     return isa, f"CPU kernels built for this CPU: {_ISA_NAMES[isa]}"
+
+
+def set_kernel_threads(num_threads: int) -> None:
+    """The thread count of the kernels' pool (`work_pool.cpp`) for every calling thread; 0: each
+    call takes torch's count of its calling thread (the default). No-op without the library."""
+    if kernel_isa():
+        torch.ops.deepinfer_cpu.set_pool_threads(num_threads)
 
 
 def _caps() -> tuple[int, int]:

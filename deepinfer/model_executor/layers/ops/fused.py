@@ -28,6 +28,7 @@ from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 
 _FP32_CPU = (torch.float32, "cpu")
 _PLAIN_ROWS = (torch.float32, torch.bfloat16)  # cache rows the kernels read and write (not MXFP8)
+_Q8_ROWS = torch.uint8  # uint8 rows that are not MXFP8: q8 rows (ops/q8.py), for the store and invariant attention
 
 
 class FusedOp:
@@ -99,6 +100,12 @@ def _serves_rows(kind: tuple) -> bool:
     return _all_fp32_cpu(kinds) and not fp8 and row_dtype in _PLAIN_ROWS
 
 
+def _serves_rows_q8(kind: tuple) -> bool:
+    """fp32 CPU inputs and plain or q8 (not MXFP8) cache rows."""
+    kinds, fp8, row_dtype = kind
+    return _all_fp32_cpu(kinds) and not fp8 and (row_dtype in _PLAIN_ROWS or row_dtype == _Q8_ROWS)
+
+
 def store_rows_op(reference: Callable) -> FusedOp:
     """(cache, slots [T], k [T, H_kv, D], v [T, H_kv, D] | None) -> None: write k, v (v None: a shared
     K = V row) as the rows of flat slots in one call. `cache` is a layer cache
@@ -112,7 +119,7 @@ def store_rows_op(reference: Callable) -> FusedOp:
     def kind(cache, slots, k, v):
         return _rows_kind(cache, k, k if v is None else v)
 
-    return FusedOp(kernel, kind, _serves_rows, reference)
+    return FusedOp(kernel, kind, _serves_rows_q8, reference)
 
 
 def _cap(softcap: float | None) -> float:
@@ -155,9 +162,10 @@ def gelu_tanh_and_mul_op(reference: Callable) -> FusedOp:
 def invariant_decode_attention_op(reference: Callable) -> FusedOp:
     """(cache, q [N, H, D], index [N, L], first [N], scale, softcap, sinks) -> [N, H, D], batch-invariant:
     column c of index row n holds absolute position first[n] + c (-1: not visible); each query
-    reduces over its keys in fixed blocks of 64 at absolute offsets (invariant_cpu.cpp), so its bits
-    depend on its own keys alone, and equal those of `invariant_prefill_attention_op` for the same
-    query. softcap and sinks as in `decode_attention_op`."""
+    reduces over its keys in fixed chunks of 512 and blocks of 64 at absolute offsets, the chunks'
+    partials merged in chunk order (invariant_cpu.cpp), so its bits depend on its own keys alone,
+    and equal those of `invariant_prefill_attention_op` for the same query. softcap and sinks as in
+    `decode_attention_op`."""
     def kernel(isa, cache, q, index, first, scale, softcap=None, sinks=None):
         q = q if q.stride(-1) == 1 else q.contiguous()
         return torch.ops.deepinfer_cpu.invariant_decode_attn(q, cache.rows2d, index, first, cache.codec.num_kv_heads,
@@ -168,19 +176,22 @@ def invariant_decode_attention_op(reference: Callable) -> FusedOp:
     def kind(cache, q, index, first, scale, softcap=None, sinks=None):
         return _rows_kind(cache, q)
 
-    return FusedOp(kernel, kind, _serves_rows, reference)
+    return FusedOp(kernel, kind, _serves_rows_q8, reference)
 
 
 def invariant_prefill_attention_op(reference: Callable) -> FusedOp:
     """(cache, q [n, H, D], k, v [n, H_kv, D], loaded [n_old, 2, H_kv, D] (as `cache.load` returns
     them), positions [n], start, window, scale) -> [n, H, D], batch-invariant: row r of [loaded |
-    chunk] holds position start + r; the chunk's rows are taken as the cache stores them; query p
+    chunk] holds position start + r; the chunk's rows are taken as the cache stores them (q8 rows:
+    quantized and read back, over the loads' dequantized fp32 rows); query p
     sees positions max(0, p - window + 1) .. p (window None: 0 .. p). The same bits per query as
     `invariant_decode_attention_op`. Decode and prefill pick from the same call class (q and the
     cache), so a query never runs one path in one step and the other path in another. softcap and
     sinks (last, optional) as in `decode_attention_op`."""
     def kernel(isa, cache, q, k, v, loaded, positions, start, window, scale, softcap=None, sinks=None):
         q = q if q.stride(-1) == 1 else q.contiguous()
+        if cache.rows2d.dtype == _Q8_ROWS:  # q8 rows: the chunk as a later read returns it, over fp32 loaded rows
+            k, v = torch.ops.deepinfer_cpu.q8_round(k), torch.ops.deepinfer_cpu.q8_round(v)
         return torch.ops.deepinfer_cpu.invariant_prefill_attn(q, k, v, loaded, positions, start,
                                                               -1 if window is None else window, scale, isa,
                                                               _cap(softcap), _sinks(sinks))
@@ -188,4 +199,4 @@ def invariant_prefill_attention_op(reference: Callable) -> FusedOp:
     def kind(cache, q, k, v, loaded, positions, start, window, scale, softcap=None, sinks=None):
         return _rows_kind(cache, q)
 
-    return FusedOp(kernel, kind, _serves_rows, reference)
+    return FusedOp(kernel, kind, _serves_rows_q8, reference)

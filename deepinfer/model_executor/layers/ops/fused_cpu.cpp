@@ -5,7 +5,9 @@
 //   gelu_tanh_mul x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]
 //   rope          q [T, H, D], k [T, H_kv, D] fp32 -> rotated copies (rotate-half layout),
 //                 cos/sin read from [P, D] tables at `positions` [T]
-//   store_rows    k, v [T, H_kv, D] -> K|V rows of a layer's cache at flat slots [T]
+//   store_rows    k, v [T, H_kv, D] -> K|V rows of a layer's cache at flat slots [T]; uint8 rows are
+//                 q8 rows (per 32 values an fp32 scale and 32 int8 values: `quantize_q8`)
+//   q8_round      x [..., D] -> the values a q8 row keeps of it (quantized and read back), fp32
 //   decode_attn   q [N, H, D] over the rows each query's index row [N, L] names (-1: none);
 //                 optional logit soft-cap (s = cap * tanh(s / cap)) and per-head sink logits [H]
 //                 (in the softmax denominator, no value)
@@ -26,12 +28,19 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
+
+// The kernels' thread pool (work_pool.cpp): fn(begin, end) over [0, n) in chunks of at most grain items.
+namespace deepinfer_pool {
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+}
 
 namespace {
 
@@ -235,7 +244,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double
   const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const NormFn fn = norm_fn(isa);
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1)), [&](int64_t t0, int64_t t1) {
+  deepinfer_pool::parallel_for(T, std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) fn(xp + t * E, wp, float(eps), float(offset), E, yp + t * E);
   });
   return y;
@@ -249,7 +258,7 @@ at::Tensor gated_mul(const at::Tensor& x, GatedFn fn) {
   at::Tensor y = at::empty({T, I}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
+  deepinfer_pool::parallel_for(T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) fn(xp + t * ld, xp + t * ld + I, I, yp + t * I);
   });
   return y;
@@ -270,7 +279,7 @@ at::Tensor rope_one(const at::Tensor& x, const int64_t* pos, const float* cos, c
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " outside the table");
-  at::parallel_for(0, T, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
+  deepinfer_pool::parallel_for(T, std::max<int64_t>(1, 4096 / std::max<int64_t>(H * D, 1)), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < H; ++h) fn(xp + t * st + h * sh, cos + pos[t] * D, sin + pos[t] * D, D, yp + (t * H + h) * D);
   });
@@ -320,7 +329,7 @@ void store_typed(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const
   T* base = rows.data_ptr<T>();
   const at::Tensor* tensors[2] = {&k, &v};
   const int64_t grain = n * D >= 16384 ? 1 : parts * Hkv;  // a few rows (decode): one thread, no fork
-  at::parallel_for(0, parts * Hkv, grain, [&](int64_t c0, int64_t c1) {
+  deepinfer_pool::parallel_for(parts * Hkv, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const at::Tensor& x = *tensors[c / Hkv];
       const float* src = x.data_ptr<float>() + (c % Hkv) * x.stride(1);
@@ -330,13 +339,79 @@ void store_typed(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const
   });
 }
 
+// ---- q8 rows: per 32 values one block of an fp32 scale and 32 int8 values (invariant_cpu.cpp reads them)
+constexpr int64_t kQ8Values = 32, kQ8Bytes = 4 + kQ8Values;
+
+// 32 values (at src, stride) -> one block: scale = amax / 127, q = round-half-even(x * (127 / amax)) in
+// -127 .. 127 (all 0 when amax is 0); the value read back is q * scale (one fp32 product).
+INLINE void quantize_q8(uint8_t* dst, const float* src, int64_t stride) {
+  float x[kQ8Values], amax = 0.f;
+  for (int l = 0; l < kQ8Values; ++l) x[l] = src[l * stride], amax = std::max(amax, std::fabs(x[l]));
+  const float scale = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  int8_t q[kQ8Values];
+  for (int l = 0; l < kQ8Values; ++l) q[l] = int8_t(std::min(127.f, std::max(-127.f, std::nearbyint(x[l] * inv))));
+  std::memcpy(dst, &scale, sizeof scale);
+  std::memcpy(dst + 4, q, kQ8Values);
+}
+
+// Heads in parallel as in store_typed; a head of D values is D / 32 blocks.
+void store_q8(at::Tensor& rows, const int64_t* sp, const at::Tensor& k, const at::Tensor& v, int64_t parts, int64_t R,
+              int64_t lpu, int64_t offset) {
+  const int64_t n = k.size(0), Hkv = k.size(1), D = k.size(2), ld = rows.stride(0), head = D / kQ8Values * kQ8Bytes;
+  uint8_t* base = rows.data_ptr<uint8_t>();
+  const at::Tensor* tensors[2] = {&k, &v};
+  const int64_t grain = n * D >= 16384 ? 1 : parts * Hkv;
+  deepinfer_pool::parallel_for(parts * Hkv, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const at::Tensor& x = *tensors[c / Hkv];
+      const float* src = x.data_ptr<float>() + (c % Hkv) * x.stride(1);
+      for (int64_t t = 0; t < n; ++t) {
+        uint8_t* dst = base + line_of(sp[t], R, lpu, offset) * ld + c * head;
+        for (int64_t b = 0; b < D / kQ8Values; ++b)
+          quantize_q8(dst + b * kQ8Bytes, src + t * x.stride(0) + b * kQ8Values * x.stride(2), x.stride(2));
+      }
+    }
+  });
+}
+
+// x [..., D] fp32 (D a multiple of 32) -> the values a q8 row stores for it, as fp32 (a prefill chunk's
+// rows as a later cache read returns them).
+at::Tensor q8_round(const at::Tensor& x) {
+  check_f32(x, "x");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % kQ8Values == 0, "q8 rows need a last dimension that is a multiple of ",
+              kQ8Values, ", got ", x.sizes());
+  const at::Tensor c = x.contiguous();
+  at::Tensor out = at::empty_like(c);
+  const int64_t blocks = c.numel() / kQ8Values;
+  deepinfer_pool::parallel_for(blocks, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      uint8_t block[kQ8Bytes];
+      quantize_q8(block, c.data_ptr<float>() + b * kQ8Values, 1);
+      float scale;
+      std::memcpy(&scale, block, sizeof scale);
+      float* o = out.data_ptr<float>() + b * kQ8Values;
+      for (int l = 0; l < kQ8Values; ++l) o[l] = float(int8_t(block[4 + l])) * scale;
+    }
+  });
+  return out;
+}
+
 void store_rows(at::Tensor rows, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v,
                 int64_t rows_per_unit, int64_t lines_per_unit, int64_t offset) {
   check_f32(k, "k");
   check_f32(v, "v");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [T, H_kv, D]");
-  const int64_t parts = rows.size(1) / (k.size(1) * k.size(2));
-  check_rows(rows, parts, k.size(1), k.size(2));
+  const bool q8 = rows.scalar_type() == at::kByte;
+  TORCH_CHECK(!q8 || k.size(2) % kQ8Values == 0, "q8 cache rows need a head size that is a multiple of ", kQ8Values,
+              ", got ", k.size(2));
+  const int64_t head = q8 ? k.size(2) / kQ8Values * kQ8Bytes : k.size(2);  // elements of rows per head
+  const int64_t parts = rows.size(1) / (k.size(1) * head);
+  if (q8) {
+    TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) == parts * k.size(1) * head &&
+                    (parts == 1 || parts == 2), "q8 cache rows must be [lines, parts * H_kv * D / 32 * 36] bytes");
+  } else {
+    check_rows(rows, parts, k.size(1), k.size(2));
+  }
   const at::Tensor s = slots.to(at::kLong).contiguous();
   TORCH_CHECK(s.numel() == k.size(0), "slots has ", s.numel(), " entries for ", k.size(0), " rows");
   const int64_t* sp = s.data_ptr<int64_t>();
@@ -345,7 +420,9 @@ void store_rows(at::Tensor rows, const at::Tensor& slots, const at::Tensor& k, c
     TORCH_CHECK(sp[t] >= 0, "slot ", sp[t], " is negative");
     TORCH_CHECK(line_of(sp[t], rows_per_unit, lines_per_unit, offset) < lines, "slot ", sp[t], " is past the cache");
   }
-  if (rows.scalar_type() == at::kFloat)
+  if (q8)
+    store_q8(rows, sp, k, v, parts, rows_per_unit, lines_per_unit, offset);
+  else if (rows.scalar_type() == at::kFloat)
     store_typed<float>(rows, sp, k, v, parts, rows_per_unit, lines_per_unit, offset);
   else
     store_typed<c10::BFloat16>(rows, sp, k, v, parts, rows_per_unit, lines_per_unit, offset);
@@ -361,7 +438,7 @@ void decode_typed(const at::Tensor& q, const at::Tensor& rows, const at::Tensor&
   const int64_t* ip = index.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const AttendFn<T> fn = attend_fn<T>(isa, D);
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  deepinfer_pool::parallel_for(N * Hkv, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(G * L);
     std::vector<const T*> keys(L);
     for (int64_t i = i0; i < i1; ++i) {
@@ -427,6 +504,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("rope(Tensor q, Tensor k, Tensor positions, Tensor cos, Tensor sin, int isa) -> (Tensor, Tensor)");
   m.def("store_rows(Tensor(a!) rows, Tensor slots, Tensor k, Tensor v, int rows_per_unit, int lines_per_unit, "
         "int offset) -> ()");
+  m.def("q8_round(Tensor x) -> Tensor");
   m.def("decode_attn(Tensor q, Tensor rows, Tensor index, int num_kv_heads, int rows_per_unit, int lines_per_unit, "
         "int offset, float scale, int isa, float softcap=0., Tensor? sinks=None) -> Tensor");
 }
@@ -437,5 +515,6 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("gelu_tanh_mul", gelu_tanh_mul);
   m.impl("rope", rope);
   m.impl("store_rows", store_rows);
+  m.impl("q8_round", q8_round);
   m.impl("decode_attn", decode_attn);
 }

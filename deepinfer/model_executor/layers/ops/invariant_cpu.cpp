@@ -9,34 +9,46 @@
 //                            [n, H_kv, D] fp32 (rounded to that type, as a later cache read returns
 //                            them); query p sees positions max(0, p - W + 1) .. p (W: window)
 //
-// Attention, decode and prefill alike, runs one function per (query, KV head) over the query's
-// visible keys in position order (`attend_blocks`):
+// Attention, decode and prefill alike, is one computation per (query, KV head) over the query's
+// visible keys, cut into chunks of kChunk = 512 keys at absolute positions (position x in chunk
+// x / 512). Per chunk c (`chunk_partial`), over its visible keys in position order:
 //
 //   s_j   = dot(q_h, k_j) * scale     16 lanes over D (element d in lane d % 16), then a fixed tree;
 //                                     with a soft-cap c > 0: c * tanh(s_j / c) (std::tanh, elementwise)
-//   m     = max_j s_j                 exact in any order (and the head's sink logit, if any)
-//   w_j   = exp(s_j - m)              elementwise (a polynomial, the same bits at any position)
+//   m_c   = max_j s_j                 exact in any order
+//   w_j   = exp(s_j - m_c)            elementwise (a polynomial, the same bits at any position)
 //   per block b of KEY_BLOCK = 64 keys at absolute position offsets (position x in block x / 64):
 //     S_b = sum of w_j                16 lanes keyed by x % 16 (each lane its 4 positions in order),
 //                                     then a fixed tree over the lanes
 //     P_b = sum of w_j * v_j          per element, the block's keys in position order
-//   S, P  = the blocks' S_b, P_b added in position order (blocks without a visible key skipped),
-//           S starting from the sink's weight exp(sink - m) (0 without sinks)
+//   S_c, P_c = the blocks' S_b, P_b added in position order (blocks without a visible key skipped)
+//
+// then the chunks with a visible key, merged in chunk order (`merge_partials`):
+//
+//   M     = max(sink, max_c m_c)      exact (no sink: max_c m_c)
+//   f_c   = exp(m_c - M)              1 exactly for a query's only chunk
+//   S     = exp(sink - M) + S_0 f_0 + S_1 f_1 + ...      (0 + ... without sinks), fused multiply-adds
+//   P     = P_0 f_0 + P_1 f_1 + ...   per element, fused multiply-adds from P_0 f_0
 //   out   = P / S                     (a query that sees nothing gets zeros)
 //
-// Nothing in it depends on the call: the same query reads the same keys in the same order from a
-// decode index row (whatever its padding) or from a prefill chunk (wherever it was cut), so a
-// query's output has the same bits in both and in any batch. Threads split (query, KV head)
-// pairs; each pair is computed by one thread. The bits are those of one build and instruction
-// set; `isa` (2: AVX-512, 1: AVX2 + FMA, as in fused_cpu.cpp) picks a variant per call. With
-// AVX-512 and a head size that is a multiple of 16, the two inner loops run from registers: the
-// dot products of sixteen keys at once (their lane trees transposed across the keys), and each
-// block's weighted values summed in registers for up to four heads (each element's terms in
-// position order, fused multiply-adds, as above).
+// Nothing in it depends on the call: the same query reads the same keys in the same chunks and order
+// from a decode index row (whatever its padding) or from a prefill chunk (wherever it was cut), so a
+// query's output has the same bits in both and in any batch. Threads take (query, KV head) tasks,
+// each running its chunks in order then the merge; when those are fewer than four per thread and a
+// query spans more than one chunk (batch-1 decode over a long cache), (query, KV head, chunk) tasks
+// instead, their partials kept, the task finishing a pair's last chunk merging them: the same
+// functions in the same order, the same bits (`run_attention`). The bits are those of one build and instruction set; `isa` (2: AVX-512, 1:
+// AVX2 + FMA, as in fused_cpu.cpp) picks a variant per call. With AVX-512 and a head size that is a
+// multiple of 16, the two inner loops run from registers: the dot products of sixteen keys at once
+// (their lane trees transposed across the keys), and each block's weighted values summed in
+// registers for up to four heads (each element's terms in position order, fused multiply-adds).
 //
-// Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, one line per (unit, layer, row):
-// flat slot u * R + r of the layer at `offset` is line u * LPU + offset + r (fused_cpu.cpp's
-// layout). A shared K = V row (parts = 1) serves as both K and V.
+// Cache rows: `rows` [lines, (1 or 2) * H_kv * D] fp32 or bf16, or uint8 q8 rows ((1 or 2) * H_kv *
+// D / 32 blocks of an fp32 scale and 32 int8 values, `Q8Block`; dequantized in registers, value =
+// q * scale, so attention over q8 rows has the bits of attention over fp32 rows holding those
+// values); one line per (unit, layer, row): flat slot u * R + r of the layer at `offset` is line
+// u * LPU + offset + r (fused_cpu.cpp's layout). A shared K = V row (parts = 1) serves as both K and
+// V. Prefill reads loaded rows as fp32 / bf16 (a q8 cache's loads are dequantized by the caller).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,9 +61,17 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <vector>
+
+// The kernels' thread pool (work_pool.cpp): fn(begin, end) over [0, n) in chunks of at most grain items.
+namespace deepinfer_pool {
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+int64_t num_threads();
+}
 
 namespace {
 
@@ -60,10 +80,31 @@ namespace {
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
 constexpr int64_t kKeyBlock = 64;  // keys per block, at absolute position offsets
+constexpr int64_t kChunk = 512;  // keys per chunk, at absolute position offsets: a constant of the format
+static_assert(kChunk % kKeyBlock == 0, "a chunk holds whole blocks");
 constexpr int kLanes = 16;  // lanes of the dot products and block sums
 
-INLINE float as_float(float v) { return v; }
-INLINE float as_float(c10::BFloat16 v) { return static_cast<float>(v); }
+// One block of an 8-bit (q8) cache row: an fp32 scale, then 32 int8 values; value i is q[i] * scale,
+// one fp32 product (fused_cpu.cpp's store writes the blocks). A head's D values are D / 32 blocks.
+struct Q8Block {
+  float scale;
+  int8_t q[32];
+};
+static_assert(sizeof(Q8Block) == 36, "a q8 block is 4 + 32 bytes");
+constexpr int64_t kQ8Values = 32;
+
+template <class T>
+constexpr int64_t kValuesPer = 1;  // model values per element of a row of T
+template <>
+constexpr int64_t kValuesPer<Q8Block> = kQ8Values;
+
+// value i of a head's row at p, as fp32
+INLINE float value_at(const float* p, int64_t i) { return p[i]; }
+INLINE float value_at(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+INLINE float value_at(const Q8Block* p, int64_t i) {
+  const Q8Block& b = p[i / kQ8Values];
+  return static_cast<float>(b.q[i % kQ8Values]) * b.scale;
+}
 
 INLINE int64_t line_of(int64_t slot, int64_t R, int64_t lpu, int64_t offset) {
   return slot + slot / R * (lpu - R) + offset;
@@ -85,8 +126,8 @@ INLINE float dot_lanes(const float* a, const T* b, int64_t head_dim) {
   float acc[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= D; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * as_float(b[i + l]);
-  for (int l = 0; i + l < D; ++l) acc[l] += a[i + l] * as_float(b[i + l]);
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * value_at(b, i + l);
+  for (int l = 0; i + l < D; ++l) acc[l] += a[i + l] * value_at(b, i + l);
   return lane_tree(acc);
 }
 
@@ -94,7 +135,31 @@ template <int DC, class T>
 INLINE void axpy(float* y, float a, const T* x, int64_t head_dim) {
   const int64_t D = DC ? DC : head_dim;
 #pragma omp simd
-  for (int64_t i = 0; i < D; ++i) y[i] += a * as_float(x[i]);
+  for (int64_t i = 0; i < D; ++i) y[i] += a * value_at(x, i);
+}
+
+// The same two loops over q8 rows, a block at a time (the same operations in the same order as above
+// on the dequantized values, in loops the compiler vectorizes): D is a multiple of 32.
+template <int DC>
+INLINE float dot_lanes(const float* a, const Q8Block* b, int64_t head_dim) {
+  const int64_t D = DC ? DC : head_dim;
+  float acc[kLanes] = {};
+  for (int64_t k = 0; k < D / kQ8Values; ++k, a += kQ8Values) {
+    const float s = b[k].scale;
+    for (int half = 0; half < 2; ++half)
+      for (int l = 0; l < kLanes; ++l) acc[l] += a[half * kLanes + l] * (float(b[k].q[half * kLanes + l]) * s);
+  }
+  return lane_tree(acc);
+}
+
+template <int DC>
+INLINE void axpy(float* y, float a, const Q8Block* x, int64_t head_dim) {
+  const int64_t D = DC ? DC : head_dim;
+  for (int64_t k = 0; k < D / kQ8Values; ++k, y += kQ8Values) {
+    const float s = x[k].scale;
+#pragma omp simd
+    for (int l = 0; l < kQ8Values; ++l) y[l] += a * (float(x[k].q[l]) * s);
+  }
 }
 
 // e^x for x <= 0 (an exact 0 below -87), within 2 ulp (fused_cpu.cpp's function, branch-free, so
@@ -121,10 +186,16 @@ INLINE float exp_nonpositive(float x) {
 // (each key's 16 lane sums in order of d, then the lane tree run transposed across the keys: the same
 // additions of the same pairs), and a block's weighted values summed in registers for a few heads.
 
-AVX512_TARGET INLINE __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-AVX512_TARGET INLINE __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits shifted up
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// values i .. i + 15 (i a multiple of 16) of a head's row at p, as fp32
+AVX512_TARGET INLINE __m512 load16(const float* p, int64_t i) { return _mm512_loadu_ps(p + i); }
+AVX512_TARGET INLINE __m512 load16(const c10::BFloat16* p, int64_t i) {  // bf16 -> fp32: the bits shifted up
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AVX512_TARGET INLINE __m512 load16(const Q8Block* p, int64_t i) {  // int8 -> fp32, times the block's scale
+  const Q8Block& b = p[i / kQ8Values];
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q + i % kQ8Values));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), _mm512_set1_ps(b.scale));
 }
 
 // lane_tree of each of a[0..15], as one vector: out lane c = the tree of a[c]'s lanes.
@@ -155,9 +226,9 @@ AVX512_TARGET INLINE __m512 dots16(const float* q, const T* const* keys) {
   __m512 qv[P], acc[16];
   for (int i = 0; i < P; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
   for (int c0 = 0; c0 < 16; c0 += KB) {
-    for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_mul_ps(qv[0], load16(keys[c0 + c]));
+    for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_mul_ps(qv[0], load16(keys[c0 + c], 0));
     for (int i = 1; i < P; ++i)
-      for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_fmadd_ps(qv[i], load16(keys[c0 + c] + 16 * i), acc[c0 + c]);
+      for (int c = 0; c < KB; ++c) acc[c0 + c] = _mm512_fmadd_ps(qv[i], load16(keys[c0 + c], 16 * i), acc[c0 + c]);
   }
   return lane_trees16(acc);
 }
@@ -179,7 +250,7 @@ AVX512_TARGET INLINE void dots16_heads(const float* q, int64_t qs, const T* cons
       for (int h = 0; h < HB; ++h) qv[h] = _mm512_loadu_ps(q + h * qs + 16 * i);
 #pragma GCC unroll 16
       for (int c = 0; c < KB; ++c) {
-        const __m512 k = load16(keys[c0 + c] + 16 * i);
+        const __m512 k = load16(keys[c0 + c], 16 * i);
 #pragma GCC unroll 4
         for (int h = 0; h < HB; ++h) acc[h][c] = i == 0 ? _mm512_mul_ps(qv[h], k) : _mm512_fmadd_ps(qv[h], k, acc[h][c]);
       }
@@ -249,7 +320,7 @@ AVX512_TARGET INLINE void values_heads(const float* w, int64_t n, const T* const
       __m512 wj[HB];
       for (int h = 0; h < HB; ++h) wj[h] = _mm512_set1_ps(w[h * n + j]);
       for (int i = 0; i < PB; ++i) {
-        const __m512 v = load16(vp[j] + 16 * (p0 + i));
+        const __m512 v = load16(vp[j], 16 * (p0 + i));
         for (int h = 0; h < HB; ++h) sum[h][i] = _mm512_fmadd_ps(wj[h], v, sum[h][i]);
       }
     }
@@ -270,17 +341,17 @@ AVX512_TARGET void values512(const float* w, int64_t n, int64_t G, const T* cons
   }
 }
 
-// One query's KV-head group: the G heads at q (head stride qs) over columns j = 0 .. n-1, column j
-// the key at absolute position first + j, read at kp[j] / vp[j] (nullptr: not visible).
-// softcap > 0 caps the logits; sinks (nullptr: none) [G] the heads' sink logits.
-// Scratch: s [G * n], wb [G * (64 + D)], sums [G]. out [G, D] (head stride os).
+// One chunk of one query's KV-head group: the G heads at q (head stride qs) over columns j = 0 .. n-1,
+// all inside one chunk of kChunk positions, column j the key at absolute position first + j, read at
+// kp[j] / vp[j] (nullptr: not visible). softcap > 0 caps the logits. Scratch: s [G * n], wb [G * (64 + D)].
+// part = [m (G) | S (G) | P (G x D)]: per head the chunk's max logit m, S = sum of exp(s_j - m) and
+// P = sum of exp(s_j - m) v_j, both in 64-key blocks as the header says. False (part unwritten): no
+// column is visible.
 template <int DC, bool V512, class T>
-INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_dim, const T* const* kp,
-                          const T* const* vp, int64_t n, int64_t first, float scale, float softcap,
-                          const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {
+INLINE bool chunk_partial(const float* q, int64_t qs, int64_t G, int64_t head_dim, const T* const* kp,
+                          const T* const* vp, int64_t n, int64_t first, float scale, float softcap, float* s,
+                          float* wb, float* part) {
   const int64_t D = DC ? DC : head_dim;
-  for (int64_t h = 0; h < G; ++h)
-    for (int64_t d = 0; d < D; ++d) out[h * os + d] = 0.f;
   if constexpr (V512) scores512<DC>(q, qs, G, kp, n, scale, s);
   int64_t lo = n, hi = -1;  // first and last visible column
   for (int64_t j = 0; j < n; ++j) {
@@ -295,15 +366,16 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
       s[h * n + j] = softcap > 0.f ? softcap * std::tanh(dot / softcap) : dot;
     }
   }
-  if (hi < 0) return;  // nothing visible: zeros
-  float* total = sums;  // [G] running S, from the sink's weight (0 without sinks: 0 + S_0 is S_0 exactly)
-  for (int64_t h = 0; h < G; ++h) {  // w = exp(s - max)
+  if (hi < 0) return false;
+  float *m = part, *total = part + G, *out = part + 2 * G;
+  for (int64_t h = 0; h < G; ++h) {  // w = exp(s - m)
     float* sh = s + h * n;
-    float m = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-    for (int64_t j = lo; j <= hi; ++j) m = std::max(m, sh[j]);
+    float mh = -std::numeric_limits<float>::infinity();
+    for (int64_t j = lo; j <= hi; ++j) mh = std::max(mh, sh[j]);
 #pragma omp simd
-    for (int64_t j = lo; j <= hi; ++j) sh[j] = exp_nonpositive(sh[j] - m);
-    total[h] = sinks ? exp_nonpositive(sinks[h] - m) : 0.f;
+    for (int64_t j = lo; j <= hi; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
+    m[h] = mh;
+    total[h] = 0.f;  // 0 + S_0 is S_0 exactly
   }
   bool started = false;
   int64_t j0 = lo - (first + lo) % kKeyBlock;  // column of the first block's boundary (may be < 0)
@@ -341,7 +413,7 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
     }
     for (int64_t h = 0; h < G; ++h) {
       const float* acc = wb + G * kKeyBlock + h * D;
-      float* o = out + h * os;
+      float* o = out + h * D;
       if (started) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) o[d] += acc[d];
@@ -351,9 +423,37 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
     }
     started = true;
   }
+  return true;
+}
+
+// out [G, D] (head stride os) from a query's C chunk partials parts[0 .. C-1], in chunk order:
+//   M = max(sink, m_c),  f_c = exp(m_c - M),  S = exp(sink - M) + sum_c S_c f_c,  out = (sum_c P_c f_c) / S
+// (no sink: M = max m_c and S starts from 0), the sums in chunk order with fused multiply-adds from
+// P_0 f_0. One chunk: f_0 = 1 exactly. No partial (nothing visible): zeros.
+template <int DC>
+INLINE void merge_partials(const float* const* parts, int64_t C, int64_t G, int64_t head_dim, const float* sinks,
+                           float* out, int64_t os) {
+  const int64_t D = DC ? DC : head_dim;
   for (int64_t h = 0; h < G; ++h) {
     float* o = out + h * os;
-    const float S = total[h];
+    if (C == 0) {
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      continue;
+    }
+    float M = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < C; ++c) M = std::max(M, parts[c][h]);
+    float S = sinks ? exp_nonpositive(sinks[h] - M) : 0.f;
+    for (int64_t c = 0; c < C; ++c) {
+      const float f = exp_nonpositive(parts[c][h] - M), *P = parts[c] + 2 * G + h * D;
+      S = std::fma(parts[c][G + h], f, S);
+      if (c == 0) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = P[d] * f;
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] = std::fma(P[d], f, o[d]);
+      }
+    }
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] = o[d] / S;
   }
@@ -363,34 +463,162 @@ INLINE void attend_blocks(const float* q, int64_t qs, int64_t G, int64_t head_di
 
 #define DEFINE_FOR(SUFFIX, TARGET, V512)                                                                        \
   template <int DC, class T>                                                                                    \
-  TARGET void attend_##SUFFIX(const float* q, int64_t qs, int64_t G, int64_t D, const T* const* kp,             \
-                              const T* const* vp, int64_t n, int64_t first, float scale, float softcap,         \
-                              const float* sinks, float* s, float* wb, float* sums, float* out, int64_t os) {   \
-    attend_blocks<DC, V512>(q, qs, G, D, kp, vp, n, first, scale, softcap, sinks, s, wb, sums, out, os);        \
+  TARGET bool partial_##SUFFIX(const float* q, int64_t qs, int64_t G, int64_t D, const T* const* kp,            \
+                               const T* const* vp, int64_t n, int64_t first, float scale, float softcap,        \
+                               float* s, float* wb, float* part) {                                              \
+    return chunk_partial<DC, V512>(q, qs, G, D, kp, vp, n, first, scale, softcap, s, wb, part);                 \
+  }                                                                                                             \
+  template <int DC>                                                                                             \
+  TARGET void merge_##SUFFIX(const float* const* parts, int64_t C, int64_t G, int64_t D, const float* sinks,    \
+                             float* out, int64_t os) {                                                          \
+    merge_partials<DC>(parts, C, G, D, sinks, out, os);                                                         \
   }
 
 DEFINE_FOR(512, AVX512_TARGET, (DC > 0 && DC % 16 == 0))
 DEFINE_FOR(256, AVX2_TARGET, false)
 
 template <class T>
-using AttendFn = void (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t, int64_t,
-                          float, float, const float*, float*, float*, float*, float*, int64_t);
+using PartialFn = bool (*)(const float*, int64_t, int64_t, int64_t, const T* const*, const T* const*, int64_t,
+                           int64_t, float, float, float*, float*, float*);
+using MergeFn = void (*)(const float* const*, int64_t, int64_t, int64_t, const float*, float*, int64_t);
+
+template <class T>
+struct Kernels {
+  PartialFn<T> partial;
+  MergeFn merge;
+};
 
 template <int DC, class T>
-AttendFn<T> attend_for(int64_t isa) { return isa >= 2 ? attend_512<DC, T> : attend_256<DC, T>; }
+Kernels<T> kernels_for(int64_t isa) {
+  if (isa >= 2) return {partial_512<DC, T>, merge_512<DC>};
+  return {partial_256<DC, T>, merge_256<DC>};
+}
 
 // Head sizes of the supported models get unrolled code; any other runs the generic loops.
 template <class T>
-AttendFn<T> attend_fn(int64_t isa, int64_t D) {
-  return D == 64 ? attend_for<64, T>(isa) : D == 128 ? attend_for<128, T>(isa) : D == 256 ? attend_for<256, T>(isa)
-                                                                                         : attend_for<0, T>(isa);
+Kernels<T> kernels(int64_t isa, int64_t D) {
+  return D == 64 ? kernels_for<64, T>(isa) : D == 128 ? kernels_for<128, T>(isa) : D == 256 ? kernels_for<256, T>(isa)
+                                                                                            : kernels_for<0, T>(isa);
 }
 
-// Per-thread scratch of one (query, KV head) task over at most `n` columns.
+// ---- the driver: (query, KV head, chunk) tasks, then the merge --------------------------------
+//
+// A `Source` names a call's queries: size(), order(t) (the query of the t-th task), first(i) (the
+// position of column 0), lo(i) / hi(i) (first and last column that may be visible; hi < lo: none),
+// q(i, g) / out(i, g) (the head group's query and output) and fill(i, g, a, b, kp, vp) (the key and
+// value pointers of columns a .. b-1). Chunk c of query i covers its columns inside positions
+// [c0 + c * kChunk, c0 + (c + 1) * kChunk), c0 the chunk boundary at or before its first column.
+//
+// Whole queries (one task per (query, KV head), its chunks in order) when there are enough of them for
+// the threads; else one task per (query, KV head, chunk) with the partials kept, merged by the task
+// that finishes the pair's last chunk. Both run the same partial and merge functions: the same bits.
+
+// One thread's scratch for chunks of at most `width` columns (sized to the call: a short cache's
+// decode allocates little).
+template <class T>
 struct Scratch {
-  std::vector<float> s, wb, sums;
-  Scratch(int64_t G, int64_t D, int64_t n) : s(G * std::max<int64_t>(n, 1)), wb(G * (kKeyBlock + D)), sums(G) {}
+  std::vector<float> s, wb, parts;
+  std::vector<const float*> used;  // the visible chunks' partials, in chunk order
+  std::vector<const T*> kp, vp;  // a chunk's key and value pointers
+  Scratch(int64_t G, int64_t D, int64_t width, int64_t max_chunks)
+      : s(G * width), wb(G * (kKeyBlock + D)), parts(max_chunks * G * (D + 2)), used(max_chunks), kp(width),
+        vp(width) {}
 };
+
+template <class T, class Source>
+struct Driver {
+  const Source& src;
+  const Kernels<T> fn;
+  int64_t Hkv, G, D, qs;
+  float scale, softcap;
+  const float* sinks;
+  int64_t part_size = G * (D + 2), max_chunks = 1, width = 1;  // width: the widest chunk's columns
+  std::vector<int64_t> c0, chunks;  // per query: column of its first chunk boundary, number of chunks
+
+  void plan() {
+    const int64_t N = src.size();
+    c0.resize(N), chunks.resize(N);
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t lo = src.lo(i), hi = src.hi(i);
+      c0[i] = lo - (src.first(i) + lo) % kChunk;
+      chunks[i] = hi < lo ? 0 : (hi - c0[i]) / kChunk + 1;
+      max_chunks = std::max(max_chunks, chunks[i]);
+      width = std::max(width, std::min(kChunk, hi - lo + 1));
+    }
+  }
+
+  // chunk c of (query i, KV head g): its partial at part; false when nothing in it is visible
+  bool chunk(Scratch<T>& sc, int64_t i, int64_t g, int64_t c, float* part) const {
+    const int64_t a = std::max(c0[i] + c * kChunk, src.lo(i)), b = std::min(c0[i] + (c + 1) * kChunk, src.hi(i) + 1);
+    src.fill(i, g, a, b, sc.kp.data(), sc.vp.data());
+    return fn.partial(src.q(i, g), qs, G, D, sc.kp.data(), sc.vp.data(), b - a, src.first(i) + a, scale, softcap,
+                      sc.s.data(), sc.wb.data(), part);
+  }
+
+  void merge(const float* const* used, int64_t n, int64_t i, int64_t g) const {
+    fn.merge(used, n, G, D, sinks ? sinks + g * G : nullptr, src.out(i, g), D);
+  }
+
+  // one task per (query, KV head): its chunks in order, then the merge
+  void run_whole() const {
+    const int64_t tasks = src.size() * Hkv;
+    std::atomic<int64_t> next{0};  // tasks taken one by one: a thread the OS pauses holds up one task
+    // one call per thread, each taking tasks from `next` until none is left (a call whose thread
+    // never ran is taken by another and finds nothing)
+    deepinfer_pool::parallel_for(std::min(tasks, deepinfer_pool::num_threads()), 1, [&](int64_t, int64_t) {
+      Scratch<T> sc(G, D, width, max_chunks);
+      for (int64_t t; (t = next.fetch_add(1)) < tasks;) {
+        const int64_t i = src.order(t / Hkv), g = t % Hkv;
+        int64_t used = 0;
+        for (int64_t c = 0; c < chunks[i]; ++c) {
+          float* part = sc.parts.data() + c * part_size;
+          if (chunk(sc, i, g, c, part)) sc.used[used++] = part;
+        }
+        merge(sc.used.data(), used, i, g);
+      }
+    });
+  }
+
+  // one task per (query, KV head, chunk), the partials kept; the task that finishes a (query, KV head)'s
+  // last chunk merges its partials (in chunk order, whichever thread it runs on)
+  void run_split() const {
+    const int64_t N = src.size();
+    std::vector<int64_t> base(N + 1, 0);  // task base[i] + g * chunks[i] + c: chunk c of (query i, KV head g)
+    for (int64_t i = 0; i < N; ++i) base[i + 1] = base[i] + Hkv * chunks[i];
+    std::vector<float> parts(base[N] * part_size);
+    std::vector<char> visible(base[N]);
+    std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[N * Hkv]());  // chunks finished
+    std::atomic<int64_t> next{0};
+    deepinfer_pool::parallel_for(std::min(base[N], deepinfer_pool::num_threads()), 1, [&](int64_t, int64_t) {
+      Scratch<T> sc(G, D, width, 0);
+      std::vector<const float*> used(max_chunks);
+      for (int64_t t; (t = next.fetch_add(1)) < base[N];) {
+        const int64_t i = std::upper_bound(base.begin(), base.end(), t) - base.begin() - 1, r = t - base[i];
+        const int64_t g = r / chunks[i], first = base[i] + g * chunks[i];
+        visible[t] = chunk(sc, i, g, r % chunks[i], parts.data() + t * part_size);
+        if (done[i * Hkv + g].fetch_add(1, std::memory_order_acq_rel) + 1 < chunks[i]) continue;
+        int64_t n = 0;  // the last chunk of (i, g): every partial is written (acquire above)
+        for (int64_t c = 0; c < chunks[i]; ++c)
+          if (visible[first + c]) used[n++] = parts.data() + (first + c) * part_size;
+        merge(used.data(), n, i, g);
+      }
+    });
+    for (int64_t i = 0; i < N; ++i)  // queries that see nothing: zeros
+      for (int64_t g = 0; g < Hkv && chunks[i] == 0; ++g) merge(nullptr, 0, i, g);
+  }
+};
+
+template <class T, class Source>
+void run_attention(const Source& src, int64_t Hkv, int64_t G, int64_t D, int64_t qs, float scale, float softcap,
+                   const float* sinks, const Kernels<T>& fn) {
+  Driver<T, Source> driver{src, fn, Hkv, G, D, qs, scale, softcap, sinks};
+  driver.plan();
+  // split when a query spans chunks and the (query, KV head) tasks are too few to keep the threads busy
+  if (driver.max_chunks > 1 && src.size() * Hkv < 4 * deepinfer_pool::num_threads())
+    driver.run_split();
+  else
+    driver.run_whole();
+}
 
 // ---- ops ----------------------------------------------------------------------------------
 
@@ -417,33 +645,53 @@ const float* sink_logits(double softcap, const std::optional<at::Tensor>& sinks,
   return sinks->data_ptr<float>();
 }
 
-// lines [N, L]: each index entry's cache line, -1 where the entry is -1.
+// Decode: query i's column c is the key at position first[i] + c, in cache line lines[i * L + c] (-1: none).
+// A line holds parts x H_kv heads of U elements of T each (U = D / kValuesPer<T>), K heads first.
 template <class T>
-void decode_typed(const at::Tensor& q, const at::Tensor& rows, const int64_t* lines, int64_t L, const int64_t* fp,
+struct DecodeSource {
+  const int64_t *lines, *fp;
+  int64_t N, L;
+  const T* rows;
+  int64_t ld, U, parts, Hkv, G;  // ld: elements of T per line
+  const float* qp;
+  int64_t q0, q1;  // q's strides
+  float* op;
+  int64_t H, D;
+  std::vector<int64_t> lo_, hi_;
+
+  void find_visible() {
+    lo_.assign(N, L);
+    hi_.assign(N, -1);
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t c = 0; c < L; ++c)
+        if (lines[i * L + c] >= 0) lo_[i] = std::min(lo_[i], c), hi_[i] = c;
+  }
+  int64_t size() const { return N; }
+  int64_t order(int64_t t) const { return t; }
+  int64_t first(int64_t i) const { return fp[i]; }
+  int64_t lo(int64_t i) const { return lo_[i]; }
+  int64_t hi(int64_t i) const { return hi_[i]; }
+  const float* q(int64_t i, int64_t g) const { return qp + i * q0 + g * G * q1; }
+  float* out(int64_t i, int64_t g) const { return op + (i * H + g * G) * D; }
+  void fill(int64_t i, int64_t g, int64_t a, int64_t b, const T** kp, const T** vp) const {
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t line = lines[i * L + j];
+      const T* row = line >= 0 ? rows + line * ld : nullptr;
+      kp[j - a] = row ? row + g * U : nullptr;
+      vp[j - a] = row ? row + ((parts - 1) * Hkv + g) * U : nullptr;
+    }
+  }
+};
+
+template <class T>
+void decode_typed(const at::Tensor& q, const T* rows, int64_t ld, const int64_t* lines, int64_t L, const int64_t* fp,
                   int64_t parts, int64_t Hkv, double scale, float softcap, const float* sinks, int64_t isa,
                   at::Tensor& out) {
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), G = H / Hkv, ld = rows.stride(0);
-  const float* qp = q.data_ptr<float>();
-  const T* rp = rows.data_ptr<T>();
-  float* op = out.data_ptr<float>();
-  const AttendFn<T> fn = attend_fn<T>(isa, D);
-  std::atomic<int64_t> next{0};  // tasks taken one by one (see prefill_typed)
-  at::parallel_for(0, N * Hkv, 1, [&](int64_t, int64_t) {
-    Scratch scratch(G, D, L);
-    std::vector<const T*> kp(L), vp(L);
-    for (int64_t i; (i = next.fetch_add(1)) < N * Hkv;) {
-      const int64_t n = i / Hkv, g = i % Hkv;
-      for (int64_t c = 0; c < L; ++c) {
-        const int64_t line = lines[n * L + c];
-        const T* row = line >= 0 ? rp + line * ld : nullptr;
-        kp[c] = row ? row + g * D : nullptr;
-        vp[c] = row ? row + (parts - 1) * Hkv * D + g * D : nullptr;
-      }
-      fn(qp + n * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data(), vp.data(), L, fp[n], float(scale),
-         softcap, sinks ? sinks + g * G : nullptr, scratch.s.data(), scratch.wb.data(), scratch.sums.data(),
-         op + (n * H + g * G) * D, D);
-    }
-  });
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), G = H / Hkv;
+  DecodeSource<T> src{lines, fp, N, L, rows, ld, D / kValuesPer<T>, parts, Hkv, G, q.data_ptr<float>(), q.stride(0),
+                      q.stride(1), out.data_ptr<float>(), H, D, {}, {}};
+  src.find_visible();
+  run_attention<T>(src, Hkv, G, D, q.stride(1), float(scale), softcap, sinks, kernels<T>(isa, D));
 }
 
 at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, const at::Tensor& index,
@@ -452,12 +700,19 @@ at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, co
                                  double softcap, const std::optional<at::Tensor>& sinks) {
   check_q(q, num_kv_heads);
   const float* sp = sink_logits(softcap, sinks, q.size(1));
-  const int64_t D = q.size(2);
-  TORCH_CHECK(rows.scalar_type() == at::kFloat || rows.scalar_type() == at::kBFloat16,
-              "cache rows must be float32 or bfloat16, got ", rows.scalar_type());
-  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) % (num_kv_heads * D) == 0,
-              "cache rows must be [lines, parts * H_kv * D] with contiguous lines");
-  const int64_t parts = rows.size(1) / (num_kv_heads * D);
+  const int64_t D = q.size(2), Hkv = num_kv_heads;
+  const at::ScalarType type = rows.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kByte,
+              "cache rows must be float32, bfloat16 or uint8 (q8 blocks), got ", type);
+  TORCH_CHECK(type != at::kByte || D % kQ8Values == 0, "q8 cache rows need a head size that is a multiple of ",
+              kQ8Values, ", got ", D);
+  // a head's elements of the row type: D values, or D / 32 q8 blocks of 36 bytes
+  const int64_t head_bytes = type == at::kByte ? D / kQ8Values * int64_t(sizeof(Q8Block)) : D * rows.element_size();
+  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) * rows.element_size() % (Hkv * head_bytes) == 0,
+              "cache rows must be [lines, parts * H_kv * head] with contiguous lines");
+  TORCH_CHECK(rows.stride(0) * rows.element_size() % (type == at::kByte ? int64_t(sizeof(Q8Block)) : 1) == 0,
+              "q8 cache lines must be whole blocks apart");
+  const int64_t parts = rows.size(1) * rows.element_size() / (Hkv * head_bytes);
   TORCH_CHECK(parts == 1 || parts == 2, "cache rows hold ", parts, " parts per head (1 or 2)");
   const at::Tensor idx = index.to(at::kLong).contiguous(), fst = first.to(at::kLong).contiguous();
   TORCH_CHECK(idx.dim() == 2 && idx.size(0) == q.size(0), "index must be [N, L] for N queries");
@@ -470,16 +725,47 @@ at::Tensor invariant_decode_attn(const at::Tensor& q, const at::Tensor& rows, co
   }
   for (int64_t i = 0; i < fst.numel(); ++i) TORCH_CHECK(fp[i] >= 0, "first position ", fp[i], " is negative");
   at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
-  if (rows.scalar_type() == at::kFloat)
-    decode_typed<float>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, float(softcap), sp, isa,
-                        out);
+  const int64_t L = idx.size(1);
+  const float cap = float(softcap);
+  if (type == at::kFloat)
+    decode_typed(q, rows.data_ptr<float>(), rows.stride(0), lines.data(), L, fp, parts, Hkv, scale, cap, sp, isa, out);
+  else if (type == at::kBFloat16)
+    decode_typed(q, rows.data_ptr<c10::BFloat16>(), rows.stride(0), lines.data(), L, fp, parts, Hkv, scale, cap, sp,
+                 isa, out);
   else
-    decode_typed<c10::BFloat16>(q, rows, lines.data(), idx.size(1), fp, parts, num_kv_heads, scale, float(softcap),
-                                sp, isa, out);
+    decode_typed(q, reinterpret_cast<const Q8Block*>(rows.data_ptr<uint8_t>()), rows.stride(0) / int64_t(sizeof(Q8Block)),
+                 lines.data(), L, fp, parts, Hkv, scale, cap, sp, isa, out);
   return out;
 }
 
-// Query i of n at p = pos[i] over rows [loaded | chunk], row r at position start + r.
+// Prefill: query i at p = pos[i] over rows [loaded | chunk], row r at position start + r; its column c
+// is the key at position first + c, first = max(0, p - W + 1) (0 without a window).
+template <class T>
+struct PrefillSource {
+  const T *const *kp_all, *const *vp_all;  // [H_kv, L] row pointers per KV head
+  int64_t L, n;
+  const int64_t* pos;
+  int64_t start, window, G;
+  const float* qp;
+  int64_t q0, q1;
+  float* op;
+  int64_t H, D;
+
+  int64_t size() const { return n; }
+  // long and short queries alternate (0, n-1, 1, n-2, ...), so the last tasks taken are short ones
+  int64_t order(int64_t t) const { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+  int64_t first(int64_t i) const { return window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0; }
+  int64_t lo(int64_t) const { return 0; }
+  int64_t hi(int64_t i) const { return pos[i] - first(i); }
+  const float* q(int64_t i, int64_t g) const { return qp + i * q0 + g * G * q1; }
+  float* out(int64_t i, int64_t g) const { return op + (i * H + g * G) * D; }
+  void fill(int64_t i, int64_t g, int64_t a, int64_t b, const T** kp, const T** vp) const {
+    const int64_t row = g * L + first(i) - start;  // the query's column 0
+    std::copy(kp_all + row + a, kp_all + row + b, kp);
+    std::copy(vp_all + row + a, vp_all + row + b, vp);
+  }
+};
+
 template <class T>
 void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tensor& k, const at::Tensor& v,
                    const int64_t* pos, int64_t start, int64_t window, double scale, float softcap, const float* sinks,
@@ -500,24 +786,9 @@ void prefill_typed(const at::Tensor& q, const at::Tensor& loaded, const at::Tens
       vp[g * L + n_old + r] = cv.data_ptr<T>() + (r * Hkv + g) * D;
     }
   }
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const AttendFn<T> fn = attend_fn<T>(isa, D);
-  // tasks taken one by one from a shared counter, in the order 0, n-1, 1, n-2, ... (long and short
-  // queries alternate): a thread the OS pauses holds up the call by one task, not by its share
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t, int64_t) {
-    Scratch scratch(G, D, L);
-    for (int64_t i; (i = next.fetch_add(1)) < n * Hkv;) {
-      const int64_t t = i / Hkv, g = i % Hkv;
-      const int64_t qi = t % 2 == 0 ? t / 2 : n - 1 - t / 2;
-      const int64_t p = pos[qi], first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const int64_t c0 = first - start;  // the query's first row
-      fn(qp + qi * q.stride(0) + g * G * q.stride(1), q.stride(1), G, D, kp.data() + g * L + c0,
-         vp.data() + g * L + c0, p - first + 1, first, float(scale), softcap, sinks ? sinks + g * G : nullptr,
-         scratch.s.data(), scratch.wb.data(), scratch.sums.data(), op + (qi * H + g * G) * D, D);
-    }
-  });
+  PrefillSource<T> src{kp.data(), vp.data(), L, n, pos, start, window, G, q.data_ptr<float>(), q.stride(0),
+                       q.stride(1), out.data_ptr<float>(), H, D};
+  run_attention<T>(src, Hkv, G, D, q.stride(1), float(scale), softcap, sinks, kernels<T>(isa, D));
 }
 
 at::Tensor invariant_prefill_attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -40,8 +40,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <vector>
+
+// The kernels' thread pool (work_pool.cpp): fn(begin, end) over [0, n) in chunks of at most grain items.
+namespace deepinfer_pool {
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+}
 
 namespace deepinfer_lora {
 
@@ -315,7 +321,7 @@ template <typename Fn2, typename Fn1, typename Fn0>
 void run(const std::vector<Task>& tasks, int64_t work, int64_t isa, Fn2 f512, Fn1 f256, Fn0 fplain) {
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int64_t grain = std::max<int64_t>(1, num_tasks * (int64_t{1} << 16) / std::max<int64_t>(work, 1));
-  at::parallel_for(0, num_tasks, grain, [&](int64_t k0, int64_t k1) {
+  deepinfer_pool::parallel_for(num_tasks, grain, [&](int64_t k0, int64_t k1) {
     if (isa == 2) f512(k0, k1);
     else if (isa == 1) f256(k0, k1);
     else fplain(k0, k1);

@@ -37,8 +37,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <vector>
+
+// The kernels' thread pool (work_pool.cpp): fn(begin, end) over [0, n) in chunks of at most grain items.
+namespace deepinfer_pool {
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+}
 
 namespace deepinfer_mxfp4 {
 
@@ -200,7 +206,7 @@ int64_t mxfp4_cpu_isas() { return 1 | (has_avx2() ? 2 : 0) | (has_avx512() ? 4 :
 
 // x [M, K] -> per block its even values, then its odd values.
 void split_blocks(const float* x, int64_t M, int64_t K, float* xs) {
-  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+  deepinfer_pool::parallel_for(M, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < K; b += kBlock)
         for (int64_t l = 0; l < 16; ++l) {
@@ -231,7 +237,7 @@ at::Tensor mxfp4_matmul(const at::Tensor& x, const at::Tensor& blocks, const at:
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
   // tasks of at least ~64 K multiply-adds: small calls stay on one thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(kTileRows * K * M, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  deepinfer_pool::parallel_for(tiles, grain, [&](int64_t t0, int64_t t1) {
     if (isa == 2) v512::run_tiles(pb, t0, t1);
     else if (isa == 1) avx2::run_tiles(pb, t0, t1);
     else plain::run_tiles(pb, t0, t1);

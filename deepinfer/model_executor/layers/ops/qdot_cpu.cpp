@@ -48,8 +48,14 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <vector>
+
+// The kernels' thread pool (work_pool.cpp): fn(begin, end) over [0, n) in chunks of at most grain items.
+namespace deepinfer_pool {
+void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+}
 
 namespace deepinfer_qdot {
 
@@ -542,7 +548,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_acts(const at::Tensor& x
   float* dp = d.data_ptr<float>();
   int32_t* sp = sums.data_ptr<int32_t>();
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  deepinfer_pool::parallel_for(M, grain, [&](int64_t m0, int64_t m1) {
     std::vector<float> residual(levels == 2 ? K : 0);
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(isa, xp + m * K, K, qp + m * K, dp + m * (K / 32), sp + m * (K / 16));
@@ -595,7 +601,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   std::vector<float> dpack(mr ? M * units : 0), spack(mr && kd.has_min ? M * units : 0);
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* dp = dc.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
+  deepinfer_pool::parallel_for(static_cast<int64_t>(panels.size()), 1, [&](int64_t p0, int64_t p1) {
     for (int64_t k = p0; k < p1; ++k) {
       Panel& pn = panels[k];
       const int64_t at = pn.m0 * K / 4, ua = pn.m0 * units, w = pn.rows;
@@ -627,17 +633,10 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
     else if (isa == 2) avx2::qdot_tiles(pb, t0, t1);
     else qdot_plain(pb, t0, std::min(t1, N));
   };
-  if (M <= kFusedRows) {  // decode: memory-bound, each thread streams one contiguous share of the weight
-    at::parallel_for(0, tiles, grain, run);
-    return y;
-  }
-  // Batches and prefill (compute-bound): chunks of `grain` tiles taken from a shared counter rather
-  // than split up front, so a thread the OS pauses (another process on its core) holds up the call
-  // by the chunk it has, not by its whole share.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, (tiles + grain - 1) / grain, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(grain)) < tiles;) run(t0, std::min(t0 + grain, tiles));
-  });
+  // Each thread streams its own contiguous share of the weight's tiles (decode is memory-bound), then
+  // takes chunks of `grain` tiles left in the others' shares: a thread the OS pauses (another process
+  // on its core) holds up the call by the chunk it has, not by its whole share.
+  deepinfer_pool::parallel_for(tiles, grain, run);
   return y;
 }
 

@@ -6,6 +6,11 @@ CPU, or dequantizes it for torch's F.linear elsewhere.
     data  uint8 [N, row_bytes]   row n: the K / block ggml blocks of weight row n, in order
     kind  the ggml type name     block (values, bytes) in BLOCKS
 
+`data` may be a view of a GGUF file's read-only mapping (loader/gguf_file.py): its pages refuse
+writes, so nothing writes into a QuantWeight's data; every method here that changes a layout
+(columns, padding, gathered rows) returns a new tensor. Row starts need no alignment: the kernels
+load bytes unaligned, a tensor starts on GGUF's 32-byte alignment and a row on any byte.
+
 Batch-1 decode reads every weight once per token, so the bytes held are what bounds its speed:
 they are the file's tensor bytes, nothing is widened. Sources: a GGUF file's matrices of the types
 in BLOCKS (`loader/gguf_repack.py`), and an fp checkpoint quantized at load (`quantize_weight`:
@@ -35,6 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -81,8 +87,24 @@ class QuantWeight:
         return self.data.numel()
 
     def rows(self, index) -> QuantWeight:
-        """The weight rows `index` (a slice, or ids for an embedding lookup), still packed."""
+        """The weight rows `index` (a slice: a view; or ids for an embedding lookup: a copy), still packed."""
         return QuantWeight(self.data[index].contiguous(), self.kind)
+
+    @staticmethod
+    def stacked(weights: Sequence[QuantWeight]) -> QuantWeight:
+        """Weights of one type stacked on the output axis (rows concatenated, bytes unchanged): a view
+        when each one's rows follow the previous one's in one storage (a GGUF file's neighbouring
+        tensors, e.g. ffn_gate then ffn_up), else a copy."""
+        first = weights[0]
+        if any(w.kind != first.kind or w.data.shape[1] != first.data.shape[1] for w in weights):
+            raise ValueError(f"QuantWeight.stacked: parts differ in type or row bytes: "
+                             f"{[(w.kind, tuple(w.data.shape)) for w in weights]}")
+        rows = sum(w.data.shape[0] for w in weights)
+        if _adjacent([w.data for w in weights]):
+            return QuantWeight(first.data.as_strided((rows, first.data.shape[1]), first.data.stride()), first.kind)
+        if first.data.device.type == "cpu":  # numpy's copy: one thread, no wait for torch's pool
+            return QuantWeight(torch.from_numpy(np.concatenate([w.data.numpy() for w in weights])), first.kind)
+        return QuantWeight(torch.cat([w.data for w in weights]), first.kind)  # [rows, row_bytes]
 
     def narrow(self, dim: int, start: int, length: int) -> QuantWeight:
         """Rows (dim 0) or columns (dim 1) [start, start + length), still packed; columns only on block
@@ -101,6 +123,16 @@ class QuantWeight:
         if extra <= 0:
             return self
         return QuantWeight(torch.cat([self.data, self.data.new_zeros(extra, self.data.shape[1])]), self.kind)
+
+
+def _adjacent(parts: Sequence[torch.Tensor]) -> bool:
+    """Whether contiguous tensors lie back to back, in order, in one storage."""
+    storage = parts[0].untyped_storage().data_ptr()
+    for before, after in zip(parts[:-1], parts[1:], strict=True):
+        if (after.untyped_storage().data_ptr() != storage
+                or after.storage_offset() != before.storage_offset() + before.numel()):
+            return False
+    return True
 
 
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

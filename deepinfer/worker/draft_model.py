@@ -1,0 +1,117 @@
+"""The draft model of `speculative_model`: loaded like the target, checked against its tokenizer.
+
+    load_draft       the checkpoint (GGUF file or HF directory) -> a built model in the target's
+                     compute dtype, quantized by the same rule (`--quantization` resolved for the
+                     draft's own source: a GGUF draft stays quantized on a CPU with the kernels,
+                     int8 / int4 quantize it at load), its linears settled as the target's are
+                     (batch-invariant, or few-row linears)
+    check_tokenizer  drafts are token ids of the target's vocabulary: the draft must share the
+                     tokenizer (same vocabulary size, the same special-token ids, the same ids for
+                     a probe text); a ValueError naming speculative_model otherwise
+    draft_identity   what the draft adds to the cache identity: its rows ride in every unit the
+                     prefix cache keeps (`worker/draft_cache.py`)
+
+The draft may be narrower or shallower than the target and its LM head may have more or fewer
+rows (a padded vocabulary); drafts are argmax ids below the target's vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.contracts.numerics import NumericsRecord
+from deepinfer.model_executor.layers.batch_invariant import make_batch_invariant, native_path
+from deepinfer.model_executor.layers.linear import use_few_row_linear
+from deepinfer.model_executor.loader import load_model_source
+from deepinfer.model_executor.model_loader import build_model, resolve_quantization
+from deepinfer.worker.numerics import with_weights
+from deepinfer.worker.prefix_store import cache_identity
+
+logger = logging.getLogger("deepinfer.worker")
+
+FIELD = "speculative_model"
+_PROBE = "Hello, world! The draft's ids must be the target's: 0123456789 <|>"
+_SPECIAL = ("bos_token_id", "eos_token_id", "unk_token_id")
+
+
+@dataclass
+class DraftModel:
+    """The loaded draft: its source, the built model and the quantization it was built with."""
+
+    source: object
+    model: torch.nn.Module
+    quantization: str
+
+    @property
+    def path(self) -> str:
+        return self.source.path
+
+
+def load_draft(config: EngineConfig, target_source, numerics: NumericsRecord, dtype: torch.dtype,
+               device: torch.device) -> DraftModel:
+    """The draft model `config.speculative.model` names, built on `device` in `dtype`; ValueError
+    naming speculative_model when it cannot draft for `target_source`."""
+    path = config.speculative.model
+    try:
+        source = load_model_source(path, load_format=config.load_format)  # "dummy": seeded random, as the target
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{FIELD}={path!r} cannot be loaded: {exc}") from exc
+    check_tokenizer(target_source, source, path)
+    try:
+        quantization = resolve_quantization(config.quantization, source, device, numerics.batch_invariant).value
+    except ValueError as exc:
+        raise ValueError(f"{FIELD}={path!r}: {exc}") from exc
+    model = build_model(source, dtype, device, config.max_model_len, None, quantization, 1, config.activation_levels)
+    if numerics.batch_invariant:
+        make_batch_invariant(model, native_path(device, dtype, model.capabilities))
+    else:
+        use_few_row_linear(model)
+    logger.info("speculative model: %s (%s, %d layers, quantization %s)", path, source.hf_config.model_type,
+                source.hf_config.num_hidden_layers, quantization)
+    return DraftModel(source, model, quantization)
+
+
+def _vocab_size(source) -> int:
+    tokenizer = source.tokenizer
+    return len(tokenizer) if tokenizer is not None else source.hf_config.vocab_size
+
+
+def _probe_ids(source) -> list[int] | None:
+    tokenizer = source.tokenizer
+    return None if tokenizer is None else list(tokenizer.encode(_PROBE, add_special_tokens=False))
+
+
+def check_tokenizer(target_source, draft_source, path: str) -> None:
+    """ValueError naming speculative_model when the draft's tokenizer is not the target's: its
+    vocabulary size, bos / eos / unk ids, or the ids of a probe text differ."""
+    differences = []
+    target_vocab, draft_vocab = _vocab_size(target_source), _vocab_size(draft_source)
+    if target_vocab != draft_vocab:
+        differences.append(f"vocabulary size {draft_vocab} vs the target's {target_vocab}")
+    for name in _SPECIAL:
+        want = getattr(target_source.tokenizer, name, None) if target_source.tokenizer is not None else None
+        got = getattr(draft_source.tokenizer, name, None) if draft_source.tokenizer is not None else None
+        if want != got:
+            differences.append(f"{name} {got} vs the target's {want}")
+    if not differences and _probe_ids(target_source) != _probe_ids(draft_source):
+        differences.append("a probe text encodes to other ids")
+    if differences:
+        raise ValueError(f"{FIELD}={path!r} does not share the target's tokenizer: {'; '.join(differences)}")
+
+
+def draft_identity(draft: DraftModel, numerics: NumericsRecord, groups) -> str:
+    """The cache identity of the draft's rows: its weights, config, quantization, weight formats
+    and its sized groups (`prefix_store.cache_identity`)."""
+    record = with_weights(dataclasses.replace(numerics, quantization=draft.quantization), draft.model, 0)
+    return cache_identity(draft.source, record, groups)
+
+
+def combined_identity(target: str, draft: str) -> str:
+    """One identity for a cache whose units hold the target's rows and the draft's."""
+    return hashlib.sha256(f"{target}|draft|{draft}".encode()).hexdigest()
