@@ -9,8 +9,8 @@ RoPE base 1e6, context 32768, tied embeddings) with the tokenizer of the embedde
 (49,152 tokens: a real BPE vocabulary and chat template, so llama.cpp and transformers both load it);
 about 1.4 B parameters. Types follow llama.cpp's Q4_K_M mix: Q4_K everywhere, Q6_K for the embedding
 (the LM head too, tied) and for attn_v / ffn_down on the layers where Q4_K_M spends more bits (the
-first and last eighth, and every third between). Blocks are random codes with fp16 scales sized for
-weights of standard deviation ~0.02; norms are ones, biases zeros.
+first and last eighth, and every third between; `--mix q4_k`: Q4_K everywhere). Blocks are random
+codes with fp16 scales sized for weights of standard deviation ~0.02; norms are ones, biases zeros.
 
 The draft (`--draft`) is the target's first `--draft-layers` layers, byte for byte, with the same
 embedding and final norm: a smaller model of the same family and tokenizer. So that it predicts the
@@ -96,7 +96,7 @@ def layer_tensors(rng, layer: int, args) -> dict[str, tuple[np.ndarray, object]]
     """One block's tensors by GGUF name: (data, ggml type or None for F32)."""
     h, f, hd = args.hidden, args.intermediate, args.hidden // args.heads
     kv = args.kv_heads * hd
-    heavy = Q6_K if more_bits(layer, args.layers) else Q4_K
+    heavy = Q6_K if args.mix == "q4_k_m" and more_bits(layer, args.layers) else Q4_K
     make = {Q4_K: q4_k_blocks, Q6_K: q6_k_blocks}
     t = {
         "attn_norm.weight": (np.ones(h, np.float32), None),
@@ -154,11 +154,15 @@ def main() -> None:
     p.add_argument("--extra-scale", type=float, default=0.05,
                    help="output-projection scale of the target's layers past the draft's")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", choices=["q4_k_m", "q4_k"], default="q4_k_m",
+                   help="q4_k_m: llama.cpp's mix (Q6_K embedding, attn_v and ffn_down on some layers); q4_k: Q4_K only")
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
     tokenizer = tokenizer_fields(default_model_path())
     vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
-    tensors = {"token_embd.weight": (q6_k_blocks(rng, vocab, args.hidden, 0.02), Q6_K),
+    embd = (q6_k_blocks(rng, vocab, args.hidden, 0.02), Q6_K) if args.mix == "q4_k_m" \
+        else (q4_k_blocks(rng, vocab, args.hidden, 0.02), Q4_K)
+    tensors = {"token_embd.weight": embd,
                "output_norm.weight": (np.ones(args.hidden, np.float32), None)}
     for layer in range(args.layers):
         block = layer_tensors(rng, layer, args)

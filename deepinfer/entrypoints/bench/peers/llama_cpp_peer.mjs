@@ -137,14 +137,15 @@ async function runJob(job, installDir) {
             ...(typeof job.flash_attention === "boolean" ? { flashAttention: job.flash_attention } : {}),
         };
         const context = await model.createContext({ sequences: job.parallel, ...contextOptions });
-        const sequences = Array.from({ length: job.parallel }, () => context.getSequence());
+        let predictor;
         if (job.draft_model_path) {  // llama.cpp's draft-model speculation (one sequence)
             const draftModel = await llama.loadModel({ modelPath: job.draft_model_path, gpuLayers: 0 });
             const draftContext = await draftModel.createContext(contextOptions);
-            const predictor = new lib.DraftSequenceTokenPredictor(draftContext.getSequence(),
+            predictor = new lib.DraftSequenceTokenPredictor(draftContext.getSequence(),
                 { minTokens: 0, maxTokens: job.draft_tokens ?? 16 });
-            sequences[0] = context.getSequence({ tokenPredictor: predictor });
         }
+        const sequences = Array.from({ length: job.parallel },
+            () => context.getSequence(predictor ? { tokenPredictor: predictor } : {}));
         await runQueue(sequences, sequences.map(() => WARMUP_PROMPT), sequences.map(() => WARMUP_TOKENS));
         const start = process.hrtime.bigint();
         const requests = await runQueue(sequences, job.prompts, job.output_lens, job.depths ?? null);
