@@ -8,44 +8,21 @@ anywhere, under 1 and 2 threads, over fp32, bf16 and int8 (q8) rows.
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
 import torch
 
-from deepinfer.model_executor.layers.ops import fused
 from deepinfer.model_executor.layers.ops.addressing import cache_line
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.model_executor.layers.ops.q8 import dequantize_q8, quantize_q8
+from tests.ops.test_invariant_cpu import decode_kernel, gen, prefill_kernel, threads
 
 ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 ROWS = ["float32", "bfloat16", "int8"]
 R, LPU, OFFSET = 16, 32, 16  # 16 rows per block, 2 layers per unit; the cache is the second layer
 LENGTH = 1100  # chunks [0, 512), [512, 1024), [1024, 1100)
 QUERIES = [0, 3, 511, 512, 513, 700, 1023, 1024, 1099]
-
-
-def _no_reference(*args):
-    raise AssertionError("the torch reference ran where the kernel serves the call")
-
-
-decode_kernel = fused.invariant_decode_attention_op(_no_reference)
-prefill_kernel = fused.invariant_prefill_attention_op(_no_reference)
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class Sequence:

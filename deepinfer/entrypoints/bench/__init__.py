@@ -60,6 +60,7 @@ printed lines and tables).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 
 from deepinfer.entrypoints.bench.report import WorkloadProgress, print_ratios, print_spec
@@ -78,6 +79,15 @@ from deepinfer.entrypoints.bench.workloads.throughput import run_engine_workload
 __all__ = ["BENCH_WORKLOADS", "add_bench_args", "add_bench_serve_parser", "run_bench", "selected_workloads"]
 
 BENCH_WORKLOADS = (*WORKLOADS, "prefix", "entrypoints", "spec", *LLAMA_BENCH_WORKLOADS)
+
+
+# workloads that build their own engines: (name, module, its run function), imported when asked for
+_ONE_ENGINE_WORKLOADS = (
+    ("copy", "deepinfer.entrypoints.bench.workloads.copy", "run_copy"),
+    ("prefix", "deepinfer.entrypoints.bench.workloads.prefix", "run_prefix"),
+    ("spec", "deepinfer.entrypoints.bench.workloads.spec", "run_spec"),
+    ("entrypoints", "deepinfer.entrypoints.bench.workloads.entrypoints", "run_entrypoints"),
+)
 
 
 def add_bench_args(p) -> None:
@@ -129,30 +139,11 @@ def run_bench(args) -> int:
         results += run_long(args)
         print_spec(results)
         names = [n for n in names if n != "long"]
-    if "copy" in names:
-        from deepinfer.entrypoints.bench.workloads.copy import run_copy
-
-        progress.start("copy")
-        results += run_copy(args)
-        names = [n for n in names if n != "copy"]
-    if "prefix" in names:
-        from deepinfer.entrypoints.bench.workloads.prefix import run_prefix
-
-        progress.start("prefix")
-        results += run_prefix(args)
-        names = [n for n in names if n != "prefix"]
-    if "spec" in names:
-        from deepinfer.entrypoints.bench.workloads.spec import run_spec
-
-        progress.start("spec")
-        results += run_spec(args)
-        names = [n for n in names if n != "spec"]
-    if "entrypoints" in names:
-        from deepinfer.entrypoints.bench.workloads.entrypoints import run_entrypoints
-
-        progress.start("entrypoints")
-        results += run_entrypoints(args)
-        names = [n for n in names if n != "entrypoints"]
+    for name, module, run in _ONE_ENGINE_WORKLOADS:
+        if name in names:
+            progress.start(name)
+            results += getattr(importlib.import_module(module), run)(args)
+            names = [n for n in names if n != name]
     llama_bench = [n for n in names if is_llama_bench(n)]
     if llama_bench:
         results += run_llama_bench(args, llama_bench, progress)
