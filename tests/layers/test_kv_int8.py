@@ -18,15 +18,13 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import CacheConfig
-from deepinfer.contracts.plan import ScheduledRequest, StepPlan
-from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.model_executor.layers.attention.layer_cache import LayerCache, RowCodec
 from deepinfer.model_executor.layers.ops import fused
 from deepinfer.model_executor.layers.ops.cache_common import q8_format
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.model_executor.layers.ops.q8 import dequantize_q8, quantize_q8
 from deepinfer.worker.cache_engine import CacheEngine
-from deepinfer.worker.input_batch import build_step_inputs
+from tests.models.test_fp8_cache import forced_logprobs
 
 ISAS = [isa for isa in (1, 2) if kernel_isa() >= isa]
 needs_kernels = pytest.mark.skipif(not ISAS, reason="the CPU kernels are not built here")
@@ -113,22 +111,6 @@ def test_an_int8_cache_off_the_cpu_is_refused():
     codec = RowCodec(2, 32, torch.float32, "int8")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is a CPU row format"):
         CacheEngine([], [], [codec], torch.device("meta"))
-
-
-@torch.inference_mode()
-def forced_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """log_softmax [len(tokens), V] of one request fed token by token through the engine's cache."""
-    runner = llm.engine.runner
-    block = llm.engine.config.cache.block_size
-    table = list(range(-(-len(tokens) // block)))
-    rows = []
-    for p, t in enumerate(tokens):
-        step = ScheduledRequest("forced", [t], p, (table,), (0,) * runner.num_state_slots and (0,))
-        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
-        with forward_context(inputs.attn_metadata):
-            hidden = runner.model(inputs.input_ids, inputs.positions)  # [1, hidden]
-        rows.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), -1))  # [1, V]
-    return torch.cat(rows)  # [L, V]
 
 
 def compare(ref: LLM, other: LLM, prompt: list[int], num_tokens: int) -> tuple[float, float]:
