@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROMPT ?= What is the capital of France? Answer in one sentence.
 
-.PHONY: run test test-fast lint labs clean peers
+.PHONY: run test test-fast lint labs clean peers dist
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ labs: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# The sdist and the wheel in dist/ (the wheel is built from the sdist, so both carry the package's data
+# files: kernel sources, static web files, the bench peer). `pip install dist/deepinfer-*.whl` installs it
+# (README: "Install with pip"); the Dockerfiles build their wheel the same way.
+dist: $(STAMP)
+	rm -f dist/deepinfer-*
+	$(PY) -m build --outdir dist .
 
 # The llama.cpp peer of `deepinfer bench`: node-llama-cpp's prebuilt llama.cpp binaries (needs node >= 20
 # and npm) in the cache directory that bench/peers/node_llama_cpp.py reads (DEEPINFER_NODE_LLAMA_CPP_DIR overrides it).
