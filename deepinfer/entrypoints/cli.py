@@ -1,4 +1,4 @@
-"""The `deepinfer` command: generate, chat, bench, info, serve (each with --help)."""
+"""The `deepinfer` command: generate, chat, bench, info, serve; pull, list, rm (each with --help)."""
 
 from __future__ import annotations
 
@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     use_model_defaults(gen, 128, "most tokens generated")
     use_model_defaults(chat, CHAT_MAX_TOKENS, "cap on each reply, which also stops at the end of the context")
     bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
+    from deepinfer.entrypoints.models_cmd import add_model_commands
+
+    add_model_commands(sub)  # pull, list, rm: no engine flags
     return parser
 
 
@@ -162,8 +165,8 @@ def torchrun_follower(args) -> int | None:
     from deepinfer.worker.torchrun import run_follower, torchrun_job
 
     job = torchrun_job()
-    if job is None or job.rank == 0:
-        return None
+    if job is None or job.rank == 0 or getattr(args, "data_parallel_size", 1) > 1:
+        return None  # data parallelism: every rank runs `serve` (data_parallel/launch.py)
     if args.func in (cmd_generate, cmd_chat, cmd_bench, cmd_serve):
         job.tensor_parallel_size(args.tensor_parallel_size)  # rank 0's refusal, here too
         run_follower(args.device, job)
@@ -172,6 +175,7 @@ def torchrun_follower(args) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a data-parallel front end passes it on
     try:
         follower = torchrun_follower(args)
         return follower if follower is not None else args.func(args)

@@ -1,0 +1,216 @@
+"""`deepinfer list` and `deepinfer rm`: the models available offline, from three places.
+
+    pip          models shipped as pip packages (`loader/default_model.py`), by short name
+    hf-cache     the Hugging Face cache (`HF_HUB_CACHE`), read with `scan_cache_dir`: a checkpoint
+                 as org/name, a GGUF repository's cached files as org/name/file.gguf
+    models-dir   *.gguf files under the models directory (`--models-dir`, else
+                 `$DEEPINFER_MODELS_DIR`, else `models` in DeepInfer's cache directory), by path
+
+Each row's name is what `--model` / `deepinfer serve` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import os
+import pathlib
+
+SOURCE_PIP, SOURCE_HUB, SOURCE_DIR = "pip", "hf-cache", "models-dir"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """One model available offline. `size` in bytes, `modified` a POSIX timestamp."""
+
+    name: str
+    source: str
+    size: int
+    modified: float
+    path: str
+
+
+def default_models_dir() -> str:
+    """`$DEEPINFER_MODELS_DIR`, else `models` in DeepInfer's cache directory (`$DEEPINFER_CACHE_DIR`,
+    else ~/.cache/deepinfer). Empty variables count as unset."""
+    from deepinfer.model_executor.loader.fingerprint import default_cache_dir
+
+    explicit = os.environ.get("DEEPINFER_MODELS_DIR")
+    if explicit:
+        return os.path.abspath(os.path.expanduser(explicit))
+    return os.path.join(default_cache_dir() or os.path.abspath(".deepinfer"), "models")
+
+
+def list_models(models_dir: str | None = None) -> list[ModelEntry]:
+    """Every model available offline: pip-shipped first, then the Hub cache, then the models dir."""
+    hub = sorted(hub_entries(), key=lambda e: e.name.lower())
+    local = sorted(dir_entries(models_dir or default_models_dir()), key=lambda e: e.name)
+    return pip_entries() + hub + local
+
+
+def pip_entries() -> list[ModelEntry]:
+    """The pip-shipped models that are installed (their files measured, nothing assembled)."""
+    from deepinfer.model_executor.loader.default_model import PACKAGED_MODELS
+
+    entries = []
+    for name in PACKAGED_MODELS:
+        files, path = _pip_model_files(name)
+        if files:
+            stats = [os.stat(f) for f in files]
+            entries.append(ModelEntry(name, SOURCE_PIP, sum(s.st_size for s in stats),
+                                      max(s.st_mtime for s in stats), path))
+    return entries
+
+
+def _pip_model_files(name: str) -> tuple[list[str], str]:
+    """`(files, path)` of pip model `name`: the files holding it (one GGUF, or the chunks a split
+    model is assembled from on first use) and the path to show; `([], "")` when not installed."""
+    from deepinfer.model_executor.loader import default_model
+
+    try:
+        if name == default_model.DEFAULT_MODEL_NAME:
+            path = default_model.default_model_path()
+            return [path], path
+        package = importlib.import_module(default_model.GEMMA3_PACKAGE)
+        return [str(p) for p in package.chunk_paths() if p.is_file()], os.path.dirname(package.__file__)
+    except (FileNotFoundError, ImportError):
+        return [], ""
+
+
+def pip_uninstall_command(name: str) -> str | None:
+    """`pip uninstall ...` for pip model `name` (with the chunk packages a split model needs);
+    None when `name` is not one."""
+    from deepinfer.model_executor.loader import default_model as dm
+
+    dist = {dm.DEFAULT_MODEL_NAME: dm.DEFAULT_MODEL_DISTRIBUTION, dm.GEMMA3_MODEL_NAME: dm.GEMMA3_DISTRIBUTION}
+    if name.lower() not in dist:
+        return None
+    main = dist[name.lower()]
+    try:
+        requires = importlib.metadata.requires(main) or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    parts = [r.split("=")[0].strip() for r in requires if r.startswith(f"{main}-part")]
+    return f"pip uninstall {' '.join([main, *parts])}"
+
+
+def scan_hub_cache():
+    """huggingface_hub's scan of the Hub cache; None when the cache directory does not exist."""
+    from huggingface_hub import scan_cache_dir
+
+    from deepinfer.model_executor.loader.hub import hub_cache_dir
+
+    cache = hub_cache_dir()
+    return scan_cache_dir(cache) if os.path.isdir(cache) else None
+
+
+def hub_entries() -> list[ModelEntry]:
+    """A checkpoint repository as one row (org/name); a GGUF repository as one row per cached file."""
+    info = scan_hub_cache()
+    entries = []
+    for repo in info.repos if info is not None else ():
+        if repo.repo_type != "model":
+            continue
+        files = {_relative(f, r): f for r in repo.revisions for f in r.files}
+        gguf = {path: f for path, f in files.items() if path.endswith(".gguf")}
+        if "config.json" in files or not gguf:
+            entries.append(ModelEntry(repo.repo_id, SOURCE_HUB, repo.size_on_disk, repo.last_modified,
+                                      str(repo.repo_path)))
+            continue
+        entries += [ModelEntry(f"{repo.repo_id}/{path}", SOURCE_HUB, f.size_on_disk, f.blob_last_modified,
+                               str(f.file_path)) for path, f in gguf.items()]
+    return entries
+
+
+def _relative(file, revision) -> str:
+    return pathlib.PurePath(file.file_path).relative_to(revision.snapshot_path).as_posix()
+
+
+def dir_entries(models_dir: str) -> list[ModelEntry]:
+    """The *.gguf files under `models_dir` (searched recursively), each named by its absolute path."""
+    entries = []
+    for root, _, names in os.walk(models_dir):
+        for name in names:
+            if name.endswith(".gguf"):
+                path = os.path.join(os.path.abspath(root), name)
+                stat = os.stat(path)
+                entries.append(ModelEntry(path, SOURCE_DIR, stat.st_size, stat.st_mtime, path))
+    return entries
+
+
+def remove_model(name: str, models_dir: str | None = None) -> ModelEntry:
+    """Delete `name` (a Hub-cache checkpoint or GGUF file, or a GGUF in the models dir) and return
+    what was deleted.
+
+    Raises ValueError for a pip-shipped model (naming the `pip uninstall` command) and
+    FileNotFoundError for a name found in neither place (naming both).
+    """
+    command = pip_uninstall_command(name)
+    if command is not None:
+        raise ValueError(f"model {name!r} is shipped as a pip package; remove it with: {command}")
+    models_dir = models_dir or default_models_dir()
+    removed = _remove_from_hub(name) or _remove_from_dir(name, models_dir)
+    if removed is None:
+        from deepinfer.model_executor.loader.hub import hub_cache_dir
+
+        raise FileNotFoundError(f"model {name!r} is neither in the Hugging Face cache ({hub_cache_dir()}) nor "
+                                f"in the models directory ({models_dir}); `deepinfer list` shows what is there")
+    return removed
+
+
+def _remove_from_hub(name: str) -> ModelEntry | None:
+    """Delete a cached repository (every revision) or one cached file of it; None when not cached."""
+    from deepinfer.model_executor.loader.hub import parse_hub_name
+
+    parsed = parse_hub_name(name.replace(":", "/", 1))
+    info = scan_hub_cache() if parsed is not None else None
+    repo = next((r for r in info.repos if r.repo_type == "model" and r.repo_id == parsed[0]), None) if info else None
+    if repo is None:
+        return None
+    filename = parsed[1]
+    all_files = [f for r in repo.revisions for f in r.files]
+    chosen = all_files if filename is None else [f for r in repo.revisions for f in r.files
+                                                 if _relative(f, r) == filename]
+    if not chosen:
+        return None
+    if len(chosen) == len(all_files):  # nothing else cached: the whole repository goes
+        strategy = info.delete_revisions(*(r.commit_hash for r in repo.revisions))
+        strategy.execute()
+        freed = strategy.expected_freed_size
+    else:
+        freed = _delete_files(info, repo, chosen)
+    label = repo.repo_id if filename is None else f"{repo.repo_id}/{filename}"
+    return ModelEntry(label, SOURCE_HUB, freed, repo.last_modified, str(repo.repo_path))
+
+
+def _delete_files(info, repo, chosen) -> int:
+    """Delete cached files `chosen` of `repo` (their snapshot entries, and each blob no other entry
+    uses); the bytes freed. huggingface_hub's own strategy where the release has one."""
+    if hasattr(info, "delete_files"):  # huggingface_hub >= 2
+        strategy = info.delete_files(*chosen)
+        strategy.execute()
+        return strategy.expected_freed_size
+    kept = {f.blob_path for r in repo.revisions for f in r.files if f not in chosen}
+    freed = 0
+    for f in chosen:
+        os.remove(f.file_path)
+        if f.blob_path not in kept and os.path.exists(f.blob_path):
+            freed += f.size_on_disk
+            os.remove(f.blob_path)
+    return freed
+
+
+def _remove_from_dir(name: str, models_dir: str) -> ModelEntry | None:
+    """Delete a GGUF named by its path, or by its path relative to `models_dir`; None when absent."""
+    root = os.path.realpath(models_dir)
+    for candidate in (os.path.expanduser(name), os.path.join(models_dir, name)):
+        path = os.path.realpath(candidate)
+        if path.endswith(".gguf") and os.path.isfile(path):
+            if os.path.commonpath([root, path]) != root:
+                raise ValueError(f"model {name!r} ({path}) is not in the models directory ({models_dir}): "
+                                 f"`deepinfer rm` deletes only models it manages")
+            stat = os.stat(path)
+            os.remove(path)
+            return ModelEntry(path, SOURCE_DIR, stat.st_size, stat.st_mtime, path)
+    return None
