@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")  # auto: the checkpoint's weights; dummy: config.json only, seeded random weights
 POOLING_TYPES = ("last", "mean", "cls")  # an embedding: the last token's row, the mean of all rows, or the first
 POOLING_CHOICES = ("auto",) + POOLING_TYPES  # auto: what the checkpoint declares (engine/pooling.py)
+SCHEDULING_POLICIES = ("fcfs", "priority")  # how the scheduler orders waiting requests
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -66,12 +67,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens of one request
+    # fcfs: arrival order; priority: (priority, arrival), lower first (engine/request_queue.py)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         for name, value in (("max_num_seqs", self.max_num_seqs),
                             ("max_num_batched_tokens", self.max_num_batched_tokens),
                             ("max_model_len", self.max_model_len)):
             _positive(name, value)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, SCHEDULING_POLICIES))}, "
+                             f"got {self.scheduling_policy!r}")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from deepinfer.config import (
     LOAD_FORMATS,
     POOLING_CHOICES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
@@ -113,6 +114,11 @@ class EngineArgs:
         "e4m3 + UE8M0 per 32), or int8 (CPU: int8 + an fp32 scale per 32)", choices=KV_CACHE_DTYPES)
     max_num_seqs: int = _option(SchedulerConfig, "max_num_seqs", "requests running at once")
     max_num_batched_tokens: int = _option(SchedulerConfig, "max_num_batched_tokens", "token budget per step")
+    scheduling_policy: str = _option(
+        SchedulerConfig, "scheduling_policy", "fcfs: waiting requests in arrival order (a request's priority must "
+        "be 0); priority: by (priority, arrival), a lower value first, and a waiting request may preempt a running "
+        "one of worse priority. Both share admissions fairly among clients (API key, `user`, client_id)",
+        choices=SCHEDULING_POLICIES)
     seed: int = _option(EngineConfig, "seed", "engine seed for unseeded sampling")
     num_threads: int | None = _option(
         EngineConfig, "num_threads", "CPU threads for the model's kernels, per rank (default: torch's choice, the "

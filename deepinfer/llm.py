@@ -174,9 +174,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order, one per prompt,
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (`priority`: one per prompt, lower first, needs
+        scheduling_policy="priority" unless all 0); outputs come back in prompt order, one per prompt,
         whose `outputs` hold its `n` samples (index 0..n-1; with `best_of`, the n of highest
         cumulative logprob, best first). The samples of a prompt compute it once.
 
@@ -204,11 +205,12 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = _as_params_list(0 if priority is None else priority, len(prompts), "priority")
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
-            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
-                order.append(self._add(i, prompt, p, lora))
+            for i, (prompt, p, lora, prio) in enumerate(zip(prompts, params, loras, priorities, strict=True)):
+                order.append(self._add(i, prompt, p, lora, priority=prio))
             self._run_to_completion(set(order), results, use_tqdm)
         finally:  # after any exception (a fatal fault, KeyboardInterrupt) nothing of ours stays queued
             self._abort_unfinished(order)
@@ -299,13 +301,14 @@ class LLM:
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # a dict or transformers' BatchEncoding
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-               lora_request: LoRARequest | None = None) -> Iterator[RequestOutput]:
+               lora_request: LoRARequest | None = None, priority: int = 0) -> Iterator[RequestOutput]:
         """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text).
         `prompt` is one prompt in any form `generate` takes. With `n` > 1, `outputs` holds every
         sample (`index` 0..n-1), each with its own delta; with `best_of` > n, one final output."""
         inputs, cache_salt = parse_prompt(prompt)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request)
+        request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request,
+                                             priority=priority)
         try:
             while True:
                 for out in self.engine.step():
@@ -316,12 +319,13 @@ class LLM:
         finally:
             self.engine.abort_request(request_id)
 
-    def _add(self, index: int, prompt, params, lora_request: LoRARequest | None = None) -> str:
+    def _add(self, index: int, prompt, params, lora_request: LoRARequest | None = None, **scheduling) -> str:
         """Queue one parsed prompt (text or ids, cache_salt); ValueError `prompts[index]: ...` when the
         engine refuses it (the caller aborts what it queued before)."""
         inputs, cache_salt = prompt
         try:
-            return self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request)
+            return self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request,
+                                           **scheduling)
         except ValueError as exc:
             raise ValueError(f"prompts[{index}]: {exc}") from None
 
@@ -409,10 +413,10 @@ def _as_lora_list(lora_request, n: int) -> list[LoRARequest | None]:
     return loras
 
 
-def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
+def _as_params_list(params, n: int, field: str = "sampling_params") -> list:
+    if isinstance(params, (SamplingParams, int)):
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        raise ValueError(f"{field} has {len(params)} entries for {n} prompts")
     return params

@@ -82,8 +82,10 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0, client_id: str | None = None) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid.
+        `priority` (lower first; non-zero needs scheduling_policy "priority") and `client_id` (whose
+        request, for the fair share between clients) order it in the waiting queue (engine/request_queue.py).
         Requests share cached prefixes only when their `cache_salt` is equal (None included) and
         their LoRA adapters have the same content (`lora_request`: checked here, ValueError naming
         the adapter when it cannot run).
@@ -102,7 +104,7 @@ class LLMEngine:
 
         def make(rid: str, p: SamplingParams) -> Request:
             return Request(rid, ids, p, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                           cache_salt=cache_salt, lora=adapter)
+                           cache_salt=cache_salt, lora=adapter, priority=priority, client_id=client_id)
 
         if params.num_samples == 1:
             self._admit(make(request_id, params), text)

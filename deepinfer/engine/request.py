@@ -56,6 +56,8 @@ class Request:
     # an embedding request (engine/pooling.py): computes its prompt, samples nothing, ends with a vector
     pooling_params: PoolingParams | None = None
     lora: LoRAAdapter | None = None  # its LoRA adapter (its content keys the request's prefix chain)
+    priority: int = 0  # lower is served first under the priority policy (engine/request_queue.py)
+    client_id: str | None = None  # whose request (fair share between clients); None: the anonymous client
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -85,3 +87,27 @@ class Request:
         del self.output_token_ids[num_output_tokens:]
         del self.token_ids[self.num_prompt_tokens + num_output_tokens:]
         self.block_hashes.clear()  # recomputed from the tokens if ever needed
+
+
+def check_new_request(req: Request, max_len: int, max_cache_tokens: int, lora_enabled: bool) -> None:
+    """ValueError if req is not new or could never run to its end: an empty prompt, no room for an
+    output under `max_len`, more KV cache than `max_cache_tokens`, an adapter with LoRA off."""
+    rid, num_prompt = req.request_id, req.num_prompt_tokens
+    if req.is_finished or req.num_computed_tokens or req.output_token_ids:
+        raise ValueError(f"request {rid!r} is not new: status {req.status.value}, "
+                         f"{req.num_computed_tokens} computed, {req.num_output_tokens} outputs")
+    if num_prompt == 0:
+        raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty")
+    if req.lora is not None and not lora_enabled:
+        raise ValueError(f"request {rid!r} names LoRA adapter {req.lora.name!r}, but LoRA is off "
+                         f"(enable_lora=False)")
+    pooling = req.pooling_params is not None  # an embedding computes its prompt and nothing after it
+    if num_prompt > max_len or (num_prompt == max_len and not pooling):
+        raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for "
+                         f"an output token under max_model_len {max_len}")
+    num_needed = num_prompt if pooling else min(num_prompt + req.sampling_params.max_tokens, max_len)
+    if num_needed > max_cache_tokens:
+        raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens "
+                         f"{req.sampling_params.max_tokens} (capped by max_model_len {max_len}) "
+                         f"needs {num_needed} tokens of KV cache, but the whole cache holds "
+                         f"{max_cache_tokens} tokens")

@@ -9,11 +9,14 @@ recompute of a preempted request (prompt + outputs from position 0) are all this
                 ^ computed ^|<-- n -->|    the step's chunk; samples if it ends at num_tokens
 
 Each step, under a budget of `max_num_batched_tokens` tokens:
-1. running requests, oldest first, take `min(num_tokens - num_computed_tokens, budget left)`;
-   a request whose blocks do not fit preempts the newest running request (maybe itself);
-2. if nothing was preempted, waiting requests, first come first served, are admitted while
-   seats (`max_num_seqs`), budget and blocks for their first chunk last; admission stops at the
-   first request that does not fit.
+0. priority policy: the worst running requests of strictly worse priority than the best waiting
+   one are preempted while it lacks a seat or blocks for its first chunk;
+1. running requests, best first, take `min(num_tokens - num_computed_tokens, budget left)`;
+   a request whose blocks do not fit preempts the worst running request (maybe itself);
+2. if step 1 preempted nothing, waiting requests are admitted in the queue's order
+   (`request_queue`: the policy's order, shared fairly between clients) while seats
+   (`max_num_seqs`), budget and blocks for their first chunk last; admission stops at the first
+   request that does not fit, and at one preempted in this step (no thrashing within a step).
 
 Speculative decoding: the runner returns drafts with a request's sampled tokens; a decode
 request holding drafts is scheduled as one verification span `[last token] + k'` drafts, k' cut
@@ -38,24 +41,24 @@ never samples; it takes no prefix hit, may fill the whole context, and finishes 
 the step that completes its prompt, with the vector the runner pooled (`ModelOutput.pooled`).
 
 LoRA (`adapter_slots`): a request with an adapter is admitted only when its adapter has, or can
-take, one of the `max_loras` device slots (else it waits, and FCFS keeps those behind it waiting
-too); it pins the slot while it runs and unpins it when it finishes, is preempted or starts over.
+take, one of the `max_loras` device slots (else it waits, and those behind it wait too); it pins
+the slot while it runs and unpins it when it finishes, is preempted or starts over.
 
-Order invariant: `running` is sorted by arrival and every running request arrived before every
-waiting one (a preempted request goes back to the front of `waiting`), so `running[-1]` is the
-newest running request and FCFS order holds across preemptions.
+Order invariant: `running` is sorted by the policy's `order_key` (priority, arrival): the victim
+is `running[-1]` (fcfs: the newest). Scheduled tokens are charged to the client (fair share).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.contracts.plan import ModelOutput, SampleResult, ScheduledRequest, StepPlan
 from deepinfer.engine.adapter_slots import AdapterSlotTable
 from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import Request, RequestStatus, check_new_request
+from deepinfer.engine.request_queue import make_request_queue
 from deepinfer.engine.spec_stats import SpecDecodeStats
 
 
@@ -80,8 +83,8 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.adapter_slots = adapter_slots  # LoRA device slots (None: LoRA off)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.waiting: deque[Request] = deque()  # WAITING and PREEMPTED, FCFS
-        self.running: list[Request] = []  # RUNNING, oldest first
+        self.waiting = make_request_queue(scheduler_config.scheduling_policy)  # WAITING and PREEMPTED
+        self.running: list[Request] = []  # RUNNING, sorted by waiting.order_key (best first)
         self.num_preemptions_total = 0
         self.spec_stats = SpecDecodeStats()
         self._finished_request_ids: list[str] = []  # since the last schedule()
@@ -111,40 +114,20 @@ class Scheduler:
         """Queue a request; ValueError if it could never run to its end.
 
         `share_from`: a sibling sample of the same prompt (parallel sampling) that computed it
-        already; req takes its place in line by arrival (FCFS holds) and, on admission, shares
-        the sibling's full prompt blocks if it still holds them (`KVCacheManager.sibling_prefix`)."""
+        already; req takes its place in line by arrival and, on admission, shares the sibling's
+        full prompt blocks if it still holds them (`KVCacheManager.sibling_prefix`)."""
         self._validate(req)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        if share_from is None:
-            self.waiting.append(req)
-            return
-        self._share_from[req.request_id] = share_from
-        later = (i for i, other in enumerate(self.waiting) if other.arrival_time > req.arrival_time)
-        self.waiting.insert(next(later, len(self.waiting)), req)
+        if share_from is not None:
+            self._share_from[req.request_id] = share_from
+        self.waiting.add(req)
 
     def _validate(self, req: Request) -> None:
-        rid, num_prompt, max_len = req.request_id, req.num_prompt_tokens, self.max_model_len(req)
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use by an unfinished request")
-        if req.is_finished or req.num_computed_tokens or req.output_token_ids:
-            raise ValueError(f"request {rid!r} is not new: status {req.status.value}, "
-                             f"{req.num_computed_tokens} computed, {req.num_output_tokens} outputs")
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: prompt_token_ids must not be empty")
-        if req.lora is not None and self.adapter_slots is None:
-            raise ValueError(f"request {rid!r} names LoRA adapter {req.lora.name!r}, but LoRA is off "
-                             f"(enable_lora=False)")
-        pooling = req.pooling_params is not None  # an embedding computes its prompt and nothing after it
-        if num_prompt > max_len or (num_prompt == max_len and not pooling):
-            raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens leaves no room for "
-                             f"an output token under max_model_len {max_len}")
-        num_needed = num_prompt if pooling else min(num_prompt + req.sampling_params.max_tokens, max_len)
-        if num_needed > self.kv_manager.max_num_tokens:
-            raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens "
-                             f"{req.sampling_params.max_tokens} (capped by max_model_len {max_len}) "
-                             f"needs {num_needed} tokens of KV cache, but the whole cache holds "
-                             f"{self.kv_manager.max_num_tokens} tokens")
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
+        self.waiting.check(req)  # priority (the policy's), client_id
+        check_new_request(req, self.max_model_len(req), self.kv_manager.max_num_tokens, self.adapter_slots is not None)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting, running or preempted request; False if unknown or already finished."""
@@ -180,13 +163,29 @@ class Scheduler:
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         """Decide this step's work (see the module docstring)."""
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
+        scheduled, preempted, for_waiting = [], [], self._preempt_for_waiting()
         budget = self._schedule_running(scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, budget, set(map(id, for_waiting)))
         finished, self._finished_request_ids = self._finished_request_ids, []
-        return StepPlan(scheduled, finished, [r.request_id for r in preempted], self.kv_manager.take_persist())
+        preempted_ids = [r.request_id for r in for_waiting + preempted]
+        return StepPlan(scheduled, finished, preempted_ids, self.kv_manager.take_persist())
+
+    def _preempt_for_waiting(self) -> list[Request]:
+        """Priority policy: preempt running requests of strictly worse priority than the best waiting
+        one, worst first, while it lacks a seat or blocks for its first chunk (counted without prefix
+        hits: maybe one more than needed). The victims wait behind it: none returns in this step."""
+        head, victims = self.waiting.peek() if self.waiting.preemptive else None, []
+        while (head is not None and self.running and self.running[-1].priority > head.priority
+               and not self._could_admit(head)):
+            victims.append(self.running.pop())
+            self._preempt(victims[-1])
+        return victims
+
+    def _could_admit(self, req: Request) -> bool:
+        first_chunk = min(req.num_tokens, self.config.max_num_batched_tokens)
+        return (len(self.running) < self.config.max_num_seqs
+                and self.kv_manager.can_allocate(req.request_id, first_chunk))
 
     def _schedule_running(self, scheduled: list[ScheduledRequest], preempted: list[Request]) -> int:
         budget = self.config.max_num_batched_tokens
@@ -196,8 +195,9 @@ class Scheduler:
             num_new = self._chunk(req, req.num_computed_tokens, budget)
             drafts = self._drafts_to_verify(req, budget)
             if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
-                break  # req preempted itself: it was the newest, nothing runs after it
+                break  # req preempted itself: it was the worst, nothing runs after it
             scheduled.append(self._scheduled_request(req, num_new, drafts))
+            self.waiting.charge(req, num_new + len(drafts))
             budget -= num_new + len(drafts)
             i += 1
         return budget
@@ -220,7 +220,7 @@ class Scheduler:
         return req.draft_token_ids[:max(0, room)]
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
-        """Get blocks for req's next `num_new` tokens, preempting newest first; False if req went."""
+        """Get blocks for req's next `num_new` tokens, preempting the worst first; False if req went."""
         while not self.kv_manager.allocate_slots(req.request_id, req.num_computed_tokens + num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -230,7 +230,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Free req's cache and queue it first in line; it will recompute prompt + outputs."""
+        """Free req's cache and queue it in its place; it will recompute prompt + outputs."""
         self.kv_manager.free(req.request_id)
         self._release_adapter(req)
         req.num_computed_tokens = 0
@@ -239,17 +239,19 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(req)
+        self.waiting.add(req)
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int, preempted: set[int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.peek()
+            if id(req) in preempted:
+                break  # preempted in this step: back in a later one
             hit = self._find_prefix(req)
             req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
             num_new = self._chunk(req, hit.num_tokens, budget)
             if not self._adapter_fits(req) or not self.kv_manager.allocate_slots(
                     req.request_id, hit.num_tokens + num_new, hit):
-                break  # FCFS: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             if req.lora is not None:
                 self.adapter_slots.acquire(req.request_id, req.lora)
             req.num_computed_tokens = hit.num_tokens
@@ -257,10 +259,11 @@ class Scheduler:
                 self.kv_manager.stats.observe(req.num_tokens, hit.num_tokens, hit.num_disk_tokens)
             if not req.num_output_tokens and not req.num_preemptions:  # first admission (or a start-over)
                 req.num_cached_tokens = hit.num_tokens
-            self.waiting.popleft()
+            self.waiting.admit(req)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=self.waiting.order_key)
             scheduled.append(self._scheduled_request(req, num_new))
+            self.waiting.charge(req, num_new)
             budget -= num_new
 
     def _adapter_fits(self, req: Request) -> bool:
@@ -359,14 +362,14 @@ class Scheduler:
 
     def _start_over(self, req: Request, paths: list[str]) -> None:
         """Saved-cache files of req's step could not be read (it was left out of the step): forget
-        them, free its cache and queue it first in line to start again."""
+        them, free its cache and queue it in its place to start again."""
         self.kv_manager.forget_paths(paths, req.num_computed_tokens)
         self.kv_manager.free(req.request_id)
         self._release_adapter(req)
         self.running.remove(req)
         req.num_computed_tokens, req.draft_token_ids, req.snapshot_at = 0, [], []
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        self.waiting.add(req)
 
     def _advance(self, req: Request, sched: ScheduledRequest, samples: list) -> None:
         """Count the step's computed tokens: all of a plain step; of a verification step, the

@@ -2,13 +2,15 @@
 
 Unknown fields are refused, as OpenAI's API does (a 400 naming the field: a misspelled
 `max_tokns` never silently falls back to a default); every field the official `openai` client
-sends is declared. Fields that change nothing here are accepted and ignored (`user`, `metadata`,
-`store`, `service_tier`, `prediction`, `prompt_cache_key`, `safety_identifier`). Chat messages
+sends is declared. Fields that change nothing here are accepted and ignored (`metadata`,
+`store`, `service_tier`, `prediction`, `prompt_cache_key`, `safety_identifier`); `user` names the
+client for the scheduler's fair share when the server checks no API keys. Chat messages
 keep their extra fields (they reach the chat template). Function `tools`, `tool_choice` and
 `parallel_tool_calls` are checked in `tools.py`; `chat_template_kwargs` (an extension, as in
 vLLM) reach the chat template (e.g. `{"enable_thinking": false}`).
 `cache_salt` (an extension, as in vLLM) keeps a request's prefix
-cache apart from requests with another salt. vLLM's sampling extensions `min_tokens`,
+cache apart from requests with another salt; `priority` (vLLM's extension: lower is served first)
+needs `--scheduling-policy priority` unless it is 0. vLLM's sampling extensions `min_tokens`,
 `include_stop_str_in_output`, `bad_words` and `prompt_logprobs` (a top-level list in the
 response) are accepted beside OpenAI's `logit_bias`. Fields that would change the meaning of a request but that the
 server does not implement (echo, the legacy `functions`, ...) are parsed loosely and refused by
@@ -63,8 +65,8 @@ class _GenerationRequest(BaseModel):
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # the client, for the fair share (without API keys)
     # accepted and ignored: they change nothing in how this server answers
-    user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -72,6 +74,7 @@ class _GenerationRequest(BaseModel):
     safety_identifier: str | None = None
     ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
     cache_salt: str | None = None  # extension (as in vLLM): only requests with an equal salt share cached prefixes
+    priority: int = Field(0, ge=-INT64_MAX - 1, le=INT64_MAX)  # extension (as in vLLM): lower is served first
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     # extensions (as in vLLM); SamplingParams checks their values
     min_tokens: int | None = Field(None, ge=0)
