@@ -320,6 +320,31 @@ class KVCacheManager(KVAllocator):
         for slot in cache.held_snapshot_slots():
             self.snapshots.give_back(slot)
 
+    # ---- read-only views (the server's dashboard) -----------------------------------------
+    def group_usage(self) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[str, int, int], ...]]:
+        """(paged, ring): per paged group (name, blocks its tables hold, blocks of the pool), per
+        ring group (name, state slots held, slots in all). All paged groups draw from one pool, so
+        each reports the pool's size as its total; with one group its used blocks are the pool's
+        (no walk), with several each counts the distinct blocks its tables hold (shared once)."""
+        total = self.num_total_blocks
+        if len(self.paged_specs) == 1:
+            paged = ((self.paged_specs[0].name, total - self.num_free_blocks, total),)
+        else:
+            tables = [c.block_tables for c in self._requests.values()]
+            paged = tuple((spec.name, len(set().union(*(t[gi] for t in tables))), total)
+                          for gi, spec in enumerate(self.paged_specs))
+        rings = tuple((spec.name, pool.num_slots - pool.num_free_slots, pool.num_slots)
+                      for spec, pool in zip(self.ring_specs, self.slot_pools, strict=True))
+        return paged, rings
+
+    def block_view(self, request_id: str) -> tuple[list[tuple[int, bool]], ...] | None:
+        """Per paged group, the request's block table as (block id, registered in the prefix cache)
+        pairs; None when it holds no cache (waiting, or freed)."""
+        cache = self._requests.get(request_id)
+        if cache is None:
+            return None
+        return tuple([(b.block_id, b.block_hash is not None) for b in table] for table in cache.block_tables)
+
     # ---- checks for tests ---------------------------------------------------------------
     def check_consistency(self) -> None:
         """`KVAllocator.check_consistency`, and snapshot slots add up."""

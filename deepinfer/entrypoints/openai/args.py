@@ -6,11 +6,21 @@ import argparse
 import os
 
 
+class JoinWithCommas(argparse.Action):
+    """A repeatable string flag whose values join into one comma-separated string (`--api-key`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    g.add_argument("--api-key", action=JoinWithCommas, default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1 routes; several keys: repeat the flag or "
+                        "separate them with commas (each key is a client of its own for the fair share)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models shows (default: a GGUF file's stem, the base "
                         "name of --model's directory, or the default model's name)")
@@ -28,8 +38,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "waiting requests, KV cache usage) logged while the server is busy")
     g.add_argument("--disable-log-stats", action="store_true", help="log no throughput lines")
     add_agent_args(p)
+    add_data_parallel_args(p)
     add_lora_args(p)
     add_connection_args(p)
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
+    from deepinfer.entrypoints.data_parallel.router import ROUTING_POLICIES
+
+    g = p.add_argument_group("data parallelism (engine replicas behind one address)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engine replicas (processes) behind this server, which becomes their front end and "
+                        "routes each request to the replica likely to hold its prefix, else the least loaded")
+    g.add_argument("--data-parallel-size-local", type=int, default=None, metavar="L",
+                   help="replicas the front end starts on this machine, ranks 0..L-1 (default: all N); the "
+                        "others join with --data-parallel-address")
+    g.add_argument("--data-parallel-address", default=None, metavar="HOST:PORT",
+                   help="serve as a replica of the front end at HOST:PORT (it registers there once it listens)")
+    g.add_argument("--data-parallel-rank", type=int, default=0, metavar="R",
+                   help="this replica's rank among the front end's N (with --data-parallel-address)")
+    g.add_argument("--data-parallel-routing", default="prefix", choices=ROUTING_POLICIES,
+                   help="prefix: the replica that holds the prompt's first blocks unless it is overloaded, "
+                        "else the least loaded; least-load; random (a baseline)")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:

@@ -57,6 +57,7 @@ class _Add:
     arrival_time: float
     cache_salt: str | None = None
     lora_request: object = None  # a LoRARequest (None: the base model)
+    scheduling: dict | None = None  # priority, client_id (LLMEngine.add_request)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class EngineLoop:
         self.metrics = metrics
         self.on_fatal = on_fatal  # called once, on the engine thread, after a fatal fault
         self.stats = EngineStats()
+        self.dashboard = None  # a DashboardFeed (dashboard.py): its cache picture, published with the stats
         self.stats_logger = StatsLogger()  # the periodic throughput line (interval_s None: off)
         self.error: BaseException | None = None
         self._cond = threading.Condition()
@@ -146,16 +148,18 @@ class EngineLoop:
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                   arrival_time: float | None = None, cache_salt: str | None = None,
-                  lora_request=None) -> RequestHandle:
+                  lora_request=None, **scheduling) -> RequestHandle:
         """Hand a request to the engine; raises the engine's ValueError if it refuses it.
         Requests share cached prefixes only when their `cache_salt` is equal (and their LoRA
-        adapters' content: `lora_request`, None for the base model)."""
+        adapters' content: `lora_request`, None for the base model). `scheduling`: `priority`
+        and `client_id`, as `LLMEngine.add_request` takes them."""
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
         future = self._loop.create_future()
         self._submit(_Add(request_id, prompt_ids, params, queue, future,
-                          arrival_time if arrival_time is not None else time.monotonic(), cache_salt, lora_request))
+                          arrival_time if arrival_time is not None else time.monotonic(), cache_salt, lora_request,
+                          scheduling))
         try:
             await future
         except asyncio.CancelledError:
@@ -253,6 +257,7 @@ class EngineLoop:
         salt = {} if command.cache_salt is None else {"cache_salt": command.cache_salt}
         if command.lora_request is not None:
             salt["lora_request"] = command.lora_request
+        salt.update(command.scheduling or {})
         try:
             self.engine.add_request(command.prompt_ids, command.params, command.request_id, **salt)
         except Exception as exc:  # a refusal (ValueError) goes back to the caller
@@ -285,6 +290,8 @@ class EngineLoop:
         self.stats = engine_stats(self.engine, len(self._tracked))
         if self.metrics is not None:
             self.metrics.record_engine(self.stats)
+        if self.dashboard is not None:
+            self.dashboard.publish(self.engine)
 
     def _close(self) -> None:
         """Refuse further commands; fail pending adds and open requests."""

@@ -59,12 +59,16 @@ def run_server(args) -> int:
     The process ends through `os._exit` once uvicorn has shut down: the interpreter's own
     teardown (over a second with torch and transformers loaded) would overrun a short grace.
     """
+    from deepinfer.entrypoints.data_parallel.launch import serve_data_parallel, start_joining
     from deepinfer.entrypoints.openai.args import lora_settings
     from deepinfer.entrypoints.openai.server import ServerSettings, build_app
 
     _check_args(args)
-    lora = lora_settings(args)  # a malformed --lora-modules entry fails before the model loads
     _setup_logging(args.log_level)
+    frontend_status = serve_data_parallel(args)
+    if frontend_status is not None:
+        return frontend_status
+    lora = lora_settings(args)  # a malformed --lora-modules entry fails before the model loads
     engine = make_llm(args).engine
     settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
                               max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
@@ -83,6 +87,8 @@ def run_server(args) -> int:
     print(f"deepinfer: serving {settings.model_name} (max_model_len {engine.max_model_len}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     fatal.server = GracefulServer(config, app.state.server.engine_loop, args.shutdown_grace)
+    if args.data_parallel_address is not None:
+        start_joining(args, args.port)
     fatal.server.run()
     logging.shutdown()
     sys.stdout.flush()

@@ -5,7 +5,9 @@ state after each iteration.
     ----------------------------------------------      -------------------------------------
     TTFT at its first token, tokens per step,           `LLMEngine.get_metrics()`: scheduler
     mean TPOT and latency when it finishes              counts, KV usage, speculative decoding,
-                                                        prefix-cache and cache-directory counters
+                                                        prefix-cache and cache-directory counters;
+                                                        `KVCacheManager.group_usage()`: blocks and
+                                                        state slots per cache group
 
 Engine thread only: `EngineLoop` keeps the records, accounts for each output of a step and
 publishes `engine_stats(...)` as its `stats`, a frozen snapshot the event loop thread reads.
@@ -81,4 +83,7 @@ def engine_stats(engine, num_active: int) -> EngineStats:
     fields = {name: metrics[key] for name, key in STATS_FROM_METRICS.items() if key in metrics}
     if "spec_accepted_per_position" in fields:
         fields["spec_accepted_per_position"] = tuple(fields["spec_accepted_per_position"])
+    kv = getattr(engine, "kv_manager", None)  # a stand-in engine in tests may have none
+    if kv is not None:
+        fields["paged_groups"], fields["ring_groups"] = kv.group_usage()
     return EngineStats(num_active=num_active, **fields)

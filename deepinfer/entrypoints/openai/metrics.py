@@ -40,6 +40,10 @@ class EngineStats:
     num_cached_blocks: int = 0  # blocks holding a cached prefix, in use or free
     kv_dir_bytes_read: int = 0  # the KV cache directory's bytes read and written since start
     kv_dir_bytes_written: int = 0
+    # per cache group (`KVCacheManager.group_usage`): (group, used, total) blocks of each paged group
+    # (all share one pool: each total is the pool's) and state slots of each ring group
+    paged_groups: tuple[tuple[str, int, int], ...] = ()
+    ring_groups: tuple[tuple[str, int, int], ...] = ()
 
 
 class ServerMetrics:
@@ -91,6 +95,14 @@ class ServerMetrics:
                                             "cache directory", registry=r)
         self.cached_blocks = Gauge("deepinfer_num_cached_blocks", "KV cache blocks holding a cached prefix "
                                    "(in use or free)", registry=r)
+        self.group_blocks_used = Gauge("deepinfer_kv_group_blocks_used", "KV cache blocks (pages) the requests' "
+                                       "block tables of a paged cache group hold", ["group"], registry=r)
+        self.group_blocks_total = Gauge("deepinfer_kv_group_blocks_total", "KV cache blocks a paged cache group "
+                                        "draws from (one pool shared by all paged groups)", ["group"], registry=r)
+        self.ring_slots_used = Gauge("deepinfer_kv_ring_slots_used", "State slots (rings) of a sliding-window "
+                                     "cache group held by requests", ["group"], registry=r)
+        self.ring_slots_total = Gauge("deepinfer_kv_ring_slots_total", "State slots (rings) of a sliding-window "
+                                      "cache group", ["group"], registry=r)
         self._seen: dict[object, int] = {}  # counter (or labelled child) -> the engine total it has reached
 
     # -- per request ------------------------------------------------------------------------------
@@ -136,6 +148,12 @@ class ServerMetrics:
         self._advance(self.prefix_load_failures, stats.prefix_load_failures)
         self._advance(self.kv_dir_bytes_read, stats.kv_dir_bytes_read)
         self._advance(self.kv_dir_bytes_written, stats.kv_dir_bytes_written)
+        for group, used, total in stats.paged_groups:
+            self.group_blocks_used.labels(group).set(used)
+            self.group_blocks_total.labels(group).set(total)
+        for group, used, total in stats.ring_groups:
+            self.ring_slots_used.labels(group).set(used)
+            self.ring_slots_total.labels(group).set(total)
 
     def _advance(self, counter, total: int) -> None:
         """Move `counter` up to the engine's running `total` (counters only grow: a total below

@@ -2,7 +2,7 @@
 
     GET  /                       the chat page (static files under /static; its API calls carry the key)
     GET  /health                 200 while the engine runs and the server takes requests
-    GET  /metrics                Prometheus text
+    GET  /metrics                Prometheus text; GET /dashboard plots it live (dashboard.py)
     GET  /v1/models              the one served model (its served name, never a path)
     GET  /v1/models/{id}         that model's card (404 for another id)
     POST /v1/completions         text completion, whole or streamed (SSE)
@@ -39,7 +39,8 @@ budget): whatever llguidance refuses is a 400 naming the param. The token ids an
 params (with the compiled grammar, which the worker copies) then go to the engine thread, which
 compiles and tokenizes nothing of them again.
 
-A generation body may carry `cache_salt` (a string, as in vLLM): only requests with an equal
+A generation body may carry `priority` (as vLLM: lower first; non-zero needs `--scheduling-policy
+priority`, else a 400) and `cache_salt` (a string, as in vLLM): only requests with an equal
 salt share cached prefixes; `usage.prompt_tokens_details.cached_tokens` reports the prompt
 tokens found cached. When the app's lifespan ends, the engine thread is stopped and then the
 engine closed (the KV cache directory gets what it still lacks).
@@ -63,9 +64,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from deepinfer.entrypoints.openai.admission import ClientShares, PromptBounds
-from deepinfer.entrypoints.openai.auth import api_key_dependency
+from deepinfer.entrypoints.openai.auth import api_key_dependency, client_id
 from deepinfer.entrypoints.openai.body import BodySizeLimit, parse_json, read_body
 from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup
+from deepinfer.entrypoints.openai.dashboard import dashboard_routes
 from deepinfer.entrypoints.openai.diagnostics import forced_call_error, tool_call_summary
 from deepinfer.entrypoints.openai.embeddings import embeddings_routes
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
@@ -104,7 +106,7 @@ from deepinfer.structured_output import GrammarCompiler
 logger = logging.getLogger("deepinfer.server")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-_PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt", "cache_salt"}
+_PARAM_FIELDS = frozenset(SamplingParams().__dict__) | {"prompt", "cache_salt", "priority"}
 
 
 @dataclass
@@ -112,7 +114,7 @@ class ServerSettings:
     """What `deepinfer serve` adds to the engine's own configuration."""
 
     model_name: str
-    api_key: str | None = None
+    api_key: str | None = None  # accepted keys, comma-separated (None: no key checked)
     max_waiting: int = 256  # waiting requests above this get a 429
     max_body_bytes: int = 8 << 20
     retry_after_s: int = 1
@@ -215,6 +217,7 @@ def build_app(engine, settings: ServerSettings,
     if settings.allow_runtime_lora_updating:
         app.include_router(lora_routes(state), dependencies=[Depends(api_key_dependency(settings.api_key))])
     app.include_router(_chat_page_route())
+    app.include_router(dashboard_routes(state, api_key_dependency(settings.api_key)))
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app
 
@@ -388,7 +391,9 @@ async def _generate(state: ServerState, request: Request, body, prompt_ids: list
     arrival = time.monotonic()
     lora = state.lora_request(body.model)  # 404 when the adapter was unloaded meanwhile
     try:
-        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt, lora)
+        scheduling = {"priority": body.priority, "client_id": client_id(request, state.settings.api_key, body.user)}
+        handle = await state.engine_loop.add(response_id, prompt_ids, params, arrival, body.cache_salt, lora,
+                                             **{k: v for k, v in scheduling.items() if v})
     except ValueError as exc:
         raise from_value_error(exc, _PARAM_FIELDS) from exc
     except EngineClosedError as exc:
