@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -51,6 +52,40 @@ def test_two_torchrun_ranks_print_one_ranks_text_once_from_rank_0(llama):
     two = _torchrun("generate", "hello world", "--model", llama, *FLAGS, "--tensor-parallel-size", "2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout  # once: the follower printed nothing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_node_agents(*args: str) -> list[subprocess.CompletedProcess]:
+    """Two torchrun node agents on loopback (`--nnodes 2`, `--node-rank` 0 and 1, one process each),
+    the static rendezvous of a multi-node launch: each agent is started as it would be on its own
+    machine, with only MASTER_ADDR:PORT in common."""
+    port = _free_port()
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                                str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                                "--master-port", str(port), "-m", "deepinfer.entrypoints.cli", *args],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env())
+              for node in (0, 1)]
+    results = []
+    for agent in agents:
+        out, err = agent.communicate(timeout=180)
+        results.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
+    return results
+
+
+def test_two_nodes_with_one_rank_each_equal_one_rank_token_for_token(llama):
+    """torchrun --nnodes 2: RANK 1 has LOCAL_RANK 0 on its node; tensor parallelism across the two
+    nodes prints what one rank prints, once, from node 0."""
+    one = _cli("generate", "hello world", "--model", llama, *FLAGS, "--max-tokens", "12")
+    assert one.returncode == 0, one.stderr
+    node0, node1 = _two_node_agents("generate", "hello world", "--model", llama, *FLAGS, "--max-tokens", "12")
+    assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr[-3000:], node1.stderr[-3000:])
+    assert node0.stdout == one.stdout
+    assert node1.stdout == ""  # the follower node prints nothing of the command's output
 
 
 def test_a_size_other_than_world_size_is_refused_naming_both(llama):

@@ -1,0 +1,113 @@
+"""The replicas behind a data-parallel front end: where each is, whether it is up, its load.
+
+A replica is a whole `deepinfer serve` process (its own engine, KV cache and prefix cache) that
+registers itself with the front end (POST /dp/register {rank, url}) once it listens, and again
+every `HEARTBEAT_S` (so a restarted front end learns it again). The front end starts its local
+replicas as child processes; remote ones are started by hand or by torchrun on other machines.
+
+    up      registered and its last /health answered 200
+    down    /health failed `MAX_MISSED` times in a row, a request to it failed in transport, or
+            its child process exited; it is routed nothing until a health check answers again
+            (a child that exited stays down)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+HEARTBEAT_S = 5.0
+HEALTH_INTERVAL_S = 1.0
+MAX_MISSED = 2
+_PR_SET_PDEATHSIG = 1
+
+logger = logging.getLogger("deepinfer.server")
+
+
+@dataclass
+class Replica:
+    rank: int
+    url: str = ""  # http://host:port, once registered
+    process: subprocess.Popen | None = None  # a local child
+    up: bool = False
+    in_flight: int = 0
+    missed: int = 0
+
+    @property
+    def exited(self) -> bool:
+        return self.process is not None and self.process.poll() is not None
+
+
+class ReplicaSet:
+    """The `size` replicas by rank; the front end's event loop is the only writer."""
+
+    def __init__(self, size: int):
+        self.replicas = {rank: Replica(rank) for rank in range(size)}
+
+    def register(self, rank: int, url: str) -> Replica:
+        """A replica says where it listens. ValueError for a rank outside the set or a bad url."""
+        if rank not in self.replicas:
+            raise ValueError(f"data-parallel rank {rank} is outside --data-parallel-size {len(self.replicas)} "
+                             f"(ranks 0..{len(self.replicas) - 1})")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url {url!r} of data-parallel rank {rank} is not an http:// address")
+        replica = self.replicas[rank]
+        if replica.url != url or not replica.up:
+            logger.info("data-parallel replica %d up at %s", rank, url)
+        replica.url, replica.missed = url, 0
+        replica.up = not replica.exited
+        return replica
+
+    def loads(self) -> dict[int, int]:
+        """Requests in flight per replica that is up."""
+        return {r.rank: r.in_flight for r in self.replicas.values() if r.up}
+
+    def mark_down(self, rank: int, why: str) -> bool:
+        """Stop routing to `rank`; True when it was up."""
+        replica = self.replicas[rank]
+        was_up, replica.up = replica.up, False
+        if was_up:
+            logger.warning("data-parallel replica %d down: %s", rank, why)
+        return was_up
+
+    def health_result(self, rank: int, ok: bool) -> bool:
+        """Record one health check; True when the replica just went down."""
+        replica = self.replicas[rank]
+        if replica.exited:
+            return self.mark_down(rank, f"its process exited with status {replica.process.returncode}")
+        if ok:
+            replica.missed, replica.up = 0, bool(replica.url)
+            return False
+        replica.missed += 1
+        return replica.missed >= MAX_MISSED and self.mark_down(rank, f"{replica.missed} health checks failed")
+
+    def stop_local(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every local child (each drains as `deepinfer serve` does), then SIGKILL stragglers."""
+        children = [r.process for r in self.replicas.values() if r.process is not None and r.process.poll() is None]
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def start_local_replica(rank: int, serve_argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """`deepinfer serve` with `serve_argv` as a child that ends with this process (PDEATHSIG)."""
+    return subprocess.Popen([sys.executable, "-m", "deepinfer.entrypoints.cli", "serve", *serve_argv],
+                            env=env, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)

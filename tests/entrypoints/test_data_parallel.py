@@ -1,0 +1,245 @@
+"""Data-parallel serving (`entrypoints/data_parallel/`): the router's choices, the routing key of each
+API, the replicas' flags, the merged /metrics, and a live front end on the default model with one
+local replica and one that joins: prefix-aware routing against random placement on a shared-prefix
+workload, and a killed replica that fails only its own requests."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import httpx
+import pytest
+
+from deepinfer.entrypoints.data_parallel.launch import check_dp_args, parse_address, replica_argv, torchrun_role
+from deepinfer.entrypoints.data_parallel.metrics import merged_text
+from deepinfer.entrypoints.data_parallel.replicas import MAX_MISSED, ReplicaSet
+from deepinfer.entrypoints.data_parallel.router import PrefixRouter, block_hashes
+from deepinfer.entrypoints.data_parallel.routing_key import routing_text
+from tests.entrypoints.live_server import LiveServer, parse_metrics
+
+# ---- the router ----------------------------------------------------------------------------------
+
+
+def test_block_hashes_chain_over_full_blocks_only():
+    a = block_hashes(list(range(40)), 16)
+    assert len(a) == 2  # 40 tokens: two full blocks, the partial one has no hash
+    b = block_hashes([*range(16), 99, *range(17, 40)], 16)
+    assert a[0] == b[0] and a[1] != b[1]  # the second hash names the whole prefix up to block 1
+    c = block_hashes([*range(1, 16), 0, *range(16, 40)], 16)
+    assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later hash
+    assert len(block_hashes(list(range(16 * 50)), 16, max_blocks=8)) == 8
+
+
+def test_a_shared_prefix_goes_where_it_went_before_unless_that_replica_is_overloaded():
+    router = PrefixRouter("prefix", max_imbalance=2)
+    shared = list(range(64))
+    first = router.route(block_hashes(shared + [1] * 16, 16), {0: 0, 1: 0})
+    assert first.reason == "least-load" and first.matched_blocks == 0
+    again = router.route(block_hashes(shared + [2] * 16, 16), {0: 0, 1: 0} | {first.rank: 1})
+    assert again.rank == first.rank and again.reason == "prefix" and again.matched_blocks == 4
+    other = 1 - first.rank
+    busy = router.route(block_hashes(shared, 16), {first.rank: 3, other: 0})  # 3 > 0 + 2: too loaded
+    assert busy.rank == other and busy.reason == "least-load"
+
+
+def test_a_replica_that_went_down_is_forgotten_and_none_up_is_an_error():
+    router = PrefixRouter("prefix")
+    hashes = block_hashes(list(range(32)), 16)
+    rank = router.route(hashes, {0: 0, 1: 0}).rank
+    moved = router.route(hashes, {1 - rank: 0})  # only the other one is up: the prefix moves there
+    assert moved.rank == 1 - rank and moved.reason == "least-load"
+    assert router.route(hashes, {0: 0, 1: 0}) == type(moved)(1 - rank, 2, "prefix")
+    router.forget(1 - rank)  # it went down: its cache is gone, and so is what it was routed
+    assert router.route(hashes, {0: 5, 1: 5}).reason == "least-load"
+    with pytest.raises(ValueError, match="no data-parallel replica is up"):
+        router.route(hashes, {})
+    with pytest.raises(ValueError, match="--data-parallel-routing 'roundrobin'"):
+        PrefixRouter("roundrobin")
+
+
+def test_least_load_spreads_ties_and_random_is_seeded():
+    router = PrefixRouter("least-load")
+    ranks = [router.route([], {0: 0, 1: 0, 2: 0}).rank for _ in range(6)]
+    assert sorted(ranks) == [0, 0, 1, 1, 2, 2]  # ties go to the replica routed the fewest so far
+    a, b = PrefixRouter("random", seed=7), PrefixRouter("random", seed=7)
+    draws = [[r.route([], {0: 0, 1: 0}).rank for _ in range(12)] for r in (a, b)]
+    assert draws[0] == draws[1] and set(draws[0]) == {0, 1}
+
+
+def test_the_routing_key_of_each_api_starts_with_the_shared_part():
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "Q"}]}]}
+    assert routing_text("/v1/chat/completions", chat) == "system\nS\nuser\nQ"
+    assert routing_text("/v1/completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert routing_text("/api/generate", {"prompt": "P"}) == "P"
+    assert routing_text("/v1/messages", {"system": "S", "messages": [{"role": "user", "content": "Q"}]}) \
+        == "S\nuser\nQ"
+    assert routing_text("/v1/responses", {"instructions": "I", "input": "Q"}) == "I\nQ"
+    assert routing_text("/v1/embeddings", {"input": "x"}) is None and routing_text("/v1/completions", [1]) is None
+
+
+# ---- flags and replicas ----------------------------------------------------------------------------
+
+
+def test_a_local_replica_gets_every_flag_but_the_front_ends():
+    argv = ["--model", "m.gguf", "--data-parallel-size", "2", "--port=8000", "--host", "0.0.0.0",
+            "--data-parallel-routing", "random", "--api-key", "k"]
+    assert replica_argv(argv, 1, 8000, 9001, threads=4) == [
+        "--model", "m.gguf", "--api-key", "k", "--threads", "4", "--host", "127.0.0.1", "--port", "9001",
+        "--data-parallel-address", "127.0.0.1:8000", "--data-parallel-rank", "1"]
+    assert "--threads" not in replica_argv(["--threads", "2"], 0, 1, 2, threads=None)[2:]
+
+
+def _dp_args(**kw):
+    import argparse
+
+    base = dict(data_parallel_size=2, data_parallel_size_local=None, data_parallel_address=None,
+                data_parallel_rank=0, tensor_parallel_size=1, port=8000)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_bad_data_parallel_flags_are_refused_naming_them():
+    with pytest.raises(ValueError, match="--data-parallel-size 0"):
+        check_dp_args(_dp_args(data_parallel_size=0))
+    with pytest.raises(ValueError, match="--data-parallel-size-local 3"):
+        check_dp_args(_dp_args(data_parallel_size_local=3))
+    with pytest.raises(ValueError, match="--data-parallel-address 'nohost'"):
+        parse_address("nohost")
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2"):
+        check_dp_args(_dp_args(tensor_parallel_size=2))
+    assert parse_address("[::1]:80") == ("::1", 80)
+
+
+def test_under_torchrun_rank_0_is_the_front_end_and_the_others_join_it():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
+    args = _dp_args()
+    assert torchrun_role(args, env) == "replica"
+    assert args.data_parallel_address == "10.0.0.5:8000" and args.data_parallel_rank == 1
+    assert "RANK" not in env  # no tensor parallelism starts in the replica
+    front = _dp_args()
+    assert torchrun_role(front, {"RANK": "0", "WORLD_SIZE": "2"}) == "frontend" and front.data_parallel_size_local == 1
+    with pytest.raises(ValueError, match="must equal WORLD_SIZE=4"):
+        torchrun_role(_dp_args(), {"RANK": "0", "WORLD_SIZE": "4"})
+
+
+def test_replicas_go_down_after_missed_health_checks_and_come_back():
+    replicas = ReplicaSet(2)
+    with pytest.raises(ValueError, match="rank 2 is outside --data-parallel-size 2"):
+        replicas.register(2, "http://x:1")
+    replicas.register(1, "http://127.0.0.1:9")
+    assert replicas.loads() == {1: 0}
+    went_down = [replicas.health_result(1, False) for _ in range(MAX_MISSED)]
+    assert went_down == [False] * (MAX_MISSED - 1) + [True] and replicas.loads() == {}
+    replicas.health_result(1, True)
+    assert replicas.loads() == {1: 0}
+
+
+def test_merged_metrics_label_each_replicas_samples():
+    from prometheus_client import CollectorRegistry
+
+    one = "# HELP a_total A\n# TYPE a_total counter\na_total{x=\"1\"} 3.0\n# TYPE g gauge\ng 2.0\n"
+    text = merged_text(CollectorRegistry(), {0: one, 1: one.replace("3.0", "5.0")}).decode()
+    values = parse_metrics(text)
+    assert values['a_total{replica="0",x="1"}'] == 3.0 and values['a_total{replica="1",x="1"}'] == 5.0
+    assert values['g{replica="1"}'] == 2.0 and text.count("# TYPE a_total counter") == 1
+
+
+# ---- live: a front end, its local replica 0 and a replica 1 that joins -----------------------------
+
+_TOPICS = ["lighthouses of the northern coast", "the history of paper money", "how bees build their combs",
+           "glaciers and the valleys they carve", "the first railways in Europe", "tides and the moon",
+           "the chemistry of bread dough", "maps drawn before satellites"]
+_ASK = ["Summarise it.", "Give one fact.", "Name a place.", "Ask a question about it."]
+
+
+def _prefix(topic: str) -> str:
+    return (f"You are a patient teacher. The lesson today is about {topic}. " * 6).strip()
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 1) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _hit_rate(before: dict, after: dict) -> float:
+    def total(values, name):
+        return sum(v for k, v in values.items() if k.startswith(name + "{"))
+
+    def delta(name: str) -> float:
+        counter = f"deepinfer_prefix_cache_{name}_total"
+        return total(after, counter) - total(before, counter)
+
+    return delta("hits") / delta("queries")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LiveServer("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--threads", "1") as front:
+        with LiveServer("--data-parallel-address", f"127.0.0.1:{front.port}", "--data-parallel-rank", "1",
+                        "--threads", "1") as joined:
+            for _ in range(100):
+                if httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1]:
+                    break
+                threading.Event().wait(0.2)
+            yield front, joined
+
+
+def test_routing_by_prefix_hits_the_cache_more_than_random_placement(cluster):
+    front, _ = cluster
+    urls = {r["rank"]: r["url"] for r in httpx.get(f"{front.url}/dp/replicas").json()["replicas"]}
+    assert sorted(urls) == [0, 1] and all(urls.values())
+    before = front.metrics()
+    placed = {}
+    for topic in _TOPICS[:4]:
+        for ask in _ASK:
+            answer = _complete(front.url, f"{_prefix(topic)} {ask}")
+            assert answer.status_code == 200, answer.text
+            placed.setdefault(topic, set()).add(answer.headers["x-deepinfer-replica"])
+    routed = _hit_rate(before, middle := front.metrics())
+    assert all(len(ranks) == 1 for ranks in placed.values())  # each prefix stayed on one replica
+    assert {r for ranks in placed.values() for r in ranks} == {"0", "1"}  # and the prefixes were spread
+    rng = random.Random(0)
+    for topic in _TOPICS[4:]:
+        for ask in _ASK:
+            assert _complete(urls[rng.choice([0, 1])], f"{_prefix(topic)} {ask}").status_code == 200
+    scattered = _hit_rate(middle, front.metrics())
+    print(f"prefix-cache hit rate: routed {routed:.3f}, random placement {scattered:.3f}")
+    assert routed >= 0.6  # 3 of each group's 4 prompts find their ~90% shared prefix cached
+    assert routed > scattered
+
+
+def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster):
+    front, joined = cluster
+    results: dict[str, object] = {}
+
+    def stream(name: str, topic: str) -> None:
+        body = {"prompt": _prefix(topic), "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=120) as answer:
+                results[name + "_rank"] = answer.headers["x-deepinfer-replica"]
+                results[name] = sum(1 for line in answer.iter_lines() if line.startswith("data: {"))
+        except httpx.HTTPError as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=stream, args=(n, t)) for n, t in (("a", _TOPICS[0]), ("b", _TOPICS[1]))]
+    for t in threads:
+        t.start()
+    for _ in range(200):  # both streaming: one on each replica (the least loaded takes the second)
+        table = httpx.get(f"{front.url}/dp/replicas").json()["replicas"]
+        if all(r["in_flight"] == 1 for r in table):
+            break
+        threading.Event().wait(0.05)
+    joined.proc.kill()
+    for t in threads:
+        t.join(120)
+    on_killed = "a" if results["a_rank"] == "1" else "b"
+    survivor = "b" if on_killed == "a" else "a"
+    assert {results["a_rank"], results["b_rank"]} == {"0", "1"}
+    assert results[survivor] == 400, results  # every token streamed
+    assert isinstance(results[on_killed], Exception) or results[on_killed] < 400, results
+    for _ in range(3):
+        answer = _complete(front.url, f"{_prefix(_TOPICS[1])} again")
+        assert answer.status_code == 200 and answer.headers["x-deepinfer-replica"] == "0"
+    assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0]
+    assert front.metrics()['deepinfer_dp_replica_up{replica="1"}'] == 0.0
