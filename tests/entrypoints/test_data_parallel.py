@@ -209,6 +209,27 @@ def test_routing_by_prefix_hits_the_cache_more_than_random_placement(cluster):
     assert routed > scattered
 
 
+def test_the_dashboard_through_the_front_end_shows_one_replicas_engine(cluster):
+    from playwright.sync_api import sync_playwright
+    from test_chat_page import CHROMIUM_FLAGS, chromium_path
+
+    front, _ = cluster
+    assert httpx.get(f"{front.url}/dashboard/state", params={"replica": "1"}).headers["x-deepinfer-replica"] == "1"
+    assert httpx.get(f"{front.url}/dashboard/state", params={"replica": "7"}).status_code == 400
+    answer = _complete(front.url, "Dashboard check: one two three", max_tokens=3)
+    rank = answer.headers["x-deepinfer-replica"]
+    want = parse_metrics(httpx.get(f"{front.url}/metrics").text)[
+        f'deepinfer_generation_tokens_total{{replica="{rank}"}}']
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+        page = browser.new_page()
+        page.goto(f"{front.url}/dashboard?replica={rank}")
+        page.wait_for_function("() => Number(document.body.dataset.refreshes) >= 2", timeout=30_000)
+        shown = page.inner_text("#v-gen-total")
+        browser.close()
+    assert shown == str(int(want))  # replica `rank`'s own counter, not another's nor a sum
+
+
 def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster):
     front, joined = cluster
     results: dict[str, object] = {}

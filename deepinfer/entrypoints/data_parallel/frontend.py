@@ -4,6 +4,7 @@
                │ routing key: the prompt's first blocks (routing_key.py, router.py)
                │ /metrics: its routing counters + every replica's metrics, labelled replica="r"
                ├ /dp/register: replicas say where they listen (replicas.py); /dp/replicas lists them
+               ├ /dashboard?replica=R: replica R's dashboard (its page, metrics and requests)
                └ every answer carries x-deepinfer-replica: the rank that served it
 
 Every other path is passed through to the chosen replica as it is (body, headers, the streamed
@@ -54,7 +55,12 @@ class Frontend:
         tokens = await asyncio.to_thread(routing_tokens, self.tokenizer, path, body)
         return block_hashes(tokens, self.block_size)
 
-    def choose(self, hashes: list[bytes]):
+    def choose(self, hashes: list[bytes], pinned: int | None = None):
+        """The replica for a request: `pinned` when it is up (ValueError when not), else the router's."""
+        if pinned is not None:
+            if pinned not in self.replicas.loads():
+                raise ValueError(f"data-parallel replica {pinned} is not up")
+            return self.replicas.replicas[pinned]
         route = self.router.route(hashes, self.replicas.loads())
         self.metrics.routed.labels(str(route.rank), route.reason).inc()
         self.metrics.matched_blocks.inc(route.matched_blocks)
@@ -160,17 +166,34 @@ def _proxy_route(frontend: Frontend) -> APIRouter:
     async def proxy(path: str, request: Request) -> Response:
         raw = await request.body()
         hashes = await frontend.hashes("/" + path, raw) if request.method == "POST" else []
-        return await _forward(frontend, request, raw, hashes)
+        try:
+            pinned = _pinned(frontend, "/" + path, request.query_params.get("replica"))
+        except ValueError as exc:
+            return _error(400, str(exc))
+        return await _forward(frontend, request, raw, hashes, pinned)
 
     return router
 
 
-async def _forward(frontend: Frontend, request: Request, raw: bytes, hashes: list[bytes]) -> Response:
+def _pinned(frontend: Frontend, path: str, replica: str | None) -> int | None:
+    """The replica a dashboard request must reach: `?replica=R`, else the lowest rank up (the page
+    shows one replica's engine). None for every other path. ValueError naming a bad `replica`."""
+    if not path.startswith("/dashboard"):
+        return None
+    if replica is None:
+        return min(frontend.replicas.loads(), default=None)
+    if not replica.isdigit() or int(replica) not in frontend.replicas.replicas:
+        raise ValueError(f"replica {replica!r} is not a data-parallel rank (0..{len(frontend.replicas.replicas) - 1})")
+    return int(replica)
+
+
+async def _forward(frontend: Frontend, request: Request, raw: bytes, hashes: list[bytes],
+                   pinned: int | None = None) -> Response:
     """Send the request to its replica; on a replica that cannot be reached, mark it down and route again."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
     for _ in range(len(frontend.replicas.replicas)):
         try:
-            replica = frontend.choose(hashes)
+            replica = frontend.choose(hashes, pinned)
         except ValueError as exc:
             return _error(503, f"{exc}: try again later")
         url = replica.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")

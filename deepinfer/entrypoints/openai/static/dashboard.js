@@ -68,6 +68,19 @@ function parsePrometheus(text) {
   return samples;
 }
 
+/** Behind a data-parallel front end every replica's samples carry `replica`: keep one replica's
+ * (`?replica=R` in the page's address, else the lowest rank seen), without that label. */
+function oneReplica(samples) {
+  const ranks = [...new Set(samples.filter((s) => "replica" in s.labels).map((s) => s.labels.replica))];
+  if (!ranks.length) return samples;
+  const wanted = new URLSearchParams(location.search).get("replica");
+  dash.replica = ranks.includes(wanted) ? wanted : ranks.sort((a, b) => Number(a) - Number(b))[0];
+  return samples.filter((s) => s.labels.replica === dash.replica).map((s) => {
+    const { replica, ...labels } = s.labels;
+    return { ...s, labels };
+  });
+}
+
 /** The one unlabelled sample named `name` (null if absent). */
 function scalar(samples, name) {
   const s = samples.find((x) => x.name === name && Object.keys(x.labels).length === 0);
@@ -273,7 +286,10 @@ function picture(kind, group, label, cells, small) {
 
 async function fetchState() {
   const id = $("request").value;
-  const url = "dashboard/state" + (id ? `?request_id=${encodeURIComponent(id)}` : "");
+  const query = new URLSearchParams();
+  if (id) query.set("request_id", id);
+  if (dash.replica !== undefined) query.set("replica", dash.replica); // the front end sends it there
+  const url = "dashboard/state" + (query.size ? `?${query}` : "");
   const response = await fetch(url, { headers: authHeaders(), cache: "no-store" });
   if (response.status === 401) {
     $("settings").open = true;
@@ -292,7 +308,7 @@ async function refresh() {
   const state = fetchState();
   const [m, s] = await Promise.allSettled([metrics, state]);
   const now = performance.now() / 1000;
-  if (m.status === "fulfilled") showMetrics(reading(parsePrometheus(m.value), now), now);
+  if (m.status === "fulfilled") showMetrics(reading(oneReplica(parsePrometheus(m.value)), now), now);
   if (s.status === "fulfilled") {
     showRequestList(s.value.running);
     showRequest(s.value.request);
