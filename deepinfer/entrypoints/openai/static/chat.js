@@ -4,7 +4,6 @@
 // Everything the model or the user writes is shown as text (textContent), never parsed as HTML.
 "use strict";
 
-const KEY_STORAGE = "deepinfer.apiKey";
 
 const $ = (id) => document.getElementById(id);
 
@@ -20,31 +19,6 @@ class HttpError extends Error {
     super(message);
     this.status = status;
   }
-}
-
-// -- API key --------------------------------------------------------------------------------------
-
-function loadStoredKey() {
-  try {
-    $("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
-  } catch {
-    // storage may be disabled (private mode, a file:// page); the field still works for this visit
-  }
-}
-
-function storeKey() {
-  try {
-    const key = $("api-key").value.trim();
-    if (key) localStorage.setItem(KEY_STORAGE, key);
-    else localStorage.removeItem(KEY_STORAGE);
-  } catch {
-    // see loadStoredKey
-  }
-}
-
-function authHeaders() {
-  const key = $("api-key").value.trim();
-  return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
 // -- errors ---------------------------------------------------------------------------------------

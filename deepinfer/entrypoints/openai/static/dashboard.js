@@ -8,7 +8,6 @@
 // the raw /metrics values (and the rates) that refresh showed.
 "use strict";
 
-const KEY_STORAGE = "deepinfer.apiKey"; // shared with the chat page
 const REFRESH_MS = 1000;
 const HISTORY_S = 120;
 const COLORS = ["#2f5fb3", "#e8a33d", "#3a9a5b", "#b3412f", "#7a4fb3", "#3aa1a1"];
@@ -20,31 +19,6 @@ const dash = {
   previous: null, // the last reading: {t, gen, prompt}, for the rates
   refreshes: 0,
 };
-
-// -- API key (as the chat page) -------------------------------------------------------------------
-
-function loadStoredKey() {
-  try {
-    $("api-key").value = localStorage.getItem(KEY_STORAGE) || "";
-  } catch {
-    // storage may be disabled; the field still works for this visit
-  }
-}
-
-function storeKey() {
-  try {
-    const key = $("api-key").value.trim();
-    if (key) localStorage.setItem(KEY_STORAGE, key);
-    else localStorage.removeItem(KEY_STORAGE);
-  } catch {
-    // see loadStoredKey
-  }
-}
-
-function authHeaders() {
-  const key = $("api-key").value.trim();
-  return key ? { Authorization: `Bearer ${key}` } : {};
-}
 
 function showError(text) {
   $("error").textContent = text;
