@@ -61,6 +61,22 @@ def test_priority_reaches_the_engine_with_the_key_as_client(priority_app):
     assert wrong.status_code == 401
 
 
+def test_every_generation_api_counts_for_the_key_it_presented(priority_app):
+    app, calls = priority_app
+    model = app.client.get("/v1/models", headers=_bearer(KEYS[0])).json()["data"][0]["id"]
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "model": model}
+    sent = [("/v1/responses", {"input": "Hi", "max_output_tokens": 2}, _bearer(KEYS[1])),
+            ("/v1/messages", {**chat, "max_tokens": 2}, {"x-api-key": KEYS[2]}),
+            ("/api/chat", {**chat, "stream": False, "options": {"num_predict": 2}}, _bearer(KEYS[0])),
+            ("/api/generate", {"model": model, "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+             _bearer(KEYS[1]))]
+    for path, body, headers in sent:
+        answer = app.client.post(path, json=body, headers=headers)
+        assert answer.status_code == 200, (path, answer.text)
+    expected = ["key:" + hashlib.sha256(k.encode()).hexdigest()[:16] for k in (KEYS[1], KEYS[2], KEYS[0], KEYS[1])]
+    assert [c.get("client_id") for c in calls[-4:]] == expected
+
+
 def test_fcfs_refuses_a_priority_with_a_400_naming_it(fcfs_app):
     app, calls = fcfs_app
     resp = app.client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "priority": 2})

@@ -31,7 +31,7 @@ def client_id(request: Request, api_key: str | Sequence[str] | None, user: str |
     """Whom a request counts for in the scheduler's fair share: with API keys, the key it presented
     (a short hash of it); else the body's `user` (hashed as well, to bound its length); else None,
     the one anonymous client."""
-    given = _given_key(request, ("authorization",)) if api_keys(api_key) else None
+    given = _given_key(request, ("x-api-key", "authorization")) if api_keys(api_key) else None
     if given:
         return "key:" + hashlib.sha256(given.encode()).hexdigest()[:16]
     if user:

@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.entrypoints.openai.auth import client_id
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.errors import bad_request, context_length_exceeded
 from deepinfer.entrypoints.openai.fim import fim_prompt, require_fim_tokens
@@ -95,7 +96,8 @@ def infill_routes(state) -> APIRouter:
         raw = await read_body(request)
         body, prompt_ids, params = await state.pool.run(_prepare, state, raw)
         request_id = f"infill-{uuid.uuid4().hex}"
-        handle = await admit(state.engine_loop, request_id, prompt_ids, params)
+        handle = await admit(state.engine_loop, request_id, prompt_ids, params,
+                             client=client_id(request, state.settings.api_key, None))
         out = await final_output(state.engine_loop, request, handle, request_id)
         return JSONResponse(_answer(state, out))
 

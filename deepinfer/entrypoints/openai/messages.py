@@ -22,7 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from deepinfer.entrypoints.openai.auth import api_key_dependency
+from deepinfer.entrypoints.openai.auth import api_key_dependency, client_id
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
 from deepinfer.entrypoints.openai.errors import (
@@ -61,7 +61,8 @@ def messages_routes(state, prepare_chat_body: Callable) -> APIRouter:
         body, chat, params = await state.pool.run(_prepare, state, prepare_chat_body, raw)
         lora_request = state.lora_request(body.model)
         ctx = MessageContext(new_id("msg"), state.response_model(body.model), len(chat.prompt_ids))
-        handle = await admit(state.engine_loop, ctx.message_id, chat.prompt_ids, params, lora_request)
+        handle = await admit(state.engine_loop, ctx.message_id, chat.prompt_ids, params, lora_request,
+                             client_id(request, state.settings.api_key, None))
         if body.stream:
             return StreamingResponse(_stream(state, ctx, handle, MessageEvents(ctx, chat.plan.stream())),
                                      media_type="text/event-stream",

@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from deepinfer.engine.pooling import DEFAULT_SOURCE
 from deepinfer.entrypoints.openai import embeddings
+from deepinfer.entrypoints.openai.auth import client_id
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
 from deepinfer.entrypoints.openai.errors import (
@@ -223,7 +224,8 @@ def _renamed(error: APIError) -> APIError:
 async def _answer(state, request: Request, stream: bool | None, model: str, prompt_ids: list[int], params,
                   reply: OllamaReply) -> Response:
     request_id = f"ollama-{uuid.uuid4().hex}"
-    handle = await admit(state.engine_loop, request_id, prompt_ids, params, state.lora_request(model))
+    handle = await admit(state.engine_loop, request_id, prompt_ids, params, state.lora_request(model),
+                         client_id(request, state.settings.api_key, None))
     if stream is not False:
         return StreamingResponse(_lines(state, reply, handle, request_id), media_type="application/x-ndjson",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

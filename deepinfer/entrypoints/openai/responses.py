@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from deepinfer.entrypoints.openai.auth import client_id
 from deepinfer.entrypoints.openai.body import parse_json, read_body
 from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
 from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
@@ -85,7 +86,8 @@ def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
         lora_request = state.lora_request(body.model)
         ctx = ResponseContext(new_id("resp"), _model_name(state, lora_request), body, params.temperature,
                               params.top_p)
-        handle = await admit(state.engine_loop, ctx.response_id, chat.prompt_ids, params, lora_request)
+        handle = await admit(state.engine_loop, ctx.response_id, chat.prompt_ids, params, lora_request,
+                             client_id(request, state.settings.api_key, body.user))
         conversation = body.conversation_messages(history)
         if body.stream:
             events = _stream(state, store, ctx, handle, chat.plan.stream(), conversation)

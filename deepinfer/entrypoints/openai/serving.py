@@ -325,11 +325,14 @@ async def abort_on_disconnect(request, target, poll_s: float = 0.25) -> None:
 
 
 async def admit(engine_loop: EngineLoop, request_id: str, prompt_ids: list[int], params,
-                lora_request=None) -> RequestHandle:
+                lora_request=None, client: str | None = None) -> RequestHandle:
     """Hand a prepared request to the engine loop: its handle; a 400 when the engine refuses it
-    (ValueError), a 503 when the engine stopped."""
+    (ValueError), a 503 when the engine stopped. `client`: whom it counts for in the fair share
+    (`auth.client_id`; None: the anonymous client)."""
+    scheduling = {} if client is None else {"client_id": client}
     try:
-        return await engine_loop.add(request_id, prompt_ids, params, time.monotonic(), lora_request=lora_request)
+        return await engine_loop.add(request_id, prompt_ids, params, time.monotonic(), lora_request=lora_request,
+                                     **scheduling)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     except EngineClosedError as exc:
