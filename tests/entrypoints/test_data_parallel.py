@@ -106,8 +106,6 @@ def test_bad_data_parallel_flags_are_refused_naming_them():
         check_dp_args(_dp_args(data_parallel_size_local=3))
     with pytest.raises(ValueError, match="--data-parallel-address 'nohost'"):
         parse_address("nohost")
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2"):
-        check_dp_args(_dp_args(tensor_parallel_size=2))
     assert parse_address("[::1]:80") == ("::1", 80)
 
 
@@ -143,6 +141,22 @@ def test_merged_metrics_label_each_replicas_samples():
     values = parse_metrics(text)
     assert values['a_total{replica="0",x="1"}'] == 3.0 and values['a_total{replica="1",x="1"}'] == 5.0
     assert values['g{replica="1"}'] == 2.0 and text.count("# TYPE a_total counter") == 1
+
+
+def test_a_front_end_whose_replicas_all_fail_to_start_exits_1_with_their_errors():
+    """Two replicas of two tensor-parallel ranks each: SmolLM2's 9 heads do not split in two, so
+    both replicas exit at start-up, and the front end stops instead of answering 503 forever."""
+    import subprocess
+    import sys
+
+    from tests.entrypoints.live_server import free_port
+
+    done = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "serve", "--port", str(free_port()),
+                           "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--log-level", "warning"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.count("tensor_parallel_size=2 must divide num_attention_heads=9") == 2
+    assert "every data-parallel replica exited (status [2, 2])" in done.stderr
 
 
 # ---- live: a front end, its local replica 0 and a replica 1 that joins -----------------------------

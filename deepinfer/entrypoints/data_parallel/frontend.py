@@ -44,6 +44,8 @@ class Frontend:
     def __init__(self, replicas: ReplicaSet, router: PrefixRouter, tokenizer, block_size: int):
         self.replicas, self.router, self.tokenizer, self.block_size = replicas, router, tokenizer, block_size
         self.metrics = FrontendMetrics()
+        self.failed = False  # every replica exited: the command ends with status 1
+        self.stop = lambda: None  # ends the HTTP server (set by whoever runs it)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     async def hashes(self, path: str, raw: bytes) -> list[bytes]:
@@ -71,9 +73,16 @@ class Frontend:
             self.router.forget(rank)
 
     async def check_health(self) -> None:
-        """Every HEALTH_INTERVAL_S: ask each registered replica's /health."""
+        """Every HEALTH_INTERVAL_S: ask each registered replica's /health. When every replica is a
+        local child and all have exited, stop the front end (`failed` set, `stop` called)."""
         while True:
             await asyncio.gather(*(self._check(r) for r in list(self.replicas.replicas.values()) if r.url))
+            if self.replicas.all_local_exited():
+                codes = [r.process.returncode for r in self.replicas.replicas.values()]
+                logger.error("every data-parallel replica exited (status %s): stopping the front end", codes)
+                self.failed = True
+                self.stop()
+                return
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     def table(self) -> list[dict]:

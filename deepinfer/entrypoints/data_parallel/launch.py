@@ -66,9 +66,6 @@ def check_dp_args(args) -> None:
         parse_address(args.data_parallel_address)
         if not 0 <= args.data_parallel_rank:
             raise ValueError(f"--data-parallel-rank {args.data_parallel_rank} must be at least 0")
-    if size > 1 and args.tensor_parallel_size > 1:
-        raise ValueError(f"--data-parallel-size {size} with --tensor-parallel-size {args.tensor_parallel_size}: "
-                         f"each replica on several ranks is not supported yet; use one or the other")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,11 +94,13 @@ def run_frontend(args, argv: list[str]) -> int:
     app = build_frontend(frontend, args.api_key)
     print(f"deepinfer: data-parallel front end for {size} replicas ({local} here, routing "
           f"{args.data_parallel_routing}) on http://{args.host}:{args.port}/v1", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    frontend.stop = lambda: setattr(server, "should_exit", True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         replicas.stop_local(args.shutdown_grace)
-    return 0
+    return 1 if frontend.failed else 0
 
 
 def _routing_tokenizer(args):

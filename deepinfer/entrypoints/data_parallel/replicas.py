@@ -87,6 +87,10 @@ class ReplicaSet:
         replica.missed += 1
         return replica.missed >= MAX_MISSED and self.mark_down(rank, f"{replica.missed} health checks failed")
 
+    def all_local_exited(self) -> bool:
+        """Every replica is a local child and every one has exited (the front end has nothing left)."""
+        return all(r.exited for r in self.replicas.values())
+
     def stop_local(self, grace_s: float = 10.0) -> None:
         """SIGTERM every local child (each drains as `deepinfer serve` does), then SIGKILL stragglers."""
         children = [r.process for r in self.replicas.values() if r.process is not None and r.process.poll() is None]
