@@ -133,6 +133,31 @@ def test_replicas_go_down_after_missed_health_checks_and_come_back():
     assert replicas.loads() == {1: 0}
 
 
+class _Child:
+    returncode = None
+
+    def poll(self):
+        return None
+
+
+def test_only_its_child_registers_a_local_rank_and_other_machines_need_the_api_key():
+    from deepinfer.entrypoints.data_parallel.frontend import Frontend, registration_refusal
+
+    replicas = ReplicaSet(3)
+    replicas.replicas[0].process = _Child()
+    closed = Frontend(replicas, PrefixRouter(), None, 16, secret="s3cret", remote_joins=False)
+    assert "rank 0 is a replica this front end started" in registration_refusal(closed, 0, None, "127.0.0.1")
+    assert registration_refusal(closed, 0, "guess", "127.0.0.1") is not None
+    assert registration_refusal(closed, 0, "s3cret", "127.0.0.1") is None
+    assert registration_refusal(closed, 1, None, "127.0.0.1") is None
+    assert registration_refusal(closed, 2, None, "::1") is None
+    assert "start the front end with --api-key" in registration_refusal(closed, 1, None, "10.0.0.7")
+    assert registration_refusal(closed, 1, None, "not-an-address") is not None
+    keyed = Frontend(replicas, PrefixRouter(), None, 16, secret="s3cret", remote_joins=True)
+    assert registration_refusal(keyed, 1, None, "10.0.0.7") is None  # the API key was checked already
+    assert registration_refusal(keyed, 0, None, "10.0.0.7") is not None
+
+
 def test_merged_metrics_label_each_replicas_samples():
     from prometheus_client import CollectorRegistry
 
@@ -242,6 +267,22 @@ def test_the_dashboard_through_the_front_end_shows_one_replicas_engine(cluster):
         shown = page.inner_text("#v-gen-total")
         browser.close()
     assert shown == str(int(want))  # replica `rank`'s own counter, not another's nor a sum
+
+
+def test_the_front_end_refuses_hostile_requests_as_a_replica_does(cluster):
+    front, _ = cluster
+    stolen = httpx.post(f"{front.url}/dp/register", json={"rank": 0, "url": "http://127.0.0.1:1"})
+    assert stolen.status_code == 403 and "only that process registers it" in stolen.json()["error"]["message"]
+    assert httpx.post(f"{front.url}/dp/register", content=b"[").status_code == 400
+    huge = httpx.post(f"{front.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}",
+                      headers={"Content-Type": "application/json"})
+    assert huge.status_code == 413 and "the limit is 8388608 bytes" in huge.text
+    deep = httpx.post(f"{front.url}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                      headers={"Content-Type": "application/json"})
+    assert deep.status_code == 400 and deep.headers["x-deepinfer-replica"] in ("0", "1")  # the replica's answer
+    nested = {"prompt": "hi", "max_tokens": 1, "x": [[[[1]]]]}  # routed by load when no key can be read
+    assert httpx.post(f"{front.url}/v1/completions", json=nested).status_code in (200, 400)
+    assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1]
 
 
 def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster):

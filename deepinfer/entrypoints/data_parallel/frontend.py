@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import logging
 
@@ -26,10 +28,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.entrypoints.data_parallel.metrics import FrontendMetrics, merged_text
-from deepinfer.entrypoints.data_parallel.replicas import HEALTH_INTERVAL_S, ReplicaSet
+from deepinfer.entrypoints.data_parallel.replicas import HEALTH_INTERVAL_S, SECRET_HEADER, ReplicaSet
 from deepinfer.entrypoints.data_parallel.router import PrefixRouter, block_hashes
 from deepinfer.entrypoints.data_parallel.routing_key import routing_tokens
 from deepinfer.entrypoints.openai.auth import api_key_dependency
+from deepinfer.entrypoints.openai.body import BodySizeLimit
+from deepinfer.entrypoints.openai.errors import install_error_handlers
+from deepinfer.json_bounds import MAX_JSON_DEPTH, json_depth
 
 logger = logging.getLogger("deepinfer.server")
 _HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
@@ -41,20 +46,27 @@ REPLICA_HEADER = "x-deepinfer-replica"  # on every proxied answer: the rank that
 class Frontend:
     """Routing state shared by the routes: replicas, router, tokenizer, metrics, HTTP client."""
 
-    def __init__(self, replicas: ReplicaSet, router: PrefixRouter, tokenizer, block_size: int):
+    def __init__(self, replicas: ReplicaSet, router: PrefixRouter, tokenizer, block_size: int, *,
+                 secret: str = "", remote_joins: bool = False):
         self.replicas, self.router, self.tokenizer, self.block_size = replicas, router, tokenizer, block_size
+        self.secret = secret  # what this front end's own children send (SECRET_HEADER) to register
+        self.remote_joins = remote_joins  # may replicas register from other machines (needs --api-key)
         self.metrics = FrontendMetrics()
         self.failed = False  # every replica exited: the command ends with status 1
         self.stop = lambda: None  # ends the HTTP server (set by whoever runs it)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
 
     async def hashes(self, path: str, raw: bytes) -> list[bytes]:
-        """The request's block hashes (none for a body that is not JSON or has no prompt)."""
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
+        """The request's block hashes; none for a body that is not bounded JSON with a prompt (the
+        replica it goes to answers what such a body deserves)."""
+        if not raw or json_depth(raw) > MAX_JSON_DEPTH:
             return []
-        tokens = await asyncio.to_thread(routing_tokens, self.tokenizer, path, body)
+        try:
+            body = json.loads(raw)
+            tokens = await asyncio.to_thread(routing_tokens, self.tokenizer, path, body)
+        except Exception as exc:  # a key that cannot be read routes by load alone
+            logger.debug("no routing key for %s: %r", path, exc)
+            return []
         return block_hashes(tokens, self.block_size)
 
     def choose(self, hashes: list[bytes], pinned: int | None = None):
@@ -104,7 +116,7 @@ class Frontend:
             self.router.forget(replica.rank)
 
 
-def build_frontend(frontend: Frontend, api_key: str | None) -> FastAPI:
+def build_frontend(frontend: Frontend, api_key: str | None, max_body_bytes: int = 8 << 20) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(frontend.check_health())
@@ -113,6 +125,8 @@ def build_frontend(frontend: Frontend, api_key: str | None) -> FastAPI:
         await frontend.client.aclose()
 
     app = FastAPI(title="DeepInfer data-parallel front end", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)  # as every replica: 413 above it
     app.include_router(_own_routes(frontend))
     app.include_router(_register_route(frontend), dependencies=[Depends(api_key_dependency(api_key))])
     app.include_router(_proxy_route(frontend))
@@ -159,13 +173,42 @@ def _register_route(frontend: Frontend) -> APIRouter:
     async def register(request: Request) -> Response:
         try:
             body = await request.json()
-            frontend.replicas.register(int(body["rank"]), str(body["url"]))
+            rank, url = int(body["rank"]), str(body["url"])
         except (ValueError, KeyError, TypeError) as exc:
-            return JSONResponse({"error": {"message": f"/dp/register: {exc}", "type": "invalid_request_error"}},
-                                status_code=400)
+            return _error(400, f"/dp/register: a JSON body {{rank, url}} is needed ({exc!r})")
+        refusal = registration_refusal(frontend, rank, request.headers.get(SECRET_HEADER),
+                                       request.client.host if request.client else "")
+        if refusal:
+            return _error(403, f"/dp/register: {refusal}")
+        try:
+            frontend.replicas.register(rank, url)
+        except ValueError as exc:
+            return _error(400, f"/dp/register: {exc}")
         return JSONResponse({"status": "ok"})
 
     return router
+
+
+def registration_refusal(frontend: Frontend, rank: int, secret: str | None, client_host: str) -> str | None:
+    """Why a registration is refused, or None. A rank this front end started may be registered only
+    by its child (the secret it was given); another rank only from this machine, unless the front end
+    has an API key (which the registration then carried)."""
+    replica = frontend.replicas.replicas.get(rank)
+    if replica is not None and replica.process is not None:
+        if not secret or not hmac.compare_digest(secret, frontend.secret):
+            return f"rank {rank} is a replica this front end started; only that process registers it"
+        return None
+    if not frontend.remote_joins and not _is_loopback(client_host):
+        return (f"a replica on {client_host} may not join: start the front end with --api-key to let replicas "
+                f"on other machines join (they send the key)")
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _proxy_route(frontend: Frontend) -> APIRouter:

@@ -14,14 +14,22 @@ port) and, without --threads, 1/L of this machine's cores for L local replicas.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import urllib.request
 
-from deepinfer.entrypoints.data_parallel.replicas import HEARTBEAT_S, ReplicaSet, start_local_replica
+from deepinfer.entrypoints.data_parallel.replicas import (
+    HEARTBEAT_S,
+    SECRET_ENV,
+    SECRET_HEADER,
+    ReplicaSet,
+    start_local_replica,
+)
 
 logger = logging.getLogger("deepinfer.server")
 _FRONTEND_FLAGS = ("--data-parallel-size", "--data-parallel-size-local", "--data-parallel-address",
@@ -80,21 +88,27 @@ def run_frontend(args, argv: list[str]) -> int:
 
     from deepinfer.entrypoints.data_parallel.frontend import Frontend, build_frontend
     from deepinfer.entrypoints.data_parallel.router import PrefixRouter
+    from deepinfer.entrypoints.openai.launcher import ConnectionLimits, TimedH11Protocol
 
     size = args.data_parallel_size
     local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
     replicas = ReplicaSet(size)
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    secret = secrets.token_hex(16)
+    env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}, SECRET_ENV: secret}
     threads = None if args.threads else max(1, len(os.sched_getaffinity(0)) // max(1, local))
     for rank in range(local):
         replicas.replicas[rank].process = start_local_replica(
             rank, replica_argv(argv, rank, args.port, free_port(), threads), env)
     frontend = Frontend(replicas, PrefixRouter(args.data_parallel_routing), _routing_tokenizer(args),
-                        args.block_size or 16)
-    app = build_frontend(frontend, args.api_key)
+                        args.block_size or 16, secret=secret, remote_joins=bool(args.api_key))
+    app = build_frontend(frontend, args.api_key, args.max_body_bytes)
     print(f"deepinfer: data-parallel front end for {size} replicas ({local} here, routing "
           f"{args.data_parallel_routing}) on http://{args.host}:{args.port}/v1", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    limits = ConnectionLimits(args.timeout_keep_alive, args.timeout_request_header, args.timeout_request_body,
+                              args.max_connections)  # the replicas' connection bounds, here too
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_keep_alive=limits.keep_alive_s,
+                                           http=functools.partial(TimedH11Protocol, limits=limits)))
     frontend.stop = lambda: setattr(server, "should_exit", True)
     try:
         server.run()
@@ -116,6 +130,8 @@ def start_joining(args, port: int) -> threading.Thread:
     url = f"http://{advertised_host(args.host, host)}:{port}"
     body = json.dumps({"rank": args.data_parallel_rank, "url": url}).encode()
     headers = {"Content-Type": "application/json"}
+    if os.environ.get(SECRET_ENV):  # a child of the front end: the secret it was given
+        headers[SECRET_HEADER] = os.environ[SECRET_ENV]
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key.split(',')[0]}"
     target = f"http://{host}:{frontend_port}/dp/register"

@@ -26,6 +26,10 @@ HEARTBEAT_S = 5.0
 HEALTH_INTERVAL_S = 1.0
 MAX_MISSED = 2
 _PR_SET_PDEATHSIG = 1
+# A front end's children register with a secret it gives them in their environment (not on their
+# command line, which other users of the machine can read): no other process takes their ranks.
+SECRET_ENV = "DEEPINFER_DP_SECRET"
+SECRET_HEADER = "x-deepinfer-dp-secret"
 
 logger = logging.getLogger("deepinfer.server")
 
