@@ -184,6 +184,42 @@ def test_a_front_end_whose_replicas_all_fail_to_start_exits_1_with_their_errors(
     assert "every data-parallel replica exited (status [2, 2])" in done.stderr
 
 
+def test_torchrun_ranks_become_a_front_end_and_a_replica_that_joins_it():
+    """`torchrun --nproc-per-node 2 ... serve --data-parallel-size 2`: RANK 0 serves the front end
+    (with its own replica), RANK 1 a replica that registers with it; both answer through it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.entrypoints.live_server import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "deepinfer.entrypoints.cli", "serve", "--data-parallel-size", "2", "--port",
+                            str(port), "--log-level", "warning"], env={**env, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).json().get("replicas_up") == [0, 1]:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert job.poll() is None, job.stderr.read()[-3000:]
+            threading.Event().wait(0.2)
+        table = {r["rank"]: r for r in httpx.get(f"{url}/dp/replicas").json()["replicas"]}
+        assert table[0]["local"] and not table[1]["local"] and table[1]["up"]  # rank 1 joined by itself
+        served = {_complete(url, f"{_prefix(t)} Hello", max_tokens=2).headers["x-deepinfer-replica"]
+                  for t in _TOPICS[:2]}
+        assert served == {"0", "1"}
+    finally:
+        job.send_signal(signal.SIGTERM)
+        job.wait(60)
+
+
 # ---- live: a front end, its local replica 0 and a replica 1 that joins -----------------------------
 
 _TOPICS = ["lighthouses of the northern coast", "the history of paper money", "how bees build their combs",
