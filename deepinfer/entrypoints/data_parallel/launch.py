@@ -88,7 +88,7 @@ def run_frontend(args, argv: list[str]) -> int:
 
     from deepinfer.entrypoints.data_parallel.frontend import Frontend, build_frontend
     from deepinfer.entrypoints.data_parallel.router import PrefixRouter
-    from deepinfer.entrypoints.openai.launcher import ConnectionLimits, TimedH11Protocol
+    from deepinfer.entrypoints.openai.connections import ConnectionLimits, TimedH11Protocol
 
     size = args.data_parallel_size
     local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
