@@ -5,7 +5,9 @@ workload, and a killed replica that fails only its own requests."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 
 import httpx
@@ -158,6 +160,31 @@ def test_only_its_child_registers_a_local_rank_and_other_machines_need_the_api_k
     assert registration_refusal(keyed, 0, None, "10.0.0.7") is not None
 
 
+class _Exiting(_Child):
+    def __init__(self, status=None):
+        self.returncode = status
+
+    def poll(self):
+        return self.returncode
+
+
+def test_a_local_child_that_exits_after_it_was_up_is_started_again_within_a_budget():
+    from deepinfer.entrypoints.data_parallel.replicas import MAX_RESTARTS, RESTART_WINDOW_S
+
+    replicas, started = ReplicaSet(2), []
+    for r in replicas.replicas.values():
+        r.start = lambda rank=r.rank: started.append(rank) or _Child()
+        r.process = _Exiting(1)
+    replicas.replicas[0].was_up = True  # rank 1 never came up: a start-up error, not restarted
+    assert replicas.restart_exited(now=0.0) == [0] and started == [0]
+    assert replicas.replicas[0].url == "" and not replicas.replicas[0].exited
+    for i in range(1, MAX_RESTARTS + 1):
+        replicas.replicas[0].process, replicas.replicas[0].was_up = _Exiting(1), True
+        assert replicas.restart_exited(now=float(i)) == ([0] if i < MAX_RESTARTS else [])
+    assert replicas.all_local_exited()  # the budget is spent and rank 1 never came up: stop
+    assert replicas.restart_exited(now=RESTART_WINDOW_S + 5) == [0]  # the window moved on
+
+
 def test_merged_metrics_label_each_replicas_samples():
     from prometheus_client import CollectorRegistry
 
@@ -187,8 +214,6 @@ def test_a_front_end_whose_replicas_all_fail_to_start_exits_1_with_their_errors(
 def test_torchrun_ranks_become_a_front_end_and_a_replica_that_joins_it():
     """`torchrun --nproc-per-node 2 ... serve --data-parallel-size 2`: RANK 0 serves the front end
     (with its own replica), RANK 1 a replica that registers with it; both answer through it."""
-    import os
-    import signal
     import subprocess
     import sys
 
@@ -355,3 +380,17 @@ def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster)
         assert answer.status_code == 200 and answer.headers["x-deepinfer-replica"] == "0"
     assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0]
     assert front.metrics()['deepinfer_dp_replica_up{replica="1"}'] == 0.0
+
+
+def test_a_local_replica_that_dies_is_started_again_and_serves(cluster):
+    front, _ = cluster
+    rank0 = httpx.get(f"{front.url}/dp/replicas").json()["replicas"][0]
+    os.kill(rank0["pid"], signal.SIGKILL)
+    for _ in range(600):
+        again = httpx.get(f"{front.url}/dp/replicas").json()["replicas"][0]
+        if again["up"] and again["pid"] != rank0["pid"]:
+            break
+        threading.Event().wait(0.2)
+    assert again["restarts"] == 1 and again["url"] != rank0["url"], again  # a new process on a new port
+    answer = _complete(front.url, "After the restart:", max_tokens=2)
+    assert answer.status_code == 200 and answer.headers["x-deepinfer-replica"] == "0"

@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import time
 
 import httpx
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -89,6 +90,8 @@ class Frontend:
         local child and all have exited, stop the front end (`failed` set, `stop` called)."""
         while True:
             await asyncio.gather(*(self._check(r) for r in list(self.replicas.replicas.values()) if r.url))
+            for rank in self.replicas.restart_exited(time.monotonic()):
+                self.router.forget(rank)  # its cache is gone
             if self.replicas.all_local_exited():
                 codes = [r.process.returncode for r in self.replicas.replicas.values()]
                 logger.error("every data-parallel replica exited (status %s): stopping the front end", codes)
@@ -104,7 +107,8 @@ class Frontend:
             self.metrics.up.labels(str(r.rank)).set(int(r.up))
             self.metrics.in_flight.labels(str(r.rank)).set(r.in_flight)
             rows.append({"rank": r.rank, "url": r.url or None, "up": r.up, "in_flight": r.in_flight,
-                         "local": r.process is not None})
+                         "local": r.process is not None, "pid": r.process.pid if r.process else None,
+                         "restarts": len(r.restarts)})
         return rows
 
     async def _check(self, replica) -> None:

@@ -97,8 +97,9 @@ def run_frontend(args, argv: list[str]) -> int:
     env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}, SECRET_ENV: secret}
     threads = None if args.threads else max(1, len(os.sched_getaffinity(0)) // max(1, local))
     for rank in range(local):
-        replicas.replicas[rank].process = start_local_replica(
-            rank, replica_argv(argv, rank, args.port, free_port(), threads), env)
+        replica = replicas.replicas[rank]
+        replica.start = functools.partial(_start_replica, rank, argv, args.port, threads, env)
+        replica.process = replica.start()
     frontend = Frontend(replicas, PrefixRouter(args.data_parallel_routing), _routing_tokenizer(args),
                         args.block_size or 16, secret=secret, remote_joins=bool(args.api_key))
     app = build_frontend(frontend, args.api_key, args.max_body_bytes)
@@ -115,6 +116,11 @@ def run_frontend(args, argv: list[str]) -> int:
     finally:
         replicas.stop_local(args.shutdown_grace)
     return 1 if frontend.failed else 0
+
+
+def _start_replica(rank: int, argv: list[str], frontend_port: int, threads: int | None, env: dict[str, str]):
+    """Local replica `rank` as a child, on a free port (a new one at each start)."""
+    return start_local_replica(rank, replica_argv(argv, rank, frontend_port, free_port(), threads), env)
 
 
 def _routing_tokenizer(args):

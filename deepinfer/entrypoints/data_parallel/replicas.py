@@ -8,7 +8,10 @@ replicas as child processes; remote ones are started by hand or by torchrun on o
     up      registered and its last /health answered 200
     down    /health failed `MAX_MISSED` times in a row, a request to it failed in transport, or
             its child process exited; it is routed nothing until a health check answers again
-            (a child that exited stays down)
+
+A local child that exits after it was up is started again (on a new port; it registers anew), at
+most `MAX_RESTARTS` times in `RESTART_WINDOW_S`; one that exits before it was ever up (a start-up
+error) is not, and when every local child has exited for good the front end stops.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 HEARTBEAT_S = 5.0
+MAX_RESTARTS, RESTART_WINDOW_S = 3, 300.0
 HEALTH_INTERVAL_S = 1.0
 MAX_MISSED = 2
 _PR_SET_PDEATHSIG = 1
@@ -39,9 +44,12 @@ class Replica:
     rank: int
     url: str = ""  # http://host:port, once registered
     process: subprocess.Popen | None = None  # a local child
+    start: Callable[[], subprocess.Popen] | None = None  # starts a local child (again)
     up: bool = False
+    was_up: bool = False  # registered since its process started
     in_flight: int = 0
     missed: int = 0
+    restarts: list[float] = field(default_factory=list)  # when it was started again (monotonic s)
 
     @property
     def exited(self) -> bool:
@@ -65,7 +73,7 @@ class ReplicaSet:
         if replica.url != url or not replica.up:
             logger.info("data-parallel replica %d up at %s", rank, url)
         replica.url, replica.missed = url, 0
-        replica.up = not replica.exited
+        replica.up = replica.was_up = not replica.exited
         return replica
 
     def loads(self) -> dict[int, int]:
@@ -90,6 +98,21 @@ class ReplicaSet:
             return False
         replica.missed += 1
         return replica.missed >= MAX_MISSED and self.mark_down(rank, f"{replica.missed} health checks failed")
+
+    def restart_exited(self, now: float) -> list[int]:
+        """Start again each local child that exited after it was up, within the restart budget."""
+        restarted = []
+        for r in self.replicas.values():
+            r.restarts = [t for t in r.restarts if now - t < RESTART_WINDOW_S]
+            if not (r.exited and r.was_up and r.start is not None and len(r.restarts) < MAX_RESTARTS):
+                continue
+            self.mark_down(r.rank, f"its process exited with status {r.process.returncode}")
+            logger.warning("starting data-parallel replica %d again (%d of %d in %.0f s)", r.rank,
+                           len(r.restarts) + 1, MAX_RESTARTS, RESTART_WINDOW_S)
+            r.process, r.url, r.was_up, r.missed = r.start(), "", False, 0
+            r.restarts.append(now)
+            restarted.append(r.rank)
+        return restarted
 
     def all_local_exited(self) -> bool:
         """Every replica is a local child and every one has exited (the front end has nothing left)."""
