@@ -61,8 +61,8 @@ class RequestQueue:
 
     @staticmethod
     def order_key(req: Request) -> tuple:
-        """The policy's order of two requests (lower first)."""
-        raise NotImplementedError
+        """The policy's order of two requests (lower first): here arrival; a subclass may refine it."""
+        return (req.arrival_time, req.request_id)
 
     def check(self, req: Request) -> None:
         """ValueError naming the field and the value when req's priority or client_id is invalid."""
@@ -127,11 +127,7 @@ class RequestQueue:
 
 
 class FCFSQueue(RequestQueue):
-    """fcfs: arrival order; a request's priority must be 0."""
-
-    @staticmethod
-    def order_key(req: Request) -> tuple:
-        return (req.arrival_time, req.request_id)
+    """fcfs: arrival order (the base order); a request's priority must be 0."""
 
     def check(self, req: Request) -> None:
         super().check(req)

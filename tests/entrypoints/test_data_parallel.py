@@ -359,7 +359,8 @@ def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster)
         except httpx.HTTPError as exc:
             results[name] = exc
 
-    threads = [threading.Thread(target=stream, args=(n, t)) for n, t in (("a", _TOPICS[0]), ("b", _TOPICS[1]))]
+    fresh = (("a", "storms over a harbour no other test names"), ("b", "orchards in a spring no other test names"))
+    threads = [threading.Thread(target=stream, args=pair) for pair in fresh]  # new prefixes: placed by load
     for t in threads:
         t.start()
     for _ in range(200):  # both streaming: one on each replica (the least loaded takes the second)
@@ -367,6 +368,7 @@ def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster)
         if all(r["in_flight"] == 1 for r in table):
             break
         threading.Event().wait(0.05)
+    assert [r["in_flight"] for r in table] == [1, 1], table
     joined.proc.kill()
     for t in threads:
         t.join(120)

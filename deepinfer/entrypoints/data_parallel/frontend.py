@@ -221,7 +221,8 @@ def _proxy_route(frontend: Frontend) -> APIRouter:
     @router.api_route("/{path:path}", methods=_PROXY_METHODS)
     async def proxy(path: str, request: Request) -> Response:
         raw = await request.body()
-        hashes = await frontend.hashes("/" + path, raw) if request.method == "POST" else []
+        by_prefix = request.method == "POST" and frontend.router.policy == "prefix"
+        hashes = await frontend.hashes("/" + path, raw) if by_prefix else []  # other policies read no key
         try:
             pinned = _pinned(frontend, "/" + path, request.query_params.get("replica"))
         except ValueError as exc:
