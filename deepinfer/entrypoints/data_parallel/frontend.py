@@ -287,7 +287,9 @@ async def _relay(frontend: Frontend, replica, answer: httpx.Response):
 def _failed(frontend: Frontend, replica, exc: Exception) -> Response:
     frontend.metrics.failed.labels(str(replica.rank)).inc()
     frontend.went_down(replica.rank, f"request failed ({exc!r})")
-    return _error(502, f"data-parallel replica {replica.rank} failed before answering: {exc!r}")
+    error = _error(502, f"data-parallel replica {replica.rank} failed before answering: {exc!r}")
+    error.headers[REPLICA_HEADER] = str(replica.rank)  # the one that failed
+    return error
 
 
 def _error(status: int, message: str) -> Response:
