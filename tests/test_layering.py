@@ -7,6 +7,8 @@ by `deepinfer/__init__.py` are ignored: it re-exports the public API.
 Rules:
 1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.spec_decode`, `.model_executor`,
    `.entrypoints`, `.llm`.
+1b. `serving/` (the request lifecycle below HTTP) imports none of `deepinfer.entrypoints`, `.llm`, nor an HTTP
+   framework (`fastapi`, `starlette`, `uvicorn`) or `torch`.
 2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`; `spec_decode/` (between the
    worker and the model executor) none of those nor `deepinfer.worker`.
 3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
@@ -88,6 +90,8 @@ _ME = "deepinfer.model_executor"
 RULES = (
     Rule("engine", "deepinfer.engine",
          ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm")),
+    Rule("serving", "deepinfer.serving",
+         ("deepinfer.entrypoints", "deepinfer.llm", "fastapi", "starlette", "uvicorn", "torch")),
     Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm")),
     Rule("spec_decode", "deepinfer.spec_decode",
          ("deepinfer.engine", "deepinfer.worker", "deepinfer.entrypoints", "deepinfer.llm")),

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 
-from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan
-from deepinfer.entrypoints.openai.chat_prompt import ChatSetup, TemplateRefused, prepare_chat
-from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
-from deepinfer.entrypoints.openai.tool_parsers import make_tool_parser
-from deepinfer.entrypoints.openai.tools import tool_plan
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.chat.output import ChatOutputPlan
+from deepinfer.serving.chat.prompt import ChatSetup, TemplateRefused, prepare_chat
+from deepinfer.serving.chat.reasoning import make_reasoning_parser
+from deepinfer.serving.chat.tool_parsers import make_tool_parser
+from deepinfer.serving.chat.tools import tool_plan
 
 
 def prepare_offline_chat(tokenizer, conversations: list[list[dict]], params: list[SamplingParams], *,

@@ -23,7 +23,8 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.entrypoints.openai.errors import APIError
+from deepinfer.serving.errors import too_busy
+from deepinfer.serving.parse import parse_body
 
 WORKER_NICENESS = 5
 BIG_JOB_BYTES = 1 << 20  # a body over this is a big job
@@ -83,15 +84,22 @@ class TokenizerPool:
         if size <= self.big_job_bytes:
             return await self._small.run(fn, args)
         if self._big.pending >= self.max_big_jobs:
-            raise APIError(429, f"the server is busy: {self._big.pending} request bodies over "
-                           f"{self.big_job_bytes} bytes are being processed (limit {self.max_big_jobs}); "
-                           f"this one has {size} bytes; retry later", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after_s)})
+            raise too_busy(f"the server is busy: {self._big.pending} request bodies over {self.big_job_bytes} "
+                           f"bytes are being processed (limit {self.max_big_jobs}); this one has {size} bytes; "
+                           f"retry later", self.retry_after_s)
         return await self._big.run(fn, args)
+
+    async def parse(self, raw: bytes, model):
+        """`raw` parsed and validated into the pydantic `model` on a worker (`serving.parse`)."""
+        return await self.run(_parse, raw, model)
 
     def shutdown(self) -> None:
         self._small.shutdown()
         self._big.shutdown()
+
+
+def _parse(tokenizer, raw: bytes, model):
+    return parse_body(raw, model)
 
 
 def _lower_thread_priority() -> None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import re
 
-from deepinfer.entrypoints.openai.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser, scan_call_object
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Invalid, skip_ws
-from deepinfer.entrypoints.openai.tool_parsers.schema_check import matches_schema
+from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser, scan_call_object
+from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
+from deepinfer.serving.chat.tool_parsers.schema_check import matches_schema
 
 FENCE = "```"
 _ARGUMENT_KEYS = ("arguments", "parameters")

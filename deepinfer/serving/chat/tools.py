@@ -20,23 +20,16 @@ import json
 import re
 from dataclasses import dataclass
 
-from deepinfer.entrypoints.openai.tool_parsers import FunctionSpec, ToolParser
 from deepinfer.json_bounds import parse_nested_json
 from deepinfer.sampling_params import short_repr
+from deepinfer.serving.chat.tool_parsers import FunctionSpec, ToolParser
+from deepinfer.serving.errors import FieldError
 from deepinfer.structured_output import StructuredOutputsParams
 
 MAX_TOOLS = 128  # as OpenAI's API
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 _NO_ARGUMENTS = {"type": "object", "properties": {}}
-
-
-class FieldError(ValueError):
-    """A bad value in a request; `param` is the top-level field it belongs to."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -66,8 +59,7 @@ def tool_plan(tools, tool_choice, parallel_tool_calls=None) -> ToolPlan | None:
     functions = _functions(tools) if tools else []
     choice, named = _choice(tool_choice, {f.name for f in functions}, bool(functions))
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise FieldError("parallel_tool_calls", f"parallel_tool_calls must be true or false, got "
-                         f"{short_repr(parallel_tool_calls)}")
+        raise FieldError("parallel_tool_calls", f"must be true or false, got {short_repr(parallel_tool_calls)}")
     if not functions:
         return None
     template_tools = tuple({"type": "function", "function": spec} for spec in _template_functions(tools))
@@ -77,53 +69,52 @@ def tool_plan(tools, tool_choice, parallel_tool_calls=None) -> ToolPlan | None:
 
 def _functions(tools) -> list[FunctionSpec]:
     if not isinstance(tools, list):
-        raise FieldError("tools", f"tools must be a list of function tools, got {short_repr(tools)}")
+        raise FieldError("tools", f"must be a list of function tools, got {short_repr(tools)}")
     if len(tools) > MAX_TOOLS:
-        raise FieldError("tools", f"tools has {len(tools)} tools; the limit is {MAX_TOOLS}")
+        raise FieldError("tools", f"has {len(tools)} tools; the limit is {MAX_TOOLS}")
     functions: list[FunctionSpec] = []
     for i, tool in enumerate(tools):
         spec = _function(i, tool)
         if any(f.name == spec.name for f in functions):
-            raise FieldError("tools", f"tools[{i}].function.name {spec.name!r} is given twice")
+            raise FieldError(("tools", i, "function", "name"), f"{spec.name!r} is given twice")
         functions.append(spec)
     return functions
 
 
 def _function(i: int, tool) -> FunctionSpec:
-    where = f"tools[{i}]"
+    where = ("tools", i)
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else tool
-        raise FieldError("tools", f"{where} must be a function tool ({{\"type\": \"function\", \"function\": "
-                         f"{{...}}}}); got type {short_repr(kind)}")
+        raise FieldError(where, f"must be a function tool ({{\"type\": \"function\", \"function\": {{...}}}}); got "
+                         f"type {short_repr(kind)}")
     unknown = sorted(set(tool) - {"type", "function"})
     function = tool.get("function")
     if unknown or not isinstance(function, dict):
-        raise FieldError("tools", f"{where} must hold `type` and a `function` object"
-                         + (f"; unknown field {unknown[0]!r}" if unknown else ""))
+        raise FieldError(where, "must hold `type` and a `function` object"
+                         + (f"; unknown field {short_repr(unknown[0])}" if unknown else ""))
     unknown = sorted(set(function) - _FUNCTION_FIELDS)
     if unknown:
-        raise FieldError("tools", f"{where}.function has unknown field {short_repr(unknown[0])}")
+        raise FieldError((*where, "function"), f"has unknown field {short_repr(unknown[0])}")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise FieldError("tools", f"{where}.function.name must be 1-64 letters, digits, underscores or dashes, "
+        raise FieldError((*where, "function", "name"), f"must be 1-64 letters, digits, underscores or dashes, "
                          f"got {short_repr(name)}")
     # null is absent (vLLM's Optional fields; the `llm` CLI sends "description": null for a bare function)
     description, strict = function.get("description"), function.get("strict")
     if not isinstance(description, (str, type(None))) or not isinstance(strict, (bool, type(None))):
-        raise FieldError("tools", f"{where}.function: description must be a string and strict a boolean")
-    return FunctionSpec(name, _parameters(where, function.get("parameters")))
+        raise FieldError((*where, "function"), "description must be a string and strict a boolean")
+    return FunctionSpec(name, _parameters((*where, "function", "parameters"), function.get("parameters")))
 
 
-def _parameters(where: str, schema) -> dict:
+def _parameters(where: tuple, schema) -> dict:
     """The arguments' schema: an object schema (None: no arguments)."""
     if schema is None:
         return dict(_NO_ARGUMENTS)
     if not isinstance(schema, dict):
-        raise FieldError("tools", f"{where}.function.parameters must be a JSON schema object, got {short_repr(schema)}")
+        raise FieldError(where, f"must be a JSON schema object, got {short_repr(schema)}")
     kind = schema.get("type", "object")
     if kind != "object":
-        raise FieldError("tools", f"{where}.function.parameters must describe an object (the arguments), "
-                         f"got type {short_repr(kind)}")
+        raise FieldError(where, f"must describe an object (the arguments), got type {short_repr(kind)}")
     return copy.deepcopy(schema)
 
 
@@ -136,18 +127,18 @@ def _choice(tool_choice, names: set[str], has_tools: bool) -> tuple[str, str | N
         return ("auto" if has_tools else "none"), None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise FieldError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or a function, "
+            raise FieldError("tool_choice", f"must be 'none', 'auto', 'required' or a function, "
                              f"got {short_repr(tool_choice)}")
         if tool_choice != "none" and not has_tools:
-            raise FieldError("tool_choice", f"tool_choice {tool_choice!r} needs tools; the request has none")
+            raise FieldError("tool_choice", f"{tool_choice!r} needs tools; the request has none")
         return tool_choice, None
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise FieldError("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or "
+        raise FieldError("tool_choice", f"must be 'none', 'auto', 'required' or "
                          f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {short_repr(tool_choice)}")
     if name not in names:
-        raise FieldError("tool_choice", f"tool_choice names the function {short_repr(name)}, which is not in tools")
+        raise FieldError("tool_choice", f"names the function {short_repr(name)}, which is not in tools")
     return "function", name
 
 
@@ -168,17 +159,16 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _template_call(i: int, j: int, call) -> dict:
-    where = f"messages[{i}].tool_calls[{j}]"
+    where = ("messages", i, "tool_calls", j)
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise FieldError("messages", f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
-                         f"{{\"name\", \"arguments\"}}}}")
+        raise FieldError(where, "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = parse_nested_json(arguments, f"{where}.function.arguments") if arguments.strip() else {}
+            arguments = parse_nested_json(arguments, "") if arguments.strip() else {}
         except ValueError as exc:
-            raise FieldError("messages", str(exc)) from None
+            raise FieldError((*where, "function", "arguments"), str(exc).lstrip(": ")) from None
     elif arguments is None:
         arguments = {}
     return {"type": "function", **call, "function": {**function, "arguments": arguments}}
@@ -212,7 +202,13 @@ def forced_call_grammar(plan: ToolPlan, parser: ToolParser) -> str:
         try:
             StructuredOutputsParams(json=fn.parameters)
         except ValueError as exc:
-            index = next(i for i, f in enumerate(plan.functions) if f.name == fn.name)
-            message = str(exc).replace("structured_output.json", f"tools[{index}].function.parameters", 1)
-            raise FieldError("tools", message) from None
+            raise schema_refused(plan, fn.name, exc) from None
     return parser.call_grammar(functions, plan.parallel)
+
+
+def schema_refused(plan: ToolPlan, name: str, exc: ValueError) -> FieldError:
+    """The refusal of function `name`'s argument schema (StructuredOutputsParams' message, which starts
+    with `structured_output.json`) at the tool's `function.parameters`."""
+    index = next(i for i, f in enumerate(plan.functions) if f.name == name)
+    problem = str(exc).removeprefix("structured_output.json").lstrip(": ")
+    return FieldError(("tools", index, "function", "parameters"), problem)

@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Invalid, scan_object
 from deepinfer.outputs import FunctionCall, ToolCall
+from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, scan_object
 
 # the arguments' JSON is generated as json.dumps writes it: a small model given free whitespace
 # may write newlines until max_tokens

@@ -29,15 +29,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deepinfer.entrypoints.openai.chat_prompt import ChatPrompt, ChatSetup, TemplateRefused, prepare_chat
-from deepinfer.entrypoints.openai.diagnostics import forced_call_refused
-from deepinfer.entrypoints.openai.errors import APIError, bad_request
-from deepinfer.entrypoints.openai.tools import FieldError, ToolPlan, tool_plan
+from deepinfer.serving.chat.diagnostics import forced_call_refused
+from deepinfer.serving.chat.prompt import ChatPrompt, ChatSetup, TemplateRefused, prepare_chat
+from deepinfer.serving.chat.tools import FieldError, ToolPlan, tool_plan
+from deepinfer.serving.errors import ServingError, bad_request, from_field_error, short_repr
+from deepinfer.serving.parse import STRICT, Entries, Items
 from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
 SEED_MIN, SEED_MAX, INT64_MAX = -(2**63), 2**64 - 1, 2**63 - 1
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 
 
 class StreamOptions(BaseModel):
@@ -61,13 +62,13 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the client, for the fair share (without API keys)
     # accepted and ignored: they change nothing in how this server answers
-    metadata: dict[str, Any] | None = None
+    metadata: Entries[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -75,20 +76,20 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool | None = False  # extension (as in vLLM): keep generating past EOS
     cache_salt: str | None = None  # extension (as in vLLM): only requests with an equal salt share cached prefixes
     priority: int = Field(0, ge=-INT64_MAX - 1, le=INT64_MAX)  # extension (as in vLLM): lower is served first
-    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: Entries[str, float] | None = None  # token id (a string, as JSON keys are) -> bias in [-100, 100]
     # extensions (as in vLLM); SamplingParams checks their values
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
-    bad_words: list[str] | None = None
+    bad_words: Items[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}),
     # vLLM's structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
     # its older guided_* spellings; at most one of them (see `structured_output_of`).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
+    response_format: Entries[str, Any] | None = None
+    structured_outputs: Entries[str, Any] | None = None
+    guided_json: Entries[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Items[str] | None = None
     guided_grammar: str | None = None
 
     @property
@@ -98,6 +99,10 @@ class _GenerationRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def default_max_tokens(self, room: int) -> int:
+        """max_tokens when the request sets none (`room`: what the context leaves): up to the context."""
+        return room
+
     def num_logprobs(self) -> int | None:
         """None: no logprobs; n >= 0: the sampled token's logprob plus the top n."""
         return None
@@ -105,7 +110,7 @@ class _GenerationRequest(BaseModel):
     def check_supported(self) -> None:
         """Raise a 400 for a field whose meaning the server does not implement."""
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+            raise bad_request("is only allowed when stream is true", "stream_options")
 
     def sampling_kwargs(self, max_tokens: int) -> dict:
         """Keyword arguments for SamplingParams (its own validation still applies)."""
@@ -129,7 +134,7 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Items[int] | Items[str] | Items[Items[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     best_of: int | None = Field(None, ge=1)
     echo: bool | None = False
@@ -138,6 +143,10 @@ class CompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def default_max_tokens(self, room: int) -> int:
+        """OpenAI's default for a completion: 16 tokens."""
+        return min(16, room)
+
     def sample_counts(self) -> dict:
         """n, and best_of: sequences drawn, the n of highest cumulative logprob returned (>= n)."""
         return {"n": self.n, "best_of": self.best_of}
@@ -145,8 +154,8 @@ class CompletionRequest(_GenerationRequest):
     def check_supported(self) -> None:
         super().check_supported()
         _refuse_if(bool(self.stream) and (self.best_of or 1) > 1, "best_of",
-                   "best_of cannot be used with stream: the best choices are known only at the end", code=None)
-        _refuse_if(bool(self.echo), "echo", "echo is not supported")
+                   "cannot be used with stream: the best choices are known only at the end", code=None)
+        _refuse_if(bool(self.echo), "echo", "is not supported")
 
     def prompt_input(self) -> str | list[int]:
         """The one prompt as text or token ids; batches of prompts are refused."""
@@ -154,12 +163,12 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, str):
             return prompt
         if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
+            raise bad_request("must not be empty", "prompt")
         if all(isinstance(t, int) for t in prompt):
             return list(prompt)
         if len(prompt) > 1:
-            raise bad_request(f"a list of {len(prompt)} prompts is not supported; send one prompt "
-                              f"per request", "prompt")
+            raise bad_request(f"a list of {len(prompt)} prompts is not supported; send one prompt per request",
+                              "prompt")
         return prompt[0]
 
 
@@ -173,7 +182,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # name, ... reach the template
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | Items[TextPart] | None = None
 
     def template_dict(self) -> dict:
         """The message as the chat template wants it: content as one string."""
@@ -192,22 +201,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Items[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = None
+    tools: Items[Any] | None = None
     tool_choice: Any = None
-    functions: list[Any] | None = None
+    functions: Items[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None  # accepted and ignored (a speed hint; the answer is the same)
-    modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
+    chat_template_kwargs: Entries[str, Any] | None = None
+    prediction: Entries[str, Any] | None = None  # accepted and ignored (a speed hint; the answer is the same)
+    modalities: Items[str] | None = None
+    audio: Entries[str, Any] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    web_search_options: dict[str, Any] | None = None
+    web_search_options: Entries[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -217,15 +226,14 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        _refuse_if(bool(self.functions), "functions", "functions are not supported; send them as tools")
-        _refuse_if(self.function_call not in (None, "none"), "function_call",
-                   "function_call is not supported")
+        _refuse_if(bool(self.functions), "functions", "are not supported; send them as tools")
+        _refuse_if(self.function_call not in (None, "none"), "function_call", "is not supported")
         _refuse_if(self.top_logprobs is not None and not self.logprobs, "top_logprobs",
-                   "top_logprobs requires logprobs to be true", code=None)
+                   "requires logprobs to be true", code=None)
         _refuse_if(self.modalities not in (None, ["text"]), "modalities", "only the text modality is supported")
         for name, value in (("audio", self.audio), ("reasoning_effort", self.reasoning_effort),
                             ("verbosity", self.verbosity), ("web_search_options", self.web_search_options)):
-            _refuse_if(value is not None, name, f"{name} is not supported with this model")
+            _refuse_if(value is not None, name, "is not supported with this model")
 
     def template_messages(self) -> list[dict]:
         return [m.template_dict() for m in self.messages]
@@ -235,7 +243,7 @@ class ChatCompletionRequest(_GenerationRequest):
         try:
             return tool_plan(self.tools, self.tool_choice, self.parallel_tool_calls)
         except FieldError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            raise from_field_error(exc) from None
 
     def chat_prompt(self, tokenizer, setup: ChatSetup) -> ChatPrompt:
         """The rendered prompt, the answer's grammar and the plan for reading it (`chat_prompt.py`);
@@ -246,7 +254,7 @@ class ChatCompletionRequest(_GenerationRequest):
             return prepare_chat(tokenizer, setup, self.template_messages(), tools, structured,
                                 template_kwargs=self.chat_template_kwargs)
         except FieldError as exc:
-            raise bad_request(str(exc), exc.param) from None
+            raise from_field_error(exc) from None
         except TemplateRefused as exc:
             logging.getLogger("deepinfer.server").info("the chat template refused a conversation: %s", exc)
             raise bad_request("the model's chat template refused the messages (check their roles, order "
@@ -257,17 +265,16 @@ class ChatCompletionRequest(_GenerationRequest):
             raise structured_output_error(self, exc) from None
 
 
-def _refuse_if(condition: bool, param: str, message: str, code: str | None = "unsupported_parameter"
-               ) -> None:
+def _refuse_if(condition: bool, path, problem: str, code: str | None = "unsupported_parameter") -> None:
     if condition:
-        raise APIError(400, message, param=param, code=code)
+        raise ServingError(400, problem, path=path, code=code)
 
 
-def _guided_specs(body: _GenerationRequest) -> list[tuple[str, str, dict]]:
+def _guided_specs(body: _GenerationRequest) -> list[tuple[str, tuple, dict]]:
     """vLLM's guided_* fields the request sets, as structured_spec's entries."""
     given = (("guided_json", "json", body.guided_json), ("guided_regex", "regex", body.guided_regex),
              ("guided_choice", "choice", body.guided_choice), ("guided_grammar", "grammar", body.guided_grammar))
-    return [(name, name, {key: value}) for name, key, value in given if value is not None]
+    return [(name, (name,), {key: value}) for name, key, value in given if value is not None]
 
 
 def structured_output_of(body: _GenerationRequest) -> StructuredOutputsParams | None:
@@ -282,40 +289,43 @@ def structured_output_of(body: _GenerationRequest) -> StructuredOutputsParams | 
         raise structured_output_error(body, exc) from None
 
 
-def structured_spec(body: _GenerationRequest) -> tuple[str, str, dict] | None:
-    """(param, name shown in messages, structured_outputs dict) of the request's one constraint."""
+def structured_spec(body: _GenerationRequest) -> tuple[str, tuple, dict] | None:
+    """(param, the path it names, structured_outputs dict) of the request's one constraint."""
     specs = _response_format_spec(body.response_format)
     if body.structured_outputs is not None:
-        specs.append(("structured_outputs", "structured_outputs", dict(body.structured_outputs)))
+        specs.append(("structured_outputs", ("structured_outputs",), dict(body.structured_outputs)))
     specs += _guided_specs(body)
     if len(specs) > 1:
-        raise bad_request(f"{specs[0][0]} and {specs[1][0]} both constrain the output; send one of them",
-                          specs[1][0])
+        raise bad_request(f"both it and {specs[0][0]} constrain the output; send one of them", specs[1][0])
     return specs[0] if specs else None
 
 
-def structured_output_error(body: _GenerationRequest, exc: ValueError) -> APIError:
-    """A 400 for the structured output's ValueError, in the names the client used: the param
-    (e.g. `guided_grammar`, `response_format`) and `structured_output.<kind>` renamed in the message
-    (e.g. `structured_outputs.regex`)."""
-    param, shown, spec = structured_spec(body)
+def structured_output_error(body: _GenerationRequest, exc: ValueError) -> ServingError:
+    """A 400 for the structured output's ValueError at the field the client used (`guided_grammar`,
+    `structured_outputs.regex`, `response_format.json_schema.schema`, ...). StructuredOutputsParams'
+    messages start with the spec's own name (`structured_output.regex ...`), which the path replaces."""
+    param, path, spec = structured_spec(body)
+    kind = next(iter(spec))
+    own = "structured_output" if param == "structured_outputs" else f"structured_output.{kind}"
     message = str(exc)
-    old = "structured_output" if param == "structured_outputs" else f"structured_output.{next(iter(spec))}"
-    return bad_request(message.replace(old, shown, 1) if message.startswith(old) else f"{shown}: {message}", param)
+    if message.startswith(own + "."):  # a part of the spec: structured_output.json_object -> its key
+        part, _, rest = message[len("structured_output."):].partition(" ")
+        return bad_request(rest, (*path, part) if param == "structured_outputs" else path)
+    return bad_request(message[len(own):].lstrip(": ") if message.startswith(own) else message, path)
 
 
-def _response_format_spec(response_format: dict | None) -> list[tuple[str, str, dict]]:
+def _response_format_spec(response_format: dict | None) -> list[tuple[str, tuple, dict]]:
     """OpenAI's response_format -> [(param, shown name, structured_outputs dict)] (empty for text)."""
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
         return []
     if kind == "json_object":
-        return [("response_format", "response_format", {"json_object": True})]
+        return [("response_format", ("response_format",), {"json_object": True})]
     if kind != "json_schema":
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                          "response_format")
+        raise bad_request(f"must be 'text', 'json_object' or 'json_schema', got {short_repr(kind)}",
+                          ("response_format", "type"))
     json_schema = response_format.get("json_schema")
     if not isinstance(json_schema, dict) or not isinstance(json_schema.get("schema"), dict):
-        raise bad_request("response_format.json_schema must be an object with a 'schema' object (a JSON "
-                          "schema)", "response_format")
-    return [("response_format", "response_format.json_schema.schema", {"json": json_schema["schema"]})]
+        raise bad_request("must be an object with a 'schema' object (a JSON schema)",
+                          ("response_format", "json_schema"))
+    return [("response_format", ("response_format", "json_schema", "schema"), {"json": json_schema["schema"]})]

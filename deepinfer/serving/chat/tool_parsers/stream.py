@@ -13,7 +13,7 @@ goes out as content (what `parse` answers then too); after a call was sent, noth
 
 from __future__ import annotations
 
-from deepinfer.entrypoints.openai.tool_parsers.base import ToolParser
+from deepinfer.serving.chat.tool_parsers.base import ToolParser
 
 
 class ToolCallStream:

@@ -11,7 +11,7 @@ import random
 import re
 import string
 
-from deepinfer.entrypoints.openai.tool_parsers.base import (
+from deepinfer.serving.chat.tool_parsers.base import (
     CallScan,
     FunctionSpec,
     Scan,
@@ -22,7 +22,7 @@ from deepinfer.entrypoints.openai.tool_parsers.base import (
     scan_call_object,
     styled,
 )
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
+from deepinfer.serving.chat.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 _NAME = re.compile(r"[A-Za-z0-9_.-]*")

@@ -1,33 +1,22 @@
-"""Turning a request's RequestOutputs into OpenAI responses: whole JSON bodies or SSE chunks.
+"""OpenAI's answers to /v1/completions and /v1/chat/completions: whole JSON bodies or SSE chunks.
 
-A formatter knows one endpoint's shapes (text completion or chat completion); `collect()` and
-`stream_events()` drive it over a RequestHandle. Neither touches the engine: an abort goes
-through the handle, and so through the engine thread.
-
-`finish_reason` is one of OpenAI's values ("stop", "length"). A request that ends otherwise is
-an error, never a finish reason: aborted (the server is shutting down) -> 503; its structured
-output unable to go on (a StructuredOutputError in the worker: the grammar failed, or it allows
-only tokens bad_words ban) -> 400 `structured_output_failed`, the request's own doing; failed by
-the engine otherwise (finish_reason "error") or stopped with the engine -> 500 "internal error"
-with a request id. A stream reports the same error as an `{"error": ...}` event, then
-`data: [DONE]`.
+A formatter knows one endpoint's shapes (text completion or chat completion); `OpenAIStream` is
+its stream encoder for `serving.run.stream`, and `final()` the whole answer of `serving.run.whole`'s
+output. `finish_reason` is one of OpenAI's values ("stop", "length", "tool_calls"); a request that
+ends otherwise is an error (`serving.run.request_failure`), reported in a stream as an
+`{"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import asdict, replace
 
-from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan, ChoiceStream
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
-from deepinfer.entrypoints.openai.errors import APIError, bad_request, internal_error, service_unavailable
-from deepinfer.entrypoints.openai.request_stream import RequestHandle
 from deepinfer.outputs import CompletionOutput, RequestOutput
-from deepinfer.structured_output import structured_output_failure
+from deepinfer.serving.chat.output import ChatOutputPlan, ChoiceStream
+from deepinfer.serving.errors import ServingError
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
@@ -242,117 +231,34 @@ def tool_finish_reason(finish_reason: str | None, num_calls: int) -> str | None:
     return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
 
 
-def request_failure(out: RequestOutput, response_id: str) -> APIError | None:
-    """The error a finished output stands for (None: it finished normally); with n choices, one
-    aborted or failed choice fails the request."""
-    reasons = {c.finish_reason for c in out.outputs}
-    if "abort" in reasons:
-        return service_unavailable("the request was aborted: the server is shutting down; retry later",
-                                   code="request_aborted")
-    if "error" in reasons or (out.finished and out.error is not None):
-        reason = structured_output_failure(out.error)
-        if reason is not None:  # the engine logged its one line
-            return bad_request(f"the structured output could not go on: {reason}", code="structured_output_failed")
-        return internal_error(out.error, f"generating {response_id} (the engine failed the request)")
-    return None
-
-
-def engine_closed(exc: EngineClosedError, response_id: str, engine_loop: EngineLoop | None) -> APIError:
-    """The engine stopped under a request: a 503 while shutting down, a 500 if the engine failed."""
-    if engine_loop is not None and engine_loop.error is not None:
-        return internal_error(exc, f"generating {response_id} (the engine failed)")
-    return service_unavailable("the server is shutting down or its engine stopped; retry later")
-
-
-async def collect(handle: RequestHandle, formatter: _Formatter, engine_loop: EngineLoop | None = None) -> dict:
-    """Run the request to its end; the whole response body (an APIError for a failed request)."""
-    last = None
-    try:
-        async for out in handle:
-            last = out
-    except EngineClosedError as exc:
-        raise engine_closed(exc, formatter.response_id, engine_loop) from None
-    failure = request_failure(last, formatter.response_id)
-    if failure is not None:
-        raise failure
-    return formatter.final(last)
-
-
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream_events(handle: RequestHandle, formatter: _Formatter, include_usage: bool,
-                        engine_loop: EngineLoop | None = None) -> AsyncIterator[str]:
-    """SSE events of one request; a client that goes away (cancellation) aborts the request.
-    Whatever happens, the stream ends with `data: [DONE]`."""
-    try:
-        for chunk in formatter.start_chunks():
-            yield sse(chunk)
-        async for event in _output_events(handle, formatter, include_usage):
-            yield event
-    except EngineClosedError as exc:
-        yield sse(engine_closed(exc, formatter.response_id, engine_loop).to_dict())
-    except Exception as exc:  # a bug while formatting: the client still gets an error, then [DONE]
-        yield sse(internal_error(exc, f"streaming {formatter.response_id}").to_dict())
-    finally:
-        handle.abort()  # a no-op when the request finished
-    yield sse("[DONE]")
+class OpenAIStream:
+    """The stream encoder (`serving.run.StreamEncoder`) of /v1/completions and /v1/chat/completions:
+    a formatter's SSE chunks, the usage chunk when asked for, an error as an `{"error": ...}` event,
+    and `data: [DONE]` last, whatever happened."""
 
+    def __init__(self, formatter: _Formatter, include_usage: bool):
+        self.formatter, self.include_usage = formatter, include_usage
+        self._failed = False
 
-async def _output_events(handle: RequestHandle, formatter: _Formatter, include_usage: bool
-                         ) -> AsyncIterator[str]:
-    async for out in handle:
-        failure = request_failure(out, formatter.response_id)
-        if failure is not None:
-            yield sse(failure.to_dict())
-            return
-        chunk = formatter.chunk(out)
-        if chunk is not None:
-            if include_usage:
-                chunk["usage"] = None
-            yield sse(chunk)
-    if include_usage:
-        yield sse(formatter.usage_chunk())
+    def start(self) -> list[str]:
+        return [sse(chunk) for chunk in self.formatter.start_chunks()]
 
+    def step(self, out: RequestOutput) -> list[str]:
+        chunk = self.formatter.chunk(out)
+        if chunk is None:
+            return []
+        if self.include_usage:
+            chunk["usage"] = None
+        return [sse(chunk)]
 
-async def abort_on_disconnect(request, target, poll_s: float = 0.25) -> None:
-    """Abort `target` (a request handle, or all inputs of an embeddings request) once the client of
-    `request` (a fastapi Request) went away; run as a task, cancelled when the answer is sent."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)
-    target.abort()
+    def failed(self, error: ServingError) -> list[str]:
+        self._failed = True
+        return [sse(error.to_dict())]
 
-
-async def admit(engine_loop: EngineLoop, request_id: str, prompt_ids: list[int], params,
-                lora_request=None, client: str | None = None) -> RequestHandle:
-    """Hand a prepared request to the engine loop: its handle; a 400 when the engine refuses it
-    (ValueError), a 503 when the engine stopped. `client`: whom it counts for in the fair share
-    (`auth.client_id`; None: the anonymous client)."""
-    scheduling = {} if client is None else {"client_id": client}
-    try:
-        return await engine_loop.add(request_id, prompt_ids, params, time.monotonic(), lora_request=lora_request,
-                                     **scheduling)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from exc
-    except EngineClosedError as exc:
-        raise engine_closed(exc, request_id, engine_loop) from None
-
-
-async def final_output(engine_loop: EngineLoop, request, handle: RequestHandle, request_id: str) -> RequestOutput:
-    """A whole (not streamed) request's last output, aborted if its client goes away; the APIError
-    of a failed request (or of a stopped engine) is raised."""
-    watcher = asyncio.create_task(abort_on_disconnect(request, handle))
-    last = None
-    try:
-        async for out in handle:
-            last = out
-    except EngineClosedError as exc:
-        raise engine_closed(exc, request_id, engine_loop) from None
-    finally:
-        watcher.cancel()
-        handle.abort()  # a no-op when finished
-    failure = request_failure(last, request_id)
-    if failure is not None:
-        raise failure
-    return last
+    def end(self) -> list[str]:
+        usage_chunk = [sse(self.formatter.usage_chunk())] if self.include_usage and not self._failed else []
+        return usage_chunk + [sse("[DONE]")]

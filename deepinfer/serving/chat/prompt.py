@@ -15,19 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan
-from deepinfer.entrypoints.openai.constraints import constrained, forced_call
-from deepinfer.entrypoints.openai.reasoning import ReasoningParser
-from deepinfer.entrypoints.openai.tool_parsers import ToolParser, skipped_when_decoded
-from deepinfer.entrypoints.openai.tool_parsers.lenient import LenientToolParser
-from deepinfer.entrypoints.openai.tools import (
-    FieldError,
+from deepinfer.sampling_params import short_repr
+from deepinfer.serving.chat.constraints import constrained, forced_call
+from deepinfer.serving.chat.output import ChatOutputPlan
+from deepinfer.serving.chat.reasoning import ReasoningParser
+from deepinfer.serving.chat.tool_parsers import ToolParser, skipped_when_decoded
+from deepinfer.serving.chat.tool_parsers.lenient import LenientToolParser
+from deepinfer.serving.chat.tools import (
     ToolPlan,
     forced_call_grammar,
     template_messages,
     with_text_arguments,
 )
-from deepinfer.sampling_params import short_repr
+from deepinfer.serving.errors import FieldError
 from deepinfer.structured_output import StructuredOutputsParams
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
@@ -129,8 +129,8 @@ def _template_kwargs(values: dict | None) -> dict:
     if values is None:
         return {}
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
-        raise FieldError("chat_template_kwargs", f"chat_template_kwargs must be an object, got {short_repr(values)}")
+        raise FieldError("chat_template_kwargs", f"must be an object, got {short_repr(values)}")
     reserved = sorted(set(values) & _RESERVED_TEMPLATE_KWARGS)
     if reserved:
-        raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {reserved[0]!r}")
+        raise FieldError("chat_template_kwargs", f"may not set {reserved[0]!r}")
     return dict(values)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.openai.reasoning import ReasoningParser
+from deepinfer.serving.chat.reasoning import ReasoningParser
 from deepinfer.structured_output import StructuredOutputsParams, grammar_engine, grammar_limits
 
 CONSTRAINED = "constrained"

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import re
 
-from deepinfer.entrypoints.openai.errors import APIError, bad_request
-from deepinfer.entrypoints.openai.tool_parsers import ToolParser, chat_template_text, detect_tool_parser
+from deepinfer.serving.chat.tool_parsers import ToolParser, chat_template_text, detect_tool_parser
+from deepinfer.serving.chat.tools import schema_refused
+from deepinfer.serving.errors import FieldError, ServingError, from_field_error
 from deepinfer.structured_output import StructuredOutputsParams
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
@@ -70,24 +71,23 @@ def template_takes_tools(template: str) -> bool:
     return "tools" in meta.find_undeclared_variables(parsed)
 
 
-def forced_call_refused(parser: ToolParser | None, exc: Exception) -> APIError:
+def forced_call_refused(parser: ToolParser | None, exc: Exception) -> ServingError:
     """The 400 of a forced call whose grammar (built by the server from the chat template's format)
     llguidance refused: the model's template is the reason, the param is tool_choice."""
     fmt = f"in the {parser.name} format " if parser is not None else ""
-    return APIError(400, f"tool_choice: the server cannot force a tool call with this model's chat template "
-                    f"(the grammar of a call {fmt}was refused: {exc}); send tool_choice \"auto\" or \"none\"",
-                    param="tool_choice", code="unsupported_tool_choice")
+    return ServingError(400, f"the server cannot force a tool call with this model's chat template (the grammar "
+                        f"of a call {fmt}was refused: {exc}); send tool_choice \"auto\" or \"none\"",
+                        path="tool_choice", code="unsupported_tool_choice")
 
 
-def forced_call_error(grammars, tools, parser: ToolParser | None, exc: Exception) -> APIError:
-    """The 400 of a forced call whose grammar was refused. The client's fault (param `tools`, naming
-    the function) when one forced function's argument schema is refused on its own; else the
-    template's (`forced_call_refused`)."""
+def forced_call_error(grammars, tools, parser: ToolParser | None, exc: Exception) -> ServingError:
+    """The 400 of a forced call whose grammar was refused. The client's fault (naming the function's
+    `tools[i].function.parameters`) when one forced function's argument schema is refused on its own;
+    else the template's (`forced_call_refused`)."""
     for fn in tools.forced_functions() if tools is not None else ():
         try:
             grammars.prepare(StructuredOutputsParams(json=fn.parameters))
         except ValueError as own:
-            index = next(i for i, f in enumerate(tools.functions) if f.name == fn.name)
-            message = str(own).replace("structured_output.json", f"tools[{index}].function.parameters", 1)
-            return bad_request(message, "tools")
+            refused: FieldError = schema_refused(tools, fn.name, own)
+            return from_field_error(refused)
     return forced_call_refused(parser, exc)

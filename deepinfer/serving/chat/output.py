@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream
-from deepinfer.entrypoints.openai.tool_parsers import ToolCallStream, ToolParser
 from deepinfer.outputs import ToolCall
+from deepinfer.serving.chat.reasoning import ReasoningParser, ReasoningStream
+from deepinfer.serving.chat.tool_parsers import ToolCallStream, ToolParser
 
 
 @dataclass

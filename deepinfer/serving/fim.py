@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer.contracts.hf_config import HFConfigFields
-from deepinfer.entrypoints.openai.errors import bad_request
+from deepinfer.serving.errors import bad_request
 
 _VOCAB_SETS = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
@@ -106,16 +106,16 @@ def require_fim_tokens(tokenizer, hf_config, param: str) -> FimTokens:
     """The model's FIM tokens; a 400 naming `param` when it has none."""
     tokens = find_fim_tokens(tokenizer, hf_config)
     if tokens is None:
-        raise bad_request(f"{param} needs fill-in-the-middle tokens, and this model has none (no "
-                          f"fim_pre/fim_suf/fim_mid token ids in its GGUF metadata, no <|fim_prefix|>, "
-                          f"<fim_prefix> or <PRE> tokens in its vocabulary)", param)
+        raise bad_request("needs fill-in-the-middle tokens, and this model has none (no "
+                          "fim_pre/fim_suf/fim_mid token ids in its GGUF metadata, no <|fim_prefix|>, "
+                          "<fim_prefix> or <PRE> tokens in its vocabulary)", param)
     return tokens
 
 
 def completion_fim_prompt(tokenizer, state, prompt: str | list[int], suffix: str) -> list[int]:
     """/v1/completions with `suffix`: the prompt is the text before the cursor (text or ids), the
     suffix the text after it; both are bounded before they are tokenized."""
-    tokens = require_fim_tokens(tokenizer, state.engine_loop.engine.source.hf_config, "suffix")
+    tokens = require_fim_tokens(tokenizer, state.engine.source.hf_config, "suffix")
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer, so a suffix cannot be tokenized", "suffix")
     if isinstance(prompt, str):

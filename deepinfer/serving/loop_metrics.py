@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
-from deepinfer.entrypoints.openai.stats_log import StatsLogger
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from deepinfer.serving.metrics import EngineStats, ServerMetrics
+from deepinfer.serving.stats_log import StatsLogger
 
 
 @dataclass

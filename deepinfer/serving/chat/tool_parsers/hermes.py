@@ -6,7 +6,7 @@ in a finished answer."""
 
 from __future__ import annotations
 
-from deepinfer.entrypoints.openai.tool_parsers.base import (
+from deepinfer.serving.chat.tool_parsers.base import (
     CallScan,
     FunctionSpec,
     Scan,
@@ -16,7 +16,7 @@ from deepinfer.entrypoints.openai.tool_parsers.base import (
     json_rule,
     scan_call_object,
 )
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Invalid, skip_ws
+from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 
 _ARGUMENT_KEYS = ("arguments", "parameters")
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from deepinfer.entrypoints.openai.tool_parsers import special_token_ids
+from deepinfer.serving.chat.tool_parsers import special_token_ids
 
 REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3")
 

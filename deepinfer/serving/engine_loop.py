@@ -33,12 +33,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deepinfer.entrypoints.openai.loop_metrics import TrackedRequest, account, engine_stats
-from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
-from deepinfer.entrypoints.openai.request_stream import RequestHandle, deliver, resolve
-from deepinfer.entrypoints.openai.stats_log import StatsLogger
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.loop_metrics import TrackedRequest, account, engine_stats
+from deepinfer.serving.metrics import EngineStats, ServerMetrics
+from deepinfer.serving.request_stream import RequestHandle, deliver, resolve
+from deepinfer.serving.stats_log import StatsLogger
 
 logger = logging.getLogger("deepinfer.server")
 

@@ -15,12 +15,12 @@ token of the tokenizer are referred to by id in grammars (`special_token_ids`).
 
 from __future__ import annotations
 
-from deepinfer.entrypoints.openai.tool_parsers.base import FunctionSpec, ParsedToolCalls, ToolParser
-from deepinfer.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
-from deepinfer.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-from deepinfer.entrypoints.openai.tool_parsers.llama3 import Llama3JsonToolParser
-from deepinfer.entrypoints.openai.tool_parsers.mistral import MistralToolParser
-from deepinfer.entrypoints.openai.tool_parsers.stream import ToolCallStream
+from deepinfer.serving.chat.tool_parsers.base import FunctionSpec, ParsedToolCalls, ToolParser
+from deepinfer.serving.chat.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from deepinfer.serving.chat.tool_parsers.hermes import HermesToolParser
+from deepinfer.serving.chat.tool_parsers.llama3 import Llama3JsonToolParser
+from deepinfer.serving.chat.tool_parsers.mistral import MistralToolParser
+from deepinfer.serving.chat.tool_parsers.stream import ToolCallStream
 
 # the most specific markers first: a template may mention another format's markers in passing
 DETECTION_ORDER: tuple[type[ToolParser], ...] = (DeepSeekV3ToolParser, MistralToolParser, HermesToolParser,

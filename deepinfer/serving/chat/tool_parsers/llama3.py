@@ -7,7 +7,7 @@ A forced call may begin with the tag when the tag is one token of the tokenizer 
 
 from __future__ import annotations
 
-from deepinfer.entrypoints.openai.tool_parsers.base import (
+from deepinfer.serving.chat.tool_parsers.base import (
     FunctionSpec,
     Scan,
     ToolParser,
@@ -15,7 +15,7 @@ from deepinfer.entrypoints.openai.tool_parsers.base import (
     json_rule,
     scan_call_object,
 )
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Invalid, skip_ws
+from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 
 _ARGUMENT_KEYS = ("parameters", "arguments")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from deepinfer.entrypoints.openai.tool_parsers.base import (
+from deepinfer.serving.chat.tool_parsers.base import (
     CallScan,
     FunctionSpec,
     Scan,
@@ -22,7 +22,7 @@ from deepinfer.entrypoints.openai.tool_parsers.base import (
     json_rule,
     styled,
 )
-from deepinfer.entrypoints.openai.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
+from deepinfer.serving.chat.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
