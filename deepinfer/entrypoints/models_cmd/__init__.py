@@ -5,8 +5,9 @@
     deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, MODIFIED of offline models
     deepinfer rm NAME [--models-dir DIR]            a Hub-cache model or a GGUF of the models dir
 
-Exit status: 0 done; 1 a download failed (network, the Hub's refusal, a hash mismatch); 2 a bad
-name, a model that is not there, or one `rm` must not delete (`cli.main` reports those).
+Exit status: 0 done; 1 a download failed (network, the Hub's refusal, a hash mismatch, an answer
+that fails its check: see `safe_names`); 2 a bad name, a model that is not there, or one `rm` must
+not delete (`cli.main` reports those).
 """
 
 from __future__ import annotations
