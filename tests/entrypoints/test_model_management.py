@@ -28,7 +28,7 @@ def hub(tmp_path, monkeypatch):
 def _list_json(capsys) -> dict:
     capsys.readouterr()
     assert cli.main(["list", "--json"]) == 0
-    return {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    return {row["name"]: row for row in json.loads(capsys.readouterr().out)["models"]}
 
 
 def test_pull_a_repository_fetches_what_the_engine_loads_and_serve_finds_it_offline(hub, capsys, monkeypatch):

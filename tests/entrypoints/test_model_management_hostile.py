@@ -1,19 +1,22 @@
-"""`deepinfer pull` against a hostile or spoofed Hub endpoint and odd files on disk.
+"""`deepinfer pull / list` against a hostile or spoofed Hub endpoint and odd files on disk.
 
 A name the server sends (commit, ETag, a file name of a listing, a size, a redirect) that is not of
 the form the Hub uses stops `pull` with status 1 and one line naming the field, and nothing is
 written anywhere (the whole tree around the test's directory is compared before and after). A
-symlink already in the cache or models dir that points out of it is never followed.
+symlink already in the cache or models dir that points out of it is never followed. `list` lists
+what it can read and names the rest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 from fake_hub import GGUF_COMMIT, GGUF_FILE, GGUF_REPO, serve_fake_hub
 
 from deepinfer.entrypoints import cli
+from deepinfer.entrypoints.models_cmd import inventory
 
 CKPT = "tiny-org/tiny-llama"
 GGUF_NAME = f"{GGUF_REPO}/{GGUF_FILE}"
@@ -172,3 +175,112 @@ def test_a_failed_hash_check_leaves_no_file_in_the_models_dir(hub, tmp_path, cap
     assert cli.main(["pull", GGUF_NAME, "--models-dir", str(tmp_path / "models")]) == 1
     assert "does not match" in capsys.readouterr().err
     assert list((tmp_path / "models").iterdir()) == []  # neither the file nor the partial one
+
+
+def _skipped_lines(err: str) -> dict[str, str]:
+    lines = [line for line in err.splitlines() if line.startswith("deepinfer: list: skipped ")]
+    return {line.removeprefix("deepinfer: list: skipped ").rsplit(": ", 1)[0]: line for line in lines}
+
+
+def _odd_models_dir(tmp_path, monkeypatch):
+    """A models dir with one good GGUF and five it cannot read; the paths of the bad ones."""
+    models = tmp_path / "models"
+    (models / "sub").mkdir(parents=True)
+    (models / "good.gguf").write_bytes(b"GGUF" + b"\0" * 96)
+    bad = {"dangling": models / "dangling.gguf", "unreadable": models / "sub" / "unreadable.gguf",
+           "loop": models / "loop.gguf", "fifo": models / "fifo.gguf"}
+    bad["dangling"].symlink_to(tmp_path / "nowhere.gguf")
+    bad["unreadable"].write_bytes(b"GGUF")
+    bad["unreadable"].chmod(0)
+    bad["loop"].symlink_to(bad["loop"])
+    os.mkfifo(bad["fifo"])
+    os.close(os.open(os.path.join(os.fsencode(models), b"bad\xff.gguf"), os.O_CREAT | os.O_WRONLY, 0o644))
+    real_access = os.access
+    unreadable = str(bad["unreadable"])
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: p != unreadable and real_access(p, mode, **kw))
+    return models, bad  # (as root, chmod 0 leaves a file readable: os.access answers for the test)
+
+
+def test_list_skips_and_reports_what_it_cannot_read_in_the_models_dir(hub, tmp_path, capsys, monkeypatch):
+    models, bad = _odd_models_dir(tmp_path, monkeypatch)
+    assert cli.main(["list", "--json"]) == 0
+    captured = capsys.readouterr()
+    answer = json.loads(captured.out)
+    assert str(models / "good.gguf") in [row["name"] for row in answer["models"]]
+    assert not [row for row in answer["models"] if row["name"] != str(models / "good.gguf")
+                and row["source"] == "models-dir"]
+    reasons = {item["path"]: item["reason"] for item in answer["skipped"]}
+    assert reasons[str(bad["dangling"])].startswith("a dangling symlink")
+    assert reasons[str(bad["unreadable"])] == "unreadable (permission denied)"
+    assert reasons[str(bad["fifo"])] == "not a regular file"
+    assert str(bad["loop"]) in reasons
+    assert reasons[str(models / "bad\\xff.gguf")] == "its name is not valid UTF-8"
+    assert len(reasons) == 5
+    assert set(_skipped_lines(captured.err)) == set(reasons)  # one stderr line each
+    assert cli.main(["list"]) == 0
+    table = capsys.readouterr().out
+    assert "good.gguf" in table and "dangling" not in table
+
+
+def test_list_reports_an_unreadable_directory_and_lists_the_rest(hub, tmp_path, capsys, monkeypatch):
+    assert cli.main(["pull", GGUF_NAME]) == 0
+    locked = [tmp_path / "models" / "locked", tmp_path / "hub" / "models--org--locked" / "snapshots" / ("a" * 40)]
+    for folder in locked:
+        folder.mkdir(parents=True)
+        (folder / "x.gguf").write_bytes(b"GGUF")
+        folder.chmod(0)
+    (tmp_path / "models" / "good.gguf").write_bytes(b"GGUF")
+    real_scandir, refused = os.scandir, {str(p) for p in locked}
+
+    def scandir(path="."):  # as root, chmod 0 leaves a folder readable: refuse it here too
+        if os.fspath(path) in refused:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    try:
+        capsys.readouterr()
+        assert cli.main(["list", "--json"]) == 0
+        answer = json.loads(capsys.readouterr().out)
+    finally:
+        for folder in locked:
+            folder.chmod(0o755)
+    names = {row["name"] for row in answer["models"]}
+    assert {GGUF_NAME, str(tmp_path / "models" / "good.gguf")} <= names and "org/locked" not in names
+    assert {item["path"]: item["reason"] for item in answer["skipped"]} == {p: "Permission denied" for p in refused}
+
+
+def test_list_skips_broken_cache_folders_and_lists_the_rest(hub, tmp_path, capsys):
+    assert cli.main(["pull", f"{GGUF_REPO}/other.Q4_0.gguf"]) == 0
+    cache = tmp_path / "hub"
+    (cache / "models--org--unfinished" / "blobs").mkdir(parents=True)  # an interrupted pull: not reported
+    (cache / "models--org--file-snapshots").mkdir()
+    (cache / "models--org--file-snapshots" / "snapshots").write_bytes(b"")
+    (cache / "models--org--a-file").write_bytes(b"")
+    snapshot = cache / "models--org--linked-out" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (_outside(tmp_path) / "secret.gguf").write_bytes(b"GGUF")
+    (snapshot / "secret.gguf").symlink_to(tmp_path / "outside" / "secret.gguf")
+    (cache / GGUF_FOLDER / "snapshots" / GGUF_COMMIT / "gone.gguf").symlink_to("../../blobs/" + "f" * 64)
+    capsys.readouterr()
+    assert cli.main(["list", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert {row["name"] for row in answer["models"] if row["source"] == "hf-cache"} == {f"{GGUF_REPO}/other.Q4_0.gguf"}
+    reasons = {item["path"]: item["reason"] for item in answer["skipped"]}
+    assert reasons[str(cache / "models--org--file-snapshots" / "snapshots")].startswith("not a Hugging Face cache")
+    assert reasons[str(cache / "models--org--a-file")].startswith("not a Hugging Face cache folder")
+    assert "resolves outside" in reasons[str(snapshot / "secret.gguf")]
+    assert reasons[str(cache / GGUF_FOLDER / "snapshots" / GGUF_COMMIT / "gone.gguf")].startswith("a dangling")
+    assert len(reasons) == 4
+
+
+def test_list_exits_1_when_nothing_could_be_read(hub, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(inventory, "pip_entries", lambda: [])
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "dangling.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    assert cli.main(["list"]) == 1
+    assert "dangling.gguf: a dangling symlink" in capsys.readouterr().err
+    os.remove(models / "dangling.gguf")
+    assert cli.main(["list", "--json"]) == 0  # nothing at all is not an error
+    assert json.loads(capsys.readouterr().out) == {"models": [], "skipped": []}

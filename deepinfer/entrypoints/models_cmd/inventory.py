@@ -17,6 +17,8 @@ import importlib.metadata
 import os
 import pathlib
 
+from deepinfer.entrypoints.models_cmd.cache_scan import Skipped, scan_hub_cache, scan_models_dir
+
 SOURCE_PIP, SOURCE_HUB, SOURCE_DIR = "pip", "hf-cache", "models-dir"
 
 
@@ -42,11 +44,21 @@ def default_models_dir() -> str:
     return os.path.join(default_cache_dir() or os.path.abspath(".deepinfer"), "models")
 
 
-def list_models(models_dir: str | None = None) -> list[ModelEntry]:
-    """Every model available offline: pip-shipped first, then the Hub cache, then the models dir."""
-    hub = sorted(hub_entries(), key=lambda e: e.name.lower())
-    local = sorted(dir_entries(models_dir or default_models_dir()), key=lambda e: e.name)
-    return pip_entries() + hub + local
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """What `list` found: the models, and the entries it could not read (see `cache_scan`)."""
+
+    entries: list[ModelEntry]
+    skipped: list[Skipped]
+
+
+def list_models(models_dir: str | None = None) -> Inventory:
+    """Every model available offline: pip-shipped first, then the Hub cache, then the models dir;
+    an entry that cannot be read is skipped and reported, never fatal."""
+    hub, hub_skipped = hub_entries()
+    local, dir_skipped = dir_entries(models_dir or default_models_dir())
+    entries = pip_entries() + sorted(hub, key=lambda e: e.name.lower()) + sorted(local, key=lambda e: e.name)
+    return Inventory(entries, hub_skipped + dir_skipped)
 
 
 def pip_entries() -> list[ModelEntry]:
@@ -95,8 +107,9 @@ def pip_uninstall_command(name: str) -> str | None:
     return f"pip uninstall {' '.join([main, *parts])}"
 
 
-def scan_hub_cache():
-    """huggingface_hub's scan of the Hub cache; None when the cache directory does not exist."""
+def hf_cache_info():
+    """huggingface_hub's scan of the Hub cache (what `rm` deletes through); None when the cache
+    directory does not exist."""
     from huggingface_hub import scan_cache_dir
 
     from deepinfer.model_executor.loader.hub import hub_cache_dir
@@ -105,38 +118,33 @@ def scan_hub_cache():
     return scan_cache_dir(cache) if os.path.isdir(cache) else None
 
 
-def hub_entries() -> list[ModelEntry]:
-    """A checkpoint repository as one row (org/name); a GGUF repository as one row per cached file."""
-    info = scan_hub_cache()
+def hub_entries() -> tuple[list[ModelEntry], list[Skipped]]:
+    """A checkpoint repository as one row (org/name); a GGUF repository as one row per cached file;
+    and what could not be read."""
+    from deepinfer.model_executor.loader.hub import hub_cache_dir
+
+    repos, skipped = scan_hub_cache(hub_cache_dir())
     entries = []
-    for repo in info.repos if info is not None else ():
-        if repo.repo_type != "model":
+    for repo in repos:
+        gguf = {path: f for path, f in repo.files.items() if path.endswith(".gguf")}
+        if "config.json" in repo.files or not gguf:
+            size = sum({f.target: f.size for f in repo.files.values()}.values())  # a blob counts once
+            entries.append(ModelEntry(repo.repo_id, SOURCE_HUB, size, repo.modified, repo.path))
             continue
-        files = {_relative(f, r): f for r in repo.revisions for f in r.files}
-        gguf = {path: f for path, f in files.items() if path.endswith(".gguf")}
-        if "config.json" in files or not gguf:
-            entries.append(ModelEntry(repo.repo_id, SOURCE_HUB, repo.size_on_disk, repo.last_modified,
-                                      str(repo.repo_path)))
-            continue
-        entries += [ModelEntry(f"{repo.repo_id}/{path}", SOURCE_HUB, f.size_on_disk, f.blob_last_modified,
-                               str(f.file_path)) for path, f in gguf.items()]
-    return entries
+        entries += [ModelEntry(f"{repo.repo_id}/{path}", SOURCE_HUB, f.size, f.modified, f.path)
+                    for path, f in gguf.items()]
+    return entries, skipped
 
 
 def _relative(file, revision) -> str:
     return pathlib.PurePath(file.file_path).relative_to(revision.snapshot_path).as_posix()
 
 
-def dir_entries(models_dir: str) -> list[ModelEntry]:
-    """The *.gguf files under `models_dir` (searched recursively), each named by its absolute path."""
-    entries = []
-    for root, _, names in os.walk(models_dir):
-        for name in names:
-            if name.endswith(".gguf"):
-                path = os.path.join(os.path.abspath(root), name)
-                stat = os.stat(path)
-                entries.append(ModelEntry(path, SOURCE_DIR, stat.st_size, stat.st_mtime, path))
-    return entries
+def dir_entries(models_dir: str) -> tuple[list[ModelEntry], list[Skipped]]:
+    """The *.gguf files under `models_dir` (searched recursively), each named by its absolute path;
+    and what could not be read."""
+    found, skipped = scan_models_dir(models_dir)
+    return [ModelEntry(f.path, SOURCE_DIR, f.size, f.modified, f.path) for f in found], skipped
 
 
 def remove_model(name: str, models_dir: str | None = None) -> ModelEntry:
@@ -164,7 +172,7 @@ def _remove_from_hub(name: str) -> ModelEntry | None:
     from deepinfer.model_executor.loader.hub import parse_hub_name
 
     parsed = parse_hub_name(name.replace(":", "/", 1))
-    info = scan_hub_cache() if parsed is not None else None
+    info = hf_cache_info() if parsed is not None else None
     repo = next((r for r in info.repos if r.repo_type == "model" and r.repo_id == parsed[0]), None) if info else None
     if repo is None:
         return None
