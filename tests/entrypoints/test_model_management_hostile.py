@@ -1,10 +1,10 @@
-"""`deepinfer pull / list` against a hostile or spoofed Hub endpoint and odd files on disk.
+"""`deepinfer pull / list / rm` against a hostile or spoofed Hub endpoint and odd files on disk.
 
 A name the server sends (commit, ETag, a file name of a listing, a size, a redirect) that is not of
 the form the Hub uses stops `pull` with status 1 and one line naming the field, and nothing is
 written anywhere (the whole tree around the test's directory is compared before and after). A
 symlink already in the cache or models dir that points out of it is never followed. `list` lists
-what it can read and names the rest.
+what it can read and names the rest; `rm` never deletes outside the cache or the models dir.
 """
 
 from __future__ import annotations
@@ -284,3 +284,43 @@ def test_list_exits_1_when_nothing_could_be_read(hub, tmp_path, capsys, monkeypa
     os.remove(models / "dangling.gguf")
     assert cli.main(["list", "--json"]) == 0  # nothing at all is not an error
     assert json.loads(capsys.readouterr().out) == {"models": [], "skipped": []}
+
+
+def test_rm_never_deletes_outside_the_cache(hub, tmp_path, capsys):
+    assert cli.main(["pull", GGUF_NAME]) == 0
+    secret = _outside(tmp_path) / "secret.gguf"
+    secret.write_bytes(b"GGUF secret")
+    snapshot = tmp_path / "hub" / GGUF_FOLDER / "snapshots" / GGUF_COMMIT
+    (snapshot / "linked.gguf").symlink_to(secret)
+    capsys.readouterr()
+    assert cli.main(["rm", f"{GGUF_REPO}/linked.gguf"]) == 2  # its "blob" is outside: refused
+    assert "resolves outside the Hugging Face cache" in capsys.readouterr().err
+    assert secret.read_bytes() == b"GGUF secret" and (snapshot / GGUF_FILE).exists()
+    assert cli.main(["rm", GGUF_REPO]) == 0  # the whole folder goes; a link in it is removed, not followed
+    assert secret.read_bytes() == b"GGUF secret" and not (tmp_path / "hub" / GGUF_FOLDER).exists()
+
+
+def test_rm_names_a_damaged_cache_folder_instead_of_deleting_through_it(hub, tmp_path, capsys):
+    folder = tmp_path / "hub" / GGUF_FOLDER
+    folder.mkdir(parents=True)
+    (folder / "snapshots").symlink_to(_outside(tmp_path), target_is_directory=True)
+    (tmp_path / "outside" / "keep").write_bytes(b"x")
+    assert cli.main(["rm", GGUF_REPO]) == 2
+    assert "is in the Hugging Face cache but its folder is damaged" in capsys.readouterr().err
+    assert (tmp_path / "outside" / "keep").exists()
+
+
+def test_rm_in_the_models_dir_removes_a_link_never_its_target(hub, tmp_path, capsys):
+    models = tmp_path / "models"
+    models.mkdir()
+    secret = _outside(tmp_path) / "elsewhere.gguf"
+    secret.write_bytes(b"GGUF")
+    (models / "link.gguf").symlink_to(secret)
+    (models / "dangling.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    assert cli.main(["rm", "link.gguf"]) == 0
+    assert cli.main(["rm", "dangling.gguf"]) == 0  # what `list` reports can be cleaned up
+    assert secret.exists() and not os.path.lexists(models / "link.gguf")
+    assert not os.path.lexists(models / "dangling.gguf")
+    assert cli.main(["rm", "../outside/elsewhere.gguf"]) == 2
+    assert "not in the models directory" in capsys.readouterr().err
+    assert secret.read_bytes() == b"GGUF"

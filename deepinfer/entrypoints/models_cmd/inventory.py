@@ -16,8 +16,10 @@ import importlib
 import importlib.metadata
 import os
 import pathlib
+import re
 
-from deepinfer.entrypoints.models_cmd.cache_scan import Skipped, scan_hub_cache, scan_models_dir
+from deepinfer.entrypoints.models_cmd.cache_scan import Skipped, printable, scan_hub_cache, scan_models_dir
+from deepinfer.entrypoints.models_cmd.safe_names import inside
 
 SOURCE_PIP, SOURCE_HUB, SOURCE_DIR = "pip", "hf-cache", "models-dir"
 
@@ -109,13 +111,16 @@ def pip_uninstall_command(name: str) -> str | None:
 
 def hf_cache_info():
     """huggingface_hub's scan of the Hub cache (what `rm` deletes through); None when the cache
-    directory does not exist."""
+    directory does not exist. ValueError when it cannot be read."""
     from huggingface_hub import scan_cache_dir
 
     from deepinfer.model_executor.loader.hub import hub_cache_dir
 
     cache = hub_cache_dir()
-    return scan_cache_dir(cache) if os.path.isdir(cache) else None
+    try:
+        return scan_cache_dir(cache) if os.path.isdir(cache) else None
+    except OSError as exc:
+        raise ValueError(f"cannot read the Hugging Face cache ({cache}): {exc}") from None
 
 
 def hub_entries() -> tuple[list[ModelEntry], list[Skipped]]:
@@ -168,13 +173,16 @@ def remove_model(name: str, models_dir: str | None = None) -> ModelEntry:
 
 
 def _remove_from_hub(name: str) -> ModelEntry | None:
-    """Delete a cached repository (every revision) or one cached file of it; None when not cached."""
+    """Delete a cached repository (every revision) or one cached file of it; None when not cached.
+    ValueError when a path it would delete resolves outside the cache, or the repository's folder
+    is damaged (huggingface_hub's scan could not read it)."""
     from deepinfer.model_executor.loader.hub import parse_hub_name
 
     parsed = parse_hub_name(name.replace(":", "/", 1))
     info = hf_cache_info() if parsed is not None else None
     repo = next((r for r in info.repos if r.repo_type == "model" and r.repo_id == parsed[0]), None) if info else None
     if repo is None:
+        _refuse_damaged(info, parsed)
         return None
     filename = parsed[1]
     all_files = [f for r in repo.revisions for f in r.files]
@@ -184,6 +192,7 @@ def _remove_from_hub(name: str) -> ModelEntry | None:
         return None
     if len(chosen) == len(all_files):  # nothing else cached: the whole repository goes
         strategy = info.delete_revisions(*(r.commit_hash for r in repo.revisions))
+        _check_inside_cache([p for paths in vars(strategy).values() if isinstance(paths, frozenset) for p in paths])
         strategy.execute()
         freed = strategy.expected_freed_size
     else:
@@ -192,9 +201,39 @@ def _remove_from_hub(name: str) -> ModelEntry | None:
     return ModelEntry(label, SOURCE_HUB, freed, repo.last_modified, str(repo.repo_path))
 
 
+def _refuse_damaged(info, parsed) -> None:
+    """ValueError naming the problem when the repository's folder exists but the scan skipped it."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    from deepinfer.model_executor.loader.hub import hub_cache_dir
+
+    if info is None:  # no cache, or not a Hub name
+        return
+    folder = repo_folder_name(repo_id=parsed[0], repo_type="model")
+    path = os.path.join(hub_cache_dir(), folder)
+    if not os.path.lexists(path):
+        return
+    mention = re.compile(re.escape(folder) + r"(?![A-Za-z0-9._-])")
+    detail = next((str(w) for w in info.warnings if mention.search(str(w))), "huggingface_hub could not scan it")
+    raise ValueError(f"model {parsed[0]!r} is in the Hugging Face cache but its folder is damaged "
+                     f"({printable(detail)}); delete {path} yourself")
+
+
+def _check_inside_cache(paths) -> None:
+    """ValueError unless every path `rm` would delete resolves (through any symlink) inside the cache."""
+    from deepinfer.model_executor.loader.hub import hub_cache_dir
+
+    cache = hub_cache_dir()
+    for path in paths:
+        if not inside(cache, str(path)):
+            raise ValueError(f"{printable(str(path))} resolves outside the Hugging Face cache ({cache}), to "
+                             f"{printable(os.path.realpath(path))}: `deepinfer rm` deletes only inside it")
+
+
 def _delete_files(info, repo, chosen) -> int:
     """Delete cached files `chosen` of `repo` (their snapshot entries, and each blob no other entry
     uses); the bytes freed. huggingface_hub's own strategy where the release has one."""
+    _check_inside_cache([p for f in chosen for p in (f.file_path, f.blob_path)])
     if hasattr(info, "delete_files"):  # huggingface_hub >= 2
         strategy = info.delete_files(*chosen)
         strategy.execute()
@@ -210,15 +249,20 @@ def _delete_files(info, repo, chosen) -> int:
 
 
 def _remove_from_dir(name: str, models_dir: str) -> ModelEntry | None:
-    """Delete a GGUF named by its path, or by its path relative to `models_dir`; None when absent."""
+    """Delete a GGUF named by its path, or by its path relative to `models_dir`; None when absent.
+
+    The entry itself goes: a symlink is removed, never the file it points to. ValueError when the
+    entry (its folder resolved) is not inside `models_dir`."""
     root = os.path.realpath(models_dir)
     for candidate in (os.path.expanduser(name), os.path.join(models_dir, name)):
-        path = os.path.realpath(candidate)
-        if path.endswith(".gguf") and os.path.isfile(path):
-            if os.path.commonpath([root, path]) != root:
-                raise ValueError(f"model {name!r} ({path}) is not in the models directory ({models_dir}): "
-                                 f"`deepinfer rm` deletes only models it manages")
-            stat = os.stat(path)
-            os.remove(path)
-            return ModelEntry(path, SOURCE_DIR, stat.st_size, stat.st_mtime, path)
+        path = os.path.abspath(candidate)
+        if not path.endswith(".gguf") or not os.path.lexists(path) or os.path.isdir(path):
+            continue
+        entry = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+        if os.path.commonpath([root, entry]) != root:
+            raise ValueError(f"model {name!r} ({entry}) is not in the models directory ({models_dir}): "
+                             f"`deepinfer rm` deletes only models it manages")
+        stat = os.lstat(entry) if os.path.islink(entry) else os.stat(entry)
+        os.remove(entry)
+        return ModelEntry(path, SOURCE_DIR, stat.st_size, stat.st_mtime, path)
     return None
