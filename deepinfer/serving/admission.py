@@ -12,7 +12,8 @@ character bound, and its texts are counted in tokens only.
 
 Client seats. A client is its tenant (the hash of the API key it presents) when the server checks
 keys, else its peer address (a header a client chooses, such as X-Forwarded-For, is not trusted:
-behind a proxy every client is the proxy). `ClientSeats` counts each client's work in flight: one
+behind a proxy every client is the proxy; behind a data-parallel front end, the client the front end
+names beside the cluster secret, `tenancy.forwarded_client`). `ClientSeats` counts each client's work in flight: one
 seat per request from its start until its answer (a stream included) is sent, and one more per
 input an embeddings request has in the engine beyond its first. A new request of a client whose
 seats are all taken is a 429 (`queue_full`), before its body is read; an embeddings window only
@@ -31,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from deepinfer.serving.errors import ServingError, bad_request, too_busy
-from deepinfer.serving.tenancy import Credentials, Tenant, key_id, presented_key
+from deepinfer.serving.tenancy import Credentials, Tenant, forwarded_client, key_id, presented_key
 
 UNICODE_SHRINK = 4  # NFC/NFKC join at most 3 code points into one (Hangul syllables); with margin
 _UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
@@ -114,9 +115,13 @@ def _replaces_one_char(spec: dict) -> bool:
     return len(pattern.get("String", "")) == 1 and len(spec.get("content", "")) >= 1
 
 
-def client_key(headers, peer: str | None, credentials: Credentials) -> str:
-    """Whom a request's seats count for: the key it presents (hashed) when the server checks keys,
-    else its peer address. `headers(name)` gives a header's values."""
+def client_key(headers, peer: str | None, credentials: Credentials, secret: str | None = None) -> str:
+    """Whom a request's seats count for: the client a data-parallel front end names (believed beside
+    this replica's cluster `secret` only), else the key it presents (hashed) when the server checks
+    keys, else its peer address. `headers(name)` gives a header's values."""
+    forwarded = forwarded_client(headers, secret)
+    if forwarded is not None:
+        return forwarded
     if credentials.checked:
         try:
             given = presented_key(headers)

@@ -46,6 +46,7 @@ class ServerSettings:
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) of the LoRA adapters served from the start
     allow_runtime_lora_updating: bool = False  # the load / unload adapter routes
     lora_dirs: tuple[str, ...] = ()  # the only directories the load route reads adapters from
+    data_parallel_secret: str | None = None  # a replica's cluster secret: believe x-deepinfer-client beside it
 
 
 class ServingContext:

@@ -15,19 +15,26 @@ may be sent (two are a 400); a missing key and a wrong one are 401s (compared in
 with every accepted key).
 
 The client (for the scheduler's fair share and the per-client limits): the tenant when keys are
-set; else the body's `user` for the fair share (hashed) and the peer address for the limits.
+set; else the body's `user` for the fair share (hashed) and the peer address for the limits. Behind
+a data-parallel front end every request comes from the front end's address, so the front end names
+the client in `x-deepinfer-client`, and a replica believes it only beside its own cluster secret in
+`x-deepinfer-dp-secret` (`forwarded_client`): a client that sends the header itself gains nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deepinfer.serving.errors import ServingError, bad_request
 
 GetHeaders = Callable[[str], list[str]]  # a header name (lower case) -> every value the request sent
+SECRET_HEADER = "x-deepinfer-dp-secret"  # a data-parallel front end's (or child replica's) secret
+CLIENT_HEADER = "x-deepinfer-client"  # the client a front end forwards a request for
+_CLIENT_ID = re.compile(r"(?:key|addr):[\x21-\x7e]{1,64}")  # what a front end sends, and nothing longer
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,22 @@ def presented_key(headers: GetHeaders, names: tuple[str, ...] = ("x-api-key", "a
             scheme, _, token = values[0].partition(" ")
             return token.strip() if scheme.lower() == "bearer" else ""
     return None
+
+
+def same_secret(given: str | None, expected: str | None) -> bool:
+    """Whether `given` (a header's value) is `expected`, compared in constant time; never with no secret."""
+    if not expected or given is None:
+        return False
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode("utf-8"))
+
+
+def forwarded_client(headers: GetHeaders, secret: str | None) -> str | None:
+    """The client a data-parallel front end names in `x-deepinfer-client`, when the request carries
+    exactly one `x-deepinfer-dp-secret` equal to this replica's `secret` (else None)."""
+    given, client = headers(SECRET_HEADER), headers(CLIENT_HEADER)
+    if not secret or len(given) != 1 or len(client) != 1 or not same_secret(given[0], secret):
+        return None
+    return client[0] if _CLIENT_ID.fullmatch(client[0]) else None
 
 
 def fair_share_client(tenant: Tenant, user: str | None) -> str | None:

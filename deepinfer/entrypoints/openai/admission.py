@@ -25,14 +25,15 @@ class ClientShares:
     routes that take more seats (embeddings windows)."""
 
     def __init__(self, app, seats: ClientSeats, credentials: Credentials,
-                 accepting: Callable[[], bool] = lambda: True):
+                 accepting: Callable[[], bool] = lambda: True, secret: str | None = None):
         self.app, self.seats, self.credentials, self.accepting = app, seats, credentials, accepting
+        self.secret = secret  # a data-parallel replica's cluster secret (a front end names the client)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
         peer = scope.get("client")
-        client = client_key(Headers(scope=scope).getlist, peer[0] if peer else None, self.credentials)
+        client = client_key(Headers(scope=scope).getlist, peer[0] if peer else None, self.credentials, self.secret)
         try:
             if self.accepting():
                 self.seats.take(client)

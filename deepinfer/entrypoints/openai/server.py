@@ -107,7 +107,7 @@ def build_app(engine, settings: ServerSettings,
     app.state.server = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(ClientShares, seats=state.seats, credentials=state.credentials,
-                       accepting=lambda: state.engine_loop.accepting)
+                       accepting=lambda: state.engine_loop.accepting, secret=settings.data_parallel_secret)
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     _include_routes(app, state)
     return app
