@@ -18,22 +18,26 @@ ADMITTED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/resp
                             "/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"})
 
 
-class ClientShares:
-    """ASGI middleware: a POST to an admitted path takes a seat of its client for its whole life (a
-    429 in the API's shape when the client has none left, unless the server is shutting down: the
-    route's 503 goes first). The client is also left in the scope (`deepinfer.client`) for the
-    routes that take more seats (embeddings windows)."""
+def scope_client(credentials: Credentials, secret: str | None, scope) -> str:
+    """The client a server's request counts for (`serving.admission.client_key`)."""
+    peer = scope.get("client")
+    return client_key(Headers(scope=scope).getlist, peer[0] if peer else None, credentials, secret)
 
-    def __init__(self, app, seats: ClientSeats, credentials: Credentials,
-                 accepting: Callable[[], bool] = lambda: True, secret: str | None = None):
-        self.app, self.seats, self.credentials, self.accepting = app, seats, credentials, accepting
-        self.secret = secret  # a data-parallel replica's cluster secret (a front end names the client)
+
+class ClientShares:
+    """ASGI middleware: a POST to an admitted path takes a seat of its client (`client_of(scope)`) for
+    its whole life (a 429 in the API's shape when the client has none left, unless the server is
+    shutting down: the route's 503 goes first). The client is also left in the scope
+    (`deepinfer.client`) for the routes that take more seats (embeddings windows)."""
+
+    def __init__(self, app, seats: ClientSeats, client_of: Callable[[dict], str],
+                 accepting: Callable[[], bool] = lambda: True):
+        self.app, self.seats, self.client_of, self.accepting = app, seats, client_of, accepting
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in ADMITTED_PATHS:
             return await self.app(scope, receive, send)
-        peer = scope.get("client")
-        client = client_key(Headers(scope=scope).getlist, peer[0] if peer else None, self.credentials, self.secret)
+        client = self.client_of(scope)
         try:
             if self.accepting():
                 self.seats.take(client)

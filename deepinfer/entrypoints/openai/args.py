@@ -74,6 +74,17 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-routing", default="prefix", choices=ROUTING_POLICIES,
                    help="prefix: the replica that holds the prompt's first blocks unless it is overloaded, "
                         "else the least loaded; least-load; random (a baseline)")
+    g.add_argument("--data-parallel-secret", default=None, metavar="SECRET",
+                   help="the cluster secret (16+ printable ASCII characters): a front end accepts replicas that "
+                        "it did not start only with it (without it, none), and a replica joining with "
+                        "--data-parallel-address sends it; not an API key. Prefer --data-parallel-secret-file: "
+                        "a command line is visible to other users of the machine")
+    g.add_argument("--data-parallel-secret-file", default=None, metavar="FILE",
+                   help="read the cluster secret from FILE (its first line)")
+    g.add_argument("--data-parallel-read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a front end fails a request (504, or an error event ending its stream) whose replica "
+                        "sends nothing for this long; a replica that fails its health checks fails its requests "
+                        "at once")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +102,7 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
 
 def server_settings(args):
     """The ServerSettings of `deepinfer serve`'s flags; ValueError naming a bad flag (before the model loads)."""
+    from deepinfer.entrypoints.data_parallel.launch import replica_secret
     from deepinfer.serving.admission import PriorityRange
     from deepinfer.serving.context import ServerSettings
 
@@ -100,6 +112,7 @@ def server_settings(args):
                           max_requests_per_client=args.max_requests_per_client,
                           priority_range=PriorityRange.parse(args.priority_range) if args.priority_range
                           else PriorityRange(), shared_prefix_cache=args.shared_prefix_cache,
+                          data_parallel_secret=replica_secret(args),
                           reasoning_parser=args.reasoning_parser, **lora_settings(args))
 
 

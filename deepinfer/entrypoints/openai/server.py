@@ -55,7 +55,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from deepinfer.entrypoints.openai.admission import ClientShares
+from deepinfer.entrypoints.openai.admission import ClientShares, scope_client
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
 from deepinfer.entrypoints.openai.body import BodySizeLimit, read_body
 from deepinfer.entrypoints.openai.dashboard import dashboard_routes
@@ -106,8 +106,9 @@ def build_app(engine, settings: ServerSettings,
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(ClientShares, seats=state.seats, credentials=state.credentials,
-                       accepting=lambda: state.engine_loop.accepting, secret=settings.data_parallel_secret)
+    client_of = functools.partial(scope_client, state.credentials, settings.data_parallel_secret)
+    app.add_middleware(ClientShares, seats=state.seats, client_of=client_of,
+                       accepting=lambda: state.engine_loop.accepting)
     install_error_handlers(app, on_error=lambda request, status: _count_error(state, request))
     _include_routes(app, state)
     return app
