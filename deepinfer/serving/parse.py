@@ -30,6 +30,7 @@ import math
 import re
 from typing import Annotated, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer.json_bounds import MAX_JSON_DEPTH, MAX_NUMBER_CHARS, json_depth
@@ -44,6 +45,9 @@ Entries = Annotated[dict[_K, _V], FAIL_FAST]
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# as json_bounds.json_depth scans: a string literal (or an unterminated one); brackets as +1 / -1
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+_DEPTH_STEPS = bytes(1 if b in b"[{" else 255 if b in b"]}" else 0 for b in range(256))  # int8 +1 / -1 / 0
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the JSON text
 
 
@@ -64,8 +68,10 @@ def parse_json(raw: bytes) -> dict:
     """The body as a JSON object; a 400 (never a 500) for anything else."""
     depth = json_depth(raw)
     if depth > MAX_JSON_DEPTH:
-        raise bad_request(f"the request body nests arrays and objects {depth} deep; the limit is "
-                          f"{MAX_JSON_DEPTH}", code="invalid_json")
+        field = deep_field(raw)
+        what = "nests" if field else "the request body nests"
+        raise bad_request(f"{what} arrays and objects {depth} deep; the limit is {MAX_JSON_DEPTH}", field,
+                          code="invalid_json")
     bad_numbers: list[_BadNumber] = []
     try:
         text = raw.decode("utf-8")  # strict: UTF-8-encoded surrogates are refused here
@@ -85,6 +91,27 @@ def parse_json(raw: bytes) -> dict:
     if _SURROGATE_ESCAPE.search(text):  # the only way a lone surrogate gets into the data
         _check_text(data)
     return data
+
+
+def deep_field(raw: bytes) -> str | None:
+    """The top-level field whose value nests past MAX_JSON_DEPTH (None: the body itself, or no key
+    found). Linear in the body, without parsing it: the strings are masked in place, the depth of every
+    byte is a cumulative sum, and the field is the last top-level key before the first byte too deep."""
+    spans = [m.span() for m in _JSON_STRING.finditer(raw)]
+    masked = bytearray(raw)
+    for start, end in spans:
+        masked[start:end] = b"s" * (end - start)
+    steps = np.frombuffer(bytes(masked).translate(_DEPTH_STEPS), dtype=np.int8)  # one per byte of the body
+    depth = np.cumsum(steps, dtype=np.int32)  # depth after each byte
+    too_deep = int(np.argmax(depth > MAX_JSON_DEPTH + 1))
+    for start, end in reversed(spans):
+        if start < too_deep and depth[start] == 1 and raw[end:end + 64].lstrip()[:1] == b":":
+            try:
+                key = json.loads(raw[start:end])
+            except ValueError:
+                return None
+            return key if isinstance(key, str) else None
+    return None
 
 
 class _BadNumber:

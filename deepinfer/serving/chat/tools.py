@@ -160,6 +160,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 def _template_call(i: int, j: int, call) -> dict:
     where = ("messages", i, "tool_calls", j)
+    if isinstance(call, dict) and call.get("type", "function") != "function":
+        raise FieldError((*where, "type"), f"must be 'function', got {short_repr(call.get('type'))}")
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise FieldError(where, "must be {\"id\", \"type\": \"function\", \"function\": {\"name\", \"arguments\"}}")
