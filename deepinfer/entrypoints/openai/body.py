@@ -60,6 +60,13 @@ def _content_length(scope) -> int | None:
     return None
 
 
+async def in_pool(state, request: Request, prepare, *args):
+    """A request's first steps: the capacity checked (503 / 429), its body read (400 when empty), and
+    `prepare(tokenizer, state, raw, *args)` (parse and prepare) run in the tokenizer pool."""
+    state.check_capacity()
+    return await state.pool.run(prepare, state, await read_body(request), *args)
+
+
 async def read_body(request: Request) -> bytes:
     """The raw body; 400 when it is empty."""
     raw = await request.body()

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.outputs import EmbeddingRequestOutput
 from deepinfer.serving.embeddings import MAX_INPUTS, input_ids, pooled_outputs, pooling_error, resolve_pooling
 from deepinfer.serving.errors import Path, bad_request
@@ -85,9 +85,7 @@ def embeddings_routes(ctx) -> APIRouter:
 
     @router.post("/embeddings")
     async def embeddings(request: Request) -> Response:
-        ctx.check_capacity()
-        raw = await read_body(request)
-        body, prompts, params = await ctx.pool.run(_prepare, ctx, raw)
+        body, prompts, params = await in_pool(ctx, request, _prepare)
         response_id = f"embd-{uuid.uuid4().hex}"
         outputs = await embed(ctx, request, response_id, prompts, params, [("input", i) for i in range(len(prompts))])
         return JSONResponse(_response(body, response_id, ctx.settings.model_name, outputs))

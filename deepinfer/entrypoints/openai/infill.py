@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from deepinfer.entrypoints.openai.auth import tenant_of
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.serving import run
 from deepinfer.serving.errors import bad_request, context_length_exceeded
@@ -94,9 +94,7 @@ def infill_routes(state) -> APIRouter:
 
     @router.post("/infill")
     async def infill(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        prepared = await state.pool.run(_prepare, state, raw)
+        prepared = await in_pool(state, request, _prepare)
         handle = await run.admit(state, f"infill-{uuid.uuid4().hex}", prepared, tenant_of(request))
         out = await run.whole(state, handle, request.is_disconnected)
         return JSONResponse(_answer(state, out))

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.errors import anthropic_error
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, new_id
 from deepinfer.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest, messages_names
@@ -46,9 +46,7 @@ def messages_routes(state) -> APIRouter:
 
     @router.post("/messages")
     async def create(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, prepared = await state.pool.run(_prepare, state, raw)
+        body, prepared = await in_pool(state, request, _prepare)
         ctx = MessageContext(new_id("msg"), state.response_model(body.model), len(prepared.prompt_ids))
         handle = await run.admit(state, ctx.message_id, prepared, tenant_of(request))
         if body.stream:
@@ -60,9 +58,7 @@ def messages_routes(state) -> APIRouter:
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:
-        state.check_capacity()
-        raw = await read_body(request)
-        return {"input_tokens": await state.pool.run(_count_tokens, state, raw)}
+        return {"input_tokens": await in_pool(state, request, _count_tokens)}
 
     return router
 

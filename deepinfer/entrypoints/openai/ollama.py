@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.engine.pooling import DEFAULT_SOURCE
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool, read_body
 from deepinfer.entrypoints.openai.embeddings import embed, prepared_inputs
 from deepinfer.entrypoints.openai.errors import ollama_error
 from deepinfer.entrypoints.openai.ollama_output import (
@@ -88,8 +88,7 @@ def ollama_routes(state) -> APIRouter:
 
     @router.post("/chat")
     async def chat(request: Request) -> Response:
-        state.check_capacity()
-        body, model, prepared = await state.pool.run(_prepare_chat, state, await read_body(request))
+        body, model, prepared = await in_pool(state, request, _prepare_chat)
         if prepared is None:
             return JSONResponse(loaded_reply(model, True))
         reply = OllamaReply(model, True, prepared.chat.plan, len(prepared.prompt_ids))
@@ -97,8 +96,7 @@ def ollama_routes(state) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        state.check_capacity()
-        body, model, prepared = await state.pool.run(_prepare_generate, state, await read_body(request))
+        body, model, prepared = await in_pool(state, request, _prepare_generate)
         if prepared is None:
             return JSONResponse(loaded_reply(model, False))
         plan = prepared.chat.plan if prepared.chat is not None else None
@@ -107,8 +105,7 @@ def ollama_routes(state) -> APIRouter:
 
     @router.post("/embed")
     async def embed_route(request: Request) -> dict:
-        state.check_capacity()
-        body, prompts, params = await state.pool.run(_prepare_embed, state, await read_body(request))
+        body, prompts, params = await in_pool(state, request, _prepare_embed)
         outputs = await embed(state, request, f"embed-{uuid.uuid4().hex}", prompts, params,
                               [("input", i) for i in range(len(prompts))])
         return {"model": body.model, "embeddings": [out.outputs.embedding for out in outputs],
@@ -116,8 +113,7 @@ def ollama_routes(state) -> APIRouter:
 
     @router.post("/embeddings")
     async def legacy_embeddings(request: Request) -> dict:
-        state.check_capacity()
-        _, prompts, params = await state.pool.run(_prepare_legacy_embed, state, await read_body(request))
+        _, prompts, params = await in_pool(state, request, _prepare_legacy_embed)
         outputs = await embed(state, request, f"embed-{uuid.uuid4().hex}", prompts, params, [("prompt",)])
         return {"embedding": outputs[0].outputs.embedding}
 

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.embeddings import embed
 from deepinfer.serving.embeddings import MAX_INPUTS, input_ids, require_pooling, resolve_pooling
 from deepinfer.serving.errors import Path, bad_request
@@ -101,17 +101,13 @@ def rerank_routes(state) -> APIRouter:
     router = APIRouter()
 
     async def rerank(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, names, prompts, params = await state.pool.run(_prepare_rerank, state, raw)
+        body, names, prompts, params = await in_pool(state, request, _prepare_rerank)
         response_id = f"rerank-{uuid.uuid4().hex}"
         vectors, num_tokens = await _vectors(state, request, response_id, prompts, params, names)
         return JSONResponse(_rerank_response(state, response_id, body, vectors, num_tokens))
 
     async def score(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, names, prompts, params = await state.pool.run(_prepare_score, state, raw)
+        body, names, prompts, params = await in_pool(state, request, _prepare_score)
         response_id = f"score-{uuid.uuid4().hex}"
         vectors, num_tokens = await _vectors(state, request, response_id, prompts, params, names)
         return JSONResponse(_score_response(state, response_id, body, vectors, num_tokens))

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.entrypoints.openai.auth import tenant_of
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.responses_output import (
     ResponseContext,
     ResponseEvents,
@@ -54,10 +54,8 @@ def responses_routes(state) -> APIRouter:
 
     @router.post("/responses")
     async def create(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
         tenant = tenant_of(request)
-        body, history, prepared = await state.pool.run(_prepare, state, raw, tenant)
+        body, history, prepared = await in_pool(state, request, _prepare, tenant)
         lora_request = state.lora_request(body.model)
         model = state.settings.model_name if lora_request is None else lora_request.lora_name
         ctx = ResponseContext(new_id("resp"), model, body, prepared.params.temperature, prepared.params.top_p)

@@ -57,7 +57,7 @@ from fastapi.staticfiles import StaticFiles
 
 from deepinfer.entrypoints.openai.admission import ClientShares, scope_client
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
-from deepinfer.entrypoints.openai.body import BodySizeLimit, read_body
+from deepinfer.entrypoints.openai.body import BodySizeLimit, in_pool
 from deepinfer.entrypoints.openai.dashboard import dashboard_routes
 from deepinfer.entrypoints.openai.embeddings import embeddings_routes
 from deepinfer.entrypoints.openai.errors import install_error_handlers
@@ -183,14 +183,12 @@ def _v1_routes(state: ServingContext) -> APIRouter:
 
     @router.post("/completions")
     async def completions(request: Request) -> Response:
-        state.check_capacity()
-        body, prepared = await state.pool.run(_prepare, state, await read_body(request), CompletionRequest)
+        body, prepared = await in_pool(state, request, _prepare, CompletionRequest)
         return await _generate(state, request, body, prepared, CompletionFormatter, f"cmpl-{uuid.uuid4().hex}")
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.check_capacity()
-        body, prepared = await state.pool.run(_prepare, state, await read_body(request), ChatCompletionRequest)
+        body, prepared = await in_pool(state, request, _prepare, ChatCompletionRequest)
         formatter = functools.partial(ChatFormatter, plan=prepared.chat.plan)
         return await _generate(state, request, body, prepared, formatter, f"chatcmpl-{uuid.uuid4().hex}")
 

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.body import read_body
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.serving.chat.prompt import TemplateRefused, render_chat
 from deepinfer.serving.chat.tools import tool_plan
 from deepinfer.serving.errors import FieldError, bad_request, from_field_error
@@ -63,15 +63,11 @@ def tokenize_routes(state) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        state.check_capacity()
-        raw = await read_body(request)
-        return await state.pool.run(_tokenize, state, raw)
+        return await in_pool(state, request, _tokenize)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        state.check_capacity()
-        raw = await read_body(request)
-        return {"prompt": await state.pool.run(_detokenize, state, raw)}
+        return {"prompt": await in_pool(state, request, _detokenize)}
 
     return router
 
