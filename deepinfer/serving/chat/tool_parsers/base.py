@@ -167,6 +167,28 @@ def json_rule(schema: dict) -> str:
     return "%json " + json.dumps(schema)
 
 
+def scan_sections(text: str, final: bool, marker: str, section) -> Scan:
+    """The scan of a format whose calls follow `marker`: the text before each marker is content, and
+    `section(text, pos past the marker, final, scan)` adds the calls after it and returns the index past
+    them (None while they are still being written; Invalid when they are not calls). The text after the
+    last section is content, less what may be the start of another marker while more may come."""
+    scan, pos = Scan(), 0
+    while True:
+        start = text.find(marker, pos)
+        if start < 0:
+            tail = text[pos:]
+            scan.content += tail if final else tail[:len(tail) - held_back(tail, (marker,))]
+            return scan
+        scan.content += text[pos:start]
+        try:
+            pos = section(text, start + len(marker), final, scan)
+        except Invalid:
+            scan.failed_at = start
+            return scan
+        if pos is None:  # the section is still being written
+            return scan
+
+
 def held_back(text: str, markers: tuple[str, ...]) -> int:
     """How many characters at the end of `text` may be the start of a marker (withheld while streaming)."""
     longest = 0

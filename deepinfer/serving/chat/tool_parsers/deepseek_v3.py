@@ -18,8 +18,8 @@ from deepinfer.serving.chat.tool_parsers.base import (
     FunctionSpec,
     Scan,
     ToolParser,
-    held_back,
     json_rule,
+    scan_sections,
     styled,
 )
 from deepinfer.serving.chat.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
@@ -42,21 +42,13 @@ class DeepSeekV3ToolParser(ToolParser):
         return CALLS_BEGIN in chat_template
 
     def scan(self, text: str, final: bool) -> Scan:
-        scan, pos = Scan(), 0
-        while True:
-            start = text.find(CALLS_BEGIN, pos)
-            if start < 0:
-                tail = text[pos:]
-                scan.content += tail if final else tail[:len(tail) - held_back(tail, (CALLS_BEGIN,))]
-                return scan
-            scan.content += text[pos:start]
-            try:
-                pos = self._section(text, start + len(CALLS_BEGIN), final, scan)
-            except Invalid:
-                scan.failed_at = start
-                return scan
-            except _Open:
-                return scan
+        return scan_sections(text, final, CALLS_BEGIN, self._open_section)
+
+    def _open_section(self, text: str, pos: int, final: bool, scan: Scan) -> int | None:
+        try:
+            return self._section(text, pos, final, scan)
+        except _Open:  # still being written
+            return None
 
     def _section(self, text: str, pos: int, final: bool, scan: Scan) -> int:
         while True:

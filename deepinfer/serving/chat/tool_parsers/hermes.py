@@ -12,9 +12,9 @@ from deepinfer.serving.chat.tool_parsers.base import (
     Scan,
     ToolParser,
     call_object_schema,
-    held_back,
     json_rule,
     scan_call_object,
+    scan_sections,
 )
 from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 
@@ -31,21 +31,7 @@ class HermesToolParser(ToolParser):
         return cls.START in chat_template and "<function=" not in chat_template  # the XML flavour differs
 
     def scan(self, text: str, final: bool) -> Scan:
-        scan, pos = Scan(), 0
-        while True:
-            start = text.find(self.START, pos)
-            if start < 0:
-                tail = text[pos:]
-                scan.content += tail if final else tail[:len(tail) - held_back(tail, (self.START,))]
-                return scan
-            scan.content += text[pos:start]
-            try:
-                pos = self._block(text, start + len(self.START), final, scan)
-            except Invalid:
-                scan.failed_at = start
-                return scan
-            if pos is None:  # the block is still being written
-                return scan
+        return scan_sections(text, final, self.START, self._block)
 
     def _block(self, text: str, pos: int, final: bool, scan: Scan) -> int | None:
         """One block after its opening tag: the index past its closing tag, None while open."""

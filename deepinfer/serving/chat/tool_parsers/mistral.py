@@ -17,9 +17,9 @@ from deepinfer.serving.chat.tool_parsers.base import (
     Scan,
     ToolParser,
     call_object_schema,
-    held_back,
     json_rule,
     scan_call_object,
+    scan_sections,
     styled,
 )
 from deepinfer.serving.chat.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
@@ -42,21 +42,8 @@ class MistralToolParser(ToolParser):
         return "".join(random.choices(_ID_CHARS, k=9))
 
     def scan(self, text: str, final: bool) -> Scan:
-        scan, pos = Scan(), 0
-        while True:
-            start = text.find(self.TOOL_CALLS, pos)
-            if start < 0:
-                tail = text[pos:]
-                scan.content += tail if final else tail[:len(tail) - held_back(tail, (self.TOOL_CALLS,))]
-                return scan
-            scan.content += text[pos:start]
-            try:
-                pos = self._section(text, skip_ws(text, start + len(self.TOOL_CALLS)), final, scan)
-            except Invalid:
-                scan.failed_at = start
-                return scan
-            if pos is None:
-                return scan
+        return scan_sections(text, final, self.TOOL_CALLS,
+                             lambda text, pos, final, scan: self._section(text, skip_ws(text, pos), final, scan))
 
     def _section(self, text: str, pos: int, final: bool, scan: Scan) -> int | None:
         """The calls after one `[TOOL_CALLS]`: the index past them, None while they are being written."""
