@@ -6,6 +6,7 @@ and renders `/metrics`. prometheus-client is thread-safe, so both may write.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -46,6 +47,24 @@ class EngineStats:
     ring_groups: tuple[tuple[str, int, int], ...] = ()
 
 
+# (EngineStats field, metric, help): the counters that follow one of the engine's running totals
+ENGINE_TOTALS = (
+    ("num_preemptions_total", "deepinfer_num_preemptions", "Preemptions since start"),
+    ("spec_num_drafts", "deepinfer_spec_decode_num_drafts",
+     "Speculative verification steps (one per request per step that carried drafts)"),
+    ("spec_num_draft_tokens", "deepinfer_spec_decode_num_draft_tokens", "Draft tokens verified"),
+    ("spec_num_accepted_tokens", "deepinfer_spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    ("prefix_queries", "deepinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission"),
+    ("prefix_hits", "deepinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache (not recomputed)"),
+    ("prefix_disk_hits", "deepinfer_prefix_cache_disk_hits",
+     "Prompt tokens of prefix-cache hits read from the KV cache directory"),
+    ("prefix_load_failures", "deepinfer_prefix_cache_load_failures",
+     "Admissions whose saved cache could not be read (their prompt was recomputed)"),
+    ("kv_dir_bytes_read", "deepinfer_kv_cache_dir_bytes_read", "Bytes read from the KV cache directory"),
+    ("kv_dir_bytes_written", "deepinfer_kv_cache_dir_bytes_written", "Bytes written to the KV cache directory"),
+)
+
+
 class ServerMetrics:
     """The server's counters, histograms and gauges; `render()` is the /metrics body."""
 
@@ -71,28 +90,9 @@ class ServerMetrics:
                               registry=r)
         self.kv_free_blocks = Gauge("deepinfer_kv_free_blocks", "Free KV cache blocks", registry=r)
         self.kv_total_blocks = Gauge("deepinfer_kv_total_blocks", "KV cache blocks in all", registry=r)
-        self.preemptions = Counter("deepinfer_num_preemptions", "Preemptions since start", registry=r)
-        self.spec_drafts = Counter("deepinfer_spec_decode_num_drafts", "Speculative verification steps "
-                                   "(one per request per step that carried drafts)", registry=r)
-        self.spec_draft_tokens = Counter("deepinfer_spec_decode_num_draft_tokens", "Draft tokens verified",
-                                         registry=r)
-        self.spec_accepted_tokens = Counter("deepinfer_spec_decode_num_accepted_tokens", "Draft tokens "
-                                            "accepted", registry=r)
         self.spec_accepted_per_pos = Counter("deepinfer_spec_decode_num_accepted_tokens_per_pos", "Draft "
                                              "tokens accepted at each draft position (0-based)", ["position"],
                                              registry=r)
-        self.prefix_queries = Counter("deepinfer_prefix_cache_queries", "Prompt tokens looked up in the "
-                                      "prefix cache at admission", registry=r)
-        self.prefix_hits = Counter("deepinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache "
-                                   "(not recomputed)", registry=r)
-        self.prefix_disk_hits = Counter("deepinfer_prefix_cache_disk_hits", "Prompt tokens of prefix-cache hits "
-                                        "read from the KV cache directory", registry=r)
-        self.prefix_load_failures = Counter("deepinfer_prefix_cache_load_failures", "Admissions whose saved "
-                                            "cache could not be read (their prompt was recomputed)", registry=r)
-        self.kv_dir_bytes_read = Counter("deepinfer_kv_cache_dir_bytes_read", "Bytes read from the KV cache "
-                                         "directory", registry=r)
-        self.kv_dir_bytes_written = Counter("deepinfer_kv_cache_dir_bytes_written", "Bytes written to the KV "
-                                            "cache directory", registry=r)
         self.cached_blocks = Gauge("deepinfer_num_cached_blocks", "KV cache blocks holding a cached prefix "
                                    "(in use or free)", registry=r)
         self.group_blocks_used = Gauge("deepinfer_kv_group_blocks_used", "KV cache blocks (pages) the requests' "
@@ -103,6 +103,7 @@ class ServerMetrics:
                                      "cache group held by requests", ["group"], registry=r)
         self.ring_slots_total = Gauge("deepinfer_kv_ring_slots_total", "State slots (rings) of a sliding-window "
                                       "cache group", ["group"], registry=r)
+        self.totals = {stat: Counter(name, text, registry=r) for stat, name, text in ENGINE_TOTALS}
         self._seen: dict[object, int] = {}  # counter (or labelled child) -> the engine total it has reached
 
     # -- per request ------------------------------------------------------------------------------
@@ -135,19 +136,12 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_usage)
         self.kv_free_blocks.set(stats.num_free_blocks)
         self.kv_total_blocks.set(stats.num_total_blocks)
-        self._advance(self.preemptions, stats.num_preemptions_total)
-        self._advance(self.spec_drafts, stats.spec_num_drafts)
-        self._advance(self.spec_draft_tokens, stats.spec_num_draft_tokens)
-        self._advance(self.spec_accepted_tokens, stats.spec_num_accepted_tokens)
+        values = dataclasses.asdict(stats)
+        for stat, counter in self.totals.items():
+            self._advance(counter, values[stat])
         for position, total in enumerate(stats.spec_accepted_per_position):
             self._advance(self.spec_accepted_per_pos.labels(str(position)), total)
         self.cached_blocks.set(stats.num_cached_blocks)
-        self._advance(self.prefix_queries, stats.prefix_queries)
-        self._advance(self.prefix_hits, stats.prefix_hits)
-        self._advance(self.prefix_disk_hits, stats.prefix_disk_hits)
-        self._advance(self.prefix_load_failures, stats.prefix_load_failures)
-        self._advance(self.kv_dir_bytes_read, stats.kv_dir_bytes_read)
-        self._advance(self.kv_dir_bytes_written, stats.kv_dir_bytes_written)
         for group, used, total in stats.paged_groups:
             self.group_blocks_used.labels(group).set(used)
             self.group_blocks_total.labels(group).set(total)

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from deepinfer.engine.detokenizer import partial_stop_len
 from deepinfer.outputs import FunctionCall, ToolCall
 from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, scan_object
 
@@ -177,7 +178,7 @@ def scan_sections(text: str, final: bool, marker: str, section) -> Scan:
         start = text.find(marker, pos)
         if start < 0:
             tail = text[pos:]
-            scan.content += tail if final else tail[:len(tail) - held_back(tail, (marker,))]
+            scan.content += tail if final else tail[:len(tail) - partial_stop_len(tail, (marker,))]
             return scan
         scan.content += text[pos:start]
         try:
@@ -187,17 +188,6 @@ def scan_sections(text: str, final: bool, marker: str, section) -> Scan:
             return scan
         if pos is None:  # the section is still being written
             return scan
-
-
-def held_back(text: str, markers: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` may be the start of a marker (withheld while streaming)."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
 
 
 def _is_object(arguments: str) -> bool:
