@@ -108,3 +108,25 @@ def spec_between(before: dict, after: dict) -> SpecDecodeStats:
                for i, n in enumerate(after["spec_decode_num_accepted_tokens_per_pos"])]
     return SpecDecodeStats(delta("spec_decode_num_drafts"), delta("spec_decode_num_draft_tokens"),
                            delta("spec_decode_num_accepted_tokens"), per_pos)
+
+
+def run_alone(engine, prompt: list[int], params: SamplingParams) -> tuple[float, float, object]:
+    """Submit one request to an idle engine and step it to its end: (seconds from submission to its
+    first token, seconds from its first token to its last, its last output). Raises if it fails."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine must be idle to time one request alone")
+    start = time.perf_counter()
+    request_id = engine.add_request(prompt, params)
+    first = None
+    while True:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.error is not None:
+                raise RuntimeError(f"deepinfer failed request {request_id}: {out.error}")
+            now = time.perf_counter()
+            if first is None and out.outputs and out.outputs[0].token_ids:
+                first = now
+            if out.finished:
+                first = now if first is None else first
+                return first - start, now - first, out

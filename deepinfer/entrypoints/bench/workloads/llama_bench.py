@@ -26,10 +26,9 @@ import argparse
 import random
 import re
 import statistics
-import time
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.bench.common import BenchResult, Workload, engine_label
+from deepinfer.entrypoints.bench.common import BenchResult, Workload, engine_label, run_alone
 from deepinfer.entrypoints.bench.report import WorkloadProgress, engine_line
 from deepinfer.entrypoints.engine_args import make_llm
 from deepinfer.sampling_params import SamplingParams
@@ -133,28 +132,14 @@ def time_request(engine, prompt: list[int], params: SamplingParams, cached: int 
     """Run one request alone on an idle engine: (seconds from submission to its first token,
     seconds from its first token to its last). Raises if it fails, falls short of max_tokens, or
     found fewer than `cached` of its prompt tokens in the prefix cache."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("the engine must be idle to time one request alone")
-    start = time.perf_counter()
-    request_id = engine.add_request(prompt, params)
-    first = None
-    while True:
-        for out in engine.step():
-            if out.request_id != request_id:
-                continue
-            if out.error is not None:
-                raise RuntimeError(f"deepinfer failed request {request_id}: {out.error}")
-            now = time.perf_counter()
-            if first is None and out.outputs and out.outputs[0].token_ids:
-                first = now
-            if out.finished:
-                produced = len(out.outputs[0].token_ids)
-                if produced != params.max_tokens:
-                    raise RuntimeError(f"deepinfer produced {produced} tokens, expected {params.max_tokens}")
-                if out.num_cached_tokens < cached:
-                    raise RuntimeError(f"deepinfer found {out.num_cached_tokens} of the {cached} context tokens "
-                                       "in its prefix cache")
-                return first - start, now - first
+    ttft, decode, out = run_alone(engine, prompt, params)
+    produced = len(out.outputs[0].token_ids)
+    if produced != params.max_tokens:
+        raise RuntimeError(f"deepinfer produced {produced} tokens, expected {params.max_tokens}")
+    if out.num_cached_tokens < cached:
+        raise RuntimeError(f"deepinfer found {out.num_cached_tokens} of the {cached} context tokens in its prefix "
+                           "cache")
+    return ttft, decode
 
 
 def run_deepinfer_shape(llm, workload: Workload, engine: str, threads: int) -> LlamaBenchResult:

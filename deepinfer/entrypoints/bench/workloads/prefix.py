@@ -53,7 +53,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.entrypoints.bench.common import BenchResult, engine_label
+from deepinfer.entrypoints.bench.common import BenchResult, engine_label, run_alone
 from deepinfer.entrypoints.bench.report import format_prefix_table
 from deepinfer.entrypoints.bench.workloads.prefix_prompts import PrefixPrompts, prefix_prompts
 from deepinfer.entrypoints.engine_args import engine_kwargs
@@ -85,24 +85,6 @@ def _checked(out):
     return out
 
 
-def run_alone(engine, prompt: list[int], params: SamplingParams) -> tuple[float, object]:
-    """Submit one request to an idle engine, step it to its first token (TTFT) and to its end."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("the engine must be idle to time one request alone")
-    start = time.perf_counter()
-    request_id = engine.add_request(prompt, params)
-    ttft = None
-    while True:
-        for out in engine.step():
-            if out.request_id != request_id:
-                continue
-            _checked(out)
-            if ttft is None and out.outputs and out.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
-            if out.finished:
-                return ttft if ttft is not None else time.perf_counter() - start, out
-
-
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_disk_hits", "kv_cache_dir_files_read",
              "kv_cache_dir_bytes_read", "num_preemptions")
 
@@ -119,12 +101,12 @@ def run_config(llm, prompts: PrefixPrompts, max_tokens: int, prefix_warmup: bool
     run_alone(engine, prompts.engine_warmup, _params(2))
     result: dict = {}
     if prefix_warmup:
-        ttft, out = run_alone(engine, prompts.prefix_warmup, params)
+        ttft, _, out = run_alone(engine, prompts.prefix_warmup, params)
         result["prefix_warmup"] = {"ttft_s": ttft, "num_cached_tokens": out.num_cached_tokens}
     before = llm.get_metrics()
     ttfts, cached, tokens = [], [], []
     for i, prompt in enumerate(prompts.serial):
-        ttft, out = run_alone(engine, prompt, params)
+        ttft, _, out = run_alone(engine, prompt, params)
         ttfts.append(ttft)
         cached.append(out.num_cached_tokens)
         tokens.append(list(out.outputs[0].token_ids))
@@ -233,7 +215,7 @@ def _fill_cache_dir(model, kwargs: dict, cache_dir: str, prompts: PrefixPrompts,
     """The first process of the restart run: an engine on `cache_dir` runs the prefix warm-up only
     and closes, which leaves the shared prefix's blocks in the directory."""
     llm = _build(model, kwargs, enable_prefix_caching=True, kv_cache_dir=cache_dir)
-    ttft, out = run_alone(llm.engine, prompts.prefix_warmup, _params(max_tokens))
+    ttft, _, out = run_alone(llm.engine, prompts.prefix_warmup, _params(max_tokens))
     llm.close()
     from deepinfer.worker.kv_disk import scan_kv_dir
 
