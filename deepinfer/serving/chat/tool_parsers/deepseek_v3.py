@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import json
 
-from deepinfer.serving.chat.tool_parsers.base import (
-    CallScan,
-    FunctionSpec,
-    Scan,
-    ToolParser,
-    json_rule,
-    scan_sections,
-    styled,
-)
+from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser
+from deepinfer.serving.chat.tool_parsers.formats import json_rule, scan_sections, styled
 from deepinfer.serving.chat.tool_parsers.json_scan import Incomplete, Invalid, skip_ws, value_end
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"

@@ -6,16 +6,8 @@ in a finished answer."""
 
 from __future__ import annotations
 
-from deepinfer.serving.chat.tool_parsers.base import (
-    CallScan,
-    FunctionSpec,
-    Scan,
-    ToolParser,
-    call_object_schema,
-    json_rule,
-    scan_call_object,
-    scan_sections,
-)
+from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser
+from deepinfer.serving.chat.tool_parsers.formats import call_object_schema, json_rule, scan_call_object, scan_sections
 from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 
 _ARGUMENT_KEYS = ("arguments", "parameters")

@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import re
 
-from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser, scan_call_object
+from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser
+from deepinfer.serving.chat.tool_parsers.formats import scan_call_object
 from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 from deepinfer.serving.chat.tool_parsers.schema_check import matches_schema
 

@@ -7,14 +7,8 @@ A forced call may begin with the tag when the tag is one token of the tokenizer 
 
 from __future__ import annotations
 
-from deepinfer.serving.chat.tool_parsers.base import (
-    FunctionSpec,
-    Scan,
-    ToolParser,
-    call_object_schema,
-    json_rule,
-    scan_call_object,
-)
+from deepinfer.serving.chat.tool_parsers.base import FunctionSpec, Scan, ToolParser
+from deepinfer.serving.chat.tool_parsers.formats import call_object_schema, json_rule, scan_call_object
 from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, skip_ws
 
 _ARGUMENT_KEYS = ("parameters", "arguments")

@@ -11,11 +11,8 @@ import random
 import re
 import string
 
-from deepinfer.serving.chat.tool_parsers.base import (
-    CallScan,
-    FunctionSpec,
-    Scan,
-    ToolParser,
+from deepinfer.serving.chat.tool_parsers.base import CallScan, FunctionSpec, Scan, ToolParser
+from deepinfer.serving.chat.tool_parsers.formats import (
     call_object_schema,
     json_rule,
     scan_call_object,
