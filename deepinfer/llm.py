@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from deepinfer.config import EngineConfig
-from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.lora import LoRARequest
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.llm_engine import LLMEngine
@@ -46,8 +45,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             run_follower(config.device, job)
             raise SystemExit(0)
     source = load_source(config)
-    config.resolve_max_model_len(HFConfigFields.of(source.hf_config).max_position_embeddings)
     runner = _build_runner(source, config, job)
+    config = runner.config  # max_model_len resolved before the model was built (worker/context_length.py)
     engine = LLMEngine(config, source, runner, adapters=_adapter_checker(config, runner))
     logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start, source))
     return engine

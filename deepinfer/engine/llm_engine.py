@@ -61,12 +61,11 @@ class LLMEngine:
         self.config, self.source, self.runner = config, source, runner
         self.adapters = adapters
         self.tokenizer = source.tokenizer
-        self.max_model_len = config.scheduler.max_model_len
         self.kv_manager = KVCacheManager(kv_group_specs(runner.groups), num_blocks=runner.num_blocks,
                                          num_state_slots=runner.num_state_slots,
                                          prefix=prefix_settings(config, runner), unit=config.cache.block_size)
         lora_slots = AdapterSlotTable(config.lora.max_loras) if config.lora.enable_lora else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, lora_slots)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.max_model_len, lora_slots)
         self.eos_token_ids = eos_token_ids(source)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
         # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
@@ -77,6 +76,11 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
         self._lone_failures = 0  # one-request steps that failed in a row
         self.samples = ParallelSampling()  # requests with n / best_of > 1 and their child requests
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens of one request: the config's, resolved before the model was built."""
+        return self.config.max_model_len
 
     # -- requests -------------------------------------------------------------------------------
 

@@ -77,9 +77,10 @@ class Scheduler:
     """Owns the waiting and running queues and decides each step's work (`schedule` -> StepPlan);
     takes the step's samples back (`update`); allocates and frees blocks through the KV manager."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  adapter_slots: AdapterSlotTable | None = None):
         self.config = scheduler_config
+        self.max_model_len = max_model_len  # the engine's, resolved before the model was built (EngineConfig)
         self.kv_manager = kv_manager
         self.adapter_slots = adapter_slots  # LoRA device slots (None: LoRA off)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -106,8 +107,9 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self.requests.get(request_id)
 
-    def max_model_len(self, req: Request) -> int:
-        limit = self.config.max_model_len
+    def length_limit(self, req: Request) -> int:
+        """How long request `req` may grow: max_model_len, or its own lower limit."""
+        limit = self.max_model_len
         return limit if req.max_model_len is None else min(limit, req.max_model_len)
 
     def add_request(self, req: Request, share_from: Request | None = None) -> None:
@@ -127,7 +129,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
         self.waiting.check(req)  # priority (the policy's), client_id
-        check_new_request(req, self.max_model_len(req), self.kv_manager.max_num_tokens, self.adapter_slots is not None)
+        check_new_request(req, self.length_limit(req), self.kv_manager.max_num_tokens, self.adapter_slots is not None)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting, running or preempted request; False if unknown or already finished."""
@@ -216,7 +218,7 @@ class Scheduler:
         if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1:
             return []
         room = min(req.sampling_params.max_tokens - req.num_output_tokens,
-                   self.max_model_len(req) - req.num_tokens, budget) - 1
+                   self.length_limit(req) - req.num_tokens, budget) - 1
         return req.draft_token_ids[:max(0, room)]
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
@@ -398,5 +400,5 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_STOPPED, token_id)
         elif not params.ignore_eos and token_id in req.eos_token_ids:
             self._finish(req, RequestStatus.FINISHED_STOPPED, None)
-        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len(req):
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.length_limit(req):
             self._finish(req, RequestStatus.FINISHED_LENGTH, None)

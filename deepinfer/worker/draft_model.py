@@ -40,6 +40,19 @@ _PROBE = "Hello, world! The draft's ids must be the target's: 0123456789 <|>"
 _SPECIAL = ("bos_token_id", "eos_token_id", "unk_token_id")
 
 
+@dataclass(frozen=True)
+class DraftSource:
+    """The draft checkpoint, opened and checked against the target's tokenizer, and the
+    quantization it will be built with (`--quantization` resolved for its own source)."""
+
+    source: object
+    quantization: str
+
+    @property
+    def path(self) -> str:
+        return self.source.path
+
+
 @dataclass
 class DraftModel:
     """The loaded draft: its source, the built model and the quantization it was built with."""
@@ -53,10 +66,10 @@ class DraftModel:
         return self.source.path
 
 
-def load_draft(config: EngineConfig, target_source, numerics: NumericsRecord, dtype: torch.dtype,
-               device: torch.device) -> DraftModel:
-    """The draft model `config.speculative.model` names, built on `device` in `dtype`; ValueError
-    naming speculative_model when it cannot draft for `target_source`."""
+def open_draft(config: EngineConfig, target_source, device: torch.device, batch_invariant: bool) -> DraftSource:
+    """The draft checkpoint `config.speculative.model` names, checked (its tokenizer is the target's)
+    and its quantization resolved, before anything is built; ValueError naming speculative_model
+    when it cannot draft for `target_source`."""
     path = config.speculative.model
     try:
         source = load_model_source(path, load_format=config.load_format)  # "dummy": seeded random, as the target
@@ -64,15 +77,23 @@ def load_draft(config: EngineConfig, target_source, numerics: NumericsRecord, dt
         raise ValueError(f"{FIELD}={path!r} cannot be loaded: {exc}") from exc
     check_tokenizer(target_source, source, path)
     try:
-        quantization = resolve_quantization(config.quantization, source, device, numerics.batch_invariant).value
+        quantization = resolve_quantization(config.quantization, source, device, batch_invariant).value
     except ValueError as exc:
         raise ValueError(f"{FIELD}={path!r}: {exc}") from exc
+    return DraftSource(source, quantization)
+
+
+def load_draft(config: EngineConfig, draft: DraftSource, numerics: NumericsRecord, dtype: torch.dtype,
+               device: torch.device) -> DraftModel:
+    """The draft model built on `device` in `dtype` at the resolved max_model_len, its linears
+    settled as the target's (batch-invariant, or few-row linears)."""
+    source, quantization = draft.source, draft.quantization
     model = build_model(source, dtype, device, config.max_model_len, None, quantization, 1, config.activation_levels)
     if numerics.batch_invariant:
         make_batch_invariant(model, native_path(device, dtype, model.capabilities))
     else:
         use_few_row_linear(model)
-    logger.info("speculative model: %s (%s, %d layers, quantization %s)", path, source.hf_config.model_type,
+    logger.info("speculative model: %s (%s, %d layers, quantization %s)", draft.path, source.hf_config.model_type,
                 source.hf_config.num_hidden_layers, quantization)
     return DraftModel(source, model, quantization)
 

@@ -32,8 +32,9 @@ from deepinfer.model_executor.layers.kernel_set import KERNEL_SETS
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.model_loader import Choice, build_model
 from deepinfer.worker.cache_runtime import CacheRuntime
+from deepinfer.worker.context_length import Built, resolve_max_model_len
 from deepinfer.worker.cpu_threads import StepThreads
-from deepinfer.worker.draft_model import DraftModel, combined_identity, draft_identity, load_draft
+from deepinfer.worker.draft_model import DraftModel, combined_identity, draft_identity, load_draft, open_draft
 from deepinfer.worker.lora_slots import LoRASlots
 from deepinfer.worker.numerics import compute_dtype, resolve_numerics, with_weights
 from deepinfer.worker.prefix_store import cache_identity
@@ -86,6 +87,11 @@ class ModelRunner:
         # every numerics choice, before the weights load (a choice this device cannot make fails here)
         self.numerics = resolve_numerics(source, config, self.device)
         self.dtype, self.batch_invariant = compute_dtype(self.numerics), self.numerics.batch_invariant
+        draft_source = open_draft(config, source, self.device, self.batch_invariant) \
+            if config.speculative.method == "draft_model" else None
+        # max_model_len, once, before any model is built: every model, the cache and the engine read this config
+        self.config = config = resolve_max_model_len(Built(source, self.dtype, self.numerics.quantization,
+                                                           draft_source), config, self.device)
         self.attention_backend = attention_backend_on(self.numerics.attention_backend,
                                                       KERNEL_SETS[self.numerics.kernel_set], self.batch_invariant)
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
@@ -94,8 +100,8 @@ class ModelRunner:
         self.speculative = config.speculative  # the one source of the draft allowance k
         self.env = config.env
         self.num_few_row_linear = self._settle_linears()
-        self.draft: DraftModel | None = load_draft(config, source, self.numerics, self.dtype, self.device) \
-            if config.speculative.method == "draft_model" else None
+        self.draft: DraftModel | None = None if draft_source is None else load_draft(
+            config, draft_source, self.numerics, self.dtype, self.device)
         # LoRA adapter slots beside the target layers (`lora_base`: what adapters may target, for admission)
         self.lora = LoRASlots(self.model, config.lora, self.dtype, self.device, self.attention_backend.kernels,
                               self.batch_invariant, source.hf_config) if config.lora.enable_lora else None

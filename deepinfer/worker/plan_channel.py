@@ -141,6 +141,11 @@ class DriverRunner(abc.ABC):
             raise AttributeError(name)
         return getattr(self.driver, name)
 
+    @property
+    def config(self):
+        """The EngineConfig rank 0's runner was built from (max_model_len resolved, alike on every rank)."""
+        return self.driver.config
+
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Send the plan to every follower, run it here up to the send point (forward and
         sampling), send the step's tokens where the followers need them, then finish it (drafting

@@ -55,9 +55,9 @@ def test_the_flag_or_the_env_knob_accepts_a_long_max_model_len(tiny_checkpoint, 
                      "--allow-long-max-model-len", "--max-num-seqs", "1"]) == 0
     assert "max_model_len: 2048" in capsys.readouterr().out
     env = read_environ({"DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN": "1"})
-    assert EngineConfig(max_model_len=4096, env=env).resolve_max_model_len(1024) == 4096
+    assert EngineConfig(max_model_len=4096, env=env).given_max_model_len(1024) == 4096
     with pytest.raises(ValueError, match="max_model_len 4,096 exceeds the model's context of 1,024"):
-        EngineConfig(max_model_len=4096, env=read_environ({})).resolve_max_model_len(1024)
+        EngineConfig(max_model_len=4096, env=read_environ({})).given_max_model_len(1024)
 
 
 def test_num_blocks_too_few_for_one_request_is_refused_with_numbers(tiny_checkpoint, capsys):

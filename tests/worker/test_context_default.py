@@ -1,11 +1,14 @@
 """max_model_len's default: the model's context where the KV cache can hold one request that long,
-else the longest it can hold (one start-up line says so); `--ctx-size` names it too; the cache's
-reserved and resident bytes."""
+else the longest it can hold (one start-up line says so); `--ctx-size` names it too; it is resolved
+once, before any model is built, and nothing writes it afterwards; the cache's reserved and resident
+bytes."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -38,9 +41,98 @@ def test_the_longest_request_that_fits_otherwise(tiny_checkpoint, caplog):
         llm.generate([[5] * 310], SamplingParams(max_tokens=20), use_tqdm=False)
 
 
+def test_the_models_are_built_at_the_resolved_length(tiny_checkpoint):
+    """The config the engine holds is the one the runner built its model from, and the model's RoPE
+    tables end at the fitted length: nothing is lowered after the build."""
+    llm = LLM(model=tiny_checkpoint("llama"), num_blocks=20, block_size=16)
+    runner = llm.engine.runner
+    assert llm.engine.config is runner.config and runner.config.max_model_len == 320
+    assert runner.model.max_positions == 320
+    assert {layer.self_attn.rotary.cos.shape[0] for layer in runner.model.model.layers} == {320}
+
+
+class _Writes(ast.NodeVisitor):
+    """`x.max_model_len = ...` (or setattr) in a module, except `self.max_model_len = ...` in an
+    `__init__` and a CLI namespace's (`ns`) before any config exists."""
+
+    def __init__(self, path: Path):
+        self.path, self.functions, self.found = path, [], []
+
+    def visit_FunctionDef(self, node) -> None:
+        self.functions.append(node.name)
+        self.generic_visit(node)
+        self.functions.pop()
+
+    def _target(self, node, target) -> None:
+        if isinstance(target, ast.Attribute) and target.attr == "max_model_len":
+            owner = ast.unparse(target.value)
+            in_init = owner == "self" and self.functions[-1:] == ["__init__"]
+            if not in_init and owner != "ns":
+                self.found.append(f"{self.path}:{node.lineno} {ast.unparse(node)[:80]}")
+
+    def visit_Assign(self, node) -> None:
+        for target in node.targets:
+            self._target(node, target)
+
+    def visit_AugAssign(self, node) -> None:
+        self._target(node, node.target)
+
+    visit_AnnAssign = visit_AugAssign
+
+    def visit_Call(self, node) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id == "setattr" and any(
+                isinstance(a, ast.Constant) and a.value == "max_model_len" for a in node.args):
+            self.found.append(f"{self.path}:{node.lineno} setattr")
+        self.generic_visit(node)
+
+
+def _writes_of_max_model_len(path: Path) -> list[str]:
+    writes = _Writes(path)
+    writes.visit(ast.parse(path.read_text(encoding="utf-8")))
+    return writes.found
+
+
+def test_nothing_writes_max_model_len_after_it_is_resolved():
+    package = Path(__file__).resolve().parents[2] / "deepinfer"
+    assert _writes_of_max_model_len(package / "config.py") == []
+    assert [w for p in sorted(package.rglob("*.py")) for w in _writes_of_max_model_len(p)] == []
+
+
+def test_the_write_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def fit(config, n):\n    config.max_model_len = n\n    config.scheduler.max_model_len += 1\n"
+                   "    setattr(config, 'max_model_len', n)\n"
+                   "class A:\n    def __init__(self, n):\n        self.max_model_len = n\n")
+    assert [w.split(" ", 1)[0].rsplit(":", 1)[1] for w in _writes_of_max_model_len(bad)] == ["2", "3", "4"]
+
+
 def test_a_given_max_model_len_is_not_lowered(tiny_checkpoint):
     with pytest.raises(ValueError, match="cannot hold one request at max_model_len 1,000"):
         LLM(model=tiny_checkpoint("llama"), num_blocks=20, block_size=16, max_model_len=1000)
+
+
+def test_the_weights_the_fit_counts_are_the_ones_the_build_holds(tmp_path):
+    """Before the build, the fit subtracts the weights' bytes from the free memory: for a GGUF kept
+    packed, only the tensors loading makes dense (the packed matrices are the file's mapped pages),
+    exactly what the built model holds outside its packed matrices (the RoPE tables included: the
+    fit counts them at the model's context, their largest)."""
+    import gguf
+    import torch
+    from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
+
+    from deepinfer.model_executor.loader import load_model_source
+    from deepinfer.model_executor.model_loader import build_meta_model
+    from deepinfer.worker.context_length import weight_bytes
+
+    config = tiny_hf_config("qwen2", intermediate_size=128)
+    path = write_gguf(tmp_path / "q8.gguf", "qwen2", config, random_hf_model(config).state_dict(),
+                      qtype=gguf.GGMLQuantizationType.Q8_0)
+    source = load_model_source(path)
+    meta = build_meta_model(source, torch.float32, 64)
+    built = LLM(path, quantization="gguf", max_model_len=64, num_blocks=16).engine.runner.model
+    held = sum(t.numel() * t.element_size() for t in (*built.parameters(), *built.buffers()))
+    assert weight_bytes(meta, source, "gguf", torch.float32) == held
+    assert weight_bytes(meta, source, "none", torch.float32) > 10 * held  # dequantized: every matrix dense
 
 
 def test_resident_bytes_count_the_pages_written():
