@@ -95,7 +95,7 @@ def test_auto_is_the_default_and_sizes_for_max_num_seqs_requests(tiny_checkpoint
     llm = LLM(tiny_checkpoint("llama"), max_num_seqs=3, max_model_len=128)
     runner = llm.engine.runner
     assert runner.num_blocks == 3 * 128 // 16
-    assert runner.cache.num_bytes == 3 * 128 // 16 * PAGE
+    assert runner.caches.cache.num_bytes == 3 * 128 // 16 * PAGE
     ring = LLM(tiny_checkpoint("gemma3"), max_num_seqs=3, max_model_len=128).engine.runner
     assert ring.num_state_slots == 3 and ring.num_blocks == 3 * 128 // 16
 

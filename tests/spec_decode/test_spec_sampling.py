@@ -114,7 +114,7 @@ def test_sampled_tokens_with_drafts_follow_plain_decoding(model_dir, penalty, on
 
     llm = LLM(model_dir, speculative_method="ngram", num_speculative_tokens=K, max_num_seqs=64,
               num_blocks=512, block_size=4, max_model_len=64, seed=0)
-    llm.engine.runner.drafter = TableDrafter(table)
+    llm.engine.runner.steps.drafter = TableDrafter(table)
     seeds = range(int(penalty * 1000), int(penalty * 1000) + NUM_REQUESTS)  # another seed range per case
     outs = llm.generate([PROMPT] * NUM_REQUESTS, [SamplingParams(**params, seed=s) for s in seeds],
                         use_tqdm=False)

@@ -98,7 +98,7 @@ def test_mtp_layer_logits_match_transformers(random_mtp):
     hidden = mtp.forward_layer(0, h[None], torch.arange(len(ids))[None], None, input_ids=ids[None])
     want = mtp._project_to_logits(hidden)[0]  # [T, V]
     sched = ScheduledRequest("r", tokens[1:], 0, ([0],), (0,))
-    md, _ = build_group_metadata([sched], runner.drafter.addressing)
+    md, _ = build_group_metadata([sched], runner.steps.drafter.addressing)
     with forward_context(md):
         streams = layer.forward_cached(h[:, None], F.embedding(ids, model.model.embed_tokens.weight), md.positions,
                                        ids)  # [T, 1, H]
