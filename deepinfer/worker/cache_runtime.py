@@ -60,8 +60,8 @@ class CacheRuntime:
         model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                       num_ring_units, backend))
         self.draft: DraftCache | None = None if draft_plan is None else DraftCache(
-            draft_plan, draft_model, self.num_blocks, config.scheduler.max_num_seqs * scratch_blocks_per_request(
-                draft_plan, k), self.num_state_slots, self.num_snapshot_slots, device, backend)
+            draft_plan, draft_model, self.num_blocks, scratch_blocks_per_request(draft_plan, k),
+            config.scheduler.max_num_seqs, self.num_state_slots, self.num_snapshot_slots, device, backend)
         self.cache_identity: str | None = None  # set by `open`, as are `prefix` and `undo`
         self.prefix: PrefixStore | None = None
         self.undo: StepUndo | None = None

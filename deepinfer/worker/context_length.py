@@ -31,9 +31,9 @@ from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.loader.gguf import packed_file_elements
 from deepinfer.model_executor.model_loader import build_meta_model
+from deepinfer.spec_decode.draft_source import DraftSource
 from deepinfer.worker.cache_runtime import plan_caches
 from deepinfer.worker.cache_sizing import available_memory, longest_request, min_over_ranks
-from deepinfer.worker.draft_model import DraftSource
 
 logger = logging.getLogger("deepinfer.worker")
 

@@ -34,11 +34,12 @@ from deepinfer.model_executor.layers.batch_invariant import make_batch_invariant
 from deepinfer.model_executor.layers.kernel_set import KERNEL_SETS
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.model_loader import Choice, build_model
+from deepinfer.spec_decode.draft_source import DraftModel, load_draft, open_draft
 from deepinfer.worker.cache_runtime import CacheRuntime
 from deepinfer.worker.context_length import Built, resolve_max_model_len
 from deepinfer.worker.cpu_threads import StepThreads
 from deepinfer.worker.device import resolve_device
-from deepinfer.worker.draft_model import DraftModel, combined_identity, draft_identity, load_draft, open_draft
+from deepinfer.worker.draft_cache import combined_identity, draft_identity
 from deepinfer.worker.lora_slots import LoRASlots
 from deepinfer.worker.numerics import compute_dtype, resolve_numerics, with_weights
 from deepinfer.worker.prefix_store import cache_identity

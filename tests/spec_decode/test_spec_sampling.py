@@ -20,7 +20,7 @@ from chi_square import assert_fits, assert_rate
 from tiny_models import hf_reference
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.worker.drafters import draft_budget
+from deepinfer.spec_decode.drafter import draft_budget
 
 VOCAB = 32
 PROMPT = [5, 17, 9, 23, 11, 30, 4]  # ids < 32; EOS (2) is ignored
