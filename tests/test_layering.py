@@ -21,7 +21,10 @@ Rules:
 5. `contracts/` imports, of ours, only `deepinfer.config`, `.environ`, `.sampling_params` and other
    `deepinfer.contracts.*`; and no `torch`.
 6. No import cycles among `deepinfer` modules (function-level imports count; importing a package is an
-   edge to its `__init__.py` only).
+   edge to its `__init__.py` only). Inside `model_executor/`, a sub-package of `layers/` or `models/`
+   (`layers/attention/`, `layers/ops/`, `models/deepseek_v4/`, ...) counts as one unit besides: no
+   cycle among those units and the other modules either (`kernel_set` -> `attention/` -> `kernel_set`
+   is one, though no module imports itself back).
 7. No `hasattr(x, "name")` / `getattr(x, "name", ...)` anywhere in `deepinfer/` where "name" is a member
    of a contracts Protocol (`CachedModel`, `StepRunner`, ...) or a field of `ModelCapabilities`: what
    differs between implementations is declared, not probed (`tests/protocol_probes.py`).
@@ -276,6 +279,24 @@ def cycles(imports: list[Import]) -> list[Cycle]:
     return [_cycle(graph, c) for c in sorted(c for c in _components(graph) if len(c) > 1)]
 
 
+UNIT_PARENTS = (f"{_ME}.layers", f"{_ME}.models")  # their sub-packages count as one unit each
+
+
+def _unit(module: str) -> str:
+    """`module`, or the sub-package of a `UNIT_PARENTS` package that holds it."""
+    for parent in UNIT_PARENTS:
+        if module.startswith(parent + "."):
+            return f"{parent}.{module[len(parent) + 1:].split('.')[0]}"
+    return module
+
+
+def unit_cycles(imports: list[Import]) -> list[Cycle]:
+    """Import cycles inside `model_executor/` once each sub-package of `layers/` and `models/` is one
+    unit: a module that imports a sub-package that imports the module back, by any files."""
+    inside = [imp for imp in imports if _within(imp.importer, _ME) and _within(imp.target, _ME)]
+    return cycles([Import(imp.path, imp.line, _unit(imp.importer), _unit(imp.target)) for imp in inside])
+
+
 @dataclass(frozen=True)
 class DrafterClass:
     """A class at `path:line` that drafts: it implements `propose` and `draft_probs`, or subclasses
@@ -327,6 +348,10 @@ def test_layer_rule(real_imports, rule):
 
 def test_no_import_cycles(real_imports):
     _fail_if_any(cycles(real_imports), "import cycles among deepinfer modules")
+
+
+def test_no_cycles_among_the_model_executors_units(real_imports):
+    _fail_if_any(unit_cycles(real_imports), "import cycles among model_executor's modules and sub-packages")
 
 
 def test_every_drafter_lives_in_spec_decode():
@@ -475,6 +500,29 @@ def test_drafter_rule_can_fail(tmp_path):
     assert [str(d) for d in drafters_outside_spec_decode(tmp_path)] == [
         "deepinfer/worker/drafters.py:1 class NgramDrafter drafts outside deepinfer/spec_decode/",
         "deepinfer/worker/mtp.py:3 class Mine drafts outside deepinfer/spec_decode/",
+    ]
+
+
+def test_unit_cycle_rule_can_fail(tmp_path):
+    """kernel_set imports attention/torch_ref, attention/backend imports kernel_set: no module cycle,
+    a cycle of units; ops/ importing its own sub-package is none."""
+    files = {
+        "model_executor/layers/kernel_set.py": "from deepinfer.model_executor.layers.attention import torch_ref\n",
+        "model_executor/layers/attention/__init__.py": "",
+        "model_executor/layers/attention/torch_ref.py": "",
+        "model_executor/layers/attention/backend.py": "from deepinfer.model_executor.layers import kernel_set\n",
+        "model_executor/layers/ops/lora.py": "from deepinfer.model_executor.layers.ops.triton import lora\n",
+        "model_executor/layers/ops/triton/lora.py": "from deepinfer.model_executor.layers.ops import lora_kernels\n",
+        "model_executor/layers/ops/lora_kernels.py": "",
+    }
+    _write_tree(tmp_path, files)
+    imports = collect_imports(tmp_path)
+    assert cycles(imports) == []
+    [found] = unit_cycles(imports)
+    assert found.members == ("deepinfer.model_executor.layers.attention", "deepinfer.model_executor.layers.kernel_set")
+    assert [str(e) for e in found.edges] == [
+        "deepinfer/model_executor/layers/attention/backend.py:1 imports deepinfer.model_executor.layers.kernel_set",
+        "deepinfer/model_executor/layers/kernel_set.py:1 imports deepinfer.model_executor.layers.attention",
     ]
 
 

@@ -19,9 +19,9 @@ from v4_tiny import CSA, HCA, SLIDING, VOCAB, make_tiny_v4
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers import batch_invariant as bi
-from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts, indexer_scores
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
 from deepinfer.model_executor.layers.moe import grouped_experts
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import attention_over_parts, indexer_scores
 from deepinfer.model_executor.models.deepseek_v4 import invariant
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection
 from deepinfer.model_executor.models.deepseek_v4.indexer import ascending_rows

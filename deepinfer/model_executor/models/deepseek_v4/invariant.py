@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.layers.attention.invariant import decode_layout, first_visible
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.batch_invariant import (
     DECODE_PAIR_BUDGET,
     latent_block_attention,
     padded_width,
     query_slices,
 )
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 
 
 def as_cached_rows(cache, rows: torch.Tensor) -> torch.Tensor:
