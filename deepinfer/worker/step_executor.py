@@ -80,7 +80,7 @@ class StepExecutor:
         self.pooler = Pooler()  # embedding requests' pools, over prefill chunks
         self.drafter = make_drafter(self.speculative, model, caches.addressing, self.device, caches.draft,
                                     source.hf_config.vocab_size, config.max_model_len)
-        self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
+        self.structured = StructuredOutputs(source.tokenizer, eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(model, caches.groups, backend_name, self.device, config,
                                           emulate=emulate_graphs)  # the cache is bound: its addresses hold
 

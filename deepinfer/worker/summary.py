@@ -28,7 +28,7 @@ def packed_summary(model, source=None) -> str | None:
     layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
     held = sum(w.nbytes for w in packed)
     text = f"{len(packed)} ({layout}), {mib(held)} packed"
-    if source is not None and getattr(source, "format", None) == "gguf":
+    if source is not None and source.format == "gguf":
         in_file = sum(packed_file_bytes(source.path).values())
         text += f" for {mib(in_file)} in the file ({held / max(in_file, 1):.2f}x)"
     return f"{text}, qdot {qdot_variant()}"
