@@ -6,13 +6,14 @@ by `deepinfer/__init__.py` are ignored: it re-exports the public API.
 
 Rules:
 1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.spec_decode`, `.model_executor`,
-   `.entrypoints`, `.llm`.
-2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`; `spec_decode/` (between the
+   `.entrypoints`, `.llm`, `.compose` (the composition of the system, `build_engine`).
+2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`, `.compose`; `spec_decode/` (between the
    worker and the model executor) imports, of ours, only `deepinfer.config`, `.contracts`,
    `.sampling_params`, `.model_executor` and itself (so neither the worker nor anything above it).
 2b. Every drafter lives in `spec_decode/`: no class elsewhere implements the `Drafter` protocol
    (`propose` and `draft_probs`), and none elsewhere subclasses `ChainDrafter` (the one chain loop).
-3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
+3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`,
+   `.compose`.
 4. `model_executor/layers/ops/` imports none of `deepinfer.model_executor.models`, `.loader`,
    `.layers.attention`, `.layers.sampler` and its stages (`.layers.penalties`, `.layers.token_draws`), nor a
    `sampling_metadata` module.
@@ -93,12 +94,15 @@ class Cycle:
 _ME = "deepinfer.model_executor"
 RULES = (
     Rule("engine", "deepinfer.engine",
-         ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm")),
-    Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm")),
+         ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm",
+          "deepinfer.compose")),
+    Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm",
+                                        "deepinfer.compose")),
     Rule("spec_decode", "deepinfer.spec_decode", (PACKAGE,),
          ("deepinfer.config", "deepinfer.contracts", "deepinfer.sampling_params", _ME, "deepinfer.spec_decode")),
     Rule("model_executor", _ME,
-         ("deepinfer.engine", "deepinfer.worker", "deepinfer.spec_decode", "deepinfer.entrypoints", "deepinfer.llm")),
+         ("deepinfer.engine", "deepinfer.worker", "deepinfer.spec_decode", "deepinfer.entrypoints", "deepinfer.llm",
+          "deepinfer.compose")),
     Rule(
         "ops",
         f"{_ME}.layers.ops",
