@@ -279,6 +279,14 @@ class EngineConfig:
         if tp == 1:
             return
 
+    def __setattr__(self, name: str, value) -> None:
+        """max_model_len is set once, by the constructor: the engine resolves it into a new config
+        (`with_max_model_len`) before any model is built, and nothing changes it afterwards."""
+        if name == "max_model_len" and name in self.__dict__:
+            raise AttributeError(f"max_model_len is {self.max_model_len!r} for this config's life; make a config "
+                                 f"with another one (EngineConfig.with_max_model_len)")
+        super().__setattr__(name, value)
+
     def given_max_model_len(self, model_context: int) -> int | None:
         """max_model_len as given (None: not given, the engine resolves it). One beyond the model's
         context is refused unless allow_long_max_model_len (or DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1)

@@ -98,6 +98,19 @@ def test_nothing_writes_max_model_len_after_it_is_resolved():
     assert [w for p in sorted(package.rglob("*.py")) for w in _writes_of_max_model_len(p)] == []
 
 
+def test_a_config_refuses_a_new_max_model_len():
+    from deepinfer.config import EngineConfig
+
+    for given in (None, 512):
+        config = EngineConfig(max_model_len=given)
+        with pytest.raises(AttributeError, match=f"max_model_len is {given!r} for this config's life"):
+            config.max_model_len = 64
+        resolved = config.with_max_model_len(64)
+        assert resolved.max_model_len == 64 and config.max_model_len == given  # a new config, the old one as it was
+        with pytest.raises(AttributeError):
+            resolved.max_model_len = 32
+
+
 def test_the_write_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def fit(config, n):\n    config.max_model_len = n\n    config.scheduler.max_model_len += 1\n"
