@@ -119,6 +119,15 @@ def test_the_write_check_can_fail(tmp_path):
     assert [w.split(" ", 1)[0].rsplit(":", 1)[1] for w in _writes_of_max_model_len(bad)] == ["2", "3", "4"]
 
 
+def test_two_ranks_fit_the_same_length_before_they_build(tiny_checkpoint):
+    """Each rank fits max_model_len before its model is built; the smallest over the ranks wins, so
+    the follower builds at the length rank 0 serves, and the fitted length runs."""
+    with LLM(model=tiny_checkpoint("llama"), tensor_parallel_size=2, num_blocks=20, block_size=16) as llm:
+        assert llm.engine.max_model_len == 320 and llm.engine.runner.driver.model.max_positions == 320
+        out = llm.generate([[5] * 300], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 20
+
+
 def test_a_given_max_model_len_is_not_lowered(tiny_checkpoint):
     with pytest.raises(ValueError, match="cannot hold one request at max_model_len 1,000"):
         LLM(model=tiny_checkpoint("llama"), num_blocks=20, block_size=16, max_model_len=1000)
@@ -153,3 +162,37 @@ def test_resident_bytes_count_the_pages_written():
     assert resident_bytes(cache) == 0
     cache[:16].fill_(1)  # 16 pages
     assert resident_bytes(cache) == 16 * 4096
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen2_swa", "qwen3_moe", "gemma2", "phi3", "deepseek_v3",
+                                    "gpt_oss", "deepseek_v4"])
+def test_the_fit_sizes_the_cache_the_build_allocates(family, tiny_checkpoint, tokenizer_dir, tmp_path):
+    """The fit reads the cache groups of the model built on the meta device: for every family (its
+    MTP module included where it has one) they are the groups the real build sizes, byte for byte."""
+    import sys
+
+    import torch
+    from family_checkpoints import make_family_checkpoint
+
+    from deepinfer.model_executor.loader import load_model_source
+    from deepinfer.model_executor.model_loader import build_meta_model
+    from deepinfer.worker.cache_runtime import plan_caches
+
+    method = "mtp" if family in ("deepseek_v3", "deepseek_v4") else None
+    if family in ("llama", "gemma3", "qwen2_swa"):
+        path = tiny_checkpoint(family)
+    elif family == "deepseek_v4":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "deepseek_v4"))
+        from v4_tiny import CSA, HCA, SLIDING, make_tiny_v4
+
+        path = str(tmp_path)
+        make_tiny_v4(path, [SLIDING, CSA, HCA])
+    else:
+        path = str(tmp_path)
+        make_family_checkpoint(family, path, tokenizer_dir)
+    llm = LLM(model=path, load_format="dummy", max_model_len=64, num_blocks=64, block_size=4,
+              speculative_method=method, num_speculative_tokens=2 if method else None)
+    runner = llm.engine.runner
+    meta = build_meta_model(load_model_source(path, load_format="dummy"), runner.dtype, 64, method)
+    assert all(p.device == torch.device("meta") for p in meta.parameters())
+    assert plan_caches(meta, None, runner.config, runner.dtype).sizing == runner.caches.sizing
