@@ -227,7 +227,7 @@ class LLM:
         if tools is None and tool_choice is None and reasoning_parser is None and chat_template_kwargs is None:
             prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
             return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        from deepinfer.entrypoints.openai.offline_chat import attach_parsed, prepare_offline_chat
+        from deepinfer.serving.offline_chat import attach_parsed, prepare_offline_chat
 
         params = _as_params_list(sampling_params if sampling_params is not None
                                  else self.get_default_sampling_params(), len(conversations))

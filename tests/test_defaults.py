@@ -10,8 +10,8 @@ import torch
 from deepinfer import LLM
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.engine_args import MODEL_DEFAULT_FLAGS, sampling_params
-from deepinfer.entrypoints.openai.server import sampling_defaults
 from deepinfer.sampling_params import FALLBACK_SAMPLING, SamplingParams, model_sampling_defaults
+from deepinfer.serving.context import sampling_defaults
 
 CONFIGS = [{}, {"bos_token_id": 1}, {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 30},
            {"do_sample": False}]

@@ -7,6 +7,8 @@ by `deepinfer/__init__.py` are ignored: it re-exports the public API.
 Rules:
 1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.spec_decode`, `.model_executor`,
    `.entrypoints`, `.llm`, `.compose` (the composition of the system, `build_engine`).
+1b. `serving/` (the request lifecycle below HTTP) imports none of `deepinfer.entrypoints`, `.llm`, `.compose`,
+   nor an HTTP framework (`fastapi`, `starlette`, `uvicorn`) or `torch`.
 2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`, `.compose`; `spec_decode/` (between the
    worker and the model executor) imports, of ours, only `deepinfer.config`, `.contracts`,
    `.sampling_params`, `.model_executor` and itself (so neither the worker nor anything above it).
@@ -96,6 +98,8 @@ RULES = (
     Rule("engine", "deepinfer.engine",
          ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm",
           "deepinfer.compose")),
+    Rule("serving", "deepinfer.serving",
+         ("deepinfer.entrypoints", "deepinfer.llm", "deepinfer.compose", "fastapi", "starlette", "uvicorn", "torch")),
     Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm",
                                         "deepinfer.compose")),
     Rule("spec_decode", "deepinfer.spec_decode", (PACKAGE,),

@@ -17,7 +17,7 @@ and wait to be overwritten (S > W: eviction and overwrite are different events).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 
 def ring_rows(num_written: int, ring_size: int) -> list[int]:
@@ -60,15 +60,19 @@ def request_picture(kv, req, windows: Mapping[str, int]) -> dict | None:
 
 
 def request_summary(req) -> dict:
+    """A running request's progress, and `owner`: the client it counts for (its tenant, with API keys)."""
     return {"request_id": req.request_id, "num_prompt_tokens": req.num_prompt_tokens,
             "num_tokens": req.num_tokens, "num_computed_tokens": req.num_computed_tokens,
-            "num_cached_tokens": req.num_cached_tokens or 0}
+            "num_cached_tokens": req.num_cached_tokens or 0, "owner": req.client_id}
 
 
-def cache_snapshot(running: Iterable, kv, windows: Mapping[str, int], selected: str | None = None) -> dict:
-    """The running requests (oldest first) and the picture of `selected` if it runs, else of
-    the oldest running one (`request` None when nothing runs)."""
+def cache_snapshot(running: Iterable, kv, windows: Mapping[str, int], selected: str | None = None,
+                   visible: Callable[[str | None], bool] = lambda owner: True) -> dict:
+    """The running requests (oldest first) and the picture of `selected` if it runs, else of the
+    oldest running one (`request` None when nothing runs); the picture is only of a request whose
+    owner is `visible`."""
     reqs = sorted(running, key=lambda r: r.arrival_time)
-    chosen = next((r for r in reqs if r.request_id == selected), reqs[0] if reqs else None)
+    shown = [r for r in reqs if visible(r.client_id)]
+    chosen = next((r for r in shown if r.request_id == selected), shown[0] if shown else None)
     return {"running": [request_summary(r) for r in reqs],
             "request": request_picture(kv, chosen, windows) if chosen is not None else None}

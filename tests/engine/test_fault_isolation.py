@@ -18,10 +18,10 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.plan import FatalStepError, describe_fault, is_fatal_fault
 from deepinfer.engine.spec_stats import SpecDecodeStats
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError, EngineLoop
-from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.outputs import RequestFailedError
+from deepinfer.serving.engine_loop import EngineClosedError, EngineLoop
+from deepinfer.serving.metrics import ServerMetrics
 
 BAD = "bad"
 POISON = 40000  # a token id only the bad request's prompt holds

@@ -137,13 +137,9 @@ def serve_args(flags: list[str]):
 
 def server_settings(args):
     """The ServerSettings `deepinfer serve` builds from its flags."""
-    from deepinfer.entrypoints.openai.launcher import served_model_name
-    from deepinfer.entrypoints.openai.server import ServerSettings
+    from deepinfer.entrypoints.openai.args import server_settings as settings
 
-    return ServerSettings(model_name=served_model_name(args), api_key=args.api_key, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes, tokenizer_workers=args.tokenizer_workers,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          max_requests_per_client=args.max_requests_per_client)
+    return settings(args)
 
 
 class _LoopTransport(httpx.BaseTransport):

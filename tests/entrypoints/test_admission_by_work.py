@@ -16,8 +16,8 @@ import pytest
 from embedding_models import make_st_checkpoint
 
 from deepinfer import LLM
-from deepinfer.entrypoints.openai.engine_loop import EngineLoop
 from deepinfer.entrypoints.openai.server import ServerSettings, build_app
+from deepinfer.serving.engine_loop import EngineLoop
 
 CMPL = "/v1/completions"
 BODY = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -162,8 +162,8 @@ def test_two_7_5_mb_tokenize_calls_do_not_delay_a_completion(llm, monkeypatch):
 
 def test_big_bodies_have_a_lane_of_their_own(llm):
     """Two big jobs blocked in the pool do not hold up a small one; a third big one is a 429."""
-    from deepinfer.entrypoints.openai.errors import APIError
-    from deepinfer.entrypoints.openai.tokenizer_pool import TokenizerPool
+    from deepinfer.serving.errors import ServingError
+    from deepinfer.serving.pool import TokenizerPool
 
     release = threading.Event()
 
@@ -179,7 +179,7 @@ def test_big_bodies_have_a_lane_of_their_own(llm):
             await asyncio.sleep(0)
             small = await asyncio.wait_for(pool.run(job, b"hello"), 60)
             blocked = not any(task.done() for task in big)
-            with pytest.raises(APIError) as refused:
+            with pytest.raises(ServingError) as refused:
                 await pool.run(job, b"y " * 100)
             release.set()
             return small, blocked, refused.value, await asyncio.gather(*big)
@@ -189,8 +189,8 @@ def test_big_bodies_have_a_lane_of_their_own(llm):
 
     small, blocked, refused, big = asyncio.run(main())
     assert small >= 1 and blocked and all(n >= 100 for n in big)
-    assert refused.status_code == 429 and refused.code == "queue_full", refused.message
-    assert "over 100 bytes" in refused.message and "limit 2" in refused.message
+    assert refused.status_code == 429 and refused.code == "queue_full", refused.message()
+    assert "over 100 bytes" in refused.message() and "limit 2" in refused.message()
 
 
 def test_the_429_goes_to_the_client_over_its_share(llm, monkeypatch):
@@ -252,7 +252,7 @@ def test_max_requests_per_client_is_a_serve_flag():
 def test_an_input_added_while_its_window_aborts_is_aborted_too():
     """A client that leaves while an input is being added: that input's handle, stored after the
     abort, is aborted as soon as the add returns (it used to run to its end, holding the answer)."""
-    from deepinfer.entrypoints.openai.embeddings import InputWindow
+    from deepinfer.serving.embeddings import InputWindow
 
     class Handle:
         aborted = False
@@ -280,7 +280,7 @@ def test_an_input_added_while_its_window_aborts_is_aborted_too():
 
     async def main():
         loop = Loop()
-        window = InputWindow(loop, "embd-x", None, size=1)
+        window = InputWindow(loop, "embd-x", None, size=1, paths=[("input", 0)])
         run = asyncio.create_task(window.run([[5]]))
         await loop.adding.wait()
         window.abort()  # the client went away while the add was in flight

@@ -20,11 +20,11 @@ import pytest
 from agent_models import HERMES, REASONING, WEATHER, templated_checkpoint
 from app_server import AppServer
 
-from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, stop_reason
-from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
-from deepinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.serving.chat.output import ChatOutputPlan
+from deepinfer.serving.chat.reasoning import make_reasoning_parser
+from deepinfer.serving.chat.tool_parsers import TOOL_PARSERS
 
 TOOL = {"name": "get_weather", "description": WEATHER["function"]["description"],
         "input_schema": WEATHER["function"]["parameters"]}
@@ -269,8 +269,8 @@ def test_errors_from_outside_the_routes_take_anthropics_shape():
     from fastapi.testclient import TestClient
 
     from deepinfer.entrypoints.openai.body import BodySizeLimit
-    from deepinfer.entrypoints.openai.errors import APIError, install_error_handlers
-    from deepinfer.entrypoints.openai.messages import AnthropicErrors
+    from deepinfer.entrypoints.openai.errors import install_error_handlers
+    from deepinfer.serving.errors import too_busy
 
     app = FastAPI()
     install_error_handlers(app)
@@ -278,11 +278,9 @@ def test_errors_from_outside_the_routes_take_anthropics_shape():
     @app.post("/v1/messages")
     @app.post("/v1/chat/completions")
     async def busy():
-        raise APIError(429, "the server is busy", "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": "1"})
+        raise too_busy("the server is busy", 1)
 
     app.add_middleware(BodySizeLimit, max_bytes=100)
-    app.add_middleware(AnthropicErrors)
     with TestClient(app) as test:
         resp = test.post("/v1/messages", json={})
         assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
@@ -329,7 +327,7 @@ def _events(plan: ChatOutputPlan, pieces: list[str], finish_reason: str = "stop"
     for i, piece in enumerate(pieces):
         last = _output(piece, finish_reason if i == len(pieces) - 1 else None)
         out += events.step(last)
-    return out + events.finish(last)
+    return out
 
 
 def _blocks(events: list[dict]) -> list[tuple[str, str]]:

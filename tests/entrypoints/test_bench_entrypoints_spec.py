@@ -32,8 +32,11 @@ def test_the_server_gets_the_benchs_model_and_speed_flags():
 
 
 def test_busy_loops_end_with_the_block():
-    with ep.busy_loops(1):
-        pass  # the loop process is killed and reaped on exit (a leak would hang the test run)
+    with ep.busy_loops(2) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)  # spinning while the block runs
+    assert all(p.returncode is not None for p in procs)  # killed and reaped on exit: no process left
+    with ep.busy_loops(0) as none:
+        assert none == []
 
 
 def test_spec_needs_a_draft_model_or_method():

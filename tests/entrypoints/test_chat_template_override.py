@@ -16,7 +16,7 @@ from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
 from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.engine_args import make_llm
-from deepinfer.entrypoints.openai.launcher import served_model_name
+from deepinfer.entrypoints.openai.args import served_model_name
 
 MARKED = ("{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% endfor %}"
           "{% if add_generation_prompt %}<<assistant|{% endif %}")

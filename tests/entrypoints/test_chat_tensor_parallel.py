@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 
 import pexpect
 import pytest
@@ -87,9 +86,7 @@ def test_a_two_rank_chat_stopped_during_an_answer_ends_promptly_with_no_worker(t
             child.send(CTRL_C)
         else:
             child.kill(signal.SIGTERM)
-        start = time.monotonic()
-        child.expect(pexpect.EOF, timeout=STOP_S)
-        stopped_s = time.monotonic() - start
+        child.expect(pexpect.EOF, timeout=STOP_S)  # must not hang: a TIMEOUT here fails the test
     finally:
         child.close(force=True)
     assert len(ranks) == 1, ranks
@@ -97,5 +94,4 @@ def test_a_two_rank_chat_stopped_during_an_answer_ends_promptly_with_no_worker(t
         assert child.exitstatus == 130, child.before
     else:
         assert child.signalstatus == signal.SIGTERM or child.exitstatus == 128 + signal.SIGTERM
-    assert stopped_s < STOP_S
     assert not still_alive(ranks, within_s=5), "a tensor-parallel worker outlived the chat"

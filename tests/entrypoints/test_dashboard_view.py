@@ -12,9 +12,10 @@ from deepinfer.engine.cache_view import cache_snapshot, ring_picture, ring_rows
 from deepinfer.engine.kv_manager import KVCacheManager, PagedGroupSpec, RingGroupSpec
 from deepinfer.engine.prefix_cache import PrefixSettings
 from deepinfer.engine.request import Request
-from deepinfer.entrypoints.openai.dashboard import DashboardFeed
-from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving.dashboard_feed import DashboardFeed
+from deepinfer.serving.metrics import EngineStats, ServerMetrics
+from deepinfer.serving.tenancy import EVERYONE
 
 
 def _request(request_id: str, tokens: list[int], arrival: float) -> Request:
@@ -59,7 +60,7 @@ def test_block_table_marks_the_prefix_hit_and_cached_blocks():
     assert table["num_hit_blocks"] == 2 and table["cached"] == [True, True, False]
     assert snap["request"]["rings"] == []
     assert set(snap["request"]) == {"request_id", "num_prompt_tokens", "num_tokens", "num_computed_tokens",
-                                    "num_cached_tokens", "paged", "rings"}  # counts and block ids, no tokens
+                                    "num_cached_tokens", "owner", "paged", "rings"}  # counts and block ids, no tokens
 
 
 def test_the_oldest_running_request_is_shown_unless_another_is_chosen():
@@ -122,10 +123,10 @@ def test_the_feed_builds_only_while_watched_and_never_raises():
     engine = _fake_engine([req], kv)
     feed.publish(engine)
     assert feed.snapshot is None  # nobody watches: nothing built
-    first = feed.view(None)
+    first = feed.view(EVERYONE, None)
     assert first["pending"] and first["groups"][1]["window"] == 4
     feed.publish(engine)
-    view = feed.view("r")
+    view = feed.view(EVERYONE, "r")
     assert not view["pending"] and view["request"]["rings"][0]["window"] == 4
     assert view["request"]["rings"][0]["rows"] == [0, 1, 2, 3, 4, -1]
     feed.publish(_fake_engine(None, kv))  # a broken picture is logged, not raised

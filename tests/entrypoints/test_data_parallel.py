@@ -1,24 +1,20 @@
 """Data-parallel serving (`entrypoints/data_parallel/`): the router's choices, the routing key of each
-API, the replicas' flags, the merged /metrics, and a live front end on the default model with one
-local replica and one that joins: prefix-aware routing against random placement on a shared-prefix
-workload, and a killed replica that fails only its own requests."""
+API, the replicas' flags, who may register, the merged /metrics, and a front end whose replicas all
+fail to start. The live front end is in test_data_parallel_live.py; what it refuses and how it fails
+against stand-in replicas in test_data_parallel_security.py and test_data_parallel_failures.py."""
 
 from __future__ import annotations
 
-import os
-import random
-import signal
-import threading
-
-import httpx
 import pytest
 
 from deepinfer.entrypoints.data_parallel.launch import check_dp_args, parse_address, replica_argv, torchrun_role
-from deepinfer.entrypoints.data_parallel.metrics import merged_text
+from deepinfer.entrypoints.data_parallel.metrics import merged_text, replica_families
 from deepinfer.entrypoints.data_parallel.replicas import MAX_MISSED, ReplicaSet
 from deepinfer.entrypoints.data_parallel.router import PrefixRouter, block_hashes
 from deepinfer.entrypoints.data_parallel.routing_key import routing_text
-from tests.entrypoints.live_server import LiveServer, parse_metrics
+from tests.entrypoints.live_server import parse_metrics
+
+SECRET = "cluster-secret-of-these-tests"
 
 # ---- the router ----------------------------------------------------------------------------------
 
@@ -97,7 +93,8 @@ def _dp_args(**kw):
     import argparse
 
     base = dict(data_parallel_size=2, data_parallel_size_local=None, data_parallel_address=None,
-                data_parallel_rank=0, tensor_parallel_size=1, port=8000)
+                data_parallel_rank=0, tensor_parallel_size=1, port=8000, data_parallel_secret=SECRET,
+                data_parallel_secret_file=None, data_parallel_read_timeout=600.0)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -121,6 +118,8 @@ def test_under_torchrun_rank_0_is_the_front_end_and_the_others_join_it():
     assert torchrun_role(front, {"RANK": "0", "WORLD_SIZE": "2"}) == "frontend" and front.data_parallel_size_local == 1
     with pytest.raises(ValueError, match="must equal WORLD_SIZE=4"):
         torchrun_role(_dp_args(), {"RANK": "0", "WORLD_SIZE": "4"})
+    with pytest.raises(ValueError, match="under torchrun needs --data-parallel-secret-file"):
+        torchrun_role(_dp_args(data_parallel_secret=None), {"RANK": "0", "WORLD_SIZE": "2"})
 
 
 def test_replicas_go_down_after_missed_health_checks_and_come_back():
@@ -142,22 +141,29 @@ class _Child:
         return None
 
 
-def test_only_its_child_registers_a_local_rank_and_other_machines_need_the_api_key():
-    from deepinfer.entrypoints.data_parallel.frontend import Frontend, registration_refusal
+def test_only_its_child_registers_a_local_rank_and_other_ranks_need_the_cluster_secret():
+    from deepinfer.entrypoints.data_parallel.frontend import Frontend
+    from deepinfer.entrypoints.data_parallel.registration import (
+        CHILD,
+        CLUSTER,
+        no_secret_refusal,
+        registration_refusal,
+        secret_kind,
+    )
 
     replicas = ReplicaSet(3)
     replicas.replicas[0].process = _Child()
-    closed = Frontend(replicas, PrefixRouter(), None, 16, secret="s3cret", remote_joins=False)
-    assert "rank 0 is a replica this front end started" in registration_refusal(closed, 0, None, "127.0.0.1")
-    assert registration_refusal(closed, 0, "guess", "127.0.0.1") is not None
-    assert registration_refusal(closed, 0, "s3cret", "127.0.0.1") is None
-    assert registration_refusal(closed, 1, None, "127.0.0.1") is None
-    assert registration_refusal(closed, 2, None, "::1") is None
-    assert "start the front end with --api-key" in registration_refusal(closed, 1, None, "10.0.0.7")
-    assert registration_refusal(closed, 1, None, "not-an-address") is not None
-    keyed = Frontend(replicas, PrefixRouter(), None, 16, secret="s3cret", remote_joins=True)
-    assert registration_refusal(keyed, 1, None, "10.0.0.7") is None  # the API key was checked already
-    assert registration_refusal(keyed, 0, None, "10.0.0.7") is not None
+    front = Frontend(replicas, PrefixRouter(), None, 16, child_secret="c" * 32, cluster_secret=SECRET)
+    assert secret_kind(front, ["c" * 32]) == CHILD and secret_kind(front, [SECRET]) == CLUSTER
+    assert secret_kind(front, []) is None and secret_kind(front, ["guess"]) is None
+    assert secret_kind(front, [SECRET, SECRET]) is None  # exactly one header
+    assert "rank 0 is a replica this front end started" in registration_refusal(front, 0, CLUSTER)
+    assert registration_refusal(front, 0, CHILD) is None
+    assert registration_refusal(front, 1, CLUSTER) is None
+    assert "joins with the cluster secret" in registration_refusal(front, 1, CHILD)
+    closed = Frontend(ReplicaSet(2), PrefixRouter(), None, 16, child_secret="c" * 32, cluster_secret=None)
+    assert secret_kind(closed, [SECRET]) is None and secret_kind(closed, [""]) is None
+    assert "has no --data-parallel-secret, so it accepts no replica" in no_secret_refusal(closed)
 
 
 class _Exiting(_Child):
@@ -189,7 +195,9 @@ def test_merged_metrics_label_each_replicas_samples():
     from prometheus_client import CollectorRegistry
 
     one = "# HELP a_total A\n# TYPE a_total counter\na_total{x=\"1\"} 3.0\n# TYPE g gauge\ng 2.0\n"
-    text = merged_text(CollectorRegistry(), {0: one, 1: one.replace("3.0", "5.0")}).decode()
+    families, rejected = replica_families({0: one, 1: one.replace("3.0", "5.0")})
+    text = merged_text(CollectorRegistry(), families).decode()
+    assert rejected == {}
     values = parse_metrics(text)
     assert values['a_total{replica="0",x="1"}'] == 3.0 and values['a_total{replica="1",x="1"}'] == 5.0
     assert values['g{replica="1"}'] == 2.0 and text.count("# TYPE a_total counter") == 1
@@ -209,193 +217,4 @@ def test_a_front_end_whose_replicas_all_fail_to_start_exits_1_with_their_errors(
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.count("tensor_parallel_size=2 must divide num_attention_heads=9") == 2
     assert "every data-parallel replica exited (status [2, 2])" in done.stderr
-
-
-def test_torchrun_ranks_become_a_front_end_and_a_replica_that_joins_it():
-    """`torchrun --nproc-per-node 2 ... serve --data-parallel-size 2`: RANK 0 serves the front end
-    (with its own replica), RANK 1 a replica that registers with it; both answer through it."""
-    import subprocess
-    import sys
-
-    from tests.entrypoints.live_server import free_port
-
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                            "-m", "deepinfer.entrypoints.cli", "serve", "--data-parallel-size", "2", "--port",
-                            str(port), "--log-level", "warning"], env={**env, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("replicas_up") == [0, 1]:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            assert job.poll() is None, job.stderr.read()[-3000:]
-            threading.Event().wait(0.2)
-        table = {r["rank"]: r for r in httpx.get(f"{url}/dp/replicas").json()["replicas"]}
-        assert table[0]["local"] and not table[1]["local"] and table[1]["up"]  # rank 1 joined by itself
-        served = {_complete(url, f"{_prefix(t)} Hello", max_tokens=2).headers["x-deepinfer-replica"]
-                  for t in _TOPICS[:2]}
-        assert served == {"0", "1"}
-    finally:
-        job.send_signal(signal.SIGTERM)
-        job.wait(60)
-
-
-# ---- live: a front end, its local replica 0 and a replica 1 that joins -----------------------------
-
-_TOPICS = ["lighthouses of the northern coast", "the history of paper money", "how bees build their combs",
-           "glaciers and the valleys they carve", "the first railways in Europe", "tides and the moon",
-           "the chemistry of bread dough", "maps drawn before satellites"]
-_ASK = ["Summarise it.", "Give one fact.", "Name a place.", "Ask a question about it."]
-
-
-def _prefix(topic: str) -> str:
-    return (f"You are a patient teacher. The lesson today is about {topic}. " * 6).strip()
-
-
-def _complete(url: str, prompt: str, max_tokens: int = 1) -> httpx.Response:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-
-
-def _hit_rate(before: dict, after: dict) -> float:
-    def total(values, name):
-        return sum(v for k, v in values.items() if k.startswith(name + "{"))
-
-    def delta(name: str) -> float:
-        counter = f"deepinfer_prefix_cache_{name}_total"
-        return total(after, counter) - total(before, counter)
-
-    return delta("hits") / delta("queries")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with LiveServer("--data-parallel-size", "2", "--data-parallel-size-local", "1", "--threads", "1") as front:
-        with LiveServer("--data-parallel-address", f"127.0.0.1:{front.port}", "--data-parallel-rank", "1",
-                        "--threads", "1") as joined:
-            for _ in range(100):
-                if httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1]:
-                    break
-                threading.Event().wait(0.2)
-            yield front, joined
-
-
-def test_routing_by_prefix_hits_the_cache_more_than_random_placement(cluster):
-    front, _ = cluster
-    urls = {r["rank"]: r["url"] for r in httpx.get(f"{front.url}/dp/replicas").json()["replicas"]}
-    assert sorted(urls) == [0, 1] and all(urls.values())
-    before = front.metrics()
-    placed = {}
-    for topic in _TOPICS[:4]:
-        for ask in _ASK:
-            answer = _complete(front.url, f"{_prefix(topic)} {ask}")
-            assert answer.status_code == 200, answer.text
-            placed.setdefault(topic, set()).add(answer.headers["x-deepinfer-replica"])
-    routed = _hit_rate(before, middle := front.metrics())
-    assert all(len(ranks) == 1 for ranks in placed.values())  # each prefix stayed on one replica
-    assert {r for ranks in placed.values() for r in ranks} == {"0", "1"}  # and the prefixes were spread
-    rng = random.Random(0)
-    for topic in _TOPICS[4:]:
-        for ask in _ASK:
-            assert _complete(urls[rng.choice([0, 1])], f"{_prefix(topic)} {ask}").status_code == 200
-    scattered = _hit_rate(middle, front.metrics())
-    print(f"prefix-cache hit rate: routed {routed:.3f}, random placement {scattered:.3f}")
-    assert routed >= 0.6  # 3 of each group's 4 prompts find their ~90% shared prefix cached
-    assert routed > scattered
-
-
-def test_the_dashboard_through_the_front_end_shows_one_replicas_engine(cluster):
-    from playwright.sync_api import sync_playwright
-    from test_chat_page import CHROMIUM_FLAGS, chromium_path
-
-    front, _ = cluster
-    assert httpx.get(f"{front.url}/dashboard/state", params={"replica": "1"}).headers["x-deepinfer-replica"] == "1"
-    assert httpx.get(f"{front.url}/dashboard/state", params={"replica": "7"}).status_code == 400
-    answer = _complete(front.url, "Dashboard check: one two three", max_tokens=3)
-    rank = answer.headers["x-deepinfer-replica"]
-    want = parse_metrics(httpx.get(f"{front.url}/metrics").text)[
-        f'deepinfer_generation_tokens_total{{replica="{rank}"}}']
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
-        page = browser.new_page()
-        page.goto(f"{front.url}/dashboard?replica={rank}")
-        page.wait_for_function("() => Number(document.body.dataset.refreshes) >= 2", timeout=30_000)
-        shown = page.inner_text("#v-gen-total")
-        browser.close()
-    assert shown == str(int(want))  # replica `rank`'s own counter, not another's nor a sum
-
-
-def test_the_front_end_refuses_hostile_requests_as_a_replica_does(cluster):
-    front, _ = cluster
-    stolen = httpx.post(f"{front.url}/dp/register", json={"rank": 0, "url": "http://127.0.0.1:1"})
-    assert stolen.status_code == 403 and "only that process registers it" in stolen.json()["error"]["message"]
-    assert httpx.post(f"{front.url}/dp/register", content=b"[").status_code == 400
-    huge = httpx.post(f"{front.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}",
-                      headers={"Content-Type": "application/json"})
-    assert huge.status_code == 413 and "the limit is 8388608 bytes" in huge.text
-    deep = httpx.post(f"{front.url}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
-                      headers={"Content-Type": "application/json"})
-    assert deep.status_code == 400 and deep.headers["x-deepinfer-replica"] in ("0", "1")  # the replica's answer
-    nested = {"prompt": "hi", "max_tokens": 1, "x": [[[[1]]]]}  # routed by load when no key can be read
-    assert httpx.post(f"{front.url}/v1/completions", json=nested).status_code in (200, 400)
-    assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1]
-
-
-def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster):
-    front, joined = cluster
-    results: dict[str, object] = {}
-
-    def stream(name: str, topic: str) -> None:
-        body = {"prompt": _prefix(topic), "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{front.url}/v1/completions", json=body, timeout=120) as answer:
-                results[name + "_rank"] = answer.headers["x-deepinfer-replica"]  # 502s name the replica too
-                results[name + "_status"] = answer.status_code
-                results[name] = sum(1 for line in answer.iter_lines() if line.startswith("data: {"))
-        except httpx.HTTPError as exc:
-            results[name] = exc
-
-    fresh = (("a", "storms over a harbour no other test names"), ("b", "orchards in a spring no other test names"))
-    threads = [threading.Thread(target=stream, args=pair) for pair in fresh]  # new prefixes: placed by load
-    for t in threads:
-        t.start()
-    for _ in range(200):  # both streaming: one on each replica (the least loaded takes the second)
-        table = httpx.get(f"{front.url}/dp/replicas").json()["replicas"]
-        if all(r["in_flight"] == 1 for r in table):
-            break
-        threading.Event().wait(0.05)
-    assert [r["in_flight"] for r in table] == [1, 1], table
-    joined.proc.kill()
-    for t in threads:
-        t.join(120)
-    on_killed = "a" if results["a_rank"] == "1" else "b"
-    survivor = "b" if on_killed == "a" else "a"
-    assert {results["a_rank"], results["b_rank"]} == {"0", "1"}
-    assert results[survivor + "_status"] == 200 and results[survivor] == 400, results  # every token streamed
-    # killed before its answer started (the front end's 502), or while it streamed (a cut stream)
-    killed = results[on_killed]
-    assert results.get(on_killed + "_status") == 502 or isinstance(killed, Exception) or killed < 400, results
-    for _ in range(3):
-        answer = _complete(front.url, f"{_prefix(_TOPICS[1])} again")
-        assert answer.status_code == 200 and answer.headers["x-deepinfer-replica"] == "0"
-    assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0]
-    assert front.metrics()['deepinfer_dp_replica_up{replica="1"}'] == 0.0
-
-
-def test_a_local_replica_that_dies_is_started_again_and_serves(cluster):
-    front, _ = cluster
-    rank0 = httpx.get(f"{front.url}/dp/replicas").json()["replicas"][0]
-    os.kill(rank0["pid"], signal.SIGKILL)
-    for _ in range(600):
-        again = httpx.get(f"{front.url}/dp/replicas").json()["replicas"][0]
-        if again["up"] and again["pid"] != rank0["pid"]:
-            break
-        threading.Event().wait(0.2)
-    assert again["restarts"] == 1 and again["url"] != rank0["url"], again  # a new process on a new port
-    answer = _complete(front.url, "After the restart:", max_tokens=2)
-    assert answer.status_code == 200 and answer.headers["x-deepinfer-replica"] == "0"
+    assert "no --data-parallel-secret: this front end accepts no replica but the 2 it starts" in done.stdout

@@ -12,8 +12,8 @@ import pytest
 from test_hostile_inputs import serve
 
 from deepinfer import LLM
-from deepinfer.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from deepinfer.json_bounds import MAX_JSON_DEPTH, parse_nested_json
+from deepinfer.serving.chat.tool_parsers import TOOL_PARSERS
 
 CMPL, CHAT, RESPONSES, TOKENIZE = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"
 LIMIT = f"the limit is {MAX_JSON_DEPTH}"
@@ -77,7 +77,7 @@ def test_arguments_nested_5000_deep_are_a_400_naming_the_field_on_every_route(ll
         assert resp.status_code == 400, (path, resp.status_code, resp.text[:300])
         error = resp.json()["error"]
         assert error["param"] == param, (path, error)
-        assert f"{field} nests arrays and objects 5000 deep; {LIMIT}" in error["message"], (path, error)
+        assert f"{field}: nests arrays and objects 5000 deep; {LIMIT}" in error["message"], (path, error)
     for resp, (path, _, param) in zip(schemas, SCHEMAS, strict=True):
         assert resp.status_code == 400, (path, resp.status_code, resp.text[:300])
         error = resp.json()["error"]

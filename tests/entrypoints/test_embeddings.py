@@ -127,7 +127,7 @@ def test_bad_requests_name_the_field_and_leave_the_rest_whole(server, texts, ref
         answer = good.result()
     assert answer.status_code == 200 and cosines(_vectors(answer.json()), reference).min() >= 0.9999
     too_long = _post(server, {"input": [[5] * 513]}, status=400)["error"]
-    assert too_long["code"] == "context_length_exceeded" and "input[0] has 513 tokens" in too_long["message"]
+    assert too_long["code"] == "context_length_exceeded" and "input[0]: has 513 tokens" in too_long["message"]
     fits = _post(server, {"input": [[5] * 513], "truncate_prompt_tokens": 512})
     assert fits["usage"]["prompt_tokens"] == 512
     metrics = server.metrics()

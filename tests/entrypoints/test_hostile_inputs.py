@@ -51,28 +51,28 @@ def serve(llm, scenario, monkeypatch, **settings):
 
 
 REFUSED = [  # (name, path, body, param, words the message must hold)
-    ("recursion", CMPL, {"guided_grammar": 'start: "a" start'}, "guided_grammar", "guided_grammar cannot be used"),
-    ("self-ref schema", CMPL, {"guided_json": SELF_REF}, "guided_json", "guided_json cannot be used"),
+    ("recursion", CMPL, {"guided_grammar": 'start: "a" start'}, "guided_grammar", "guided_grammar: cannot be used"),
+    ("self-ref schema", CMPL, {"guided_json": SELF_REF}, "guided_json", "guided_json: cannot be used"),
     ("regex blowup", CMPL, {"guided_regex": "(a{1000}){1000}"}, "guided_regex", "too many expressions"),
     ("wide row", CHAT, {"structured_outputs": {"grammar": LARK_ROW}}, "structured_outputs",
-     "structured_outputs.grammar cannot be used"),
+     "structured_outputs.grammar: cannot be used"),
     ("20k alternatives", CMPL, {"guided_grammar": LARK_20K}, "guided_grammar", "the limit is 131072"),
     ("self-ref json_schema", CHAT, {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": SELF_REF}}}, "response_format", "response_format.json_schema.schema cannot be used"),
+        "name": "x", "schema": SELF_REF}}}, "response_format", "response_format.json_schema.schema: cannot be used"),
     ("regex in structured_outputs", CHAT, {"structured_outputs": {"regex": "(a{1000}){1000}"}},
-     "structured_outputs", "structured_outputs.regex cannot be used"),
+     "structured_outputs", "structured_outputs.regex: cannot be used"),
     ("choice banned by bad_words", CMPL, {"guided_choice": ["yes"], "bad_words": ["yes"]}, "guided_choice",
      "bad_words"),
     ("50k choices", CMPL, {"guided_choice": [f"word{i}" for i in range(50_000)]}, "guided_choice",
-     "guided_choice has 50000 strings; the limit is 1024"),
+     "guided_choice: has 50000 strings; the limit is 1024"),
     ("100k choices", CHAT, {"guided_choice": [f"word{i}" for i in range(100_000)]}, "guided_choice",
-     "guided_choice has 100000 strings"),
+     "guided_choice: has 100000 strings"),
     ("20k bad words", CMPL, {"bad_words": [f"word{i}" for i in range(20_000)]}, "bad_words",
-     "bad_words has 20000 words; the limit is 1024"),
-    ("40k bad words", CHAT, {"bad_words": [f"word{i}" for i in range(40_000)]}, "bad_words", "bad_words has 40000"),
-    ("10k stop strings", CMPL, {"stop": [f"s{i}" for i in range(10_000)]}, "stop", "stop has 10000 strings"),
+     "bad_words: has 20000 words; the limit is 1024"),
+    ("40k bad words", CHAT, {"bad_words": [f"word{i}" for i in range(40_000)]}, "bad_words", "bad_words: has 40000"),
+    ("10k stop strings", CMPL, {"stop": [f"s{i}" for i in range(10_000)]}, "stop", "stop: has 10000 strings"),
     ("10k logit_bias", CMPL, {"logit_bias": {str(i): 1.0 for i in range(10_000)}}, "logit_bias",
-     "logit_bias has 10000 entries"),
+     "logit_bias: has 10000 entries"),
 ]
 
 

@@ -15,10 +15,10 @@ import json
 import pytest
 from agent_models import ADD, WEATHER
 
-from deepinfer.entrypoints.openai.tool_parsers import FunctionSpec, ToolCallStream
-from deepinfer.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-from deepinfer.entrypoints.openai.tool_parsers.lenient import LenientToolParser
-from deepinfer.entrypoints.openai.tool_parsers.schema_check import matches_schema
+from deepinfer.serving.chat.tool_parsers import FunctionSpec, ToolCallStream
+from deepinfer.serving.chat.tool_parsers.hermes import HermesToolParser
+from deepinfer.serving.chat.tool_parsers.lenient import LenientToolParser
+from deepinfer.serving.chat.tool_parsers.schema_check import matches_schema
 
 TOOLS = [WEATHER, ADD]
 FUNCTIONS = [FunctionSpec(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
@@ -115,7 +115,7 @@ def test_schema_check_bounds_refs_and_unions():
 def test_schema_check_is_bounded_on_hostile_schemas(monkeypatch):
     """The client's schema is never compiled in auto mode: a `$ref` inside an `anyOf` of itself would
     make the walk exponential, and `$defs` that is not an object must not raise. Both end in "no"."""
-    import deepinfer.entrypoints.openai.tool_parsers.schema_check as schema_check
+    import deepinfer.serving.chat.tool_parsers.schema_check as schema_check
 
     visits = 0
     walk = schema_check._matches

@@ -1,198 +1,34 @@
-"""`deepinfer pull / list / rm` against a local HTTP server standing in for the Hugging Face Hub.
-
-The server answers exactly what huggingface_hub asks: model info with file metadata
-(GET /api/models/{repo}/revision/{rev}?blobs=True), paths-info (POST .../paths-info/{rev}), and
-HEAD / GET of /{repo}/resolve/{rev}/{file} with X-Repo-Commit, ETag, X-Linked-Etag, X-Linked-Size
-and Range support. HF_ENDPOINT points at it and HF_HUB_CACHE at a temporary directory; the CLI
-runs in-process (`cli.main`).
+"""`deepinfer pull / list / rm` against a local HTTP server standing in for the Hugging Face Hub
+(`fake_hub.py`). HF_ENDPOINT points at it and HF_HUB_CACHE at a temporary directory; the CLI runs
+in-process (`cli.main`). Hostile answers and odd files: `test_model_management_hostile.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import re
-import threading
-import urllib.parse
 
 import pytest
+from fake_hub import CKPT_COMMIT, CKPT_REPO, GGUF_FILE, GGUF_REPO, serve_fake_hub
 
 from deepinfer.entrypoints import cli
 from deepinfer.model_executor.loader.default_model import DEFAULT_MODEL_NAME, GEMMA3_MODEL_NAME
 from deepinfer.model_executor.loader.hub import resolve_hub_model
 
-CKPT_REPO, GGUF_REPO = "tiny-org/tiny-llama", "tiny-org/tiny-gguf"
-CKPT_COMMIT, GGUF_COMMIT = "c" * 40, "d" * 40
-GGUF_FILE = "tiny.Q8_0.gguf"
-LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")
-
-
-def _safetensors_bytes() -> bytes:
-    import torch
-    from safetensors.torch import save
-
-    return save({"model.embed_tokens.weight": torch.arange(64, dtype=torch.float32).reshape(8, 8)})
-
-
-def _repos() -> dict:
-    config = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}).encode()
-    gguf = b"GGUF" + bytes(range(256)) * 800  # 204,804 bytes: the cut and resume have room
-    return {
-        CKPT_REPO: (CKPT_COMMIT, {"config.json": config, "tokenizer_config.json": b"{}",
-                                  "model.safetensors": _safetensors_bytes(), "pytorch_model.bin": b"x" * 300,
-                                  "README.md": b"# tiny"}),
-        GGUF_REPO: (GGUF_COMMIT, {GGUF_FILE: gguf, "other.Q4_0.gguf": gguf[:1000], "README.md": b"# gguf"}),
-    }
-
-
-def _blob_id(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def _lfs(path: str, data: bytes) -> dict | None:
-    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)} if path.endswith(LFS_SUFFIXES) else None
-
-
-class FakeHub:
-    """The repositories, what the server saw, and the faults it injects."""
-
-    def __init__(self):
-        self.repos = _repos()
-        self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range header)
-        self.corrupt: set[str] = set()  # files served with other bytes than their listed sha256
-        self.cut_after: dict[str, int] = {}  # file -> bytes sent before the first GET's connection drops
-        self.refuse_gets = False  # after a cut: answer GETs with 503 (the download cannot finish)
-
-    def gets(self, filename: str) -> list[str | None]:
-        """The Range headers of the GETs of `filename`, in order."""
-        return [r for m, p, r in self.requests if m == "GET" and p.endswith("/" + filename)]
-
-
-def _handler(hub: FakeHub):
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):  # quiet
-            pass
-
-        def _json(self, status: int, body, headers=()) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            for key, value in (("Content-Type", "application/json"), ("Content-Length", str(len(data))), *headers):
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _repo(self, repo_id: str):
-            if repo_id not in hub.repos:
-                self._json(404, {"error": "Repository not found"}, [("X-Error-Code", "RepoNotFound")])
-                return None
-            return hub.repos[repo_id]
-
-        def do_GET(self):
-            self._route("GET")
-
-        def do_HEAD(self):
-            self._route("HEAD")
-
-        def do_POST(self):
-            self._route("POST")
-
-        def _route(self, method: str) -> None:
-            path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
-            hub.requests.append((method, path, self.headers.get("Range")))
-            if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/([^/]+)", path):
-                return self._model_info(m[1])
-            if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/paths-info/([^/]+)", path):
-                return self._paths_info(m[1])
-            if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
-                return self._resolve(method, m[1], m[3])
-            self._json(404, {"error": f"no route {path}"})
-
-        def _model_info(self, repo_id: str) -> None:
-            if (repo := self._repo(repo_id)) is None:
-                return
-            commit, files = repo
-            siblings = [{"rfilename": p, "size": len(d), "blobId": _blob_id(d),
-                         **({"lfs": {**lfs, "pointerSize": 134}} if (lfs := _lfs(p, d)) else {})}
-                        for p, d in files.items()]
-            self._json(200, {"id": repo_id, "sha": commit, "siblings": siblings})
-
-        def _paths_info(self, repo_id: str) -> None:
-            form = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
-            if (repo := self._repo(repo_id)) is None:
-                return
-            entries = []
-            for p in form.get("paths", []):
-                if (d := repo[1].get(p)) is not None:
-                    lfs = _lfs(p, d)
-                    entries.append({"type": "file", "path": p, "size": len(d), "oid": _blob_id(d),
-                                    **({"lfs": {"oid": lfs["sha256"], "size": len(d), "pointerSize": 134}}
-                                       if lfs else {})})
-            self._json(200, entries)
-
-        def _resolve(self, method: str, repo_id: str, filename: str) -> None:
-            if (repo := self._repo(repo_id)) is None:
-                return
-            commit, files = repo
-            if filename not in files:
-                return self._json(404, {"error": "Entry not found"}, [("X-Error-Code", "EntryNotFound")])
-            data, lfs = files[filename], _lfs(filename, files[filename])
-            headers = [("X-Repo-Commit", commit), ("ETag", f'"{_blob_id(data)}"'), ("Accept-Ranges", "bytes")]
-            if lfs:
-                headers += [("X-Linked-Etag", f'"{lfs["sha256"]}"'), ("X-Linked-Size", str(len(data)))]
-            if method == "HEAD":
-                return self._send(200, headers + [("Content-Length", str(len(data)))], b"")
-            self._get(filename, data, headers)
-
-        def _get(self, filename: str, data: bytes, headers: list) -> None:
-            if hub.refuse_gets:
-                return self._json(503, {"error": "unavailable"})
-            if filename in hub.corrupt:
-                data = bytes(b ^ 0xFF for b in data)
-            start = int(m[1]) if (m := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")) else 0
-            if start:
-                headers = headers + [("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")]
-            headers = headers + [("Content-Length", str(len(data) - start))]
-            cut = hub.cut_after.pop(filename, None)
-            if cut is not None:  # promise the whole file, send `cut` bytes, drop the connection
-                hub.refuse_gets = True
-                return self._send(200, headers, data[:cut])
-            self._send(206 if start else 200, headers, data[start:])
-
-        def _send(self, status: int, headers: list, body: bytes) -> None:
-            self.send_response(status)
-            for key, value in headers:
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(body)
-
-    return Handler
-
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    """A fake Hub on a local port; HF_ENDPOINT, HF_HUB_CACHE and DEEPINFER_MODELS_DIR point at it / tmp."""
-    fake = FakeHub()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("DEEPINFER_MODELS_DIR", str(tmp_path / "models"))
-    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
-    monkeypatch.chdir(tmp_path)  # no local path called tiny-org/... exists
-    yield fake
-    server.shutdown()
-    server.server_close()
+    """The fake Hub (`fake_hub.py`); HF_ENDPOINT, HF_HUB_CACHE and DEEPINFER_MODELS_DIR point at it / tmp."""
+    with serve_fake_hub(tmp_path, monkeypatch) as fake:
+        yield fake
 
 
 def _list_json(capsys) -> dict:
     capsys.readouterr()
     assert cli.main(["list", "--json"]) == 0
-    return {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    return {row["name"]: row for row in json.loads(capsys.readouterr().out)["models"]}
 
 
 def test_pull_a_repository_fetches_what_the_engine_loads_and_serve_finds_it_offline(hub, capsys, monkeypatch):

@@ -23,6 +23,7 @@ from live_server import LiveServer
 
 KEY = "test-key"
 MAX_BODY = 64 * 1024
+EXIT_BOUND_S = 120  # how long a stopped server may take to exit before the test calls it hung
 
 
 @pytest.fixture(scope="module")
@@ -302,10 +303,9 @@ async def _sigterm_scenario(server: LiveServer, grace: float) -> dict:
         start = time.monotonic()
         await asyncio.sleep(0.2)
         late = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
-        while server.proc.poll() is None and time.monotonic() - start < grace + 10:
+        while server.proc.poll() is None and time.monotonic() - start < EXIT_BOUND_S:  # must not hang
             await asyncio.sleep(0.05)
-        return {"full": full, "late": late, "exit_s": time.monotonic() - start,
-                "finishes": await asyncio.gather(*readers)}
+        return {"full": full, "late": late, "finishes": await asyncio.gather(*readers)}
 
 
 def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
@@ -313,14 +313,13 @@ def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
     with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "2", "--max-waiting", "1",
                     "--shutdown-grace", str(grace), "--log-level", "info") as server:
         result = asyncio.run(_sigterm_scenario(server, grace))
-        assert server.proc.returncode == 0, server.log_tail()
+        assert server.proc.returncode == 0, server.log_tail()  # it exited by itself (None: still running)
         log = server.log_tail(100_000)
     assert result["full"].status_code == 429 and "retry-after" in result["full"].headers
     assert result["full"].json()["error"]["code"] == "queue_full"
     assert result["late"].status_code == 503 and "retry-after" in result["late"].headers
-    # it exits by itself within its budget of the grace (requests finish, then are aborted, then teardown):
-    # shown by what it did, read from its log, not timed (a busy machine stretches the teardown)
-    assert result["exit_s"] < grace + 10, f"exited {result['exit_s']:.2f} s after SIGTERM"
+    # it keeps its budget of the grace (requests finish, then are aborted, then teardown): shown by what it
+    # did, read from its log, not timed (a busy machine stretches the teardown)
     assert re.search(rf"shutting down: [1-9]\d* requests open, {grace:.1f} s grace", log), log[-3000:]
     assert re.search(r"aborting [1-9]\d* requests", log), log[-3000:]  # at the end of its budget, not waited on
     # 1000 tokens take longer than the grace period: aborted, reported as an error event (no "abort")

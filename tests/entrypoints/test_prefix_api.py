@@ -17,8 +17,8 @@ from live_server import LiveServer
 
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.engine_args import cache_config
-from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
 from deepinfer.llm import _as_prompt_list
+from deepinfer.serving.metrics import EngineStats, ServerMetrics
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6  # > 3 blocks of 16 tokens
 IDS = [(7 * i) % 500 + 5 for i in range(40)]  # 40 token ids: 2 full blocks can hit

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 from app_server import AppServer, serve_args
 
-from deepinfer.entrypoints.openai.auth import api_keys
+from deepinfer.serving.tenancy import api_keys
 
 KEYS = ("key-one", "key-two", "key-three")
 
@@ -29,7 +29,7 @@ def _recording(app: AppServer) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def priority_app(tiny_checkpoint):
-    flags = ["--model", tiny_checkpoint("llama"), "--scheduling-policy", "priority",
+    flags = ["--model", tiny_checkpoint("llama"), "--scheduling-policy", "priority", "--priority-range=-10:",
              "--api-key", f"{KEYS[0]},{KEYS[1]}", "--api-key", KEYS[2]]
     with AppServer(*flags) as app:
         yield app, _recording(app)

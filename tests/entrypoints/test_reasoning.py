@@ -16,8 +16,8 @@ import pytest
 from agent_models import REASONING, WEATHER, templated_checkpoint
 from app_server import AppServer
 
-from deepinfer.entrypoints.openai.constraints import ConstrainedOutput, constrained
-from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
+from deepinfer.serving.chat.constraints import ConstrainedOutput, constrained
+from deepinfer.serving.chat.reasoning import make_reasoning_parser
 
 R1, QWEN3 = make_reasoning_parser("deepseek_r1"), make_reasoning_parser("qwen3")
 CASES = [  # (parser, begins inside, answer, reasoning, content)

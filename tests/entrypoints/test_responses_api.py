@@ -19,7 +19,8 @@ from agent_models import WEATHER
 from pydantic import BaseModel
 from responses_stream import check_response_stream, parse_events
 
-from deepinfer.entrypoints.openai.responses import ResponseStore
+from deepinfer.serving.store import ResponseStore
+from deepinfer.serving.tenancy import EVERYONE
 
 TOOL = {"type": "function", "name": "get_weather", "description": WEATHER["function"]["description"],
         "parameters": WEATHER["function"]["parameters"], "strict": True}
@@ -172,12 +173,13 @@ def test_a_json_schema_output(client):
 def test_the_store_is_an_lru_bounded_in_count_and_characters():
     store = ResponseStore(max_responses=3, max_chars=380)  # a small entry: ~50 characters, the big one ~350
     for i in range(4):
-        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x"}])
-    assert store.get("r0") is None and store.get("r1") is not None
-    store.put({"id": "r4"}, [])  # r2, the least recently used, goes
-    assert store.get("r2") is None and store.get("r1") is not None
-    store.put({"id": "big"}, [{"role": "user", "content": "y" * 300}])
-    assert store.get("big") is not None and store.get("r3") is None and store.get("r1") is None
+        store.put(EVERYONE, {"id": f"r{i}"}, [{"role": "user", "content": "x"}], [])
+    assert store.get(EVERYONE, "r0") is None and store.get(EVERYONE, "r1") is not None
+    store.put(EVERYONE, {"id": "r4"}, [], [])  # r2, the least recently used, goes
+    assert store.get(EVERYONE, "r2") is None and store.get(EVERYONE, "r1") is not None
+    store.put(EVERYONE, {"id": "big"}, [{"role": "user", "content": "y" * 300}], [])
+    assert store.get(EVERYONE, "big") is not None
+    assert store.get(EVERYONE, "r3") is None and store.get(EVERYONE, "r1") is None
 
 
 BAD = [  # (body fields, param)

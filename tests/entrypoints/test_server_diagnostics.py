@@ -13,9 +13,9 @@ import pytest
 from agent_models import HERMES, TOOL_TEMPLATES, WEATHER, templated_checkpoint
 from app_server import AppServer
 
-from deepinfer.entrypoints.openai.diagnostics import template_takes_tools, tool_call_summary
 from deepinfer.entrypoints.openai.error_log import MAX_MESSAGE_CHARS, client_error_line
-from deepinfer.entrypoints.openai.tool_parsers import make_tool_parser
+from deepinfer.serving.chat.diagnostics import template_takes_tools, tool_call_summary
+from deepinfer.serving.chat.tool_parsers import make_tool_parser
 
 PLAIN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -157,7 +157,7 @@ def test_a_forced_call_the_server_cannot_constrain_blames_the_template_not_tools
         monkeypatch.setattr(grammars, "prepare", lambda spec, *a: prepare(spec, *a) if spec.kind == "json"
                             else _refuse())
     else:  # the grammar is refused while the chat's constraint is built
-        monkeypatch.setattr("deepinfer.entrypoints.openai.chat_prompt.forced_call", _refuse)
+        monkeypatch.setattr("deepinfer.serving.chat.prompt.forced_call", _refuse)
     since = len(lines)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         resp = app.client.post(CHAT, json={"messages": QUESTION, "tools": [WEATHER], "tool_choice": choice})

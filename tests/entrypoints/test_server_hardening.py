@@ -169,9 +169,11 @@ def test_internal_errors_name_only_a_request_id(caplog):
 
 
 def test_a_refusing_chat_template_gets_a_400_without_its_text():
-    from deepinfer.entrypoints.openai.chat_prompt import ChatSetup
-    from deepinfer.entrypoints.openai.errors import APIError
-    from deepinfer.entrypoints.openai.server import _prepare_chat
+    from deepinfer.serving.chat.prompt import ChatSetup
+    from deepinfer.serving.errors import ServingError
+    from deepinfer.serving.parse import parse_body
+    from deepinfer.serving.prepare import prepare_chat
+    from deepinfer.serving.protocol import ChatCompletionRequest
 
     class RefusingTokenizer:
         chat_template = "{{ raise_exception('a secret internal detail') }}"
@@ -186,10 +188,10 @@ def test_a_refusing_chat_template_gets_a_400_without_its_text():
             pass
 
     raw = json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}).encode()
-    with pytest.raises(APIError) as err:
-        _prepare_chat(RefusingTokenizer(), State(), raw)
-    assert err.value.status_code == 400 and err.value.param == "messages"
-    assert "secret" not in err.value.message and "ValueError" not in err.value.message
+    with pytest.raises(ServingError) as err:
+        prepare_chat(RefusingTokenizer(), State(), parse_body(raw, ChatCompletionRequest))
+    assert err.value.status_code == 400 and err.value.param() == "messages"
+    assert "secret" not in err.value.message() and "ValueError" not in err.value.message()
 
 
 # -- 2. tokenization off the event loop -------------------------------------------------------------
@@ -325,7 +327,7 @@ def test_models_show_the_served_name_not_a_path(app, tiny_checkpoint):
     ("HuggingFaceTB/SmolLM2-135M-Instruct", None, "HuggingFaceTB/SmolLM2-135M-Instruct"),
     ("gemma3-270m", None, "gemma3-270m")])
 def test_served_model_name_defaults_to_the_base_name(model, served, expected):
-    from deepinfer.entrypoints.openai.launcher import served_model_name
+    from deepinfer.entrypoints.openai.args import served_model_name
 
     assert served_model_name(argparse.Namespace(model=model, served_model_name=served)) == expected
 
@@ -341,6 +343,8 @@ def test_duplicate_authorization_headers_are_refused(app, values):
 
 class _FakeHandle:
     """A RequestHandle that yields the given outputs."""
+
+    request_id = "r"
 
     def __init__(self, outputs):
         self._outputs, self.aborted = list(outputs), False
@@ -367,20 +371,26 @@ def _output(finish_reason, text="", error=None):
 
 @pytest.mark.parametrize("reason, status, code", [("abort", 503, "request_aborted"), ("error", 500, "internal_error")])
 def test_aborted_or_failed_requests_are_errors_not_finish_reasons(reason, status, code):
-    from deepinfer.entrypoints.openai.errors import APIError
-    from deepinfer.entrypoints.openai.serving import CompletionFormatter, collect, stream_events
+    from deepinfer.entrypoints.openai.openai_output import CompletionFormatter, OpenAIStream
     from deepinfer.outputs import RequestFailedError
+    from deepinfer.serving import run
+    from deepinfer.serving.errors import ServingError
 
     error = RequestFailedError("r", "sampling failed: ValueError: boom") if reason == "error" else None
     outputs = [_output(None, "ab"), _output(reason, error=error)]
-    with pytest.raises(APIError) as err:
-        asyncio.run(collect(_FakeHandle(outputs), CompletionFormatter("cmpl-1", "m", None, 1, None)))
+
+    async def connected():
+        return False
+
+    with pytest.raises(ServingError) as err:
+        asyncio.run(run.whole(None, _FakeHandle(outputs), connected))
     assert (err.value.status_code, err.value.code) == (status, code)
-    assert "boom" not in err.value.message and "abort" != err.value.message
+    assert "boom" not in err.value.message() and "abort" != err.value.message()
 
     async def stream():
         handle = _FakeHandle(outputs)
-        events = [e async for e in stream_events(handle, CompletionFormatter("cmpl-1", "m", None, 1, None), True)]
+        encoder = OpenAIStream(CompletionFormatter("cmpl-1", "m", None, 1, None), True)
+        events = [e async for e in run.stream(None, handle, encoder)]
         return events, handle
 
     events, handle = asyncio.run(stream())

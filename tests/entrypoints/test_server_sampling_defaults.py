@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from deepinfer.entrypoints.openai.server import _sampling_params, sampling_defaults
 from deepinfer.sampling_params import SamplingParams, generation_defaults
+from deepinfer.serving.context import sampling_defaults
+from deepinfer.serving.prepare import sampling_params as _sampling_params
+from deepinfer.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def _source(config):

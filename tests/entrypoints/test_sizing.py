@@ -16,10 +16,10 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import CacheConfig, EngineConfig
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.bench import selected_workloads
-from deepinfer.entrypoints.openai.engine_loop import EngineLoop
-from deepinfer.entrypoints.openai.metrics import EngineStats
-from deepinfer.entrypoints.openai.stats_log import StatsLogger
 from deepinfer.environ import read_environ
+from deepinfer.serving.engine_loop import EngineLoop
+from deepinfer.serving.metrics import EngineStats
+from deepinfer.serving.stats_log import StatsLogger
 from deepinfer.worker import cache_sizing
 from deepinfer.worker.cache_engine import zeroed_bytes
 

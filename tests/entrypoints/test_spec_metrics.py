@@ -12,9 +12,9 @@ from app_server import AppServer
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec_stats import SpecDecodeStats
-from deepinfer.entrypoints.openai.engine_loop import EngineLoop
-from deepinfer.entrypoints.openai.loop_metrics import STATS_FROM_METRICS, engine_stats
-from deepinfer.entrypoints.openai.metrics import EngineStats, ServerMetrics
+from deepinfer.serving.engine_loop import EngineLoop
+from deepinfer.serving.loop_metrics import STATS_FROM_METRICS, engine_stats
+from deepinfer.serving.metrics import EngineStats, ServerMetrics
 
 DRAFTS = "deepinfer_spec_decode_num_drafts_total"
 DRAFT_TOKENS = "deepinfer_spec_decode_num_draft_tokens_total"

@@ -24,15 +24,15 @@ import pytest
 from agent_models import ADD, HERMES, WEATHER, random_function, templated_checkpoint
 from app_server import AppServer
 
-from deepinfer.entrypoints.openai.constraints import forced_call
-from deepinfer.entrypoints.openai.reasoning import make_reasoning_parser
-from deepinfer.entrypoints.openai.tool_parsers import (
+from deepinfer.serving.chat.constraints import forced_call
+from deepinfer.serving.chat.reasoning import make_reasoning_parser
+from deepinfer.serving.chat.tool_parsers import (
     TOOL_PARSERS,
     FunctionSpec,
     make_tool_parser,
     skipped_when_decoded,
 )
-from deepinfer.entrypoints.openai.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
+from deepinfer.serving.chat.tool_parsers.deepseek_v3 import DeepSeekV3ToolParser
 from deepinfer.structured_output import GrammarCompiler
 
 MARKERS = sorted({m for cls in TOOL_PARSERS.values() for m in cls.markers} | {"<think>", "</think>"})

@@ -22,13 +22,13 @@ import pytest
 from agent_models import ADD, TOOL_TEMPLATES, WEATHER, random_function, templated_checkpoint
 from app_server import AppServer
 
-from deepinfer.entrypoints.openai.tool_parsers import (
+from deepinfer.serving.chat.tool_parsers import (
     TOOL_PARSERS,
     FunctionSpec,
     ToolCallStream,
     detect_tool_parser,
 )
-from deepinfer.entrypoints.openai.tool_parsers.deepseek_v3 import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from deepinfer.serving.chat.tool_parsers.deepseek_v3 import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
 W = '{"city": "Paris", "unit": "celsius"}'
 TRICKY = '{"text": "a </tool_call> [TOOL_CALLS] } ] \\" \\\\", "n": [1, {"x": null}], "é": "日本"}'
@@ -328,9 +328,9 @@ def test_bad_tool_requests_get_a_400_naming_the_field(tool_server, case):
 def test_a_template_without_a_tool_format_refuses_tools_but_not_tool_choice_none(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from deepinfer.entrypoints.openai.chat_prompt import ChatSetup, prepare_chat
-    from deepinfer.entrypoints.openai.tool_parsers import make_tool_parser
-    from deepinfer.entrypoints.openai.tools import FieldError, tool_plan
+    from deepinfer.serving.chat.prompt import ChatSetup, prepare_chat
+    from deepinfer.serving.chat.tool_parsers import make_tool_parser
+    from deepinfer.serving.chat.tools import FieldError, tool_plan
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     setup = ChatSetup(make_tool_parser("auto", tokenizer))
@@ -347,7 +347,7 @@ def test_a_template_without_a_tool_format_refuses_tools_but_not_tool_choice_none
 
 def test_llm_chat_parses_and_forces_tool_calls(tiny_checkpoint, tmp_path):
     from deepinfer import LLM, SamplingParams
-    from deepinfer.entrypoints.openai.tool_parsers import HermesToolParser
+    from deepinfer.serving.chat.tool_parsers import HermesToolParser
 
     path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path / "hermes"), TOOL_TEMPLATES["hermes"])
     with LLM(path) as llm:

@@ -9,7 +9,9 @@
                                                       its replica; RANK r: replica r, joining it
 
 A local replica gets every flag of the command but these (its address is 127.0.0.1 and a free
-port) and, without --threads, 1/L of this machine's cores for L local replicas.
+port) and, without --threads, 1/L of this machine's cores for L local replicas. It registers with a
+per-run secret in its environment; every other replica with the cluster secret
+(--data-parallel-secret or --data-parallel-secret-file on the front end and on the replica: identity.py).
 """
 
 from __future__ import annotations
@@ -21,19 +23,16 @@ import os
 import secrets
 import socket
 import threading
+import urllib.error
 import urllib.request
 
-from deepinfer.entrypoints.data_parallel.replicas import (
-    HEARTBEAT_S,
-    SECRET_ENV,
-    SECRET_HEADER,
-    ReplicaSet,
-    start_local_replica,
-)
+from deepinfer.entrypoints.data_parallel.identity import SECRET_ENV, SECRET_HEADER, cluster_secret
+from deepinfer.entrypoints.data_parallel.replicas import HEARTBEAT_S, ReplicaSet, start_local_replica
 
 logger = logging.getLogger("deepinfer.server")
 _FRONTEND_FLAGS = ("--data-parallel-size", "--data-parallel-size-local", "--data-parallel-address",
-                   "--data-parallel-rank", "--data-parallel-routing", "--host", "--port")
+                   "--data-parallel-rank", "--data-parallel-routing", "--data-parallel-secret",
+                   "--data-parallel-secret-file", "--data-parallel-read-timeout", "--host", "--port")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                   "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
 
@@ -70,10 +69,25 @@ def check_dp_args(args) -> None:
         raise ValueError(f"--data-parallel-size {size} must be at least 1")
     if local is not None and not 0 <= local <= size:
         raise ValueError(f"--data-parallel-size-local {local} must be within 0..--data-parallel-size {size}")
+    if not args.data_parallel_read_timeout > 0:
+        raise ValueError(f"--data-parallel-read-timeout {args.data_parallel_read_timeout} must be > 0 (seconds)")
+    secret = cluster_secret(args)  # a bad secret or an unreadable file fails here, naming the flag
     if args.data_parallel_address is not None:
         parse_address(args.data_parallel_address)
         if not 0 <= args.data_parallel_rank:
             raise ValueError(f"--data-parallel-rank {args.data_parallel_rank} must be at least 0")
+        if secret is None and not os.environ.get(SECRET_ENV):
+            raise ValueError("--data-parallel-address needs --data-parallel-secret or --data-parallel-secret-file: "
+                             "a replica joins its front end with the front end's cluster secret")
+
+
+def replica_secret(args) -> str | None:
+    """The secret of a replica that joins a front end (--data-parallel-address): the cluster secret,
+    else the one its front end put into its environment; None for a server that joins none. The
+    replica trusts `x-deepinfer-client` only beside it."""
+    if args.data_parallel_address is None:
+        return None
+    return cluster_secret(args) or os.environ.get(SECRET_ENV) or None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -95,16 +109,21 @@ def run_frontend(args, argv: list[str]) -> int:
     replicas = ReplicaSet(size)
     secret = secrets.token_hex(16)
     env = {**{k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}, SECRET_ENV: secret}
+    shared = cluster_secret(args)
     threads = None if args.threads else max(1, len(os.sched_getaffinity(0)) // max(1, local))
     for rank in range(local):
         replica = replicas.replicas[rank]
         replica.start = functools.partial(_start_replica, rank, argv, args.port, threads, env)
         replica.process = replica.start()
     frontend = Frontend(replicas, PrefixRouter(args.data_parallel_routing), _routing_tokenizer(args),
-                        args.block_size or 16, secret=secret, remote_joins=bool(args.api_key))
-    app = build_frontend(frontend, args.api_key, args.max_body_bytes)
+                        args.block_size or 16, child_secret=secret, cluster_secret=shared, api_key=args.api_key,
+                        read_timeout=args.data_parallel_read_timeout)
+    app = build_frontend(frontend, args.api_key, args.max_body_bytes, args.max_requests_per_client)
     print(f"deepinfer: data-parallel front end for {size} replicas ({local} here, routing "
           f"{args.data_parallel_routing}) on http://{args.host}:{args.port}/v1", flush=True)
+    if shared is None:
+        print(f"deepinfer: no --data-parallel-secret: this front end accepts no replica but the {local} it "
+              f"starts" + (f"; ranks {local}..{size - 1} cannot join" if local < size else ""), flush=True)
     limits = ConnectionLimits(args.timeout_keep_alive, args.timeout_request_header, args.timeout_request_body,
                               args.max_connections)  # the replicas' connection bounds, here too
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -131,36 +150,47 @@ def _routing_tokenizer(args):
 
 
 def start_joining(args, port: int) -> threading.Thread:
-    """A replica: register with the front end at --data-parallel-address now and every HEARTBEAT_S."""
+    """A replica: register with the front end at --data-parallel-address now and every HEARTBEAT_S
+    (with its secret); a refusal is logged with the front end's reason, once."""
     host, frontend_port = parse_address(args.data_parallel_address)
-    url = f"http://{advertised_host(args.host, host)}:{port}"
+    url = f"http://{_in_url(advertised_host(args.host, host))}:{port}"
     body = json.dumps({"rank": args.data_parallel_rank, "url": url}).encode()
-    headers = {"Content-Type": "application/json"}
-    if os.environ.get(SECRET_ENV):  # a child of the front end: the secret it was given
-        headers[SECRET_HEADER] = os.environ[SECRET_ENV]
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key.split(',')[0]}"
-    target = f"http://{host}:{frontend_port}/dp/register"
+    headers = {"Content-Type": "application/json", SECRET_HEADER: replica_secret(args) or ""}
+    target = f"http://{_in_url(host)}:{frontend_port}/dp/register"
+    said: dict[str, str] = {}  # what was logged last: "joined" or the refusal
 
     def beat() -> None:
         stop = threading.Event()
         _wait_listening(args.host, port, stop)
-        while not stop.wait(0 if not beat.sent else HEARTBEAT_S):
+        while not stop.wait(HEARTBEAT_S if said else 0):
             try:
                 urllib.request.urlopen(urllib.request.Request(target, body, headers), timeout=5).read()
-                if not beat.sent:
-                    logger.info("data-parallel rank %d joined the front end at %s as %s",
-                                args.data_parallel_rank, target, url)
-                beat.sent = True
+                _say(said, "joined", logging.INFO, f"data-parallel rank {args.data_parallel_rank} joined the "
+                     f"front end at {target} as {url}")
+            except urllib.error.HTTPError as exc:  # refused: say why (the front end's message)
+                reason = exc.read(2000).decode("utf-8", "replace")
+                _say(said, reason, logging.WARNING, f"data-parallel registration at {target} refused "
+                     f"({exc.code}): {reason}")
             except OSError as exc:
                 logger.debug("data-parallel registration at %s failed: %s", target, exc)
                 stop.wait(1.0)
 
-    beat.sent = False
     logging.getLogger("uvicorn.access").addFilter(_NotHealthChecks())
     thread = threading.Thread(target=beat, name="deepinfer-dp-join", daemon=True)
     thread.start()
     return thread
+
+
+def _say(said: dict[str, str], what: str, level: int, line: str) -> None:
+    """Log `line` unless it says what was said last."""
+    if said.get("last") != what:
+        logger.log(level, "%s", line)
+    said["last"] = what
+
+
+def _in_url(host: str) -> str:
+    """A host as it goes into a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 class _NotHealthChecks(logging.Filter):
@@ -212,6 +242,9 @@ def torchrun_role(args, environ=os.environ) -> str | None:
     if world != args.data_parallel_size:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} under torchrun must equal "
                          f"WORLD_SIZE={world} (one replica per rank)")
+    if cluster_secret(args) is None:
+        raise ValueError("--data-parallel-size under torchrun needs --data-parallel-secret-file (or "
+                         "--data-parallel-secret): the ranks other than 0 join the front end with it")
     master = environ.get("MASTER_ADDR", "127.0.0.1")
     for name in _TORCHRUN_VARS:
         environ.pop(name, None)

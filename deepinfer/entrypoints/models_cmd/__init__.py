@@ -2,10 +2,12 @@
 
     deepinfer pull org/name [--revision R]          an HF checkpoint into the Hugging Face cache
     deepinfer pull org/name/file.gguf [--models-dir DIR]    one GGUF (also org/name:file.gguf)
-    deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, MODIFIED of offline models
+    deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, MODIFIED of offline models; an
+                                                    entry it cannot read is skipped and named on stderr
     deepinfer rm NAME [--models-dir DIR]            a Hub-cache model or a GGUF of the models dir
 
-Exit status: 0 done; 1 a download failed (network, the Hub's refusal, a hash mismatch); 2 a bad
+Exit status: 0 done; 1 a download failed (network, the Hub's refusal, a hash mismatch, an answer
+that fails its check: see `safe_names`), or `list` could read nothing but skipped entries; 2 a bad
 name, a model that is not there, or one `rm` must not delete (`cli.main` reports those).
 """
 
@@ -17,6 +19,7 @@ import os
 import sys
 import time
 
+from deepinfer.entrypoints.models_cmd.cache_scan import printable
 from deepinfer.entrypoints.models_cmd.inventory import ModelEntry, default_models_dir, list_models, remove_model
 
 _MODELS_DIR_HELP = ("directory of GGUF files (default: $DEEPINFER_MODELS_DIR, else models in "
@@ -64,13 +67,18 @@ def _snapshot_dir(files) -> str:
 
 
 def cmd_list(args) -> int:
-    """Print the offline models as a table (or JSON with --json)."""
-    entries = list_models(args.models_dir)
+    """Print the offline models as a table (or JSON with --json); each entry that cannot be read as
+    one `skipped` line on stderr. 1 when entries were skipped and none could be listed, else 0."""
+    inventory = list_models(args.models_dir)
+    for s in inventory.skipped:
+        print(f"deepinfer: list: skipped {printable(s.path)}: {printable(s.reason)}", file=sys.stderr)
     if args.json:
-        print(json.dumps([entry_json(e) for e in entries], indent=2))
-        return 0
-    print(format_table(entries, now=time.time()))
-    return 0
+        print(json.dumps({"models": [entry_json(e) for e in inventory.entries],
+                          "skipped": [{"path": printable(s.path), "reason": printable(s.reason)}
+                                      for s in inventory.skipped]}, indent=2))
+    else:
+        print(format_table(inventory.entries, now=time.time()))
+    return 1 if inventory.skipped and not inventory.entries else 0
 
 
 def cmd_rm(args) -> int:
@@ -81,19 +89,20 @@ def cmd_rm(args) -> int:
 
 
 def entry_json(entry: ModelEntry) -> dict:
-    """One row of `list --json`: name, source, size (bytes), modified (ISO 8601, UTC), path."""
+    """One row of `list --json`'s "models": name, source, size (bytes), modified (ISO 8601, UTC), path."""
     modified = datetime.datetime.fromtimestamp(entry.modified, datetime.UTC)
     return {"name": entry.name, "source": entry.source, "size": entry.size,
             "modified": modified.isoformat(timespec="seconds"), "path": entry.path}
 
 
 def format_table(entries: list[ModelEntry], now: float) -> str:
-    """Left-aligned columns NAME, SOURCE, SIZE, MODIFIED (a models-dir path shortened with ~)."""
+    """Left-aligned columns NAME, SOURCE, SIZE, MODIFIED (a models-dir path shortened with ~; control
+    characters in a name escaped)."""
     home = os.path.expanduser("~")
     rows = [("NAME", "SOURCE", "SIZE", "MODIFIED")]
     for e in entries:
         name = "~" + e.name[len(home):] if e.source == "models-dir" and e.name.startswith(home + os.sep) else e.name
-        rows.append((name, e.source, format_size(e.size), format_age(now - e.modified)))
+        rows.append((printable(name), e.source, format_size(e.size), format_age(now - e.modified)))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ("    ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]]) for r in rows)
     return "\n".join(lines)

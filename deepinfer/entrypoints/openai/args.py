@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the served name of the default model
+GGUF_SUFFIX = ".gguf"
+
 
 class JoinWithCommas(argparse.Action):
     """A repeatable string flag whose values join into one comma-separated string (`--api-key`)."""
@@ -21,6 +24,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", action=JoinWithCommas, default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1 routes; several keys: repeat the flag or "
                         "separate them with commas (each key is a client of its own for the fair share)")
+    g.add_argument("--admin-api-key", action=JoinWithCommas, default=None, metavar="KEY",
+                   help="an operator key (repeatable): accepted wherever --api-key keys are, sees every key's "
+                        "stored responses and dashboard requests, may send any priority, and is the only key "
+                        "the LoRA load/unload routes take")
+    g.add_argument("--priority-range", default=None, metavar="MIN:MAX",
+                   help="the `priority` values clients may send (lower is served first; either side may be "
+                        "empty); default 0: (a client may lower its own requests' precedence, never raise it)")
+    g.add_argument("--shared-prefix-cache", action="store_true",
+                   help="let different API keys hit each other's cached prefixes (faster for a shared system "
+                        "prompt; without it, with keys set, each key's prefixes are its own, so no key can time "
+                        "another's prompts)")
     g.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models shows (default: a GGUF file's stem, the base "
                         "name of --model's directory, or the default model's name)")
@@ -60,6 +74,17 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-routing", default="prefix", choices=ROUTING_POLICIES,
                    help="prefix: the replica that holds the prompt's first blocks unless it is overloaded, "
                         "else the least loaded; least-load; random (a baseline)")
+    g.add_argument("--data-parallel-secret", default=None, metavar="SECRET",
+                   help="the cluster secret (16+ printable ASCII characters): a front end accepts replicas that "
+                        "it did not start only with it (without it, none), and a replica joining with "
+                        "--data-parallel-address sends it; not an API key. Prefer --data-parallel-secret-file: "
+                        "a command line is visible to other users of the machine")
+    g.add_argument("--data-parallel-secret-file", default=None, metavar="FILE",
+                   help="read the cluster secret from FILE (its first line)")
+    g.add_argument("--data-parallel-read-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="a front end fails a request (504, or an error event ending its stream) whose replica "
+                        "sends nothing for this long; a replica that fails its health checks fails its requests "
+                        "at once")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -75,10 +100,44 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "that resolves outside every --lora-dir is refused (without one, every runtime load is)")
 
 
+def server_settings(args):
+    """The ServerSettings of `deepinfer serve`'s flags; ValueError naming a bad flag (before the model loads)."""
+    from deepinfer.entrypoints.data_parallel.launch import replica_secret
+    from deepinfer.serving.admission import PriorityRange
+    from deepinfer.serving.context import ServerSettings
+
+    return ServerSettings(model_name=served_model_name(args), api_key=args.api_key, admin_api_key=args.admin_api_key,
+                          max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                          tokenizer_workers=args.tokenizer_workers, tool_call_parser=args.tool_call_parser,
+                          max_requests_per_client=args.max_requests_per_client,
+                          priority_range=PriorityRange.parse(args.priority_range) if args.priority_range
+                          else PriorityRange(), shared_prefix_cache=args.shared_prefix_cache,
+                          data_parallel_secret=replica_secret(args),
+                          reasoning_parser=args.reasoning_parser, **lora_settings(args))
+
+
+def served_model_name(args) -> str:
+    """--served-model-name, else a GGUF file's stem (its base name without `.gguf`, local or on the
+    hub), else the base name of --model's file or directory, else --model as given (a hub name such
+    as org/name, or a short name), else the default's."""
+    if args.served_model_name:
+        return args.served_model_name
+    if not args.model:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(args.model)) or args.model
+    if base.lower().endswith(GGUF_SUFFIX) and len(base) > len(GGUF_SUFFIX):
+        return base[:-len(GGUF_SUFFIX)]
+    from deepinfer.model_executor.loader.source import is_model_name
+
+    if not os.path.exists(os.path.expanduser(args.model)) and is_model_name(args.model):
+        return args.model
+    return base
+
+
 def lora_settings(args) -> dict:
     """The ServerSettings fields of the LoRA flags: (name, path) pairs, the runtime switch and the
     directories runtime loads may read (each an existing directory, made absolute)."""
-    from deepinfer.entrypoints.openai.lora_routes import parse_lora_module
+    from deepinfer.serving.models import parse_lora_module
 
     modules = tuple(parse_lora_module(m) for m in args.lora_modules or [])
     if modules and not args.enable_lora:
@@ -94,8 +153,8 @@ def lora_settings(args) -> dict:
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:
-    from deepinfer.entrypoints.openai.reasoning import REASONING_PARSER_CHOICES
-    from deepinfer.entrypoints.openai.tool_parsers import TOOL_PARSER_CHOICES
+    from deepinfer.serving.chat.reasoning import REASONING_PARSER_CHOICES
+    from deepinfer.serving.chat.tool_parsers import TOOL_PARSER_CHOICES
 
     g = p.add_argument_group("tool calls and reasoning")
     g.add_argument("--tool-call-parser", default="auto", choices=TOOL_PARSER_CHOICES,

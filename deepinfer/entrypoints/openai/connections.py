@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from deepinfer.entrypoints.openai.errors import APIError, service_unavailable
+from deepinfer.entrypoints.openai.errors import error_response
+from deepinfer.serving.errors import ServingError, service_unavailable
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -105,8 +106,8 @@ class TimedH11Protocol(H11Protocol):
 
 
 def _timeout_response(phase: str, timeout_s: float) -> bytes:
-    error = APIError(408, f"the {_PHASE_NAMES[phase]} did not arrive within {timeout_s:g} s",
-                     code="request_timeout")
+    error = ServingError(408, f"the {_PHASE_NAMES[phase]} did not arrive within {timeout_s:g} s",
+                         code="request_timeout")
     body = json.dumps(error.to_dict()).encode()
     head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
@@ -116,4 +117,4 @@ def _timeout_response(phase: str, timeout_s: float) -> bytes:
 async def _over_capacity(scope, receive, send) -> None:
     error = service_unavailable("the server has too many open connections; retry later", retry_after_s=1)
     error.headers["Connection"] = "close"
-    await error.response()(scope, receive, send)
+    await error_response(error, scope.get("path", ""))(scope, receive, send)

@@ -26,16 +26,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.auth import client_id
-from deepinfer.entrypoints.openai.body import parse_json, read_body
-from deepinfer.entrypoints.openai.errors import bad_request, context_length_exceeded
-from deepinfer.entrypoints.openai.fim import fim_prompt, require_fim_tokens
-from deepinfer.entrypoints.openai.serving import admit, final_output
+from deepinfer.entrypoints.openai.auth import tenant_of
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.serving import run
+from deepinfer.serving.errors import bad_request, context_length_exceeded
+from deepinfer.serving.fim import fim_prompt, require_fim_tokens
+from deepinfer.serving.parse import STRICT, Items, parse_body
+from deepinfer.serving.prepare import Prepared
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 # SamplingParams' field -> the body's name for it, for a refusal's `param`
 _PARAM_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "temperature": "temperature",
                 "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop": "stop",
@@ -55,7 +57,7 @@ class InfillRequest(BaseModel):
     model: str | None = None
     input_prefix: str = ""
     input_suffix: str = ""
-    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=256)
+    input_extra: Items[ExtraChunk] = Field(default_factory=list, max_length=256)
     prompt: str = ""
     n_predict: int = Field(-1, ge=-1)
     temperature: float | None = Field(None, ge=0.0)
@@ -63,7 +65,7 @@ class InfillRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-1, le=2**64 - 1)  # -1: random, as llama.cpp
-    stop: list[str] | None = None
+    stop: Items[str] | None = None
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -71,11 +73,11 @@ class InfillRequest(BaseModel):
     stream: bool = False
     # accepted and ignored (editor plugins send them)
     n_indent: int | None = None
-    samplers: list[str] | None = None
+    samplers: Items[str] | None = None
     cache_prompt: bool | None = None
     t_max_prompt_ms: int | None = None
     t_max_predict_ms: int | None = None
-    response_fields: list[str] | None = None
+    response_fields: Items[str] | None = None
     id_slot: int | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -92,35 +94,30 @@ def infill_routes(state) -> APIRouter:
 
     @router.post("/infill")
     async def infill(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, prompt_ids, params = await state.pool.run(_prepare, state, raw)
-        request_id = f"infill-{uuid.uuid4().hex}"
-        handle = await admit(state.engine_loop, request_id, prompt_ids, params,
-                             client=client_id(request, state.settings.api_key, None))
-        out = await final_output(state.engine_loop, request, handle, request_id)
+        prepared = await in_pool(state, request, _prepare)
+        handle = await run.admit(state, f"infill-{uuid.uuid4().hex}", prepared, tenant_of(request))
+        out = await run.whole(state, handle, request.is_disconnected)
         return JSONResponse(_answer(state, out))
 
     return router
 
 
-def _prepare(tokenizer, state, raw: bytes) -> tuple[InfillRequest, list[int], SamplingParams]:
-    body = InfillRequest.model_validate(parse_json(raw))
+def _prepare(tokenizer, state, raw: bytes) -> Prepared:
+    body = parse_body(raw, InfillRequest)
     if body.stream:
-        raise bad_request("stream is not supported on /infill; send stream: false", "stream")
-    if state.lora_request(body.model) is not None:
-        raise bad_request(f"model {body.model!r} is a LoRA adapter; /infill serves the base model only", "model")
-    tokens = require_fim_tokens(tokenizer, state.engine_loop.engine.source.hf_config, "input_suffix")
+        raise bad_request("is not supported on /infill; send stream: false", "stream")
+    state.base_model_only(body.model, "infills")
+    tokens = require_fim_tokens(tokenizer, state.engine.source.hf_config, "input_suffix")
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer, so its input cannot be tokenized", "input_prefix")
     for name, text in (("input_prefix", body.input_prefix), ("input_suffix", body.input_suffix),
                        ("prompt", body.prompt)):
         state.bounds.check_text(text, name)
     for i, chunk in enumerate(body.input_extra):
-        state.bounds.check_text(chunk.text, "input_extra", f"input_extra[{i}].text")
+        state.bounds.check_text(chunk.text, ("input_extra", i, "text"))
     extra = [(chunk.filename, chunk.text) for chunk in body.input_extra]
     prompt_ids = fim_prompt(tokenizer, tokens, body.input_prefix, body.input_suffix, extra, body.prompt)
-    return body, prompt_ids, _sampling_params(state, body, len(prompt_ids))
+    return Prepared(prompt_ids, _sampling_params(state, body, len(prompt_ids)))
 
 
 def _sampling_params(state, body: InfillRequest, num_prompt_tokens: int) -> SamplingParams:
@@ -135,8 +132,8 @@ def _sampling_params(state, body: InfillRequest, num_prompt_tokens: int) -> Samp
     try:
         return SamplingParams(**{**defaults, **body.sampling_kwargs(), "max_tokens": max_tokens})
     except ValueError as exc:
-        field = str(exc).split(" ", 1)[0]
-        raise bad_request(str(exc), _PARAM_NAMES.get(field)) from None
+        field, _, problem = str(exc).partition(" ")
+        raise (bad_request(problem, _PARAM_NAMES[field]) if field in _PARAM_NAMES else bad_request(str(exc))) from None
 
 
 def _answer(state, out) -> dict:

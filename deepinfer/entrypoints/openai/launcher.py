@@ -27,10 +27,7 @@ import uvicorn
 
 from deepinfer.entrypoints.engine_args import make_llm
 from deepinfer.entrypoints.openai.connections import ConnectionLimits, TimedH11Protocol
-from deepinfer.model_executor.loader.source import is_model_name
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-GGUF_SUFFIX = ".gguf"
 FATAL_EXIT_STATUS = 1
 # The grace period, in order: running requests may finish (80% of what the reserve leaves),
 # then the aborted ones end their streams; the reserve is for uvicorn to close the connections
@@ -56,21 +53,16 @@ def run_server(args) -> int:
     teardown (over a second with torch and transformers loaded) would overrun a short grace.
     """
     from deepinfer.entrypoints.data_parallel.launch import serve_data_parallel, start_joining
-    from deepinfer.entrypoints.openai.args import lora_settings
-    from deepinfer.entrypoints.openai.server import ServerSettings, build_app
+    from deepinfer.entrypoints.openai.args import server_settings
+    from deepinfer.entrypoints.openai.server import build_app
 
     _check_args(args)
     _setup_logging(args.log_level)
     frontend_status = serve_data_parallel(args)
     if frontend_status is not None:
         return frontend_status
-    lora = lora_settings(args)  # a malformed --lora-modules entry fails before the model loads
+    settings = server_settings(args)  # a malformed flag (--lora-modules, --priority-range) fails before the load
     engine = make_llm(args).engine
-    settings = ServerSettings(model_name=served_model_name(args), api_key=args.api_key,
-                              max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                              tokenizer_workers=args.tokenizer_workers, tool_call_parser=args.tool_call_parser,
-                              max_requests_per_client=args.max_requests_per_client,
-                              reasoning_parser=args.reasoning_parser, **lora)
     fatal = FatalExit()
     app = build_app(engine, settings, on_fatal=fatal)
     app.state.server.engine_loop.stats_logger.interval_s = None if args.disable_log_stats else args.log_stats_interval
@@ -90,22 +82,6 @@ def run_server(args) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if fatal.error is None else FATAL_EXIT_STATUS)
-
-
-def served_model_name(args) -> str:
-    """--served-model-name, else a GGUF file's stem (its base name without `.gguf`, local or on the
-    hub), else the base name of --model's file or directory, else --model as given (a hub name such
-    as org/name, or a short name), else the default's."""
-    if args.served_model_name:
-        return args.served_model_name
-    if not args.model:
-        return DEFAULT_MODEL_NAME
-    base = os.path.basename(os.path.normpath(args.model)) or args.model
-    if base.lower().endswith(GGUF_SUFFIX) and len(base) > len(GGUF_SUFFIX):
-        return base[:-len(GGUF_SUFFIX)]
-    if not os.path.exists(os.path.expanduser(args.model)) and is_model_name(args.model):
-        return args.model
-    return base
 
 
 def _setup_logging(level: str) -> None:

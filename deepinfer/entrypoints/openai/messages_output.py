@@ -20,7 +20,7 @@ A stream (`MessageEvents`) sends, as Anthropic does:
 Whitespace a stream sees before a text block's first other character waits for it (and is dropped
 if none comes), as the whole answer's parsed content does.
 
-Errors: `{"type": "error", "error": {"type", "message"}}`, the type from the status code (`error_body`).
+Errors: `{"type": "error", "error": {"type", "message"}}`, the type from the status code (`errors.anthropic_error`).
 """
 
 from __future__ import annotations
@@ -28,21 +28,12 @@ from __future__ import annotations
 import json
 import uuid
 
-from deepinfer.entrypoints.openai.chat_output import ChoiceStream, ParsedMessage
 from deepinfer.outputs import CompletionOutput, RequestOutput
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                503: "overloaded_error", 529: "overloaded_error"}
+from deepinfer.serving.chat.output import ChoiceStream, ParsedMessage
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def error_body(status: int, message: str) -> dict:
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def stop_reason(c: CompletionOutput, num_calls: int) -> tuple[str, str | None]:
@@ -116,6 +107,7 @@ class MessageEvents:
         return [{"type": "message_start", "message": self.ctx.envelope([], (None, None), None)}]
 
     def step(self, out: RequestOutput) -> list[dict]:
+        """The events of one step; the closing ones too once the request finished."""
         c = out.outputs[0]
         parts = self.stream.feed(c.delta_text, c.finished)
         events = []
@@ -128,7 +120,7 @@ class MessageEvents:
                 events += self._close() + self._start(tool_use_block(delta["id"], delta["function"]["name"], ""))
             if delta["function"].get("arguments"):
                 events += self._delta("input_json_delta", "partial_json", delta["function"]["arguments"])
-        return events
+        return events + (self.finish(out) if out.finished else [])
 
     def finish(self, out: RequestOutput) -> list[dict]:
         """The closing events of a finished request."""

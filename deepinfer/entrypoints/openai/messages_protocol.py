@@ -29,12 +29,13 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.tools import FieldError
 from deepinfer.sampling_params import INT64_MAX, short_repr
+from deepinfer.serving.errors import FieldError, Path
+from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 _USER_BLOCKS = ("text", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 _TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
@@ -43,6 +44,17 @@ _THINKING = {"enabled": True, "adaptive": True, "disabled": False}
 # chat field -> the Messages field it comes from (for the param and message of a 400)
 CHAT_TO_MESSAGES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice",
                     "chat_template_kwargs": "thinking", "response_format": "output_config"}
+
+
+def messages_names(path: Path) -> Path:
+    """A chat request's field path in the Messages API's names (`tools[0].function.parameters` is
+    `tools[0].input_schema`, `stop` is `stop_sequences`, ...)."""
+    if len(path) >= 3 and path[0] == "tools" and path[2] == "function":
+        rest = path[3:]
+        if rest[:1] == ("parameters",):
+            return ("tools", path[1], "input_schema", *rest[1:])
+        return ("tools", path[1], *rest)
+    return (CHAT_TO_MESSAGES.get(path[0], path[0]), *path[1:]) if path else path
 
 
 class ToolChoice(BaseModel):
@@ -57,13 +69,13 @@ class CountTokensRequest(BaseModel):
 
     model_config = _STRICT
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: Items[Entries[str, Any]] = Field(min_length=1)
+    system: str | Items[Entries[str, Any]] | None = None
+    tools: Items[Entries[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None
-    cache_control: dict[str, Any] | None = None  # accepted and ignored: the prefix cache is automatic
+    thinking: Entries[str, Any] | None = None
+    output_config: Entries[str, Any] | None = None
+    cache_control: Entries[str, Any] | None = None  # accepted and ignored: the prefix cache is automatic
 
     def chat_body(self) -> dict:
         """The chat completion request (a dict for ChatCompletionRequest); FieldError naming the field."""
@@ -81,10 +93,10 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
-    stop_sequences: list[str] | None = None
+    stop_sequences: Items[str] | None = None
     stream: bool | None = False
     # accepted and ignored
-    metadata: dict[str, Any] | None = None
+    metadata: Entries[str, Any] | None = None
     service_tier: str | None = None
 
     def chat_body(self) -> dict:
@@ -100,32 +112,31 @@ def chat_messages(system, messages: list[dict]) -> list[dict]:
     for i, message in enumerate(messages):
         unknown = sorted(set(message) - {"role", "content"})
         if unknown:
-            raise FieldError("messages", f"messages[{i}] has unknown field {short_repr(unknown[0])}")
+            raise FieldError(("messages", i), f"has unknown field {short_repr(unknown[0])}")
         role = message.get("role")
         if role == "user":
             converted += _user_messages(i, message.get("content"))
         elif role == "assistant":
             converted.append(_assistant_message(i, message.get("content")))
         else:
-            raise FieldError("messages", f"messages[{i}].role must be 'user' or 'assistant', got {short_repr(role)}")
+            raise FieldError(("messages", i, "role"), f"must be 'user' or 'assistant', got {short_repr(role)}")
     if converted[-1]["role"] == "assistant":
-        raise FieldError("messages", f"messages[{len(messages) - 1}]: the conversation must end with a user "
-                         "message (a final assistant message, to be continued, is not supported)")
+        raise FieldError(("messages", len(messages) - 1), "the conversation must end with a user message (a final "
+                         "assistant message, to be continued, is not supported)")
     return converted
 
 
 def _blocks(i: int, content, allowed: tuple[str, ...]) -> list[dict]:
     """A message's content as a list of blocks of the `allowed` types."""
-    where = f"messages[{i}].content"
+    where = ("messages", i, "content")
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not content:
-        raise FieldError("messages", f"{where} must be a string or a non-empty list of content blocks, got "
-                         f"{short_repr(content)}")
+        raise FieldError(where, f"must be a string or a non-empty list of content blocks, got {short_repr(content)}")
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in allowed:
-            raise FieldError("messages", f"{where}[{j}].type must be one of {', '.join(allowed)}, got "
+            raise FieldError((*where, j, "type"), f"must be one of {', '.join(allowed)}, got "
                              f"{short_repr(kind if isinstance(block, dict) else block)}")
     return content
 
@@ -133,53 +144,50 @@ def _blocks(i: int, content, allowed: tuple[str, ...]) -> list[dict]:
 def _user_messages(i: int, content) -> list[dict]:
     """One user message: its tool results (as `tool` messages), then its text (if any)."""
     blocks = _blocks(i, content, _USER_BLOCKS)
-    results = [{"role": "tool", "tool_call_id": _string(block, "tool_use_id", f"messages[{i}].content[{j}]"),
-                "content": _text(block.get("content", ""), f"messages[{i}].content[{j}].content")}
+    results = [{"role": "tool", "tool_call_id": _string(block, "tool_use_id", ("messages", i, "content", j)),
+                "content": _text(block.get("content", ""), ("messages", i, "content", j, "content"))}
                for j, block in enumerate(blocks) if block["type"] == "tool_result"]
     texts = [b for b in blocks if b["type"] == "text"]
-    return results + ([{"role": "user", "content": _text(texts, f"messages[{i}].content")}] if texts else [])
+    return results + ([{"role": "user", "content": _text(texts, ("messages", i, "content"))}] if texts else [])
 
 
 def _assistant_message(i: int, content) -> dict:
     blocks = _blocks(i, content, _ASSISTANT_BLOCKS)
     texts = [b for b in blocks if b["type"] == "text"]
-    calls = [_call(block, f"messages[{i}].content[{j}]") for j, block in enumerate(blocks)
+    calls = [_call(block, ("messages", i, "content", j)) for j, block in enumerate(blocks)
              if block["type"] == "tool_use"]
-    message = {"role": "assistant", "content": _text(texts, f"messages[{i}].content") if texts else None}
+    message = {"role": "assistant", "content": _text(texts, ("messages", i, "content")) if texts else None}
     return message | ({"tool_calls": calls} if calls else {})
 
 
-def _call(block: dict, where: str) -> dict:
+def _call(block: dict, where: Path) -> dict:
     arguments = block.get("input")
     if not isinstance(arguments, dict):
-        raise FieldError("messages", f"{where}.input must be an object, got {short_repr(arguments)}")
+        raise FieldError((*where, "input"), f"must be an object, got {short_repr(arguments)}")
     return {"id": _string(block, "id", where), "type": "function",
             "function": {"name": _string(block, "name", where), "arguments": json.dumps(arguments)}}
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: Path | str) -> str:
     """A string, or text blocks joined with newlines."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FieldError(_param(where), f"{where} must be a string or a list of text blocks, got {short_repr(content)}")
+        raise FieldError(where, f"must be a string or a list of text blocks, got {short_repr(content)}")
     for j, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else block
-            raise FieldError(_param(where), f"{where}[{j}] must be a text block ({{\"type\": \"text\", \"text\": "
-                             f"...}}), got type {short_repr(kind)}")
+            at = (where, j) if isinstance(where, str) else (*where, j)
+            raise FieldError(at, f"must be a text block ({{\"type\": \"text\", \"text\": ...}}), got type "
+                             f"{short_repr(kind)}")
     return "\n".join(block["text"] for block in content)
 
 
-def _string(block: dict, key: str, where: str) -> str:
+def _string(block: dict, key: str, where: Path) -> str:
     value = block.get(key)
     if not isinstance(value, str) or not value:
-        raise FieldError("messages", f"{where}.{key} must be a non-empty string, got {short_repr(value)}")
+        raise FieldError((*where, key), f"must be a non-empty string, got {short_repr(value)}")
     return value
-
-
-def _param(where: str) -> str:
-    return where.split("[", 1)[0].split(".", 1)[0]
 
 
 def chat_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -190,13 +198,13 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     for i, tool in enumerate(tools):
         kind = tool.get("type", "custom")
         if kind != "custom":
-            raise FieldError("tools", f"tools[{i}].type: only custom tools ({{name, description, input_schema}}) "
-                             f"are supported, got {short_repr(kind)}")
+            raise FieldError(("tools", i, "type"), f"only custom tools ({{name, description, input_schema}}) are "
+                             f"supported, got {short_repr(kind)}")
         unknown = sorted(set(tool) - _TOOL_FIELDS)
         if unknown:
-            raise FieldError("tools", f"tools[{i}] has unknown field {short_repr(unknown[0])}")
+            raise FieldError(("tools", i), f"has unknown field {short_repr(unknown[0])}")
         if "input_schema" not in tool:
-            raise FieldError("tools", f"tools[{i}].input_schema is required (a JSON schema of an object)")
+            raise FieldError(("tools", i, "input_schema"), "is required (a JSON schema of an object)")
         function = {"name": tool.get("name"), "description": tool.get("description"),
                     "parameters": tool["input_schema"]}
         converted.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
@@ -208,9 +216,9 @@ def chat_tool_choice(choice: ToolChoice | None, has_tools: bool) -> dict:
     if choice is None:
         return {}
     if choice.type in ("any", "tool") and not has_tools:
-        raise FieldError("tool_choice", f"tool_choice.type {choice.type!r} needs tools; the request has none")
+        raise FieldError(("tool_choice", "type"), f"{choice.type!r} needs tools; the request has none")
     if (choice.type == "tool") != (choice.name is not None):
-        raise FieldError("tool_choice", f"tool_choice.name goes with type 'tool' (and only with it); got type "
+        raise FieldError(("tool_choice", "name"), f"goes with type 'tool' (and only with it); got type "
                          f"{choice.type!r} and name {short_repr(choice.name)}")
     value = {"type": "function", "function": {"name": choice.name}} if choice.type == "tool" else \
         _TOOL_CHOICES[choice.type]
@@ -224,8 +232,8 @@ def chat_response_format(output_config: dict | None) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise FieldError("output_config", f"output_config.format must be {{\"type\": \"json_schema\", \"schema\": "
-                         f"{{...}}}}, got {short_repr(fmt)}")
+        raise FieldError(("output_config", "format"), f"must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}, "
+                         f"got {short_repr(fmt)}")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
@@ -234,6 +242,6 @@ def thinking_kwargs(thinking: dict | None) -> dict | None:
     if thinking is None:
         return None
     kind = thinking.get("type")
-    if kind not in _THINKING:
-        raise FieldError("thinking", f"thinking.type must be one of {', '.join(_THINKING)}, got {short_repr(kind)}")
+    if not isinstance(kind, str) or kind not in _THINKING:
+        raise FieldError(("thinking", "type"), f"must be one of {', '.join(_THINKING)}, got {short_repr(kind)}")
     return {"enable_thinking": _THINKING[kind]}

@@ -7,13 +7,14 @@
     POST /api/generate      a prompt through the chat template, or raw (and with a suffix: FIM, if served)
     POST /api/embed         embeddings of a string or a list of them (`/api/embeddings` {prompt}: one)
 
-A body (`ollama_protocol.py`) becomes a chat, completion or embeddings request and goes through the
-same preparation (in the tokenizer pool), admission and engine loop as the /v1 routes; the answer
-comes back whole or as NDJSON lines (`stream` defaults to true, as in Ollama; `ollama_output.py`).
+A body (`ollama_protocol.py`) becomes a chat or completion request (or embedding inputs) and goes
+through the same preparation, admission and run as the /v1 routes (`serving.prepare`, `serving.run`,
+`serving.embeddings`); the answer comes back whole or as NDJSON lines (`stream` defaults to true, as
+in Ollama; `ollama_output.py`).
 A model is named by its served name or `name:latest`; another name is a 404 `model "x" not found,
 try pulling it first`. Every error on /api, wherever it is raised (the route, auth, admission, the
-body limit), is answered in Ollama's shape `{"error": "message"}` by the `OllamaErrors`
-middleware, its message naming the field; a stream that fails after its start ends with such a line.
+body limit), is answered in Ollama's shape `{"error": "message"}` with Ollama's field names
+(`errors.error_response`); a stream that fails after its start ends with such a line.
 Auth: with an API key, `Authorization: Bearer KEY` as on /v1.
 """
 
@@ -21,63 +22,52 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import contextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from deepinfer.engine.pooling import DEFAULT_SOURCE
-from deepinfer.entrypoints.openai import embeddings
-from deepinfer.entrypoints.openai.auth import client_id
-from deepinfer.entrypoints.openai.body import parse_json, read_body
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
-from deepinfer.entrypoints.openai.errors import (
-    APIError,
-    ReshapedErrors,
-    bad_request,
-    from_validation_errors,
-    internal_error,
-)
+from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
+from deepinfer.entrypoints.openai.body import in_pool, read_body
+from deepinfer.entrypoints.openai.embeddings import embed, prepared_inputs
+from deepinfer.entrypoints.openai.errors import ollama_error
 from deepinfer.entrypoints.openai.ollama_output import (
     OLLAMA_VERSION,
     OllamaReply,
     adapter_card,
     base_card,
-    error_line,
     loaded_reply,
     model_entry,
     ndjson,
     show_reply,
 )
 from deepinfer.entrypoints.openai.ollama_protocol import (
-    OLLAMA_NAMES,
     ChatBody,
     EmbedBody,
     GenerateBody,
     LegacyEmbedBody,
     NameBody,
+    ollama_names,
 )
-from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
-from deepinfer.entrypoints.openai.serving import admit, engine_closed, final_output, request_failure
-from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.serving import run
+from deepinfer.serving.embeddings import input_ids, resolve_pooling
+from deepinfer.serving.errors import FieldError, ServingError, from_field_error, not_found, same_names
+from deepinfer.serving.parse import parse_body, validate
+from deepinfer.serving.prepare import Prepared, prepare_chat, prepare_completion
+from deepinfer.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 PREFIX = "/api"
+NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def install_ollama_api(app: FastAPI, state, prepare_chat_body: Callable, prepare_completion: Callable,
-                       auth: Callable) -> None:
-    """Add the routes (behind the `auth` dependency) and the error middleware to `app`; call it after
-    the app's other middlewares are added. `prepare_chat_body(tokenizer, state, ChatCompletionRequest)`
-    and `prepare_completion(tokenizer, state, raw)` are the chat and completion paths' preparations."""
-    app.include_router(ollama_routes(state, prepare_chat_body, prepare_completion), dependencies=[Depends(auth)])
-    app.add_middleware(OllamaErrors)
+def install_ollama_api(app: FastAPI, state) -> None:
+    """Add the routes, behind the key check."""
+    app.include_router(ollama_routes(state), dependencies=[Depends(api_key_dependency(state.credentials))])
 
 
-def ollama_routes(state, prepare_chat_body: Callable, prepare_completion: Callable) -> APIRouter:
+def ollama_routes(state) -> APIRouter:
     router = APIRouter(prefix=PREFIX)
-    base = base_card(state.engine_loop.engine, state.settings.model_name)
+    base = base_card(state.engine, state.settings.model_name)
 
     def cards() -> list[dict]:
         return [base] + [adapter_card(base, a.lora_name, a.lora_path) for a in state.adapters.all()]
@@ -92,47 +82,40 @@ def ollama_routes(state, prepare_chat_body: Callable, prepare_completion: Callab
 
     @router.post("/show")
     async def show(request: Request) -> dict:
-        body = NameBody.model_validate(parse_json(await read_body(request)))
-        with _renamed_errors():
-            name = resolve_model(state, body.model_name())
-        card = next(card for card in cards() if card["name"] == name)
-        return _show(state, card)
+        body = await state.pool.parse(await read_body(request), NameBody)
+        name = _own_names(lambda: resolve_model(state, body.model_name()))
+        return _show(state, next(card for card in cards() if card["name"] == name))
 
     @router.post("/chat")
     async def chat(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, model, chat, params = await state.pool.run(_prepare_chat, state, prepare_chat_body, raw)
-        if chat is None:
+        body, model, prepared = await in_pool(state, request, _prepare_chat)
+        if prepared is None:
             return JSONResponse(loaded_reply(model, True))
-        reply = OllamaReply(model, True, chat.plan, len(chat.prompt_ids))
-        return await _answer(state, request, body.stream, model, chat.prompt_ids, params, reply)
+        reply = OllamaReply(model, True, prepared.chat.plan, len(prepared.prompt_ids))
+        return await _answer(state, request, body.stream, prepared, reply)
 
     @router.post("/generate")
     async def generate(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, model, prompt_ids, params, plan = await state.pool.run(
-            _prepare_generate, state, prepare_chat_body, prepare_completion, raw)
-        if prompt_ids is None:
+        body, model, prepared = await in_pool(state, request, _prepare_generate)
+        if prepared is None:
             return JSONResponse(loaded_reply(model, False))
-        reply = OllamaReply(model, False, plan, len(prompt_ids))
-        return await _answer(state, request, body.stream, model, prompt_ids, params, reply)
+        plan = prepared.chat.plan if prepared.chat is not None else None
+        return await _answer(state, request, body.stream, prepared, OllamaReply(model, False, plan,
+                                                                                len(prepared.prompt_ids)))
 
     @router.post("/embed")
-    async def embed(request: Request) -> dict:
-        body = EmbedBody.model_validate(parse_json(await read_body(request)))
-        with _renamed_errors():
-            found = await _embeddings(state, request, body.embeddings_body(resolve_model(state, body.model)))
-        return {"model": body.model, "embeddings": [item["embedding"] for item in found["data"]],
-                "prompt_eval_count": found["usage"]["prompt_tokens"]}
+    async def embed_route(request: Request) -> dict:
+        body, prompts, params = await in_pool(state, request, _prepare_embed)
+        outputs = await embed(state, request, f"embed-{uuid.uuid4().hex}", prompts, params,
+                              [("input", i) for i in range(len(prompts))])
+        return {"model": body.model, "embeddings": [out.outputs.embedding for out in outputs],
+                "prompt_eval_count": sum(len(out.prompt_token_ids) for out in outputs)}
 
     @router.post("/embeddings")
     async def legacy_embeddings(request: Request) -> dict:
-        body = LegacyEmbedBody.model_validate(parse_json(await read_body(request)))
-        with _renamed_errors():
-            found = await _embeddings(state, request, {"model": resolve_model(state, body.model), "input": body.prompt})
-        return {"embedding": found["data"][0]["embedding"]}
+        _, prompts, params = await in_pool(state, request, _prepare_legacy_embed)
+        outputs = await embed(state, request, f"embed-{uuid.uuid4().hex}", prompts, params, [("prompt",)])
+        return {"embedding": outputs[0].outputs.embedding}
 
     return router
 
@@ -143,8 +126,10 @@ def resolve_model(state, name: str) -> str:
     for candidate in (name, name.removesuffix(":latest")):
         if candidate in served:
             return candidate
-    raise APIError(404, f"model {json.dumps(name)} not found, try pulling it first", "not_found_error",
-                   param="model", code="model_not_found")
+    error = not_found(f"model {json.dumps(name[:200])} not found, try pulling it first", "model",
+                      code="model_not_found")
+    error.names_field = False  # Ollama's own words
+    raise error
 
 
 def _show(state, card: dict) -> dict:
@@ -152,7 +137,7 @@ def _show(state, card: dict) -> dict:
     template = (tokenizer.chat_template if tokenizer is not None else None) or ""
     capabilities = ["completion"] + (["tools"] if setup.tool_parser is not None else []) + (
         ["thinking"] if setup.reasoning is not None else [])
-    if state.engine_loop.engine.pooling.source != DEFAULT_SOURCE:
+    if state.engine.pooling.source != DEFAULT_SOURCE:
         capabilities.append("embedding")  # a sentence-transformers checkpoint
     family = card["details"]["family"]
     model_info = {"general.architecture": family, "general.parameter_count": card["details"]["parameter_size"],
@@ -161,110 +146,73 @@ def _show(state, card: dict) -> dict:
                       dict(state.sampling_defaults), model_info)
 
 
+def _own_names(fn):
+    """`fn()`, its refusals already in Ollama's names (the conversions from Ollama's bodies)."""
+    try:
+        return fn()
+    except FieldError as exc:
+        error = from_field_error(exc)
+        error.names = same_names
+        raise error from None
+    except ServingError as error:
+        error.names = error.names or same_names
+        raise
+
+
 # -- on a TokenizerPool thread ------------------------------------------------------------------------
 
 
-def _prepare_chat(tokenizer, state, prepare_chat_body: Callable, raw: bytes):
-    """(body, model, ChatPrompt, SamplingParams); no prompt for a request without messages."""
-    body = ChatBody.model_validate(parse_json(raw))
-    with _renamed_errors():
-        model = resolve_model(state, body.model)
-        if not body.messages:
-            return body, model, None, None
-        chat_body = ChatCompletionRequest.model_validate(body.chat_body(model, state.chat_setup.reasoning is not None))
-        return (body, model, *prepare_chat_body(tokenizer, state, chat_body))
+def _prepare_chat(tokenizer, state, raw: bytes) -> tuple[ChatBody, str, Prepared | None]:
+    """(body, model, its preparation on the chat path); None for a request without messages."""
+    body = parse_body(raw, ChatBody)
+    model = _own_names(lambda: resolve_model(state, body.model))
+    if not body.messages:
+        return body, model, None
+    chat_body = _own_names(lambda: body.chat_body(model, state.chat_setup.reasoning is not None))
+    return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
 
 
-def _prepare_generate(tokenizer, state, prepare_chat_body: Callable, prepare_completion: Callable, raw: bytes):
-    """(body, model, prompt ids, SamplingParams, reading plan): through the chat template, or raw."""
-    body = GenerateBody.model_validate(parse_json(raw))
-    with _renamed_errors():
-        body.check_supported()
-        model = resolve_model(state, body.model)
-        if not body.prompt and not body.suffix:
-            return body, model, None, None, None
-        if body.templated:
-            thinking = state.chat_setup.reasoning is not None
-            chat, params = prepare_chat_body(tokenizer, state,
-                                             ChatCompletionRequest.model_validate(body.chat_body(model, thinking)))
-            return body, model, chat.prompt_ids, params, chat.plan
-        completion = body.completion_body(model)
-        _, prompt_ids, params = prepare_completion(tokenizer, state, json.dumps(completion).encode())
-        if "max_tokens" not in completion:  # Ollama's default: up to the context (the completion path's: 16)
-            params.max_tokens = state.max_model_len - len(prompt_ids)
-        return body, model, prompt_ids, params, None
+def _prepare_generate(tokenizer, state, raw: bytes) -> tuple[GenerateBody, str, Prepared | None]:
+    """(body, model, preparation): through the chat template, or raw on the completion path."""
+    body = parse_body(raw, GenerateBody)
+    model = _own_names(lambda: (body.check_supported(), resolve_model(state, body.model))[1])
+    if not body.prompt and not body.suffix:
+        return body, model, None
+    if body.templated:
+        chat_body = _own_names(lambda: body.chat_body(model, state.chat_setup.reasoning is not None))
+        return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
+    completion = _own_names(lambda: body.completion_body(model))
+    prepared = prepare_completion(tokenizer, state, validate(CompletionRequest, completion))
+    if "max_tokens" not in completion:  # Ollama's default: up to the context (the completion path's: 16)
+        prepared.params.max_tokens = state.max_model_len - len(prepared.prompt_ids)
+    return body, model, prepared
 
 
-@contextmanager
-def _renamed_errors():
-    """The OpenAI path's errors inside, as errors naming Ollama's fields."""
-    try:
-        yield
-    except FieldError as exc:
-        raise _renamed(bad_request(str(exc), exc.param)) from None
-    except ValidationError as exc:
-        raise _renamed(from_validation_errors(exc.errors())) from None
-    except APIError as exc:
-        raise _renamed(exc) from None
+def _prepare_embed(tokenizer, state, raw: bytes):
+    body = parse_body(raw, EmbedBody)
+    model = _own_names(lambda: resolve_model(state, body.model))
+    state.base_model_only(model if model != state.settings.model_name else None, "embeddings")
+    inputs = _own_names(body.inputs)
+    params = resolve_pooling(state, _own_names(body.pooling_params))
+    return body, prepared_inputs(tokenizer, state, inputs, params, "input"), params
 
 
-def _renamed(error: APIError) -> APIError:
-    old = error.param or ""
-    param = OLLAMA_NAMES.get(old, old)
-    message = error.message.replace(old, param, 1) if old and param != old else error.message
-    if param and param not in message:  # Ollama's error is a message only: it names the field
-        message = f"{param}: {message}"
-    error.message, error.param = message, param or None
-    return error
+def _prepare_legacy_embed(tokenizer, state, raw: bytes):
+    body = parse_body(raw, LegacyEmbedBody)
+    model = _own_names(lambda: resolve_model(state, body.model))
+    state.base_model_only(model if model != state.settings.model_name else None, "embeddings")
+    params = resolve_pooling(state, _own_names(lambda: EmbedBody(model=model, input=body.prompt).pooling_params()))
+    return body, [input_ids(tokenizer, state, body.prompt, params, ("prompt",))], params
 
 
 # -- on the event loop --------------------------------------------------------------------------------
 
 
-async def _answer(state, request: Request, stream: bool | None, model: str, prompt_ids: list[int], params,
-                  reply: OllamaReply) -> Response:
-    request_id = f"ollama-{uuid.uuid4().hex}"
-    handle = await admit(state.engine_loop, request_id, prompt_ids, params, state.lora_request(model),
-                         client_id(request, state.settings.api_key, None))
+async def _answer(state, request: Request, stream: bool | None, prepared: Prepared, reply: OllamaReply) -> Response:
+    handle = await run.admit(state, f"ollama-{uuid.uuid4().hex}", prepared, tenant_of(request))
     if stream is not False:
-        return StreamingResponse(_lines(state, reply, handle, request_id), media_type="application/x-ndjson",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    out = await final_output(state.engine_loop, request, handle, request_id)
+        lines = run.EventStream(reply, ndjson, lambda error: ollama_error(error.message(error.names or ollama_names)))
+        return StreamingResponse(run.stream(state, handle, lines), media_type="application/x-ndjson",
+                                 headers=NDJSON_HEADERS)
+    out = await run.whole(state, handle, request.is_disconnected)
     return JSONResponse(reply.whole(out))
-
-
-async def _lines(state, reply: OllamaReply, handle, request_id: str) -> AsyncIterator[str]:
-    """The NDJSON lines; a failure after the start ends the stream with an error line."""
-    try:
-        async for out in handle:
-            failure = request_failure(out, request_id)
-            if failure is not None:
-                yield ndjson(error_line(failure.message))
-                return
-            for line in reply.step(out):
-                yield ndjson(line)
-    except EngineClosedError as exc:
-        yield ndjson(error_line(engine_closed(exc, request_id, state.engine_loop).message))
-    except Exception as exc:  # a bug while formatting: the client still gets an error line
-        yield ndjson(error_line(internal_error(exc, f"streaming {request_id}").message))
-    finally:
-        handle.abort()
-
-
-async def _embeddings(state, request: Request, openai_body: dict) -> dict:
-    """The /v1/embeddings answer (as a dict) of an OpenAI embeddings body: the same preparation,
-    windows and failures (embeddings.py)."""
-    state.check_capacity()
-    raw = json.dumps(openai_body).encode()
-    body, prompts, params = await state.pool.run(embeddings._prepare, state, raw)
-    return json.loads((await embeddings._embed(state, request, body, prompts, params)).body)
-
-
-# -- errors -------------------------------------------------------------------------------------------
-
-
-class OllamaErrors(ReshapedErrors):
-    """ASGI middleware: an error answer on an /api route is sent in Ollama's shape `{"error": "message"}`."""
-
-    def __init__(self, app):
-        super().__init__(app, PREFIX, lambda status, message: error_line(message))

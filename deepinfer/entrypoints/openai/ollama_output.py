@@ -24,8 +24,8 @@ import os
 import time
 from datetime import UTC, datetime
 
-from deepinfer.entrypoints.openai.chat_output import ChatOutputPlan, ParsedMessage
 from deepinfer.outputs import RequestOutput
+from deepinfer.serving.chat.output import ChatOutputPlan, ParsedMessage
 
 OLLAMA_VERSION = "0.6.3"  # the Ollama API version these routes follow (GET /api/version)
 
@@ -39,10 +39,6 @@ def ndjson(line: dict) -> str:
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 
-def error_line(message: str) -> dict:
-    return {"error": message}
-
-
 class OllamaReply:
     """One reply of /api/chat (`chat`) or /api/generate, whole or streamed; `plan` reads the answer
     (None: raw text, no parsing)."""
@@ -54,6 +50,9 @@ class OllamaReply:
         self._calls: dict[int, dict] = {}  # streamed calls by index: {id, name, arguments (text)}
         self.arrival_ns = time.monotonic_ns()
         self.first_ns: int | None = None
+
+    def start(self) -> list[dict]:
+        return []
 
     def whole(self, out: RequestOutput) -> dict:
         """The reply of a finished request."""

@@ -23,14 +23,18 @@ message answers the earliest unanswered call (of its `tool_name`, when given). I
 from __future__ import annotations
 
 import json
+from collections import OrderedDict, defaultdict, deque
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import short_repr
+from deepinfer.serving.embeddings import MAX_INPUTS
+from deepinfer.serving.errors import FieldError, Path
+from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 # Ollama option -> chat request field
 _SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
@@ -42,18 +46,25 @@ _NEUTRAL_OPTIONS = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
 _MESSAGE_FIELDS = frozenset({"role", "content", "images", "thinking", "tool_calls", "tool_name", "tool_call_id"})
 _ROLES = ("system", "user", "assistant", "tool")
 # the chat path's field -> Ollama's (for the 400s)
-OLLAMA_NAMES = {"truncate_prompt_tokens": "truncate", "max_tokens": "options.num_predict",
-                "response_format": "format", "structured_outputs": "format",
-                "chat_template_kwargs": "think", "repetition_penalty": "options.repeat_penalty",
-                **{field: f"options.{option}" for option, field in _SAMPLING_OPTIONS.items()
-                   if option != "repeat_penalty"}}
+OLLAMA_NAMES = {"truncate_prompt_tokens": ("truncate",), "max_tokens": ("options", "num_predict"),
+                "response_format": ("format",), "structured_outputs": ("format",), "chat_template_kwargs": ("think",),
+                **{field: ("options", option) for option, field in _SAMPLING_OPTIONS.items()}}
+
+
+def ollama_names(path: Path) -> Path:
+    """A chat, completion or embeddings request's field path in Ollama's names (`max_tokens` is
+    `options.num_predict`, `response_format...` is `format`, ...)."""
+    if not path or path[0] not in OLLAMA_NAMES:
+        return path
+    renamed = OLLAMA_NAMES[path[0]]
+    return renamed if renamed == ("format",) else (*renamed, *path[1:])
 
 
 class _Body(BaseModel):
     model_config = _STRICT
     model: str = Field(min_length=1)
-    format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
+    format: str | Entries[str, Any] | None = None
+    options: Entries[str, Any] | None = None
     stream: bool | None = True
     keep_alive: float | str | None = None  # accepted and ignored: the model stays loaded
     think: bool | str | None = None
@@ -73,8 +84,8 @@ class _Body(BaseModel):
 class ChatBody(_Body):
     """POST /api/chat."""
 
-    messages: list[Any] = Field(default_factory=list)
-    tools: list[Any] | None = None
+    messages: Items[Any] = Field(default_factory=list)
+    tools: Items[Any] | None = None
 
     def chat_body(self, model: str, thinking: bool) -> dict:
         """The chat completion request (a dict for ChatCompletionRequest)."""
@@ -89,9 +100,9 @@ class GenerateBody(_Body):
     suffix: str | None = None
     system: str | None = None
     template: str | None = None
-    context: list[int] | None = None
+    context: Items[int] | None = None
     raw: bool | None = None
-    images: list[Any] | None = None
+    images: Items[Any] | None = None
     width: int | None = None  # image generation: refused
     height: int | None = None
     steps: int | None = None
@@ -99,15 +110,15 @@ class GenerateBody(_Body):
     def check_supported(self) -> None:
         """FieldError naming a field this server cannot honour."""
         if self.template:
-            raise FieldError("template", "template (a Go template) is not supported: the model's own chat "
-                             "template is used; send raw=true with a prompt formatted already")
+            raise FieldError("template", "a Go template is not supported: the model's own chat template is used; "
+                             "send raw=true with a prompt formatted already")
         if self.context:
-            raise FieldError("context", "context (the tokens of an earlier answer) is not supported; send the "
+            raise FieldError("context", "the tokens of an earlier answer are not supported; send the "
                              "conversation to /api/chat")
         for name, value in (("images", self.images), ("width", self.width), ("height", self.height),
                             ("steps", self.steps)):
             if value:
-                raise FieldError(name, f"{name} is not supported: this server serves a text model")
+                raise FieldError(name, "is not supported: this server serves a text model")
 
     @property
     def templated(self) -> bool:
@@ -122,9 +133,9 @@ class GenerateBody(_Body):
     def completion_body(self, model: str) -> dict:
         """The completion request of a raw (or suffix) prompt; `system` and `think` need the template."""
         if self.system:
-            raise FieldError("system", "system needs the chat template; it cannot go with raw or suffix")
+            raise FieldError("system", "needs the chat template; it cannot go with raw or suffix")
         if self.think:
-            raise FieldError("think", "think needs the chat template; it cannot go with raw or suffix")
+            raise FieldError("think", "needs the chat template; it cannot go with raw or suffix")
         fields = self.sampling_fields(False)
         fields.pop("chat_template_kwargs", None)
         body = {"model": model, "prompt": self.prompt or "", **fields}
@@ -136,17 +147,29 @@ class EmbedBody(BaseModel):
 
     model_config = _STRICT
     model: str = Field(min_length=1)
-    input: str | list[str]
-    truncate: bool | None = True  # Ollama's default: cut an input to the context
+    input: str | Items[str]
+    truncate: bool | None = None  # true: cut an input to the context (unset: a too long input is a 400)
     dimensions: int | None = None
-    options: dict[str, Any] | None = None
+    options: Entries[str, Any] | None = None
     keep_alive: float | str | None = None
 
-    def embeddings_body(self, model: str) -> dict:
+    def inputs(self) -> list[str]:
+        """The inputs; FieldError naming `input` for none, too many, or an empty one."""
         options_fields(self.options)  # checked; no option changes an embedding
-        body = {"model": model, "input": self.input, "dimensions": self.dimensions,
-                "truncate_prompt_tokens": -1 if self.truncate else None}
-        return {key: value for key, value in body.items() if value is not None}
+        inputs = [self.input] if isinstance(self.input, str) else list(self.input)
+        if not inputs or len(inputs) > MAX_INPUTS:
+            raise FieldError("input", f"must hold 1 to {MAX_INPUTS} strings, got {len(inputs)}")
+        empty = next((i for i, text in enumerate(inputs) if not text), None)
+        if empty is not None:
+            raise FieldError(("input", empty), "is empty; every input needs at least one token")
+        return inputs
+
+    def pooling_params(self) -> PoolingParams:
+        """`truncate` true cuts an input to the context (-1); unset or false refuses a too long one."""
+        try:
+            return PoolingParams(dimensions=self.dimensions, truncate_prompt_tokens=-1 if self.truncate else None)
+        except ValueError as exc:
+            raise FieldError("dimensions", str(exc).removeprefix("dimensions").lstrip(": ")) from None
 
 
 class LegacyEmbedBody(BaseModel):
@@ -155,7 +178,7 @@ class LegacyEmbedBody(BaseModel):
     model_config = _STRICT
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1)
-    options: dict[str, Any] | None = None
+    options: Entries[str, Any] | None = None
     keep_alive: float | str | None = None
 
 
@@ -170,7 +193,7 @@ class NameBody(BaseModel):
     def model_name(self) -> str:
         name = self.model or self.name
         if not name:
-            raise FieldError("model", "model is required")
+            raise FieldError("model", "is required")
         return name
 
 
@@ -184,7 +207,7 @@ def options_fields(options: dict | None) -> dict:
         elif name == "num_predict":
             fields["max_tokens"] = None if value in (-1, -2) else value
         elif name not in _LOAD_OPTIONS and not (name in _NEUTRAL_OPTIONS and value == _NEUTRAL_OPTIONS[name]):
-            raise FieldError("options", f"options.{name} = {short_repr(value)} is not supported (supported: "
+            raise FieldError(("options", name), f"{short_repr(value)} is not supported (supported: "
                              f"{', '.join([*_SAMPLING_OPTIONS, 'num_predict'])}; ignored: the load-time options)")
     return fields
 
@@ -197,7 +220,7 @@ def response_format(fmt) -> dict | None:
         return {"type": "json_object"}
     if isinstance(fmt, dict):
         return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    raise FieldError("format", f"format must be \"json\" or a JSON schema object, got {short_repr(fmt)}")
+    raise FieldError("format", f"must be \"json\" or a JSON schema object, got {short_repr(fmt)}")
 
 
 def think_kwargs(think, thinking: bool) -> dict | None:
@@ -205,62 +228,85 @@ def think_kwargs(think, thinking: bool) -> dict | None:
     if think is None or (think is False and not thinking):
         return None
     if think not in (True, False, "high", "medium", "low"):
-        raise FieldError("think", f"think must be true, false, \"high\", \"medium\" or \"low\", got "
-                         f"{short_repr(think)}")
+        raise FieldError("think", f"must be true, false, \"high\", \"medium\" or \"low\", got {short_repr(think)}")
     if not thinking:
-        raise FieldError("think", "think: this server reads no reasoning section (start it with --reasoning-parser)")
+        raise FieldError("think", "this server reads no reasoning section (start it with --reasoning-parser)")
     return {"enable_thinking": think is not False}
 
 
 def chat_messages(messages: list) -> list[dict]:
-    """Ollama's messages as chat messages; FieldError naming `messages[i]...` for a bad one."""
-    converted, pending = [], []  # pending: the unanswered calls (id, name)
+    """Ollama's messages as chat messages; FieldError naming `messages[i]...` for a bad one. A tool
+    reply answers the earliest unanswered call (of its `tool_name`, when given): linear in the messages."""
+    converted, pending = [], PendingCalls()
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise FieldError("messages", f"messages[{i}] must be an object, got {short_repr(message)}")
+            raise FieldError(("messages", i), f"must be an object, got {short_repr(message)}")
         unknown = sorted(set(message) - _MESSAGE_FIELDS)
         if unknown:
-            raise FieldError("messages", f"messages[{i}] has unknown field {short_repr(unknown[0])}")
+            raise FieldError(("messages", i), f"has unknown field {short_repr(unknown[0])}")
         if message.get("images"):
-            raise FieldError("messages", f"messages[{i}].images: images are not supported by this text model")
+            raise FieldError(("messages", i, "images"), "images are not supported by this text model")
         role, content = message.get("role"), message.get("content") or ""
         if role not in _ROLES:
-            raise FieldError("messages", f"messages[{i}].role must be one of {', '.join(_ROLES)}, got "
-                             f"{short_repr(role)}")
+            raise FieldError(("messages", i, "role"), f"must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
         if not isinstance(content, str):
-            raise FieldError("messages", f"messages[{i}].content must be a string, got {short_repr(content)}")
+            raise FieldError(("messages", i, "content"), f"must be a string, got {short_repr(content)}")
         converted.append(_message(i, role, content, message, pending))
     return converted
 
 
-def _message(i: int, role: str, content: str, message: dict, pending: list[tuple[str, str]]) -> dict:
+class PendingCalls:
+    """The unanswered calls of a conversation, in order: the earliest of them, or the earliest of one
+    name, is found and removed in amortized constant time."""
+
+    def __init__(self):
+        self._order: OrderedDict[str, str] = OrderedDict()  # call id -> name
+        self._by_name: defaultdict[str, deque[str]] = defaultdict(deque)
+
+    def add(self, call_id: str, name: str) -> None:
+        self._order[call_id] = name
+        self._by_name[name].append(call_id)
+
+    def answer(self, name: str | None) -> str | None:
+        """The id of the earliest unanswered call (named `name`, when given), now answered; None if none."""
+        if name is None:
+            return self._order.popitem(last=False)[0] if self._order else None
+        ids = self._by_name.get(name)
+        while ids:
+            call_id = ids.popleft()
+            if self._order.pop(call_id, None) is not None:  # not answered meanwhile by a reply without a name
+                return call_id
+        return None
+
+
+def _message(i: int, role: str, content: str, message: dict, pending: PendingCalls) -> dict:
     if role == "assistant" and message.get("tool_calls"):
         calls = [_call(i, j, call) for j, call in enumerate(_list(i, message["tool_calls"]))]
-        pending += [(call["id"], call["function"]["name"]) for call in calls]
+        for call in calls:
+            pending.add(call["id"], call["function"]["name"])
         return {"role": role, "content": content or None, "tool_calls": calls}
     if role != "tool":
         return {"role": role, "content": content}
     name = message.get("tool_name")
-    match = next((entry for entry in pending if name is None or entry[1] == name), None)
-    if match is not None:
-        pending.remove(match)
-    call_id = message.get("tool_call_id") or (match[0] if match else f"call_{i}")
+    if name is not None and not isinstance(name, str):
+        raise FieldError(("messages", i, "tool_name"), f"must be a string, got {short_repr(name)}")
+    answered = pending.answer(name)
+    call_id = message.get("tool_call_id") or answered or f"call_{i}"
     return {"role": "tool", "content": content, "tool_call_id": call_id} | ({"name": name} if name else {})
 
 
 def _list(i: int, calls) -> list:
     if not isinstance(calls, list):
-        raise FieldError("messages", f"messages[{i}].tool_calls must be a list, got {short_repr(calls)}")
+        raise FieldError(("messages", i, "tool_calls"), f"must be a list, got {short_repr(calls)}")
     return calls
 
 
 def _call(i: int, j: int, call) -> dict:
-    where = f"messages[{i}].tool_calls[{j}]"
     function = call.get("function") if isinstance(call, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     arguments = function.get("arguments", {}) if isinstance(function, dict) else None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-        raise FieldError("messages", f"{where} must be {{\"function\": {{\"name\": string, \"arguments\": "
-                         f"object}}}}, got {short_repr(call)}")
+        raise FieldError(("messages", i, "tool_calls", j), f"must be {{\"function\": {{\"name\": string, "
+                         f"\"arguments\": object}}}}, got {short_repr(call)}")
     call_id = call.get("id") if isinstance(call.get("id"), str) and call.get("id") else f"call_{i}_{j}"
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}

@@ -29,17 +29,18 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.engine.pooling import DEFAULT_SOURCE
-from deepinfer.entrypoints.openai.body import parse_json, read_body
-from deepinfer.entrypoints.openai.embeddings import MAX_INPUTS, pooled_outputs, resolve_pooling, token_ids
-from deepinfer.entrypoints.openai.errors import bad_request
+from deepinfer.entrypoints.openai.body import in_pool
+from deepinfer.entrypoints.openai.embeddings import embed
+from deepinfer.serving.embeddings import MAX_INPUTS, input_ids, require_pooling, resolve_pooling
+from deepinfer.serving.errors import Path, bad_request
+from deepinfer.serving.parse import STRICT, Items, parse_body
 
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 SCORE_PATHS = ("/v1/score", "/score")
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 
 
 class RerankDocument(BaseModel):
@@ -53,7 +54,7 @@ class RerankRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     query: str
-    documents: list[str | RerankDocument]
+    documents: Items[str | RerankDocument]
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = True
 
@@ -70,8 +71,8 @@ class ScoreRequest(BaseModel):
 
     model_config = _STRICT
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | Items[str]
+    text_2: str | Items[str]
 
     def pairs(self) -> tuple[list[str], list[str]]:
         """(text_1 list, text_2 list) checked for emptiness and pairing; a 400 naming the field."""
@@ -80,20 +81,19 @@ class ScoreRequest(BaseModel):
         _check_texts(first, "text_1", single=isinstance(self.text_1, str), limit=MAX_INPUTS // 2)
         _check_texts(second, "text_2", single=isinstance(self.text_2, str), limit=MAX_INPUTS // 2)
         if len(first) != 1 and len(first) != len(second):
-            raise bad_request(f"text_2 has {len(second)} entries but text_1 has {len(first)}: give one text_1 "
-                              f"(scored against every text_2) or as many as text_2 (paired by position)", "text_2")
+            raise bad_request(f"has {len(second)} entries but text_1 has {len(first)}: give one text_1 (scored "
+                              f"against every text_2) or as many as text_2 (paired by position)", "text_2")
         return first, second
 
 
 def _check_texts(texts: list[str], param: str, single: bool = False, limit: int = MAX_INPUTS) -> None:
     if not texts:
-        raise bad_request(f"{param} must not be empty", param)
+        raise bad_request("must not be empty", param)
     if len(texts) > limit:
-        raise bad_request(f"{param} has {len(texts)} entries; the limit is {limit}", param)
+        raise bad_request(f"has {len(texts)} entries; the limit is {limit}", param)
     for i, text in enumerate(texts):
         if not text:
-            raise bad_request(f"{param if single else f'{param}[{i}]'} is empty; every text needs at least one "
-                              f"token", param)
+            raise bad_request("is empty; every text needs at least one token", param if single else (param, i))
 
 
 def rerank_routes(state) -> APIRouter:
@@ -101,17 +101,13 @@ def rerank_routes(state) -> APIRouter:
     router = APIRouter()
 
     async def rerank(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, names, prompts, params = await state.pool.run(_prepare_rerank, state, raw)
+        body, names, prompts, params = await in_pool(state, request, _prepare_rerank)
         response_id = f"rerank-{uuid.uuid4().hex}"
         vectors, num_tokens = await _vectors(state, request, response_id, prompts, params, names)
         return JSONResponse(_rerank_response(state, response_id, body, vectors, num_tokens))
 
     async def score(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, names, prompts, params = await state.pool.run(_prepare_score, state, raw)
+        body, names, prompts, params = await in_pool(state, request, _prepare_score)
         response_id = f"score-{uuid.uuid4().hex}"
         vectors, num_tokens = await _vectors(state, request, response_id, prompts, params, names)
         return JSONResponse(_score_response(state, response_id, body, vectors, num_tokens))
@@ -127,46 +123,41 @@ def rerank_routes(state) -> APIRouter:
 
 
 def _prepare_rerank(tokenizer, state, raw: bytes):
-    body = RerankRequest.model_validate(parse_json(raw))
+    body = parse_body(raw, RerankRequest)
     params = _embedding_params(state, body.model)
     texts = body.texts()
-    names = ["query"] + [f"documents[{i}]" for i in range(len(texts) - 1)]
+    names = [("query",)] + [("documents", i) for i in range(len(texts) - 1)]
     return body, names, _tokenized(tokenizer, state, texts, names, params), params
 
 
 def _prepare_score(tokenizer, state, raw: bytes):
-    body = ScoreRequest.model_validate(parse_json(raw))
+    body = parse_body(raw, ScoreRequest)
     params = _embedding_params(state, body.model)
     first, second = body.pairs()
-    names = [f"text_1[{i}]" for i in range(len(first))] + [f"text_2[{i}]" for i in range(len(second))]
+    names = [("text_1", i) for i in range(len(first))] + [("text_2", i) for i in range(len(second))]
     return body, names, _tokenized(tokenizer, state, first + second, names, params), params
 
 
 def _embedding_params(state, model: str | None) -> PoolingParams:
     """The pooling every text of the request gets; a 400 naming `model` when it cannot embed."""
-    if state.lora_request(model) is not None:
-        raise bad_request(f"model {model!r} is a LoRA adapter; scores come from the base model only", "model")
-    pooling = state.engine_loop.engine.pooling
-    if pooling.source == DEFAULT_SOURCE:
-        raise bad_request(f"model {state.settings.model_name!r} is not an embedding model: it declares no pooling "
-                          f"(no sentence-transformers modules.json); rerank and score need an embedding model "
-                          f"(serve one, or pass --pooling mean|cls|last)", "model")
+    state.base_model_only(model, "scores")
+    require_pooling(state, "rerank and score")
     return resolve_pooling(state, PoolingParams())
 
 
-def _tokenized(tokenizer, state, texts: list[str], names: list[str], params: PoolingParams) -> list[list[int]]:
+def _tokenized(tokenizer, state, texts: list[str], names: list[Path], params: PoolingParams) -> list[list[int]]:
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer, so its texts cannot be scored", "model")
-    return [token_ids(tokenizer, state, text, params, name) for text, name in zip(texts, names, strict=True)]
+    return [input_ids(tokenizer, state, text, params, name) for text, name in zip(texts, names, strict=True)]
 
 
 # -- on the event loop: embed, score, answer ---------------------------------------------------------
 
 
 async def _vectors(state, request: Request, response_id: str, prompts: list[list[int]], params: PoolingParams,
-                   names: list[str]) -> tuple[list[list[float]], int]:
+                   names: list[Path]) -> tuple[list[list[float]], int]:
     """Every text's vector in order, and the tokens of all of them."""
-    outputs = await pooled_outputs(state, request, response_id, prompts, params, names)
+    outputs = await embed(state, request, response_id, prompts, params, names)
     return [out.outputs.embedding for out in outputs], sum(len(out.prompt_token_ids) for out in outputs)
 
 

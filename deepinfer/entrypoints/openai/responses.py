@@ -1,195 +1,170 @@
-"""POST /v1/responses (and GET /v1/responses/{id}): the Responses API over the chat path.
+"""The Responses API over the chat path, its stored responses kept per tenant.
+
+    POST   /v1/responses                        create (whole or streamed)
+    GET    /v1/responses/{id}                   a stored response
+    GET    /v1/responses/{id}/input_items       its input items (OpenAI's list: limit, order, after)
+    DELETE /v1/responses/{id}                   forget it
 
 A request (`responses_protocol.py`) becomes a chat completion request (its input and, with
-`previous_response_id`, the stored conversation before it) and goes through the same prompt,
-grammar and answer parsing as /v1/chat/completions; the answer comes back as a response object
-or its stream of events (`responses_output.py`).
+`previous_response_id`, the stored conversation before it) and goes through the same preparation,
+admission and run as /v1/chat/completions (`serving.prepare`, `serving.run`); the answer comes back
+as a response object or its stream of events (`responses_output.py`).
 
-Stored responses: unless `store` is false, a finished response and its conversation are kept in
-memory, in an LRU of at most MAX_STORED_RESPONSES responses and MAX_STORED_CHARS characters of
-JSON (the least recently used go first; a restart forgets them all). An unknown (or forgotten)
-`previous_response_id` is a 400 with code `previous_response_not_found`, as OpenAI answers.
+Stored responses (`serving.store`): unless `store` is false, a finished response is kept for the
+tenant (API key) that made it. Another tenant's response answers as an unknown one does: a 404
+`response_not_found` on the GET and DELETE routes, a 400 `previous_response_not_found` as a
+`previous_response_id` (as OpenAI answers both); an operator key (`--admin-api-key`) sees all.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from deepinfer.entrypoints.openai.auth import client_id
-from deepinfer.entrypoints.openai.body import parse_json, read_body
-from deepinfer.entrypoints.openai.engine_loop import EngineClosedError
-from deepinfer.entrypoints.openai.errors import APIError, bad_request, from_validation_errors, internal_error
-from deepinfer.entrypoints.openai.protocol import ChatCompletionRequest
+from deepinfer.entrypoints.openai.auth import tenant_of
+from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.responses_output import (
     ResponseContext,
     ResponseEvents,
     assistant_message,
+    input_items,
     new_id,
     output_items,
     reasoning_text,
     status_of,
     usage,
 )
-from deepinfer.entrypoints.openai.responses_protocol import CHAT_TO_RESPONSES, ResponsesRequest
-from deepinfer.entrypoints.openai.serving import admit, engine_closed, final_output, request_failure
-from deepinfer.entrypoints.openai.tools import FieldError
+from deepinfer.entrypoints.openai.responses_protocol import ResponsesRequest, responses_names
+from deepinfer.serving import run
+from deepinfer.serving.errors import FieldError, ServingError, from_field_error, not_found, same_names
+from deepinfer.serving.parse import parse_body, validate
+from deepinfer.serving.prepare import Prepared, prepare_chat
+from deepinfer.serving.protocol import ChatCompletionRequest
+from deepinfer.serving.store import StoredResponse
+from deepinfer.serving.tenancy import Tenant
 
-MAX_STORED_RESPONSES = 1024
-MAX_STORED_CHARS = 64 << 20
-
-
-class ResponseStore:
-    """Finished responses and their conversations, by id: an LRU bounded in count and characters.
-    Thread-safe (read in the tokenizer pool, written on the event loop)."""
-
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_chars: int = MAX_STORED_CHARS):
-        self.max_responses, self.max_chars = max_responses, max_chars
-        self._entries: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        with self._lock:
-            self._entries[response["id"]] = (response, conversation, size)
-            self._chars += size
-            while self._entries and (len(self._entries) > self.max_responses or self._chars > self.max_chars):
-                self._chars -= self._entries.popitem(last=False)[1][2]
-
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is None:
-                return None
-            self._entries.move_to_end(response_id)
-            return entry[0], entry[1]
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def responses_routes(state, prepare_chat_body: Callable) -> APIRouter:
-    """The routes; `prepare_chat_body(tokenizer, state, ChatCompletionRequest)` -> (ChatPrompt,
-    SamplingParams) is the chat path's preparation (run in the tokenizer pool)."""
+def responses_routes(state) -> APIRouter:
     router = APIRouter(prefix="/v1")
-    store = ResponseStore()
 
     @router.post("/responses")
     async def create(request: Request) -> Response:
-        state.check_capacity()
-        raw = await read_body(request)
-        body, history, chat, params = await state.pool.run(_prepare, state, store, prepare_chat_body, raw)
+        tenant = tenant_of(request)
+        body, history, prepared = await in_pool(state, request, _prepare, tenant)
         lora_request = state.lora_request(body.model)
-        ctx = ResponseContext(new_id("resp"), _model_name(state, lora_request), body, params.temperature,
-                              params.top_p)
-        handle = await admit(state.engine_loop, ctx.response_id, chat.prompt_ids, params, lora_request,
-                             client_id(request, state.settings.api_key, body.user))
-        conversation = body.conversation_messages(history)
+        model = state.settings.model_name if lora_request is None else lora_request.lora_name
+        ctx = ResponseContext(new_id("resp"), model, body, prepared.params.temperature, prepared.params.top_p)
+        handle = await run.admit(state, ctx.response_id, prepared, tenant)
+        keep = _keeper(state, tenant, body, body.conversation_messages(history))
         if body.stream:
-            events = _stream(state, store, ctx, handle, chat.plan.stream(), conversation)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        out = await final_output(state.engine_loop, request, handle, ctx.response_id)
-        items = output_items(chat.plan.parse(out.outputs[0].text), status_of(out))
+            events = ResponseEvents(ctx, prepared.chat.plan.stream(), lambda text: _count(state, text), keep)
+            return StreamingResponse(run.stream(state, handle, run.EventStream(events, _sse, _error_event(events))),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        out = await run.whole(state, handle, request.is_disconnected)
+        items = output_items(prepared.chat.plan.parse(out.outputs[0].text), status_of(out))
         response = ctx.envelope(status_of(out), items, usage(out, _count(state, reasoning_text(items))))
-        _keep(store, body, response, conversation, items)
+        keep(response)
         return JSONResponse(response)
 
     @router.get("/responses/{response_id}")
-    async def retrieve(response_id: str) -> dict:
-        found = store.get(response_id)
-        if found is None:
-            raise APIError(404, f"Response with id {response_id!r} not found.", "invalid_request_error",
-                           param="response_id", code="response_not_found")
-        return found[0]
+    async def retrieve(response_id: str, request: Request) -> dict:
+        return _stored(state, tenant_of(request), response_id).response
+
+    @router.get("/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
+        items = list(_stored(state, tenant_of(request), response_id).input_items)
+        return _page(items[::-1] if order == "desc" else items, limit, after)
+
+    @router.delete("/responses/{response_id}")
+    async def delete(response_id: str, request: Request) -> dict:
+        if not state.responses.delete(tenant_of(request), response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return router
 
 
-def _prepare(tokenizer, state, store: ResponseStore, prepare_chat_body: Callable, raw: bytes):
-    """On a pool thread: the request, the stored conversation it continues, its chat prompt and params."""
-    body = ResponsesRequest.model_validate(parse_json(raw))
+def _stored(state, tenant: Tenant, response_id: str) -> StoredResponse:
+    found = state.responses.get(tenant, response_id)
+    if found is None:
+        raise _not_found(response_id)
+    return found
+
+
+def _not_found(response_id: str) -> ServingError:
+    return not_found(f"Response with id {json.dumps(response_id[:200])} not found.", "response_id",
+                     code="response_not_found")
+
+
+def _page(items: list[dict], limit: int, after: str | None) -> dict:
+    """OpenAI's list of `items` (in their order): `limit` of them, after the item `after`."""
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        items = items[ids.index(after) + 1:] if after in ids else []
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+            "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}
+
+
+# -- on a TokenizerPool thread ------------------------------------------------------------------------
+
+
+def _prepare(tokenizer, state, raw: bytes, tenant: Tenant) -> tuple[ResponsesRequest, list[dict], Prepared]:
+    """The request, the stored conversation it continues (the tenant's own), and its preparation."""
+    body = parse_body(raw, ResponsesRequest)
     try:
         body.check_supported()
-        history = _history(store, body.previous_response_id)
-        chat_body = ChatCompletionRequest.model_validate(body.chat_body(history))
-        return (body, history, *prepare_chat_body(tokenizer, state, chat_body))
+        history = _history(state, tenant, body.previous_response_id)
+        chat_body = body.chat_body(history)
     except FieldError as exc:
-        raise bad_request(str(exc), exc.param) from None
-    except ValidationError as exc:
-        raise _renamed(from_validation_errors(exc.errors())) from None
-    except APIError as exc:
-        raise _renamed(exc) from None
+        error = from_field_error(exc)
+        error.names = same_names  # already in the Responses API's names
+        raise error from None
+    names = responses_names((1 if body.instructions else 0) + len(history))
+    try:
+        return body, history, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
+    except ServingError as error:
+        error.names = error.names or names
+        raise
 
 
-def _model_name(state, lora_request) -> str:
-    """The name a response reports: the adapter's when it runs with one, else the served base name."""
-    return state.settings.model_name if lora_request is None else lora_request.lora_name
-
-
-def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict]:
+def _history(state, tenant: Tenant, previous_response_id: str | None) -> list[dict]:
     if previous_response_id is None:
         return []
-    found = store.get(previous_response_id)
+    found = state.responses.get(tenant, previous_response_id)
     if found is None:
-        raise APIError(400, f"Previous response with id {previous_response_id!r} not found.",
-                       param="previous_response_id", code="previous_response_not_found")
-    return found[1]
+        raise ServingError(400, f"Previous response with id {json.dumps(previous_response_id[:200])} not found.",
+                           path="previous_response_id", code="previous_response_not_found", names_field=False)
+    return found.conversation
 
 
-def _renamed(error: APIError) -> APIError:
-    """A chat path's error in the Responses API's field names."""
-    param = CHAT_TO_RESPONSES.get(error.param, error.param)
-    if param != error.param:
-        error.message = error.message.replace(error.param, param, 1)
-        error.param = param
-    return error
+def _keeper(state, tenant: Tenant, body: ResponsesRequest, conversation: list[dict]):
+    """What keeps a finished response (unless `store` is false), for `tenant`."""
 
+    def keep(response: dict) -> None:
+        if body.store is not False:
+            state.responses.put(tenant, response, conversation + [assistant_message(response["output"])],
+                                input_items(body.input))
 
-def _keep(store: ResponseStore, body: ResponsesRequest, response: dict, conversation: list[dict],
-          items: list[dict]) -> None:
-    if body.store is not False:
-        store.put(response, conversation + [assistant_message(items)])
+    return keep
 
 
 def _count(state, text: str) -> int:
     return len(state.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
-async def _stream(state, store: ResponseStore, ctx: ResponseContext, handle, choice_stream,
-                  conversation: list[dict]) -> AsyncIterator[str]:
-    """The SSE events; an error (the request failed, the engine stopped) ends the stream with an
-    `error` event."""
-    events = ResponseEvents(ctx, choice_stream)
-    try:
-        for event in events.start():
-            yield _sse(event)
-        async for out in handle:
-            failure = request_failure(out, ctx.response_id)
-            if failure is not None:
-                yield _sse(_error_event(events, failure))
-                return
-            for event in events.step(out):
-                yield _sse(event)
-            if out.finished:
-                closing, response = events.finish(out, lambda text: _count(state, text))
-                for event in closing:
-                    yield _sse(event)
-                _keep(store, ctx.body, response, conversation, response["output"])
-    except EngineClosedError as exc:
-        yield _sse(_error_event(events, engine_closed(exc, ctx.response_id, state.engine_loop)))
-    except Exception as exc:  # a bug while formatting: the client still gets an error event
-        yield _sse(_error_event(events, internal_error(exc, f"streaming {ctx.response_id}")))
-    finally:
-        handle.abort()
+def _error_event(events: ResponseEvents):
+    def event(error: ServingError) -> dict:
+        names = error.names or responses_names(0)
+        return events.event("error", code=error.code, message=error.message(names), param=error.param(names))
 
-
-def _error_event(events: ResponseEvents, error: APIError) -> dict:
-    return events.event("error", code=error.code, message=error.message, param=error.param)
+    return event
 
 
 def _sse(event: dict) -> str:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from deepinfer.entrypoints.openai.chat_output import ChoiceStream, MessageDelta, ParsedMessage
 from deepinfer.entrypoints.openai.responses_protocol import ResponsesRequest
 from deepinfer.outputs import RequestOutput
+from deepinfer.serving.chat.output import ChoiceStream, MessageDelta, ParsedMessage
 
 
 def new_id(prefix: str) -> str:
@@ -99,6 +100,15 @@ def output_items(parsed: ParsedMessage, status: str) -> list[dict]:
     return items
 
 
+def input_items(value: str | list[dict]) -> list[dict]:
+    """A request's input as Responses items (what GET /v1/responses/{id}/input_items lists): a string
+    is one user message; every item gets an id."""
+    if isinstance(value, str):
+        return [{"type": "message", "id": new_id("msg"), "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": value}]}]
+    return [item if isinstance(item.get("id"), str) else {**item, "id": new_id("item")} for item in value]
+
+
 def assistant_message(items: list[dict]) -> dict:
     """The output as the chat message a later response continues from."""
     text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
@@ -113,10 +123,13 @@ def reasoning_text(items: list[dict]) -> str:
 
 
 class ResponseEvents:
-    """The events of one streamed response, built from its outputs step by step."""
+    """The events of one streamed response, built from its outputs step by step. `count_tokens(text)`
+    counts the reasoning tokens of the usage; `on_finish(response)` gets the whole finished response."""
 
-    def __init__(self, ctx: ResponseContext, stream: ChoiceStream):
+    def __init__(self, ctx: ResponseContext, stream: ChoiceStream, count_tokens: Callable[[str], int],
+                 on_finish: Callable[[dict], None]):
         self.ctx, self.stream = ctx, stream
+        self.count_tokens, self.on_finish = count_tokens, on_finish
         self.output: list[dict] = []  # items so far; the last one may be open
         self._open = False
         self._sequence = 0
@@ -140,16 +153,17 @@ class ResponseEvents:
                 events += self._close() + self._add(call_item(new_id("fc"), delta["id"], delta["function"]["name"],
                                                              "", "in_progress"))
             events += self._arguments_delta(delta["function"]["arguments"])
-        return events
+        return events + (self._finish(out) if out.finished else [])
 
-    def finish(self, out: RequestOutput, count_tokens) -> tuple[list[dict], dict]:
-        """The closing events and the whole response (`count_tokens(text)`: for the reasoning tokens)."""
+    def _finish(self, out: RequestOutput) -> list[dict]:
+        """The closing events; the whole response goes to `on_finish`."""
         status = status_of(out)
         events = self._close(status)
         if not self.output:
             events += self._add(message_item(new_id("msg"), "", "in_progress")) + self._close(status)
-        response = self.ctx.envelope(status, self.output, usage(out, count_tokens(reasoning_text(self.output))))
-        return events + [self.event(f"response.{status}", response=response)], response
+        response = self.ctx.envelope(status, self.output, usage(out, self.count_tokens(reasoning_text(self.output))))
+        self.on_finish(response)
+        return events + [self.event(f"response.{status}", response=response)]
 
     def event(self, kind: str, **fields) -> dict:
         self._sequence += 1

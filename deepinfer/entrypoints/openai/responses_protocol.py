@@ -16,47 +16,68 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.tools import FieldError
 from deepinfer.json_bounds import check_json_depth
 from deepinfer.sampling_params import short_repr
+from deepinfer.serving.errors import FieldError, FieldNames, Path
+from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # chat field -> the Responses field it comes from (for the param of a 400)
 CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
+def responses_names(num_before: int) -> FieldNames:
+    """A chat request's field paths in the Responses API's names, for a request whose input items
+    start at message `num_before` of the chat (after the instructions and the history): messages[k]
+    is input[k - num_before] (an earlier message is the history's: `previous_response_id`)."""
+
+    def names(path: Path) -> Path:
+        if not path:
+            return path
+        if path[0] == "messages":
+            index = path[1] if len(path) > 1 and isinstance(path[1], int) else None
+            if index is None:
+                return ("input",)
+            if index < num_before:
+                return ("previous_response_id",)
+            return ("input", index - num_before, *path[2:])
+        return (CHAT_TO_RESPONSES.get(path[0], path[0]), *path[1:])
+
+    return names
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
 
     model_config = _STRICT
-    input: str | list[dict[str, Any]]
+    input: str | Items[Entries[str, Any]]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = False
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Items[Any] | None = None
+    tool_choice: str | Entries[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
     store: bool | None = None
-    text: dict[str, Any] | None = None
+    text: Entries[str, Any] | None = None
     # accepted and ignored
-    metadata: dict[str, str] | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
+    metadata: Entries[str, str] | None = None
+    reasoning: Entries[str, Any] | None = None
+    include: Items[str] | None = None
     truncation: str | None = None
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
-    stream_options: dict[str, Any] | None = None
+    stream_options: Entries[str, Any] | None = None
     # refused when set
     background: bool | None = None
     conversation: Any = None
@@ -68,7 +89,7 @@ class ResponsesRequest(BaseModel):
         for name, value in (("conversation", self.conversation), ("prompt", self.prompt),
                             ("max_tool_calls", self.max_tool_calls), ("top_logprobs", self.top_logprobs)):
             if value is not None:
-                raise FieldError(name, f"{name} is not supported")
+                raise FieldError(name, "is not supported")
         if self.background:
             raise FieldError("background", "background responses are not supported")
 
@@ -103,16 +124,16 @@ def input_messages(value: str | list[dict]) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": _string(i, item, "call_id"),
                              "content": _text(i, item.get("output"), "output")})
         elif kind != "reasoning":  # reasoning items are the model's own notes: not sent back to it
-            raise FieldError("input", f"input[{i}]: items of type {short_repr(kind)} are not supported")
+            raise FieldError(("input", i, "type"), f"items of type {short_repr(kind)} are not supported")
     if not messages:
-        raise FieldError("input", "input holds no message")
+        raise FieldError("input", "holds no message")
     return messages
 
 
 def _message(i: int, item: dict) -> dict:
     role = item.get("role")
-    if role not in _ROLES:
-        raise FieldError("input", f"input[{i}].role must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise FieldError(("input", i, "role"), f"must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
     return {"role": _ROLES[role], "content": _text(i, item.get("content"), "content")}
 
 
@@ -121,14 +142,12 @@ def _text(i: int, content, field: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FieldError("input", f"input[{i}].{field} must be a string or a list of text parts, "
-                         f"got {short_repr(content)}")
+        raise FieldError(("input", i, field), f"must be a string or a list of text parts, got {short_repr(content)}")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise FieldError("input", f"input[{i}].{field}[{j}]: only text parts are supported, got type "
-                             f"{short_repr(kind)}")
+            raise FieldError(("input", i, field, j), f"only text parts are supported, got type {short_repr(kind)}")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -136,7 +155,7 @@ def _text(i: int, content, field: str) -> str:
 def _string(i: int, item: dict, key: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:
-        raise FieldError("input", f"input[{i}].{key} must be a non-empty string, got {short_repr(value)}")
+        raise FieldError(("input", i, key), f"must be a non-empty string, got {short_repr(value)}")
     return value
 
 
@@ -146,9 +165,9 @@ def _add_call(messages: list[dict], i: int, item: dict) -> None:
     call_id, name = _string(i, item, "call_id"), _string(i, item, "name")
     arguments = _text(i, item.get("arguments", "{}"), "arguments")
     try:
-        check_json_depth(arguments, f"input[{i}].arguments")
+        check_json_depth(arguments, "")
     except ValueError as exc:
-        raise FieldError("input", str(exc)) from None
+        raise FieldError(("input", i, "arguments"), str(exc).lstrip(": ")) from None
     call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
     if messages and messages[-1]["role"] == "assistant":
         messages[-1].setdefault("tool_calls", []).append(call)
@@ -164,7 +183,7 @@ def chat_tools(tools: list | None) -> list | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise FieldError("tools", f"tools[{i}]: only function tools are supported, got type {short_repr(kind)}")
+            raise FieldError(("tools", i, "type"), f"only function tools are supported, got {short_repr(kind)}")
         converted.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return converted
 
@@ -173,8 +192,8 @@ def chat_tool_choice(choice):
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     if isinstance(choice, dict):
-        raise FieldError("tool_choice", f"tool_choice {short_repr(choice)} is not supported; send 'none', 'auto', "
-                         "'required' or {\"type\": \"function\", \"name\": ...}")
+        raise FieldError("tool_choice", f"{short_repr(choice)} is not supported; send 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"name\": ...}")
     return choice
 
 
@@ -184,8 +203,7 @@ def chat_response_format(text: dict | None) -> dict | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise FieldError("text", f"text.format must be of type text, json_object or json_schema, got "
-                         f"{short_repr(fmt)}")
+        raise FieldError(("text", "format"), f"must be of type text, json_object or json_schema, got {short_repr(fmt)}")
     if fmt["type"] == "json_schema":
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return {"type": fmt["type"]}

@@ -20,15 +20,16 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from deepinfer.entrypoints.openai.body import parse_json, read_body
-from deepinfer.entrypoints.openai.chat_prompt import TemplateRefused, render_chat
-from deepinfer.entrypoints.openai.errors import bad_request
-from deepinfer.entrypoints.openai.protocol import ChatMessage
-from deepinfer.entrypoints.openai.tools import FieldError, tool_plan
+from deepinfer.entrypoints.openai.body import in_pool
+from deepinfer.serving.chat.prompt import TemplateRefused, render_chat
+from deepinfer.serving.chat.tools import tool_plan
+from deepinfer.serving.errors import FieldError, bad_request, from_field_error
+from deepinfer.serving.parse import STRICT, Entries, Items, parse_body
+from deepinfer.serving.protocol import ChatMessage
 
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_STRICT = STRICT
 
 
 class TokenizeRequest(BaseModel):
@@ -37,18 +38,18 @@ class TokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    messages: Items[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: true for a prompt, false for a chat (as vLLM)
     return_token_strs: bool = False
-    tools: list[Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    tools: Items[Any] | None = None
+    chat_template_kwargs: Entries[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
     model_config = _STRICT
     model: str | None = None
-    tokens: list[int]
+    tokens: Items[int]
 
 
 def model_card(state) -> dict:
@@ -62,21 +63,17 @@ def tokenize_routes(state) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        state.check_capacity()
-        raw = await read_body(request)
-        return await state.pool.run(_tokenize, state, raw)
+        return await in_pool(state, request, _tokenize)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        state.check_capacity()
-        raw = await read_body(request)
-        return {"prompt": await state.pool.run(_detokenize, state, raw)}
+        return {"prompt": await in_pool(state, request, _detokenize)}
 
     return router
 
 
 def _tokenize(tokenizer, state, raw: bytes) -> dict:
-    body = TokenizeRequest.model_validate(parse_json(raw))
+    body = parse_body(raw, TokenizeRequest)
     ids = _token_ids(tokenizer, state, body)
     state.bounds.check_tokens(len(ids), "prompt" if body.prompt is not None else "messages")
     strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -98,7 +95,7 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
                            template_kwargs=body.chat_template_kwargs,
                            add_generation_prompt=body.add_generation_prompt)
     except FieldError as exc:
-        raise bad_request(str(exc), exc.param) from None
+        raise from_field_error(exc) from None
     except TemplateRefused:
         raise bad_request("the model's chat template refused the messages (check their roles, order and "
                           "content)", "messages") from None
@@ -107,12 +104,12 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
 
 
 def _detokenize(tokenizer, state, raw: bytes) -> str:
-    body = DetokenizeRequest.model_validate(parse_json(raw))
+    body = parse_body(raw, DetokenizeRequest)
     state.check_model(body.model)
     if tokenizer is None:
         raise bad_request("this model ships no tokenizer")
     state.bounds.check_tokens(len(body.tokens), "tokens")
     bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
     if bad is not None:
-        raise bad_request(f"tokens: {bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
+        raise bad_request(f"{bad} is outside the vocabulary [0, {state.vocab_size})", "tokens")
     return tokenizer.decode(body.tokens)

@@ -51,7 +51,7 @@ _TOKEN_ID_KEYS = {
     "tokenizer.ggml.eos_token_id": "eos_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
-_FIM_TOKEN_KEYS = {  # fill-in-the-middle tokens (entrypoints/openai/fim.py): llama.cpp's keys, then the older ones
+_FIM_TOKEN_KEYS = {  # fill-in-the-middle tokens (serving/fim.py): llama.cpp's keys, then the older ones
     "fim_pre_token_id": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
     "fim_suf_token_id": ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
     "fim_mid_token_id": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),

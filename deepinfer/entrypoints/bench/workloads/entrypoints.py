@@ -48,12 +48,12 @@ def prompt_ids(vocab_size: int, seed: int = 0) -> list[int]:
 
 
 @contextlib.contextmanager
-def busy_loops(n: int) -> Iterator[None]:
-    """`n` processes spinning on a core each until the block ends."""
+def busy_loops(n: int) -> Iterator[list[subprocess.Popen]]:
+    """`n` processes spinning on a core each until the block ends (killed and reaped then)."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
     try:
         time.sleep(0.2 if n else 0)
-        yield
+        yield procs
     finally:
         for proc in procs:
             proc.kill()

@@ -1,0 +1,197 @@
+"""The tool-call parser interface, and what every format shares.
+
+A parser knows one wire format of tool calls in a model's output (Hermes' `<tool_call>` blocks,
+Llama 3's bare JSON, Mistral's `[TOOL_CALLS]` list, DeepSeek V3's `<｜tool▁calls▁begin｜>`
+section). It does three things with it:
+
+- `scan(text, final)`: the text seen so far split into the content outside calls (without a
+  trailing piece that may still become a marker) and the calls begun, each with its name once
+  written whole and its arguments' JSON text so far. Scanning the whole text again at each step
+  keeps one code path for whole answers and streams.
+- `parse(text)`: a whole answer as OpenAI's `message`: the calls, or, when the text is not a
+  well-formed call section, no calls and the whole text as content.
+- `call_grammar(functions, parallel)`: the Lark grammar (llguidance) of a forced call in this format,
+  with each function's arguments constrained by its JSON schema (`%json`).
+
+Markers that are one added token of the tokenizer (`special_ids`; special or not, as Qwen's
+`<tool_call>` in a GGUF) are written `<[id]>` in grammars: llguidance lexes added tokens as
+special tokens, which a string literal never matches. The server keeps special tokens in the
+decoded text when a marker is one that decoding would drop.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from deepinfer.engine.detokenizer import partial_stop_len
+from deepinfer.outputs import FunctionCall, ToolCall
+from deepinfer.serving.chat.tool_parsers.json_scan import Invalid, scan_object
+
+# the arguments' JSON is generated as json.dumps writes it: a small model given free whitespace
+# may write newlines until max_tokens
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """A function a request offers: its name and the JSON schema (an object) of its arguments."""
+
+    name: str
+    parameters: dict
+
+
+@dataclass
+class CallScan:
+    """One call begun in the text: `name` once written whole, `arguments` its JSON text so far
+    (whole once `done`)."""
+
+    name: str | None = None
+    arguments: str = ""
+    done: bool = False
+
+
+@dataclass
+class Scan:
+    """`content`: the text outside calls that may be shown now; `calls` in order; `failed_at`: where
+    the text stopped being a well-formed call section (None while it is one)."""
+
+    content: str = ""
+    calls: list[CallScan] = field(default_factory=list)
+    failed_at: int | None = None
+
+
+@dataclass
+class ParsedToolCalls:
+    """A whole answer: content (None when the calls are all there is) and the calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ToolParser(abc.ABC):
+    """One wire format of tool calls; see the module docstring."""
+
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]]  # the format's fixed strings (special tokens in some checkpoints)
+
+    def __init__(self, special_ids: Mapping[str, int] | None = None, chat_template: str = ""):
+        self.special_ids = dict(special_ids or {})
+        self.chat_template = chat_template
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, chat_template: str) -> bool:
+        """Whether a chat template writes tool calls in this format."""
+
+    @abc.abstractmethod
+    def scan(self, text: str, final: bool) -> Scan:
+        """The text so far; `final`: nothing more will come (withhold nothing, accept what may end here)."""
+
+    @abc.abstractmethod
+    def call_grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+        """Lark text: one call of any of `functions` (one or more, separated as the format does,
+        when `parallel`), each function's arguments matching its schema."""
+
+    def new_call_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def parse(self, text: str) -> ParsedToolCalls:
+        scan = self.scan(text, final=True)
+        calls = scan.calls
+        if not calls or scan.failed_at is not None or not all(c.done and c.name and _is_object(c.arguments)
+                                                              for c in calls):
+            return ParsedToolCalls(text, [])
+        tool_calls = [ToolCall(self.new_call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
+        return ParsedToolCalls(scan.content.strip() or None, tool_calls)
+
+    # -- grammar pieces -------------------------------------------------------------------------
+
+    def literal(self, text: str) -> str:
+        """A fixed string in Lark: the special token's id when it is one, else the quoted text."""
+        token_id = self.special_ids.get(text)
+        return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
+
+    @staticmethod
+    def start_rule(call_rule: str, separator: str, parallel: bool) -> str:
+        return f"start: {call_rule} ({separator} {call_rule})*" if parallel else f"start: {call_rule}"
+
+
+def scan_call_object(text: str, pos: int, arguments_keys: tuple[str, ...]) -> tuple[CallScan, int | None]:
+    """The call written as a JSON object `{"name": ..., <an arguments key>: {...}}` at `pos` ('{'):
+    the call so far and the index past its closing brace (None while open). Invalid for another
+    key, a name that is not a non-empty string, or a closed object without a name; a closed
+    object without arguments has `{}`."""
+    scan = scan_object(text, pos)
+    if any(key != "name" and key not in arguments_keys for key in scan.keys):
+        raise Invalid
+    call = CallScan()
+    if "name" in scan.members:
+        call.name = json.loads(text[slice(*scan.members["name"])])
+        if not isinstance(call.name, str) or not call.name:
+            raise Invalid
+    for key in arguments_keys:
+        if key in scan.members:
+            call.arguments = text[slice(*scan.members[key])]
+        elif scan.open_key == key:
+            call.arguments = text[scan.open_start:]
+    if scan.end is not None:
+        if call.name is None:
+            raise Invalid
+        call.arguments = call.arguments or "{}"
+    return call, scan.end
+
+
+def call_object_schema(fn: FunctionSpec, arguments_key: str) -> dict:
+    """The schema of `{"name": fn.name, arguments_key: <arguments>}`, name first; the arguments'
+    `$defs` move to the root, where their `#/$defs/...` references point."""
+    arguments = copy.deepcopy(fn.parameters)
+    schema = {"type": "object", "properties": {"name": {"const": fn.name}, arguments_key: arguments},
+              "required": ["name", arguments_key], "additionalProperties": False}
+    for key in ("$defs", "definitions"):
+        if key in arguments:
+            schema[key] = arguments.pop(key)
+    return styled(schema)
+
+
+def styled(schema: dict) -> dict:
+    """`schema` with the JSON_STYLE options (llguidance's `x-guidance`) at its root."""
+    return {**schema, "x-guidance": JSON_STYLE}
+
+
+def json_rule(schema: dict) -> str:
+    return "%json " + json.dumps(schema)
+
+
+def scan_sections(text: str, final: bool, marker: str, section) -> Scan:
+    """The scan of a format whose calls follow `marker`: the text before each marker is content, and
+    `section(text, pos past the marker, final, scan)` adds the calls after it and returns the index past
+    them (None while they are still being written; Invalid when they are not calls). The text after the
+    last section is content, less what may be the start of another marker while more may come."""
+    scan, pos = Scan(), 0
+    while True:
+        start = text.find(marker, pos)
+        if start < 0:
+            tail = text[pos:]
+            scan.content += tail if final else tail[:len(tail) - partial_stop_len(tail, (marker,))]
+            return scan
+        scan.content += text[pos:start]
+        try:
+            pos = section(text, start + len(marker), final, scan)
+        except Invalid:
+            scan.failed_at = start
+            return scan
+        if pos is None:  # the section is still being written
+            return scan
+
+
+def _is_object(arguments: str) -> bool:
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except (ValueError, RecursionError):  # the model's text: RecursionError when it nests ~1000 deep
+        return False
