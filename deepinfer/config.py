@@ -62,18 +62,17 @@ def check_load_format(value) -> str:
 
 @dataclass
 class SchedulerConfig:
-    """What the scheduler may put in one step, and how long a request may grow."""
+    """What the scheduler may put in one step. (How long a request may grow is
+    `EngineConfig.max_model_len`, resolved once before the model is built.)"""
 
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    max_model_len: int = 2048  # prompt + output tokens of one request
     # fcfs: arrival order; priority: (priority, arrival), lower first (engine/request_queue.py)
     scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         for name, value in (("max_num_seqs", self.max_num_seqs),
-                            ("max_num_batched_tokens", self.max_num_batched_tokens),
-                            ("max_model_len", self.max_model_len)):
+                            ("max_num_batched_tokens", self.max_num_batched_tokens)):
             _positive(name, value)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(map(repr, SCHEDULING_POLICIES))}, "
@@ -218,7 +217,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (worker/cuda_graphs.py)
     seed: int = 0
     num_threads: int | None = None  # CPU threads per rank for the model's kernels; None: torch's default
-    max_model_len: int | None = None  # None: the model's context, or the longest one request the KV cache holds
+    # prompt + output tokens of one request. None (not given): resolved before the model is built to the
+    # model's context, or the longest request the KV cache holds (`with_max_model_len`, worker/context_length.py)
+    max_model_len: int | None = None
     hf_overrides: dict | None = None  # config fields to override, e.g. {"sliding_window": 128}
     load_format: str = "auto"  # one of LOAD_FORMATS
     pooling: str = "auto"  # embeddings: one of POOLING_CHOICES (auto: the checkpoint's declaration)
@@ -233,8 +234,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no drafts (rings still keep the env's allowance)
     lora: LoRAConfig | None = None  # None: LoRA off
     env: Environ | None = None  # None: the process environment (read once)
-    # set by resolve_max_model_len when max_model_len was not given: the cache sizing may lower it
-    max_model_len_fitted: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self):
         self.scheduler = self.scheduler or SchedulerConfig()
@@ -280,24 +279,27 @@ class EngineConfig:
         if tp == 1:
             return
 
-    def resolve_max_model_len(self, model_context: int) -> int:
-        """max_model_len, or the model's context when unset (`max_model_len_fitted` then says the cache
-        sizing may lower it to what one request can take: `fit_max_model_len`); the scheduler's too.
-        One beyond the model's context is refused unless allow_long_max_model_len (or
-        DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) says to accept it: positions past what the model was
-        trained on give garbage."""
-        if self.max_model_len is None:
-            self.max_model_len, self.max_model_len_fitted = model_context, True
+    def __setattr__(self, name: str, value) -> None:
+        """max_model_len is set once, by the constructor: the engine resolves it into a new config
+        (`with_max_model_len`) before any model is built, and nothing changes it afterwards."""
+        if name == "max_model_len" and name in self.__dict__:
+            raise AttributeError(f"max_model_len is {self.max_model_len!r} for this config's life; make a config "
+                                 f"with another one (EngineConfig.with_max_model_len)")
+        super().__setattr__(name, value)
+
+    def given_max_model_len(self, model_context: int) -> int | None:
+        """max_model_len as given (None: not given, the engine resolves it). One beyond the model's
+        context is refused unless allow_long_max_model_len (or DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1)
+        says to accept it: positions past what the model was trained on give garbage."""
         allowed = self.allow_long_max_model_len or self.env.allow_long_max_model_len
-        if self.max_model_len > model_context and not allowed:
+        if self.max_model_len is not None and self.max_model_len > model_context and not allowed:
             raise ValueError(f"max_model_len {self.max_model_len:,} exceeds the model's context of "
                              f"{model_context:,} tokens; lower it, or pass --allow-long-max-model-len "
                              f"(DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1) to accept it anyway")
-        self.scheduler.max_model_len = self.max_model_len
         return self.max_model_len
 
-    def fit_max_model_len(self, length: int) -> None:
-        """Lower a max_model_len that was not given to `length` (what the KV cache can hold for one request)."""
-        if not self.max_model_len_fitted or length >= self.max_model_len:
-            return
-        self.max_model_len = self.scheduler.max_model_len = length
+    def with_max_model_len(self, length: int) -> EngineConfig:
+        """A copy of this config with max_model_len resolved to `length`: the config every model, the
+        cache and the scheduler are built from (`worker/context_length.py` makes it once; nothing
+        writes the value afterwards)."""
+        return dataclasses.replace(self, max_model_len=length)

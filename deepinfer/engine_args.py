@@ -181,7 +181,7 @@ class EngineArgs:
         parts: dict[type, dict] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, LoRAConfig: {},
                                    EngineConfig: {}}
         for f in dataclasses.fields(self):  # shallow: a ModelSource or LoRA module stays an object
-            parts[f.metadata["config"]][f.metadata["name"]] = getattr(self, f.name)
+            parts[f.metadata["config"]][f.metadata["name"]] = vars(self)[f.name]
         cache = CacheConfig(**parts[CacheConfig])
         scheduler = SchedulerConfig(**parts[SchedulerConfig])
         speculative = SpeculativeConfig(**parts[SpeculativeConfig])
@@ -207,7 +207,7 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The options a namespace parsed by a parser with `add_cli_args` holds."""
-        return cls(**{f.name: getattr(args, cli_dest(f)) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: vars(args)[cli_dest(f)] for f in dataclasses.fields(cls)})
 
 
 def cli_flag(f: dataclasses.Field) -> str:

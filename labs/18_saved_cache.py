@@ -69,7 +69,7 @@ def save_and_restart(model: str | None, ids: list[int], directory: Path, **kwarg
         first.generate([ids], GREEDY, use_tqdm=False)
         runner = first.engine.runner
         model_type = first.engine.source.hf_config.model_type
-        groups, codecs, sizing = runner.groups, runner.codecs, runner.sizing
+        groups, codecs, sizing = runner.groups, runner.caches.codecs, runner.caches.sizing
     saved = scan(directory)
     with LLM(model, **kwargs) as second:
         out = second.generate([ids], GREEDY, use_tqdm=False)[0]

@@ -85,10 +85,10 @@ def _request(rid, n, start, **kw):
 
 def test_only_plain_decode_steps_qualify(tiny_checkpoint, emulated):
     runner = make_llm(tiny_checkpoint("llama")).engine.runner
-    graphs = runner.graphs
+    graphs = runner.steps.graphs
 
     def accepts(*scheduled):
-        return graphs.accepts(build_step_inputs(StepPlan(list(scheduled)), runner.addressing, runner.device))
+        return graphs.accepts(build_step_inputs(StepPlan(list(scheduled)), runner.caches.addressing, runner.device))
 
     decodes = [_request(f"d{i}", 1, 3 + i) for i in range(3)]
     assert accepts(*decodes) and accepts(decodes[0])
@@ -107,11 +107,11 @@ def test_emulated_graphs_give_the_eager_tokens(tiny_checkpoint, arch, monkeypatc
     path = tiny_checkpoint(arch)
     params = [SamplingParams(max_tokens=n, temperature=0, logprobs=1, ignore_eos=True) for n in (2, 3, 4)]
     eager = make_llm(path)
-    assert eager.engine.runner.graphs is None  # the CPU captures nothing by default
+    assert eager.engine.runner.steps.graphs is None  # the CPU captures nothing by default
     ref = [o.outputs[0] for o in eager.generate(PROMPTS, params, use_tqdm=False)]
     monkeypatch.setattr(ModelRunner, "emulate_cuda_graphs", True)
     llm = make_llm(path)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.steps.graphs
     assert graphs.sizes == [1, 2, 4]
     batches = []
     run = graphs.run
@@ -126,9 +126,9 @@ def test_emulated_graphs_give_the_eager_tokens(tiny_checkpoint, arch, monkeypatc
 
 
 def test_enforce_eager_turns_graphs_off(tiny_checkpoint, emulated):
-    assert make_llm(tiny_checkpoint("llama")).engine.runner.graphs is not None
-    assert make_llm(tiny_checkpoint("llama"), enforce_eager=True).engine.runner.graphs is None
-    assert make_llm(tiny_checkpoint("llama"), attention_backend="torch").engine.runner.graphs is None
+    assert make_llm(tiny_checkpoint("llama")).engine.runner.steps.graphs is not None
+    assert make_llm(tiny_checkpoint("llama"), enforce_eager=True).engine.runner.steps.graphs is None
+    assert make_llm(tiny_checkpoint("llama"), attention_backend="torch").engine.runner.steps.graphs is None
 
 
 @pytest.mark.parametrize("layers", [["SLIDING", "SLIDING"], ["SLIDING", "CSA"]])
@@ -139,7 +139,7 @@ def test_deepseek_v4_runs_eager(tmp_path, emulated, layers):
 
     v4_tiny.make_tiny_v4(str(tmp_path), [getattr(v4_tiny, kind) for kind in layers])
     runner = make_llm(str(tmp_path)).engine.runner
-    assert runner.attention_backend.name == "triton" and runner.graphs is None
+    assert runner.attention_backend.name == "triton" and runner.steps.graphs is None
 
 
 def test_enforce_eager_flag_and_field():

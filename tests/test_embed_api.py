@@ -108,7 +108,7 @@ def test_a_step_run_again_after_a_fault_pools_each_chunk_once(st_dirs, texts, mo
     with _llm(st_dirs["mean"]) as llm:
         clean = _vectors(llm.embed([texts[60]], use_tqdm=False))
         runner, faults = llm.engine.runner, []
-        finish = runner.prefix.finish
+        finish = runner.caches.prefix.finish
 
         def failing_finish(plan):
             if not faults and len(plan.scheduled) > 1 and any(s.pooling and s.start_pos for s in plan.scheduled):
@@ -116,7 +116,7 @@ def test_a_step_run_again_after_a_fault_pools_each_chunk_once(st_dirs, texts, mo
                 raise RuntimeError("injected fault after the forward")
             return finish(plan)
 
-        monkeypatch.setattr(runner.prefix, "finish", failing_finish)
+        monkeypatch.setattr(runner.caches.prefix, "finish", failing_finish)
         engine = llm.engine
         emb = engine.add_request(texts[60], PoolingParams())
         gen = engine.add_request(texts[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))

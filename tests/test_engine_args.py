@@ -25,12 +25,11 @@ from deepinfer.llm_options import CHECKED, NO_EFFECT, accepted_keywords
 
 PACKAGE = Path(deepinfer.llm.__file__).parent
 FIELDS = dataclasses.fields(EngineArgs)
-# config fields that are not options: filled in by the engine (max_model_len of the scheduler, env),
-# composite, or fixed (the n-gram proposer's lookup lengths)
-NOT_OPTIONS = {(SchedulerConfig, "max_model_len"), (SpeculativeConfig, "prompt_lookup_max"),
-               (SpeculativeConfig, "prompt_lookup_min"), (EngineConfig, "scheduler"), (EngineConfig, "cache"),
-               (EngineConfig, "speculative"), (EngineConfig, "lora"), (EngineConfig, "env"),
-               (EngineConfig, "max_model_len_fitted")}  # set by resolve_max_model_len, not an option
+# config fields that are not options: filled in by the engine (env), composite, or fixed (the n-gram
+# proposer's lookup lengths)
+NOT_OPTIONS = {(SpeculativeConfig, "prompt_lookup_max"), (SpeculativeConfig, "prompt_lookup_min"),
+               (EngineConfig, "scheduler"), (EngineConfig, "cache"), (EngineConfig, "speculative"),
+               (EngineConfig, "lora"), (EngineConfig, "env")}
 # a value we can give each vLLM-only keyword without changing anything
 VLLM_VALUES = {"trust_remote_code": True, "swap_space": 4, "disable_log_stats": True, "pipeline_parallel_size": 1,
                "tokenizer": None, "tokenizer_mode": "auto"}

@@ -100,7 +100,7 @@ def test_random_faults_leave_no_block_or_slot_behind(hybrid_llm, monkeypatch, op
     while engine.has_unfinished_requests():
         _step(engine, faults)
     engine.kv_manager.check_no_leaks()
-    assert engine.runner.sampler.num_request_generators == 0
+    assert engine.runner.steps.sampler.num_request_generators == 0
 
 
 def _step(engine, faults: _Faults) -> None:

@@ -6,12 +6,16 @@ by `deepinfer/__init__.py` are ignored: it re-exports the public API.
 
 Rules:
 1. `engine/` imports neither `torch` nor `deepinfer.worker`, `.spec_decode`, `.model_executor`,
-   `.entrypoints`, `.llm`.
-1b. `serving/` (the request lifecycle below HTTP) imports none of `deepinfer.entrypoints`, `.llm`, nor an HTTP
-   framework (`fastapi`, `starlette`, `uvicorn`) or `torch`.
-2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`; `spec_decode/` (between the
-   worker and the model executor) none of those nor `deepinfer.worker`.
-3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`.
+   `.entrypoints`, `.llm`, `.compose` (the composition of the system, `build_engine`).
+1b. `serving/` (the request lifecycle below HTTP) imports none of `deepinfer.entrypoints`, `.llm`, `.compose`,
+   nor an HTTP framework (`fastapi`, `starlette`, `uvicorn`) or `torch`.
+2. `worker/` imports none of `deepinfer.engine`, `.entrypoints`, `.llm`, `.compose`; `spec_decode/` (between the
+   worker and the model executor) imports, of ours, only `deepinfer.config`, `.contracts`,
+   `.sampling_params`, `.model_executor` and itself (so neither the worker nor anything above it).
+2b. Every drafter lives in `spec_decode/`: no class elsewhere implements the `Drafter` protocol
+   (`propose` and `draft_probs`), and none elsewhere subclasses `ChainDrafter` (the one chain loop).
+3. `model_executor/` imports none of `deepinfer.engine`, `.worker`, `.spec_decode`, `.entrypoints`, `.llm`,
+   `.compose`.
 4. `model_executor/layers/ops/` imports none of `deepinfer.model_executor.models`, `.loader`,
    `.layers.attention`, `.layers.sampler` and its stages (`.layers.penalties`, `.layers.token_draws`), nor a
    `sampling_metadata` module.
@@ -20,7 +24,10 @@ Rules:
 5. `contracts/` imports, of ours, only `deepinfer.config`, `.environ`, `.sampling_params` and other
    `deepinfer.contracts.*`; and no `torch`.
 6. No import cycles among `deepinfer` modules (function-level imports count; importing a package is an
-   edge to its `__init__.py` only).
+   edge to its `__init__.py` only). Inside `model_executor/`, a sub-package of `layers/` or `models/`
+   (`layers/attention/`, `layers/ops/`, `models/deepseek_v4/`, ...) counts as one unit besides: no
+   cycle among those units and the other modules either (`kernel_set` -> `attention/` -> `kernel_set`
+   is one, though no module imports itself back).
 7. No `hasattr(x, "name")` / `getattr(x, "name", ...)` anywhere in `deepinfer/` where "name" is a member
    of a contracts Protocol (`CachedModel`, `StepRunner`, ...) or a field of `ModelCapabilities`: what
    differs between implementations is declared, not probed (`tests/protocol_probes.py`).
@@ -89,14 +96,17 @@ class Cycle:
 _ME = "deepinfer.model_executor"
 RULES = (
     Rule("engine", "deepinfer.engine",
-         ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm")),
+         ("torch", "deepinfer.worker", "deepinfer.spec_decode", _ME, "deepinfer.entrypoints", "deepinfer.llm",
+          "deepinfer.compose")),
     Rule("serving", "deepinfer.serving",
-         ("deepinfer.entrypoints", "deepinfer.llm", "fastapi", "starlette", "uvicorn", "torch")),
-    Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm")),
-    Rule("spec_decode", "deepinfer.spec_decode",
-         ("deepinfer.engine", "deepinfer.worker", "deepinfer.entrypoints", "deepinfer.llm")),
+         ("deepinfer.entrypoints", "deepinfer.llm", "deepinfer.compose", "fastapi", "starlette", "uvicorn", "torch")),
+    Rule("worker", "deepinfer.worker", ("deepinfer.engine", "deepinfer.entrypoints", "deepinfer.llm",
+                                        "deepinfer.compose")),
+    Rule("spec_decode", "deepinfer.spec_decode", (PACKAGE,),
+         ("deepinfer.config", "deepinfer.contracts", "deepinfer.sampling_params", _ME, "deepinfer.spec_decode")),
     Rule("model_executor", _ME,
-         ("deepinfer.engine", "deepinfer.worker", "deepinfer.spec_decode", "deepinfer.entrypoints", "deepinfer.llm")),
+         ("deepinfer.engine", "deepinfer.worker", "deepinfer.spec_decode", "deepinfer.entrypoints", "deepinfer.llm",
+          "deepinfer.compose")),
     Rule(
         "ops",
         f"{_ME}.layers.ops",
@@ -277,6 +287,54 @@ def cycles(imports: list[Import]) -> list[Cycle]:
     return [_cycle(graph, c) for c in sorted(c for c in _components(graph) if len(c) > 1)]
 
 
+UNIT_PARENTS = (f"{_ME}.layers", f"{_ME}.models")  # their sub-packages count as one unit each
+
+
+def _unit(module: str) -> str:
+    """`module`, or the sub-package of a `UNIT_PARENTS` package that holds it."""
+    for parent in UNIT_PARENTS:
+        if module.startswith(parent + "."):
+            return f"{parent}.{module[len(parent) + 1:].split('.')[0]}"
+    return module
+
+
+def unit_cycles(imports: list[Import]) -> list[Cycle]:
+    """Import cycles inside `model_executor/` once each sub-package of `layers/` and `models/` is one
+    unit: a module that imports a sub-package that imports the module back, by any files."""
+    inside = [imp for imp in imports if _within(imp.importer, _ME) and _within(imp.target, _ME)]
+    return cycles([Import(imp.path, imp.line, _unit(imp.importer), _unit(imp.target)) for imp in inside])
+
+
+@dataclass(frozen=True)
+class DrafterClass:
+    """A class at `path:line` that drafts: it implements `propose` and `draft_probs`, or subclasses
+    `ChainDrafter`."""
+
+    path: str
+    line: int
+    name: str
+
+    def __str__(self):
+        return f"{self.path}:{self.line} class {self.name} drafts outside deepinfer/spec_decode/"
+
+
+def drafters_outside_spec_decode(root: Path) -> list[DrafterClass]:
+    """Every drafter class (`DrafterClass`) outside `deepinfer/spec_decode/`; Protocols excepted."""
+    found = []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(f"{PACKAGE}/spec_decode/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {ast.unparse(b).split(".")[-1] for b in node.bases}
+            methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            if "Protocol" not in bases and ({"propose", "draft_probs"} <= methods or "ChainDrafter" in bases):
+                found.append(DrafterClass(rel, node.lineno, node.name))
+    return found
+
+
 def _fail_if_any(found: list, title: str) -> None:
     if found:
         pytest.fail(f"{title}:\n" + "\n".join(str(item) for item in found), pytrace=False)
@@ -298,6 +356,14 @@ def test_layer_rule(real_imports, rule):
 
 def test_no_import_cycles(real_imports):
     _fail_if_any(cycles(real_imports), "import cycles among deepinfer modules")
+
+
+def test_no_cycles_among_the_model_executors_units(real_imports):
+    _fail_if_any(unit_cycles(real_imports), "import cycles among model_executor's modules and sub-packages")
+
+
+def test_every_drafter_lives_in_spec_decode():
+    _fail_if_any(drafters_outside_spec_decode(REPO_ROOT), "drafters outside spec_decode/")
 
 
 def test_collector_sees_the_real_tree(real_imports):
@@ -411,6 +477,60 @@ def test_worker_rule_can_fail(synthetic):
 def test_model_executor_rule_can_fail(synthetic):
     assert _broken(synthetic, "model_executor") == [
         "deepinfer/model_executor/runner.py:1 imports deepinfer.worker.model_runner",
+    ]
+
+
+def test_spec_decode_rule_can_fail(tmp_path):
+    files = {
+        "spec_decode/__init__.py": "",
+        "spec_decode/good.py": ("from deepinfer.config import SpeculativeConfig\n"
+                                "from deepinfer.contracts.plan import P\n"
+                                "from deepinfer.model_executor.forward_context import forward_context\n"),
+        "spec_decode/bad.py": "from deepinfer.worker.input_batch import build\nimport deepinfer.structured_output\n",
+    }
+    _write_tree(tmp_path, files)
+    assert _broken(collect_imports(tmp_path), "spec_decode") == [
+        "deepinfer/spec_decode/bad.py:1 imports deepinfer.worker.input_batch",
+        "deepinfer/spec_decode/bad.py:2 imports deepinfer.structured_output",
+    ]
+
+
+def test_drafter_rule_can_fail(tmp_path):
+    files = {
+        "spec_decode/mtp.py": "class MtpDrafter(ChainDrafter):\n    pass\n",
+        "contracts/drafting.py": ("class Drafter(Protocol):\n    def propose(self): ...\n"
+                                  "    def draft_probs(self): ...\n"),
+        "worker/drafters.py": ("class NgramDrafter:\n    def propose(self): ...\n    def draft_probs(self): ...\n\n"
+                               "class Proposer:\n    def propose(self): ...\n"),
+        "worker/mtp.py": "from deepinfer.spec_decode import chain\n\nclass Mine(chain.ChainDrafter):\n    pass\n",
+    }
+    _write_tree(tmp_path, files)
+    assert [str(d) for d in drafters_outside_spec_decode(tmp_path)] == [
+        "deepinfer/worker/drafters.py:1 class NgramDrafter drafts outside deepinfer/spec_decode/",
+        "deepinfer/worker/mtp.py:3 class Mine drafts outside deepinfer/spec_decode/",
+    ]
+
+
+def test_unit_cycle_rule_can_fail(tmp_path):
+    """kernel_set imports attention/torch_ref, attention/backend imports kernel_set: no module cycle,
+    a cycle of units; ops/ importing its own sub-package is none."""
+    files = {
+        "model_executor/layers/kernel_set.py": "from deepinfer.model_executor.layers.attention import torch_ref\n",
+        "model_executor/layers/attention/__init__.py": "",
+        "model_executor/layers/attention/torch_ref.py": "",
+        "model_executor/layers/attention/backend.py": "from deepinfer.model_executor.layers import kernel_set\n",
+        "model_executor/layers/ops/lora.py": "from deepinfer.model_executor.layers.ops.triton import lora\n",
+        "model_executor/layers/ops/triton/lora.py": "from deepinfer.model_executor.layers.ops import lora_kernels\n",
+        "model_executor/layers/ops/lora_kernels.py": "",
+    }
+    _write_tree(tmp_path, files)
+    imports = collect_imports(tmp_path)
+    assert cycles(imports) == []
+    [found] = unit_cycles(imports)
+    assert found.members == ("deepinfer.model_executor.layers.attention", "deepinfer.model_executor.layers.kernel_set")
+    assert [str(e) for e in found.edges] == [
+        "deepinfer/model_executor/layers/attention/backend.py:1 imports deepinfer.model_executor.layers.kernel_set",
+        "deepinfer/model_executor/layers/kernel_set.py:1 imports deepinfer.model_executor.layers.attention",
     ]
 
 

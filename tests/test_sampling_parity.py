@@ -226,7 +226,7 @@ def test_prompt_logprobs_not_taken_from_a_prefix_hit(llm, hf_model):
     assert [e and {t: round(v.logprob, 4) for t, v in e.items()} for e in again.prompt_logprobs] == \
         [e and {t: round(v.logprob, 4) for t, v in e.items()} for e in first.prompt_logprobs]
     assert _generate(llm, PROMPT, max_tokens=1, temperature=0.0).prompt_logprobs is None
-    assert not llm.engine.runner.prompt_logprobs._entries  # nothing kept after the requests ended
+    assert not llm.engine.runner.steps.prompt_logprobs._entries  # nothing kept after the requests ended
     llm.engine.kv_manager.check_no_leaks()
 
 

@@ -56,7 +56,7 @@ def test_random_model_samples_only_what_the_spec_allows(tiny_llm, spec, match):
               for seed in range(6)]
     params.append(SamplingParams(max_tokens=200, temperature=0.0, structured_output=spec))
     _check(tiny_llm.generate(["Answer:"] * len(params), params, use_tqdm=False), match)
-    assert tiny_llm.engine.runner.structured.num_matchers == 0  # finished requests freed theirs
+    assert tiny_llm.engine.runner.steps.structured.num_matchers == 0  # finished requests freed theirs
 
 
 def test_json_object_beside_a_free_request(tiny_llm):
@@ -120,9 +120,9 @@ def test_abort_frees_the_matcher(tiny_llm):
     rid = engine.add_request("Count:", params)
     for _ in range(3):
         engine.step()
-    assert engine.runner.structured.num_matchers == 1
+    assert engine.runner.steps.structured.num_matchers == 1
     assert engine.abort_request(rid)
-    assert engine.runner.structured.num_matchers == 0
+    assert engine.runner.steps.structured.num_matchers == 0
     engine.step()  # hands back the abort
     engine.kv_manager.check_no_leaks()
 
@@ -147,7 +147,7 @@ def test_preemption_keeps_the_matchers(tiny_checkpoint, tiny_llm):
                 max_model_len=96, enable_prefix_caching=False)
     assert _greedy_texts(small, PROMPTS) == truth
     assert small.get_metrics()["num_preemptions"] > 0
-    assert small.engine.runner.structured.num_matchers == 0
+    assert small.engine.runner.steps.structured.num_matchers == 0
     small.engine.kv_manager.check_no_leaks()
 
 
@@ -162,7 +162,7 @@ def test_ngram_speculation_keeps_greedy_output_and_the_grammar(tiny_checkpoint, 
     sampled = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured_output={"regex": LIST})
                for s in range(4)]
     _check(spec.generate(PROMPTS, sampled, use_tqdm=False), lambda t: re.fullmatch(LIST, t))
-    assert spec.engine.runner.structured.num_matchers == 0
+    assert spec.engine.runner.steps.structured.num_matchers == 0
 
 
 # -- the worker's masks, against the vocabulary itself -------------------------------------------
@@ -274,7 +274,7 @@ def test_the_grammar_compiled_at_add_time_is_used_by_the_worker(tiny_llm, monkey
     def no_compile(*args):
         raise AssertionError("the worker compiled a grammar")
 
-    monkeypatch.setattr(tiny_llm.engine.runner.structured, "_compile", no_compile)
+    monkeypatch.setattr(tiny_llm.engine.runner.steps.structured, "_compile", no_compile)
     spec = StructuredOutputsParams(regex=CODE)
     outs = tiny_llm.generate(["Code:"], [SamplingParams(max_tokens=40, temperature=0.0, structured_output=spec)],
                              use_tqdm=False)
@@ -297,4 +297,4 @@ def test_a_mask_emptied_mid_generation_fails_that_request_alone_with_one_log_lin
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].exc_info is None and len(records[0].getMessage().splitlines()) == 1
     tiny_llm.engine.kv_manager.check_no_leaks()
-    assert tiny_llm.engine.runner.structured.num_matchers == 0
+    assert tiny_llm.engine.runner.steps.structured.num_matchers == 0

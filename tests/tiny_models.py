@@ -104,7 +104,7 @@ def run_steps(llm, steps) -> list[torch.Tensor]:
 
     runner, out = llm.engine.runner, []
     for step in steps:
-        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
+        inputs = build_step_inputs(StepPlan([step]), runner.caches.addressing, runner.device)
         with forward_context(inputs.attn_metadata):
             hidden = runner.model(inputs.input_ids, inputs.positions)  # [T, hidden]
         out.append(runner.model.compute_logits(hidden).float())  # [T, V]

@@ -40,3 +40,15 @@ class HFConfigFields:
     def of(cls, hf_config: Any) -> HFConfigFields:
         """The fields `hf_config` sets (a transformers config, or any object with such attributes)."""
         return cls(**{f.name: getattr(hf_config, f.name, f.default) for f in fields(cls)})
+
+
+def eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's EOS ids: its config's (one id or several) and its tokenizer's (None: none)."""
+    ids = set()
+    from_tokenizer = None if tokenizer is None else tokenizer.eos_token_id
+    for value in (HFConfigFields.of(hf_config).eos_token_id, from_tokenizer):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)

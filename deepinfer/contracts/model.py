@@ -120,7 +120,7 @@ class CachedModel(Protocol):
 
 class DraftingModel(CachedModel, Protocol):
     """A `CachedModel` whose capabilities say `mtp_drafting` (and `drafting_streams`): the
-    members the MTP drafter (`worker/mtp_drafter.py`) uses."""
+    members the MTP drafter (`spec_decode/mtp.py`) uses."""
 
     mtp: Any  # the next-n draft module; None until `add_mtp()`
     last_streams: Any  # [T, N, hidden] pre-head streams of the last forward (with `mtp` on)

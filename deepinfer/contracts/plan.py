@@ -96,6 +96,11 @@ class ScheduledRequest:
         return self.sampling_params is not None
 
 
+def is_decode(s: ScheduledRequest) -> bool:
+    """Store-then-read steps: one new token, or a verification step's k+1 tokens."""
+    return s.start_pos > 0 and (s.num_tokens == 1 or s.verify)
+
+
 @dataclass
 class StepPlan:
     """One engine step: the scheduled requests in scheduling order, and the requests the runner

@@ -1,11 +1,11 @@
 """LLMEngine: the step loop. plan = schedule(); out = runner.execute(plan); update(plan, out).
 
 This module never touches tensors and imports neither the worker nor the model executor: the
-composing code above it (`deepinfer.llm.build_engine`) loads the model source, builds the runner
+composing code above it (`deepinfer.compose.build_engine`) loads the model source, builds the runner
 and hands both in.
 
 Fault isolation: one bad request never takes the engine down. Every per-request value is checked
-before admission (`add_request`, `SamplingParams.validate`). Inside a step:
+before admission (`add_request`, `SamplingParams.validate`). Inside a step (`step_isolation.py`):
 
     runner.execute(plan) raises ----> each request again, alone (sub-plans of one request); those
                                       whose solo step fails are failed, the others' results used
@@ -31,10 +31,10 @@ import logging
 import weakref
 
 from deepinfer.config import EngineConfig
-from deepinfer.contracts.hf_config import HFConfigFields
+from deepinfer.contracts.hf_config import eos_token_ids
 from deepinfer.contracts.lora import AdapterResolver, LoRAAdapter, LoRARequest
 from deepinfer.contracts.model import StepRunner
-from deepinfer.contracts.plan import ModelOutput, StepPlan, describe_fault, is_fatal_fault
+from deepinfer.contracts.plan import StepPlan, describe_fault, is_fatal_fault
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine import pooling
 from deepinfer.engine.adapter_slots import AdapterSlotTable
@@ -44,11 +44,11 @@ from deepinfer.engine.parallel_sampling import ParallelSampling, ParentRequest
 from deepinfer.engine.prefix_cache import PrefixSettings
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.step_isolation import IsolatedSteps
 from deepinfer.outputs import EmbeddingRequestOutput, RequestFailedError, RequestOutput
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab, short_repr
 
 logger = logging.getLogger("deepinfer.engine")
-_MAX_LONE_FAILURES = 2  # one-request steps failing in a row before the fault counts as not per-request
 
 
 class LLMEngine:
@@ -59,15 +59,15 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, source, runner: StepRunner, adapters: AdapterResolver | None = None):
         self.config, self.source, self.runner = config, source, runner
+        self.isolated = IsolatedSteps()  # the runner's step, faults pinned on their requests
         self.adapters = adapters
         self.tokenizer = source.tokenizer
-        self.max_model_len = config.scheduler.max_model_len
         self.kv_manager = KVCacheManager(kv_group_specs(runner.groups), num_blocks=runner.num_blocks,
                                          num_state_slots=runner.num_state_slots,
                                          prefix=prefix_settings(config, runner), unit=config.cache.block_size)
         lora_slots = AdapterSlotTable(config.lora.max_loras) if config.lora.enable_lora else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, lora_slots)
-        self.eos_token_ids = eos_token_ids(source)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.max_model_len, lora_slots)
+        self.eos_token_ids = eos_token_ids(source.hf_config, source.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
         # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
         self.pooling = pooling.pooling_config(source.path, source.hf_config, config.pooling)
@@ -75,8 +75,12 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, close_engine, self.kv_manager, runner)
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, returned by the next step
-        self._lone_failures = 0  # one-request steps that failed in a row
         self.samples = ParallelSampling()  # requests with n / best_of > 1 and their child requests
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens of one request: the config's, resolved before the model was built."""
+        return self.config.max_model_len
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -245,7 +249,7 @@ class LLMEngine:
         A request failed by a fault comes back finished with finish_reason "error"; only a fatal
         fault (see the module docstring) raises."""
         plan = self.scheduler.schedule()
-        output = self._execute(plan)
+        output = self.isolated.execute(self.runner, plan)
         failed = [self._fail(req, message) for rid, message in output.errors.items()
                   if (req := self.scheduler.get_request(rid)) is not None]
         updated = self.scheduler.update(plan, output)
@@ -254,58 +258,6 @@ class LLMEngine:
         failed += self._admit_siblings()
         aborted, self._aborted = self._aborted, []
         return self.samples.fold(aborted + failed + results)
-
-    def _execute(self, plan: StepPlan) -> ModelOutput:
-        """The runner's step; if it raises, find the culprits by running each request alone."""
-        try:
-            output = self.runner.execute(plan)
-        except Exception as exc:
-            if is_fatal_fault(exc):
-                raise
-            if len(plan.scheduled) < 2:
-                return self._fail_lone_request(plan, exc)
-            logger.warning("%s; running its %d requests one at a time to find the culprit",
-                           describe_fault("a step", exc), len(plan.scheduled))
-            output = self._execute_alone(plan, exc)
-        if plan.scheduled:
-            self._lone_failures = 0
-        return output
-
-    def _fail_lone_request(self, plan: StepPlan, exc: Exception) -> ModelOutput:
-        """A step of one request failed: nothing to compare with. The request fails alone, but
-        a second such step in a row (another request failing the same way) is fatal."""
-        self._lone_failures += 1
-        if self._lone_failures >= _MAX_LONE_FAILURES:
-            raise exc
-        request_id = plan.scheduled[0].request_id
-        logger.error("request %r failed in its model step", request_id, exc_info=exc)
-        return ModelOutput(errors={request_id: describe_fault("model step", exc)})
-
-    def _execute_alone(self, plan: StepPlan, exc: Exception) -> ModelOutput:
-        """Re-run the plan one request at a time (finished / preempted ids go with the first).
-
-        Re-running is safe: a store writes the same values to the same slots, and a runner whose
-        step raised has put back what the step changed that a re-run reads (`StepRunner.execute`:
-        DeepSeek-V4's compressor states, ring rows a chunk loaded and overwrote). Every solo
-        re-run failing means the fault is not one request's: the original exception propagates."""
-        output, failures = ModelOutput(), {}
-        for i, sched in enumerate(plan.scheduled):
-            solo = StepPlan([sched], plan.finished_request_ids if i == 0 else [],
-                            plan.preempted_request_ids if i == 0 else [], plan.persist if i == 0 else [])
-            try:
-                result = self.runner.execute(solo)
-            except Exception as solo_exc:
-                if is_fatal_fault(solo_exc):
-                    raise
-                failures[sched.request_id] = solo_exc
-                continue
-            output.update(result)
-        if len(failures) == len(plan.scheduled):
-            raise exc
-        for request_id, solo_exc in failures.items():
-            logger.error("request %r failed in its model step", request_id, exc_info=solo_exc)
-            output.errors[request_id] = describe_fault("model step", solo_exc)
-        return output
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """End `req` with FINISHED_ERROR: free its cache, forget its runner state, report it."""
@@ -391,17 +343,6 @@ def checked_params(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     return dataclasses.replace(params)  # runs the constructor's validation on every field
-
-
-def eos_token_ids(source) -> frozenset[int]:
-    ids = set()
-    tokenizer_eos = source.tokenizer.eos_token_id if source.tokenizer is not None else None
-    for value in (HFConfigFields.of(source.hf_config).eos_token_id, tokenizer_eos):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return frozenset(ids)
 
 
 def prefix_settings(config: EngineConfig, runner: StepRunner) -> PrefixSettings:

@@ -1,4 +1,5 @@
-"""Request: the engine's record of one generation. Pure Python."""
+"""Request: the engine's record of one generation, and the rules that depend on one request alone
+(what it may compute this step, which drafts it verifies, when it stops). Pure Python."""
 
 from __future__ import annotations
 
@@ -111,3 +112,41 @@ def check_new_request(req: Request, max_len: int, max_cache_tokens: int, lora_en
                          f"{req.sampling_params.max_tokens} (capped by max_model_len {max_len}) "
                          f"needs {num_needed} tokens of KV cache, but the whole cache holds "
                          f"{max_cache_tokens} tokens")
+
+
+# ---- one request's rules (the scheduler applies them; they read nothing but the request) --------
+
+
+def length_limit(req: Request, max_model_len: int) -> int:
+    """How long `req` may grow: the engine's max_model_len, or the request's own lower limit."""
+    return max_model_len if req.max_model_len is None else min(max_model_len, req.max_model_len)
+
+
+def chunk(req: Request, start: int, budget: int) -> int:
+    """Tokens `req` computes this step from `start`: what is left, cut by the budget and at its next
+    snapshot boundary."""
+    end = min(req.num_tokens, start + budget)
+    end = min([end] + [b for b in req.snapshot_at if b > start])
+    return end - start
+
+
+def drafts_to_verify(req: Request, limit: int, budget: int) -> list[int]:
+    """The drafts a decode step of `req` verifies: as many as max_tokens, the length `limit` and the
+    budget leave room for (each accepted draft is one more output token)."""
+    if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+        return []
+    room = min(req.sampling_params.max_tokens - req.num_output_tokens, limit - req.num_tokens, budget) - 1
+    return req.draft_token_ids[:max(0, room)]
+
+
+def stop_of(req: Request, limit: int) -> tuple[RequestStatus, int | None] | None:
+    """Whether `req`'s last output token ends it, and how: a stop token id (the reason), EOS
+    (unless ignore_eos), max_tokens or the length `limit`; None while it goes on."""
+    token_id, params = req.output_token_ids[-1], req.sampling_params
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token_id
+    if not params.ignore_eos and token_id in req.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED, None
+    if req.num_output_tokens >= params.max_tokens or req.num_tokens >= limit:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None

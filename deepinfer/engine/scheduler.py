@@ -57,7 +57,15 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.contracts.plan import ModelOutput, SampleResult, ScheduledRequest, StepPlan
 from deepinfer.engine.adapter_slots import AdapterSlotTable
 from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
-from deepinfer.engine.request import Request, RequestStatus, check_new_request
+from deepinfer.engine.request import (
+    Request,
+    RequestStatus,
+    check_new_request,
+    chunk,
+    drafts_to_verify,
+    length_limit,
+    stop_of,
+)
 from deepinfer.engine.request_queue import make_request_queue
 from deepinfer.engine.spec_stats import SpecDecodeStats
 
@@ -77,9 +85,10 @@ class Scheduler:
     """Owns the waiting and running queues and decides each step's work (`schedule` -> StepPlan);
     takes the step's samples back (`update`); allocates and frees blocks through the KV manager."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager,
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  adapter_slots: AdapterSlotTable | None = None):
         self.config = scheduler_config
+        self.max_model_len = max_model_len  # the engine's, resolved before the model was built (EngineConfig)
         self.kv_manager = kv_manager
         self.adapter_slots = adapter_slots  # LoRA device slots (None: LoRA off)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
@@ -106,10 +115,6 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self.requests.get(request_id)
 
-    def max_model_len(self, req: Request) -> int:
-        limit = self.config.max_model_len
-        return limit if req.max_model_len is None else min(limit, req.max_model_len)
-
     def add_request(self, req: Request, share_from: Request | None = None) -> None:
         """Queue a request; ValueError if it could never run to its end.
 
@@ -127,7 +132,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use by an unfinished request")
         self.waiting.check(req)  # priority (the policy's), client_id
-        check_new_request(req, self.max_model_len(req), self.kv_manager.max_num_tokens, self.adapter_slots is not None)
+        check_new_request(req, self.length_limit(req), self.kv_manager.max_num_tokens, self.adapter_slots is not None)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting, running or preempted request; False if unknown or already finished."""
@@ -192,8 +197,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._chunk(req, req.num_computed_tokens, budget)
-            drafts = self._drafts_to_verify(req, budget)
+            num_new = chunk(req, req.num_computed_tokens, budget)
+            drafts = drafts_to_verify(req, self.length_limit(req), budget)
             if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
                 break  # req preempted itself: it was the worst, nothing runs after it
             scheduled.append(self._scheduled_request(req, num_new, drafts))
@@ -201,23 +206,6 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
         return budget
-
-    @staticmethod
-    def _chunk(req: Request, start: int, budget: int) -> int:
-        """Tokens req computes this step from `start`: what is left, cut by the budget and at its
-        next snapshot boundary."""
-        end = min(req.num_tokens, start + budget)
-        end = min([end] + [b for b in req.snapshot_at if b > start])
-        return end - start
-
-    def _drafts_to_verify(self, req: Request, budget: int) -> list[int]:
-        """The drafts a decode step of req verifies: as many as max_tokens, the model length and
-        the budget leave room for (each accepted draft is one more output token)."""
-        if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1:
-            return []
-        room = min(req.sampling_params.max_tokens - req.num_output_tokens,
-                   self.max_model_len(req) - req.num_tokens, budget) - 1
-        return req.draft_token_ids[:max(0, room)]
 
     def _allocate_or_preempt(self, req: Request, num_new: int, preempted: list[Request]) -> bool:
         """Get blocks for req's next `num_new` tokens, preempting the worst first; False if req went."""
@@ -248,7 +236,7 @@ class Scheduler:
                 break  # preempted in this step: back in a later one
             hit = self._find_prefix(req)
             req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
-            num_new = self._chunk(req, hit.num_tokens, budget)
+            num_new = chunk(req, hit.num_tokens, budget)
             if not self._adapter_fits(req) or not self.kv_manager.allocate_slots(
                     req.request_id, hit.num_tokens + num_new, hit):
                 break  # nobody overtakes the head of the queue
@@ -392,11 +380,10 @@ class Scheduler:
         return len(samples)
 
     def _check_stop(self, req: Request) -> None:
-        """Stop on a stop token id, EOS (unless ignore_eos), max_tokens or max_model_len."""
-        token_id, params = req.output_token_ids[-1], req.sampling_params
-        if token_id in params.stop_token_ids:
-            self._finish(req, RequestStatus.FINISHED_STOPPED, token_id)
-        elif not params.ignore_eos and token_id in req.eos_token_ids:
-            self._finish(req, RequestStatus.FINISHED_STOPPED, None)
-        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len(req):
-            self._finish(req, RequestStatus.FINISHED_LENGTH, None)
+        """Finish req if its last output token ends it (`request.stop_of`)."""
+        stop = stop_of(req, self.length_limit(req))
+        if stop is not None:
+            self._finish(req, *stop)
+
+    def length_limit(self, req: Request) -> int:
+        return length_limit(req, self.max_model_len)

@@ -1,12 +1,12 @@
 """`deepinfer info`: what the engine built and how much its KV cache holds, per cache group.
 
-Every group prints its own row format (`runner.codec_of(group)`): DeepSeek-V4's
+Every group prints its own row format (`runner.caches.codec_of(group)`): DeepSeek-V4's
 latent rows (head_dim wide; MXFP8: 512 e4m3 + 16 UE8M0 = 528 B) and its index keys
 (index_head_dim wide) differ. A paged group with a compression ratio m holds one row per m
 tokens, so a block of R rows covers R * m tokens and a layer costs row_bytes / m per token.
 Models with such groups (or per-group codecs) also get per-layer lines: the fixed ring bytes and
 compressor state per request, and the bytes each further token adds. Every byte figure comes from the
-engine's sizing record (`runner.sizing`, worker/cache_sizing.py) or its allocation; info has no formula.
+engine's sizing record (`runner.caches.sizing`, worker/cache_sizing.py) or its allocation; info has no formula.
 
 With `--kv-cache-dir`, the saved cache there is listed too: its files and bytes in all and per
 model folder (`worker.kv_disk.scan_kv_dir`), the folder of the model just built marked.
@@ -87,9 +87,9 @@ def group_lines(llm) -> list[str]:
     max_len = engine.max_model_len
     lines = []
     for gi, g in enumerate(runner.groups):
-        fmt = runner.codec_of(g).format
-        units, n = runner.cache.num_units[gi], len(g.layer_ids)
-        mib = runner.cache.group_bytes(gi) / 2**20
+        fmt = runner.caches.codec_of(g).format
+        units, n = runner.caches.cache.num_units[gi], len(g.layer_ids)
+        mib = runner.caches.cache.group_bytes(gi) / 2**20
         per_token = n * fmt.bytes_per_row
         head = (f"cache group {g.name!r} ({g.kind}, {n} layers): row {fmt.note}, "
                 f"{fmt.num_elements} elements = {fmt.bytes_per_row:,} B per row "
@@ -104,7 +104,7 @@ def group_lines(llm) -> list[str]:
             body = (f"  compressed: 1 row per {m} tokens, {g.rows_per_unit} rows = {tokens_per_block:,} tokens "
                     f"per block; {fmt_bytes(per_token / m)} B per token ({fmt.bytes_per_row:,} B / {m} x {n} "
                     f"layers); blocks from the pool shared by the paged groups: {units:,} pages of "
-                    f"{runner.cache.allocations[gi].shape[1]:,} B ({mib:,.1f} MiB)")
+                    f"{runner.caches.cache.allocations[gi].shape[1]:,} B ({mib:,.1f} MiB)")
         else:
             tokens = units * g.rows_per_unit
             body = (f"  {per_token:,} B per token; {units:,} blocks x {g.rows_per_unit} = {tokens:,} tokens "
@@ -121,7 +121,7 @@ def layer_lines(llm) -> list[str]:
     lines = []
     for i, attn in enumerate(layers):
         fixed, parts = 0, []
-        for g in runner.sizing.groups:  # the engine's sizing (worker/cache_sizing.py)
+        for g in runner.caches.sizing.groups:  # the engine's sizing (worker/cache_sizing.py)
             if i not in g.layer_ids:
                 continue
             row = g.row_bytes
@@ -131,7 +131,7 @@ def layer_lines(llm) -> list[str]:
             else:
                 parts.append(f"{g.name} {row:,} B / {g.compress_ratio} = {fmt_bytes(row / g.compress_ratio)} B "
                              f"per token")
-        per_token = runner.sizing.layer_per_token(i)
+        per_token = runner.caches.sizing.layer_per_token(i)
         state = allocated_state_bytes(attn)
         if state:
             parts.append(f"compressor state {state:,} B per request")
@@ -143,7 +143,7 @@ def layer_lines(llm) -> list[str]:
 
 def multi_format_lines(llm) -> list[str]:
     engine, runner = llm.engine, llm.engine.runner
-    sizing = runner.sizing
+    sizing = runner.caches.sizing
     per_token, rings, state = sizing.per_token, sizing.ring_bytes, sizing.state_bytes
     requests, blocks = request_capacity(llm)
     max_len = engine.max_model_len
@@ -153,7 +153,7 @@ def multi_format_lines(llm) -> list[str]:
         f"compressor state per request (fp32, all layers): {state:,} B",
         f"KV bytes per token, all layers: {fmt_bytes(per_token)} B (paged rows, growing) + "
         f"{rings + state:,} B per request (rings {rings:,} + state {state:,}) "
-        f"({kv_memory(runner.cache)})",
+        f"({kv_memory(runner.caches.cache)})",
         f"capacity: {requests:,} requests at max_model_len {max_len} at once ({blocks} blocks of the shared pool "
         f"of {runner.num_blocks:,}, {runner.num_state_slots} state slots)",
     ]
@@ -185,8 +185,8 @@ def info_lines(llm) -> list[str]:
     if is_multi_format(runner):
         lines += multi_format_lines(llm)
     else:
-        lines.append(f"KV bytes per token, all layers: {runner.codec.format.bytes_per_row * len(layers):,} B "
-                     f"({kv_memory(runner.cache)})")
+        lines.append(f"KV bytes per token, all layers: {runner.caches.codec.format.bytes_per_row * len(layers):,} B "
+                     f"({kv_memory(runner.caches.cache)})")
     return lines + prefix_cache_lines(llm)
 
 

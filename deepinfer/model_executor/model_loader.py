@@ -209,13 +209,8 @@ def _build_model(source, dtype: torch.dtype, device: torch.device, max_positions
     check_expert_parallel(model_cls, cfg.model_type, expert_parallel_size)
     expert_kwargs = {"expert_parallel_size": expert_parallel_size} if expert_parallel_size > 1 else {}
     shapes_only = dummy and _SHAPES_ONLY.get()
-    with torch.device("meta" if shapes_only else device), skip_weight_init():
-        model = model_cls(cfg, max_positions, **expert_kwargs)
-        if speculative_method == "mtp":
-            if not model_cls.capabilities.mtp_drafting:
-                raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
-                                 f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
-            model.add_mtp()
+    model = _modules(model_cls, cfg, torch.device("meta") if shapes_only else device, max_positions,
+                     speculative_method, expert_kwargs)
     if shapes_only:
         pass  # meta tensors: nothing to fill
     elif dummy:
@@ -229,6 +224,33 @@ def _build_model(source, dtype: torch.dtype, device: torch.device, max_positions
     model = model.to(dtype=dtype).eval()
     release_free_memory()
     return model
+
+
+def _modules(model_cls, cfg, device: torch.device, max_positions: int, speculative_method: str | None,
+             expert_kwargs: dict):
+    """The model class's modules on `device`, weights not initialized, with the MTP module when asked."""
+    with device, skip_weight_init():
+        model = model_cls(cfg, max_positions, **expert_kwargs)
+        if speculative_method == "mtp":
+            if not model_cls.capabilities.mtp_drafting:
+                raise ValueError(f"speculative_method='mtp' needs a model with MTP (next-n) layers, and "
+                                 f"model_type {cfg.model_type!r} has none; use speculative_method='ngram'")
+            model.add_mtp()
+    return model
+
+
+def build_meta_model(source, dtype: torch.dtype, max_positions: int, speculative_method: str | None = None,
+                     expert_parallel_size: int = 1):
+    """The source's model on the meta device in `dtype`: shapes and dtypes, no values, nothing read
+    from the checkpoint. What the engine sizes before it builds the real one: the cache groups the
+    model declares and the bytes of its weights (`worker/context_length.py`). This rank's slices with
+    several ranks, as `build_model`."""
+    cfg = source.hf_config
+    model_cls = get_model_class(cfg.model_type)
+    check_expert_parallel(model_cls, cfg.model_type, expert_parallel_size)
+    expert_kwargs = {"expert_parallel_size": expert_parallel_size} if expert_parallel_size > 1 else {}
+    model = _modules(model_cls, cfg, torch.device("meta"), max_positions, speculative_method, expert_kwargs)
+    return model.to(dtype=dtype)
 
 
 def numerics_record(model: nn.Module, device: torch.device, dtype: torch.dtype, quantization: str,

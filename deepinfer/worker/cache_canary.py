@@ -46,15 +46,16 @@ CANARY_TOKENS = tuple(range(3, 11))  # 8 tokens: every vocabulary has them
 _RECORD_BYTES = 33  # 32 hex digits and a newline
 
 
-def checked_identity(runner, identity: str, cache_config) -> str:
+def checked_identity(caches, identity: str, cache_config) -> str:
     """`identity`, or a new one when the canary's rows differ from the directory's record of it
-    (one warning). Without a cache directory: `identity`, and nothing is run."""
+    (one warning). Without a cache directory: `identity`, and nothing is run. `caches`: the cache
+    runtime (`worker/cache_runtime.py`), its allocation bound to the model."""
     if not cache_config.kv_cache_dir or not cache_config.enable_prefix_caching:
         return identity
     directory = cache_config.kv_cache_dir
-    digest = canary_digest(runner)
+    digest = canary_digest(caches)
     recorded = _check_record(directory, identity, digest)
-    if not _on_any_rank(recorded is not None, runner.device):
+    if not _on_any_rank(recorded is not None, caches.device):
         return identity
     new = hashlib.sha256(f"{identity}:canary:{digest}".encode()).hexdigest()
     if recorded is not None:
@@ -66,36 +67,36 @@ def checked_identity(runner, identity: str, cache_config) -> str:
 
 
 @torch.inference_mode()
-def canary_digest(runner) -> str:
+def canary_digest(caches) -> str:
     """blake2b of the K/V rows (all layers) and per-request state a prefill of CANARY_TOKENS
-    writes into scratch units of `runner`'s cache; those units are left as they were."""
+    writes into scratch units of the cache runtime `caches`; those units are left as they were."""
     tokens = list(CANARY_TOKENS)
-    block_ids, units = _scratch_units(runner, len(tokens))
+    block_ids, units = _scratch_units(caches, len(tokens))
     saved = {name: t.clone() for name, t in units.items()}
-    state = runner.model.read_state(0)
-    ring = tuple(0 for g in runner.groups if g.is_ring)
+    state = caches.model.read_state(0)
+    ring = tuple(0 for g in caches.groups if g.is_ring)
     try:
         for t in units.values():
             t.zero_()
         plan = StepPlan([ScheduledRequest("canary", tokens, 0, block_ids, ring)])
-        inputs = build_step_inputs(plan, runner.addressing, runner.device)
+        inputs = build_step_inputs(plan, caches.addressing, caches.device)
         with forward_context(inputs.attn_metadata):
-            runner.model(inputs.input_ids, inputs.positions)  # [T, hidden], dropped
+            caches.model(inputs.input_ids, inputs.positions)  # [T, hidden], dropped
         rows = {name: t.to("cpu") for name, t in units.items()}
-        rows.update({f"state.{name}": t.to("cpu") for name, t in runner.model.read_state(0).items()})
+        rows.update({f"state.{name}": t.to("cpu") for name, t in caches.model.read_state(0).items()})
         return tensors_checksum(rows)
     finally:
         for name, t in units.items():
             t.copy_(saved[name])
-        runner.model.write_state(0, state)
+        caches.model.write_state(0, state)
 
 
-def _scratch_units(runner, num_tokens: int) -> tuple[tuple[list[int], ...], dict[str, torch.Tensor]]:
+def _scratch_units(caches, num_tokens: int) -> tuple[tuple[list[int], ...], dict[str, torch.Tensor]]:
     """Block tables (paged groups, in order) and the units the canary writes: the first blocks
     of each paged group and state slot 0 of each ring group (views into the cache)."""
     block_ids, units = [], {}
-    for gi, g in enumerate(runner.groups):
-        allocation = runner.cache.allocations[gi]
+    for gi, g in enumerate(caches.groups):
+        allocation = caches.cache.allocations[gi]
         if g.is_ring:
             units[f"ring.{g.name}"] = allocation[0]
             continue

@@ -19,7 +19,7 @@ beside the target's and bound to the draft (`worker/draft_cache.py`: `draft`).
 from __future__ import annotations
 
 import dataclasses
-import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -29,14 +29,12 @@ from deepinfer.contracts.model import BoundCaches, CachedModel
 from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
 from deepinfer.worker.cache_canary import checked_identity
 from deepinfer.worker.cache_engine import CacheEngine
-from deepinfer.worker.cache_sizing import longest_request, min_over_ranks, plan_model_cache, size_cache
-from deepinfer.worker.draft_cache import DraftCache, plan_draft_cache, scratch_blocks_per_request
+from deepinfer.worker.cache_sizing import CacheSizing, min_over_ranks, plan_model_cache, size_cache
+from deepinfer.worker.draft_cache import DraftCache, DraftPlan, plan_draft_cache, scratch_blocks_per_request
 from deepinfer.worker.input_batch import group_addressing
 from deepinfer.worker.kv_disk import KvDiskStore
 from deepinfer.worker.prefix_store import PrefixStore
 from deepinfer.worker.step_undo import StepUndo
-
-logger = logging.getLogger("deepinfer.worker")
 
 
 class CacheRuntime:
@@ -47,16 +45,10 @@ class CacheRuntime:
         cache_config = config.cache
         self.model, self.device = model, device
         k = config.speculative.num_speculative_tokens
-        # the cache's one sizing (`cache_sizing`): groups sized for k drafts, their codecs, the byte record
-        self.groups, self.codecs, self.sizing = plan_model_cache(
-            model, dtype, cache_config.kv_cache_dtype, cache_config.block_size, config.env, k)
-        draft_plan = None
-        if draft_model is not None:  # the draft's rows at the same units: counted in every unit's bytes
-            draft_plan = plan_draft_cache(draft_model, self.groups, dtype, cache_config.kv_cache_dtype, config.env, k)
-            self.sizing = dataclasses.replace(self.sizing, groups=self.sizing.groups + draft_plan.sizing())
+        plan = plan_caches(model, draft_model, config, dtype)
+        self.groups, self.codecs, self.sizing = plan.groups, plan.codecs, plan.sizing
+        draft_plan = plan.draft
         self.codec = self.codecs[0]
-        if config.max_model_len_fitted:  # not given: the model's context, or the longest request that fits
-            fit_max_model_len(config, self.sizing, device)
         self.cache_need = self.sizing.request_need(config.max_model_len)
         self.num_state_slots, self.num_snapshot_slots, self.num_blocks = min_over_ranks(size_cache(
             self.cache_need, cache_config, config.scheduler.max_num_seqs, config.max_model_len, device),
@@ -68,8 +60,8 @@ class CacheRuntime:
         model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                       num_ring_units, backend))
         self.draft: DraftCache | None = None if draft_plan is None else DraftCache(
-            draft_plan, draft_model, self.num_blocks, config.scheduler.max_num_seqs * scratch_blocks_per_request(
-                draft_plan, k), self.num_state_slots, self.num_snapshot_slots, device, backend)
+            draft_plan, draft_model, self.num_blocks, scratch_blocks_per_request(draft_plan, k),
+            config.scheduler.max_num_seqs, self.num_state_slots, self.num_snapshot_slots, device, backend)
         self.cache_identity: str | None = None  # set by `open`, as are `prefix` and `undo`
         self.prefix: PrefixStore | None = None
         self.undo: StepUndo | None = None
@@ -116,14 +108,25 @@ class CacheRuntime:
         self.prefix.close()
 
 
-def fit_max_model_len(config: EngineConfig, sizing, device: torch.device) -> None:
-    """max_model_len was not given: keep the model's context if the cache can hold one request that
-    long, else lower it to the longest that fits (alike on every rank) and say so in one line."""
-    context = config.max_model_len
-    (longest,) = min_over_ranks((longest_request(sizing, config.cache, config.scheduler.max_num_seqs, context,
-                                                 device),), device)
-    if longest >= context or longest == 0:  # 0: nothing fits; size_cache refuses it with the numbers
-        return
-    config.fit_max_model_len(longest)
-    logger.info("max_model_len %d: the longest request the KV cache can hold (the model's context is %d; "
-                "raise --kv-cache-memory or --gpu-memory-utilization for more)", longest, context)
+@dataclass(frozen=True)
+class CachePlan:
+    """The cache's one sizing (`cache_sizing`): the target's groups sized for k drafts, their codecs
+    and the byte record, with the draft model's groups (speculative_model) counted in every unit."""
+
+    groups: list[CacheGroupSpec]
+    codecs: list[RowCodec]
+    sizing: CacheSizing
+    draft: DraftPlan | None
+
+
+def plan_caches(model: CachedModel, draft_model: CachedModel | None, config: EngineConfig,
+                dtype: torch.dtype) -> CachePlan:
+    """The sizing of `model`'s caches and `draft_model`'s at the same units (built models, or the
+    meta-built ones the max_model_len fit reads: `worker/context_length.py`)."""
+    cache_config, k = config.cache, config.speculative.num_speculative_tokens
+    groups, codecs, sizing = plan_model_cache(model, dtype, cache_config.kv_cache_dtype, cache_config.block_size,
+                                              config.env, k)
+    if draft_model is None:
+        return CachePlan(groups, codecs, sizing, None)
+    draft = plan_draft_cache(draft_model, groups, dtype, cache_config.kv_cache_dtype, config.env, k)
+    return CachePlan(groups, codecs, dataclasses.replace(sizing, groups=sizing.groups + draft.sizing()), draft)

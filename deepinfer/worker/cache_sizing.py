@@ -288,10 +288,10 @@ def size_cache(need: RequestNeed, cache_config, max_num_seqs: int, max_model_len
     return slots, snapshots, num_blocks
 
 
-def longest_request(sizing, cache_config, max_num_seqs: int, limit: int, device: torch.device) -> int:
+def longest_request(sizing, cache_config, max_num_seqs: int, limit: int, free: int) -> int:
     """The longest max_model_len <= `limit` at which one request fits the cache this configuration
-    gives (the auto size's cap, an explicit kv_cache_memory or num_blocks); 0 when none does."""
-    free = available_memory(device) if cache_config.auto_sized and not cache_config.num_blocks else 0
+    gives (the auto size's cap on `free` bytes, an explicit kv_cache_memory or num_blocks); 0 when
+    none does."""
 
     def fits(length: int) -> bool:
         need = sizing.request_need(length)

@@ -11,13 +11,16 @@ slots address both:
 
 A block id (a state slot) so means the same token positions in the target's rows and in the
 draft's: allocation, frees, trims, preemption and parallel-sampling siblings need nothing more.
-The drafter (`worker/draft_model_drafter.py`) writes the draft's row of every position the target
-keeps, in the same step, so a full block holds both models' rows of its tokens; rows past the
-kept position are rewritten before any query reads them (causality by the addresses). Prefix
-caching keeps the draft's rows with the target's: a snapshot copies the draft's ring slots and
-partial pages too, and a saved block's or snapshot's file holds the draft's bytes beside the
-target's (`capture`, `restore`, `unit_tensors`, called by `PrefixStore`); the cache identity
-includes the draft (`draft_model.draft_identity`).
+The drafter (`spec_decode/draft_model.py`; this cache is its `DraftRows`) writes the draft's row of
+every position the target keeps, in the same step, so a full block holds both models' rows of its
+tokens; rows past the kept position are rewritten before any query reads them (causality by the
+addresses). Prefix caching keeps the draft's rows with the target's: a snapshot copies the draft's
+ring slots and partial pages too, and a saved block's or snapshot's file holds the draft's bytes
+beside the target's (`capture`, `restore`, `unit_tensors`, called by `PrefixStore`); the cache
+identity includes the draft (`draft_identity`).
+
+This stays in the worker (spec_decode may not import it): it is an allocation of the worker's
+(`CacheEngine`, the sizing record, the groups' addressing).
 
 Scratch blocks: a request's next token and its chained drafts sit at positions past what the
 target computed, possibly past its block table (the scheduler allocates a block when the target
@@ -29,6 +32,7 @@ its passes. Rows there live for one step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 from dataclasses import dataclass
 
@@ -41,7 +45,9 @@ from deepinfer.model_executor.layers.attention.layer_cache import RowCodec
 from deepinfer.model_executor.layers.ops.swa_addressing import check_ring_fits_drafts
 from deepinfer.worker.cache_engine import CacheEngine, make_codecs
 from deepinfer.worker.cache_sizing import GroupSizing, ring_size
-from deepinfer.worker.input_batch import group_addressing
+from deepinfer.worker.input_batch import PassMetadata, group_addressing
+from deepinfer.worker.numerics import with_weights
+from deepinfer.worker.prefix_store import cache_identity
 
 FIELD = "speculative_model"
 
@@ -107,10 +113,12 @@ class DraftCache:
     """The draft's allocations (a `CacheEngine` of the draft's groups), bound to the draft model,
     and the copies prefix caching makes of them."""
 
-    def __init__(self, plan: DraftPlan, model, num_blocks: int, num_scratch: int, num_state_slots: int,
-                 num_snapshot_slots: int, device: torch.device, backend) -> None:
+    def __init__(self, plan: DraftPlan, model, num_blocks: int, scratch_per_request: int, max_num_seqs: int,
+                 num_state_slots: int, num_snapshot_slots: int, device: torch.device, backend) -> None:
         self.plan, self.model, self.num_blocks, self.device = plan, model, num_blocks, device
-        self.num_scratch = num_scratch
+        self.per_request = scratch_per_request  # scratch blocks each drafting request takes
+        self.num_scratch = max_num_seqs * scratch_per_request
+        num_scratch = self.num_scratch
         self.groups = plan.groups
         num_ring_units = num_state_slots + num_snapshot_slots
         units = [num_ring_units if g.is_ring else num_blocks + num_scratch for g in self.groups]
@@ -124,6 +132,7 @@ class DraftCache:
         # [snapshots, draft paged groups, page bytes]: the draft's partial pages of each snapshot
         model.bind_caches(BoundCaches(self.groups, [self.cache.group_caches(gi) for gi in range(len(self.groups))],
                                       num_ring_units, backend))
+        self.metadata = PassMetadata(self.addressing, device)  # a drafting pass's metadata (`DraftRows`)
 
     @property
     def num_bytes(self) -> int:
@@ -144,8 +153,9 @@ class DraftCache:
         rows = [self.groups[gi].rows_per_unit for gi in self.paged]
         return min((-(-q // r) * r for r in rows), default=sys.maxsize)
 
-    def scratch(self, i: int, per_request: int) -> list[int]:
+    def scratch(self, i: int) -> list[int]:
         """The scratch block ids of the i-th request of a step's drafting (at most max_num_seqs)."""
+        per_request = self.per_request
         first = self.num_blocks + i * per_request
         if first + per_request > self.num_blocks + self.num_scratch:
             raise RuntimeError(f"drafting request {i} has no scratch blocks: {self.num_scratch} scratch blocks "
@@ -192,3 +202,15 @@ class DraftCache:
                    for gi in self.ring}
         tensors.update({f"draft.page.{self.groups[gi].name}": self.pages[unit, pi] for pi, gi in enumerate(self.paged)})
         return tensors
+
+
+def draft_identity(draft, numerics, groups) -> str:
+    """The cache identity of the draft's rows (`draft`: the loaded `DraftModel`): its weights,
+    config, quantization, weight formats and its sized groups (`prefix_store.cache_identity`)."""
+    record = with_weights(dataclasses.replace(numerics, quantization=draft.quantization), draft.model, 0)
+    return cache_identity(draft.source, record, groups)
+
+
+def combined_identity(target: str, draft: str) -> str:
+    """One identity for a cache whose units hold the target's rows and the draft's."""
+    return hashlib.sha256(f"{target}|draft|{draft}".encode()).hexdigest()

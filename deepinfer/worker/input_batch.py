@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.contracts.cache import CacheGroupSpec
-from deepinfer.contracts.plan import StepPlan
+from deepinfer.contracts.plan import StepPlan, is_decode
 from deepinfer.model_executor.layers.attention.backend import (
     AttentionMetadata,
     CompressedGroupMetadata,
@@ -60,11 +60,6 @@ class StepInputs:
 def num_logits_rows(s) -> int:
     """How many logits rows a sampling request s needs: k + 1 for a verification step, else 1."""
     return s.num_tokens if s.verify else 1
-
-
-def is_decode(s) -> bool:
-    """Store-then-read steps: one new token, or a verification step's k+1 tokens."""
-    return s.start_pos > 0 and (s.num_tokens == 1 or s.verify)
 
 
 @dataclass
@@ -260,6 +255,18 @@ def build_group_metadata(scheduled: list, addressing: list[_GroupAddressing]) ->
     own ring), and the order the requests take on the packed axis (decodes first)."""
     batch = _batch(StepPlan(list(scheduled)))
     return build_attention_metadata(batch, addressing), list(zip(batch.ordered, batch.starts, strict=False))
+
+
+class PassMetadata:
+    """A drafting pass's metadata builder (contracts/drafting.py `PassMetadata`): one-request spans
+    -> `build_group_metadata` over `addressing` (the drafter's groups), moved to `device`."""
+
+    def __init__(self, addressing: list[_GroupAddressing], device: torch.device):
+        self.addressing, self.device = addressing, device
+
+    def __call__(self, scheduled: list) -> tuple[AttentionMetadata, list]:
+        md, order = build_group_metadata(scheduled, self.addressing)
+        return (md if self.device.type == "cpu" else md.to(self.device)), order
 
 
 def build_step_inputs(plan, addressing: list[_GroupAddressing], device: torch.device,

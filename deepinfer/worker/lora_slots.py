@@ -19,6 +19,7 @@ import contextlib
 import torch
 
 from deepinfer.config import LoRAConfig
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.lora import LoRAAdapter, LoRABase
 from deepinfer.contracts.plan import StepPlan
 from deepinfer.model_executor.layers.kernel_set import KernelSet
@@ -37,7 +38,8 @@ class LoRASlots:
         self.held: list[str | None] = [None] * config.max_loras  # the fingerprint each slot holds
         dtype_name = str(dtype).removeprefix("torch.")
         tag = f"lora_delta={kernels.lora_op(device, dtype)};dtype={dtype_name};invariant={int(batch_invariant)}"
-        heads = {name: getattr(hf_config, name, None) for name in ("num_attention_heads", "num_key_value_heads")}
+        fields = HFConfigFields.of(hf_config)
+        heads = {"num_attention_heads": fields.num_attention_heads, "num_key_value_heads": fields.num_key_value_heads}
         self.base = LoRABase(self.model.targets(), config.max_lora_rank, tag,
                              {name: value for name, value in heads.items() if value is not None})
         self.num_loads = 0

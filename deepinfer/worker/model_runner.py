@@ -4,62 +4,50 @@
                  attention backend and its kernel set, CPU ISA; few-row linears after the build),
                  resolved together before the build into one NumericsRecord (`worker/numerics.py`),
                  logged once, and hashed by the cache identity
+    config       the EngineConfig with max_model_len resolved before any model is built
+                 (`worker/context_length.py`); every model, the cache and the engine read it
     caches       the cache runtime (`worker/cache_runtime.py`): sizing, the allocation bound to the
                  model, the canary-checked identity, the prefix store and the undo of failed steps
     steps        the step executor (`worker/step_executor.py`): a StepPlan -> inputs -> forward ->
                  sampled tokens and drafts
 
 With speculative_model a draft model is loaded and built after the target, under the same
-numerics (`worker/draft_model.py`); the cache runtime gives it rows at the target's addresses and
-the cache identity covers both.
+numerics (`spec_decode/draft_model.py`); the cache runtime gives it rows at the target's addresses
+and the cache identity covers both.
 
-The engine, the tensor-parallel workers and tests call the runner; it hands each call to its part.
+The runner is the engine's `StepRunner` (contracts/model.py): those members are its own. Everything
+else is reached through its parts (`runner.caches.sizing`, `runner.steps.drafter`, ...).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
 from deepinfer.config import EngineConfig
+from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.model import CachedModel
-from deepinfer.contracts.plan import ModelOutput, StepPlan, StepTokens
+from deepinfer.contracts.plan import ModelOutput, StepPlan
 from deepinfer.model_executor.layers.attention.triton_backend import attention_backend_on
 from deepinfer.model_executor.layers.batch_invariant import make_batch_invariant, native_path
 from deepinfer.model_executor.layers.kernel_set import KERNEL_SETS
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.model_loader import Choice, build_model
+from deepinfer.spec_decode.draft_source import DraftModel, load_draft, open_draft
 from deepinfer.worker.cache_runtime import CacheRuntime
+from deepinfer.worker.context_length import Built, resolve_max_model_len
 from deepinfer.worker.cpu_threads import StepThreads
-from deepinfer.worker.draft_model import DraftModel, combined_identity, draft_identity, load_draft
+from deepinfer.worker.device import resolve_device
+from deepinfer.worker.draft_cache import combined_identity, draft_identity
 from deepinfer.worker.lora_slots import LoRASlots
 from deepinfer.worker.numerics import compute_dtype, resolve_numerics, with_weights
 from deepinfer.worker.prefix_store import cache_identity
-from deepinfer.worker.step_executor import Step, StepExecutor, make_drafter
+from deepinfer.worker.step_executor import StepExecutor
 
-__all__ = ["ModelRunner", "Step", "build_model", "make_drafter", "resolve_device"]
+__all__ = ["ModelRunner", "resolve_device"]
 
 logger = logging.getLogger("deepinfer.worker")
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """The device `config.device` names; a one-line ValueError naming the fix otherwise (`worker/device.py`)."""
-    from deepinfer.worker import device
-
-    return device.resolve_device(name)
-
-
-def _of(part: str, name: str, settable: bool = False) -> property:
-    """The runner's attribute `name`: its part `part`'s (read, and with `settable` written, there)."""
-    def read(self):
-        return getattr(getattr(self, part), name)
-
-    def write(self, value) -> None:
-        setattr(getattr(self, part), name, value)
-
-    return property(read, write if settable else None, doc=f"`{part}.{name}`")
 
 
 class ModelRunner:
@@ -67,35 +55,31 @@ class ModelRunner:
 
     emulate_cuda_graphs = False  # test switch: decode steps through DecodeGraphs' buffers without CUDA
 
-    # the cache runtime's
-    groups, codecs, codec, sizing = _of("caches", "groups"), _of("caches", "codecs"), _of("caches", "codec"), \
-        _of("caches", "sizing")
-    cache, addressing, cache_need = _of("caches", "cache"), _of("caches", "addressing"), _of("caches", "cache_need")
-    num_blocks, num_state_slots = _of("caches", "num_blocks"), _of("caches", "num_state_slots")
-    num_snapshot_slots, cache_identity = _of("caches", "num_snapshot_slots"), _of("caches", "cache_identity")
-    prefix, undo = _of("caches", "prefix"), _of("caches", "undo")
-    # the step executor's
-    sampler, rejection_sampler, graphs = _of("steps", "sampler"), _of("steps", "rejection_sampler"), \
-        _of("steps", "graphs")
-    prompt_logprobs, pooler, structured = _of("steps", "prompt_logprobs"), _of("steps", "pooler"), \
-        _of("steps", "structured")
-    drafter = _of("steps", "drafter", settable=True)  # tests script the drafts
+    # the StepRunner's cache layout (set once the caches are open)
+    groups: list[CacheGroupSpec]
+    num_blocks: int
+    num_state_slots: int
+    num_snapshot_slots: int
+    cache_identity: str
 
     def __init__(self, source, config: EngineConfig):
         self.device = resolve_device(config.device)
         # every numerics choice, before the weights load (a choice this device cannot make fails here)
         self.numerics = resolve_numerics(source, config, self.device)
         self.dtype, self.batch_invariant = compute_dtype(self.numerics), self.numerics.batch_invariant
+        draft_source = open_draft(config, source, self.device, self.batch_invariant) \
+            if config.speculative.method == "draft_model" else None
+        # max_model_len, once, before any model is built: every model, the cache and the engine read this config
+        self.config = config = resolve_max_model_len(Built(source, self.dtype, self.numerics.quantization,
+                                                           draft_source), config, self.device)
         self.attention_backend = attention_backend_on(self.numerics.attention_backend,
                                                       KERNEL_SETS[self.numerics.kernel_set], self.batch_invariant)
         self.model: CachedModel = build_model(source, self.dtype, self.device, config.max_model_len,
                                               config.speculative.method, self.numerics.quantization,
                                               config.expert_parallel_size, config.activation_levels)
-        self.speculative = config.speculative  # the one source of the draft allowance k
-        self.env = config.env
         self.num_few_row_linear = self._settle_linears()
-        self.draft: DraftModel | None = load_draft(config, source, self.numerics, self.dtype, self.device) \
-            if config.speculative.method == "draft_model" else None
+        self.draft: DraftModel | None = None if draft_source is None else load_draft(
+            config, draft_source, self.numerics, self.dtype, self.device)
         # LoRA adapter slots beside the target layers (`lora_base`: what adapters may target, for admission)
         self.lora = LoRASlots(self.model, config.lora, self.dtype, self.device, self.attention_backend.kernels,
                               self.batch_invariant, source.hf_config) if config.lora.enable_lora else None
@@ -105,13 +89,16 @@ class ModelRunner:
         self.numerics = with_weights(self.numerics, self.model, self.num_few_row_linear)  # the model is final
         logger.info("numerics: %s", self.numerics.describe())
         self.caches.open(self._identity(source), config.cache)
+        caches = self.caches
+        self.groups, self.num_blocks, self.num_state_slots = caches.groups, caches.num_blocks, caches.num_state_slots
+        self.num_snapshot_slots, self.cache_identity = caches.num_snapshot_slots, caches.cache_identity
         self.steps = StepExecutor(source, config, self.model, self.caches, self.lora, self.attention_backend.name,
                                   self.batch_invariant, emulate_graphs=self.emulate_cuda_graphs)
         self.steps.threads = StepThreads.for_numerics(self.numerics, torch.get_num_threads())
 
     def _identity(self, source) -> str:
         """The cache identity: the target's rows, and the draft's when its rows share the units."""
-        identity = cache_identity(source, self.numerics, self.groups)
+        identity = cache_identity(source, self.numerics, self.caches.groups)
         if self.draft is None:
             return identity
         return combined_identity(identity, draft_identity(self.draft, self.numerics, self.caches.draft.groups))
@@ -135,17 +122,14 @@ class ModelRunner:
         """The compute dtype's name and why."""
         return Choice(self.numerics.compute_dtype, self.numerics.reason("dtype"))
 
-    # -- the cache runtime ---------------------------------------------------------------------------
-    def codec_of(self, group):
-        return self.caches.codec_of(group)
+    # -- the StepRunner protocol (contracts/model.py) ------------------------------------------------
+    def execute(self, plan: StepPlan) -> ModelOutput:
+        """Run the plan: forward, sampling (verifying drafts), the next drafts (`StepExecutor.execute`)."""
+        return self.steps.execute(plan)
 
-    def unit_bytes(self, group) -> int:
-        """Bytes of one block (paged) or one state slot (ring) of a group."""
-        return self.caches.unit_bytes(group)
-
-    def state_bytes(self) -> int:
-        """Per-request state beside the rings (DeepSeek-V4's compressor state), in bytes."""
-        return self.caches.state_bytes()
+    def release(self, request_ids) -> None:
+        """Drop per-request state (sampler generators, draft distributions) of finished or aborted requests."""
+        self.steps.release(request_ids)
 
     def stats(self) -> dict[str, int]:
         """The cache directory's counters (empty without one)."""
@@ -154,33 +138,3 @@ class ModelRunner:
     def close(self) -> None:
         """Finish writing the cache directory (idempotent)."""
         self.caches.close()
-
-    # -- the step executor (its module draws the step: start, the send point, finish) ----------------
-    def release(self, request_ids) -> None:
-        """Drop per-request state (sampler generators, draft distributions) of finished or aborted requests."""
-        self.steps.release(request_ids)
-
-    def execute(self, plan: StepPlan) -> ModelOutput:
-        """Run the plan: forward, sampling (verifying drafts), the next drafts (`StepExecutor.execute`)."""
-        return self.steps.execute(plan)
-
-    def follow(self, plan: StepPlan, receive_tokens: Callable[[], StepTokens] = StepTokens) -> None:
-        """A follower rank's step (`StepExecutor.follow`)."""
-        self.steps.follow(plan, receive_tokens)
-
-    def start(self, plan: StepPlan, sample: bool = True) -> Step:
-        """The step up to the send point (`StepExecutor.start`)."""
-        return self.steps.start(plan, sample)
-
-    def finish(self, step: Step, tokens: StepTokens | None = None) -> ModelOutput:
-        """The step after the send point (`StepExecutor.finish`)."""
-        return self.steps.finish(step, tokens)
-
-    @property
-    def drafts_on_every_rank(self) -> bool:
-        """Whether the drafter runs the model (MTP), so every rank runs its passes."""
-        return self.steps.drafts_on_every_rank
-
-    def needs_step_tokens(self, plan: StepPlan) -> bool:
-        """Whether follower ranks need this step's sampled tokens."""
-        return self.steps.needs_step_tokens(plan)

@@ -76,7 +76,7 @@ def _few_row_reason(record: NumericsRecord) -> str:
 
 def compute_dtype(record: NumericsRecord) -> torch.dtype:
     """The torch dtype the record's `compute_dtype` names."""
-    return getattr(torch, record.compute_dtype)
+    return model_loader.torch_dtype(model_loader.Choice(record.compute_dtype, ""))
 
 
 def _batch_invariant_reason(knob: bool | None, on: bool) -> str:

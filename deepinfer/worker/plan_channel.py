@@ -4,12 +4,12 @@ that do not depend on how the followers were started.
     rank 0: DriverRunner.execute(plan)                follower r: follow_plans(runner, channel)
     ───────────────────────────────────               ─────────────────────────────────────────
     channel.send(follower_plan(plan)) ──────────────> plan = channel.recv()
-    step = driver.start(plan): forward + sample <───> runner.follow(plan): start: forward
+    step = driver.steps.start(plan) <──────────────> runner.steps.follow(plan): start: forward
                           (the layers' collectives pair up inside the forward)
     where step.needs_tokens (a plan that verifies drafts, or any plan with a drafter that runs the
     model, MTP) -- the send point, after sampling and before any drafting pass:
     channel.send(step.tokens()) ────────────────────> StepTokens = channel.recv()
-    driver.finish(step): keep_verified, MTP passes <> finish: keep_verified(kept counts), MTP passes
+    driver.steps.finish(step): keep_verified, MTP <> finish: keep_verified(kept counts), MTP passes
     close(): channel.send(None) ────────────────────> None: leave the loop
 
 Both messages are contract types (`StepPlan`, `StepTokens` in `contracts/plan.py`). The step
@@ -109,7 +109,7 @@ class _Closed(Exception):
 
 
 def follow_plans(runner, channel: PlanChannel) -> None:
-    """A follower's loop: run every plan rank 0 sends (`ModelRunner.follow`, which reads a plan's
+    """A follower's loop: run every plan rank 0 sends (`StepExecutor.follow`, which reads a plan's
     `StepTokens` from the channel too, where it needs them) until None."""
 
     def step_tokens() -> StepTokens:
@@ -123,7 +123,7 @@ def follow_plans(runner, channel: PlanChannel) -> None:
 
     try:
         while (plan := channel.recv()) is not None:
-            runner.follow(plan, step_tokens)
+            runner.steps.follow(plan, step_tokens)
     except _Closed:
         pass
 
@@ -131,7 +131,7 @@ def follow_plans(runner, channel: PlanChannel) -> None:
 class DriverRunner(abc.ABC):
     """The engine's `StepRunner` on rank 0 of a tensor-parallel run: rank 0's ModelRunner (`driver`:
     it samples) plus followers reached through `channel`. Every other attribute (groups, num_blocks,
-    model, cache, ...) is the driver's. Subclasses start the followers, set `driver` and `channel`,
+    model, caches, steps, ...) is the driver's. Subclasses start the followers, set `driver` and `channel`,
     implement `close`, and may override `_step_fault` to name a dead rank."""
 
     failure: str | None = None  # why the ranks can no longer step together
@@ -141,6 +141,11 @@ class DriverRunner(abc.ABC):
             raise AttributeError(name)
         return getattr(self.driver, name)
 
+    @property
+    def config(self):
+        """The EngineConfig rank 0's runner was built from (max_model_len resolved, alike on every rank)."""
+        return self.driver.config
+
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Send the plan to every follower, run it here up to the send point (forward and
         sampling), send the step's tokens where the followers need them, then finish it (drafting
@@ -149,11 +154,11 @@ class DriverRunner(abc.ABC):
         if self.failure is not None:
             raise FatalStepError(self.failure)
         try:
-            self.channel.send(follower_plan(plan, histories=self.driver.drafts_on_every_rank))
-            step = self.driver.start(plan)
+            self.channel.send(follower_plan(plan, histories=self.driver.steps.drafts_on_every_rank))
+            step = self.driver.steps.start(plan)
             if step.needs_tokens:  # the send point: after sampling, before any drafting pass
                 self.channel.send(step.tokens())
-            return self.driver.finish(step)
+            return self.driver.steps.finish(step)
         except BaseException as exc:
             raise self._step_fault(exc) from exc
 

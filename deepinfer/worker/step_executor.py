@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.config import EngineConfig, SpeculativeConfig
+from deepinfer.config import EngineConfig
 from deepinfer.contracts.model import CachedModel
 from deepinfer.contracts.plan import (
     ModelOutput,
@@ -35,31 +35,15 @@ from deepinfer.structured_output import StructuredOutputError
 from deepinfer.worker.cache_runtime import CacheRuntime
 from deepinfer.worker.cpu_threads import StepThreads
 from deepinfer.worker.cuda_graphs import build_decode_graphs
-from deepinfer.worker.draft_cache import DraftCache
-from deepinfer.worker.draft_model_drafter import DraftModelDrafter
-from deepinfer.worker.drafters import NgramDrafter
+from deepinfer.worker.drafting import make_drafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, num_logits_rows
 from deepinfer.worker.lora_slots import LoRASlots
-from deepinfer.worker.mtp_drafter import MtpDrafter
 from deepinfer.worker.pooling import Pooler
 from deepinfer.worker.prompt_logprobs import PromptLogprobs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 from deepinfer.worker.structured import StructuredOutputs, eos_ids_of
 
 logger = logging.getLogger("deepinfer.worker")
-
-
-def make_drafter(config: SpeculativeConfig, model, groups, addressing, draft: DraftCache | None = None,
-                 vocab_size: int = 0, max_model_len: int = 0):
-    """The drafter of `config.method` (None without one); "draft_model" drafts with `draft`'s model
-    ids below `vocab_size` (the target's), at positions below `max_model_len`."""
-    if config.method is None:
-        return None
-    if config.method == "draft_model":
-        if draft is None:
-            raise ValueError("speculative_method='draft_model' needs speculative_model (a draft checkpoint)")
-        return DraftModelDrafter(config, draft, vocab_size, max_model_len)
-    return NgramDrafter(config) if config.method == "ngram" else MtpDrafter(config, model, groups, addressing)
 
 
 @dataclass
@@ -94,9 +78,9 @@ class StepExecutor:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.pooler = Pooler()  # embedding requests' pools, over prefill chunks
-        self.drafter = make_drafter(self.speculative, model, caches.groups, caches.addressing, caches.draft,
+        self.drafter = make_drafter(self.speculative, model, caches.addressing, self.device, caches.draft,
                                     source.hf_config.vocab_size, config.max_model_len)
-        self.structured = StructuredOutputs(getattr(source, "tokenizer", None), eos_ids_of(source))  # grammar masks
+        self.structured = StructuredOutputs(source.tokenizer, eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(model, caches.groups, backend_name, self.device, config,
                                           emulate=emulate_graphs)  # the cache is bound: its addresses hold
 

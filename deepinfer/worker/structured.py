@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from deepinfer.contracts.hf_config import eos_token_ids
 from deepinfer.structured_output import StructuredOutputError, first_lines, grammar_engine, grammar_limits
 
 if TYPE_CHECKING:
@@ -59,14 +60,7 @@ class _Tracked:
 
 def eos_ids_of(source) -> list[int]:
     """The model's EOS ids (its config's and its tokenizer's): what the grammar ends with."""
-    ids = set()
-    config, tokenizer = getattr(source, "hf_config", None), getattr(source, "tokenizer", None)
-    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-    return sorted(ids)
+    return sorted(eos_token_ids(source.hf_config, source.tokenizer))
 
 
 class StructuredOutputs:

@@ -28,7 +28,7 @@ def packed_summary(model, source=None) -> str | None:
     layout = ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items()))
     held = sum(w.nbytes for w in packed)
     text = f"{len(packed)} ({layout}), {mib(held)} packed"
-    if source is not None and getattr(source, "format", None) == "gguf":
+    if source is not None and source.format == "gguf":
         in_file = sum(packed_file_bytes(source.path).values())
         text += f" for {mib(in_file)} in the file ({held / max(in_file, 1):.2f}x)"
     return f"{text}, qdot {qdot_variant()}"
@@ -38,7 +38,7 @@ def startup_summary(runner, max_model_len: int, load_s: float, source=None) -> s
     """e.g. 'engine ready in 2.1 s: weights 258.3 MiB, KV cache 384.0 MiB (6,144 blocks), max
     concurrency 24 requests at max_model_len 4,096, dtype float32, quantization gguf, attention torch, device cpu';
     with matrices kept packed, the weights' part adds what `packed_summary` says."""
-    requests = max_concurrency(runner.cache_need, runner.num_blocks, runner.num_state_slots)
+    requests = max_concurrency(runner.caches.cache_need, runner.num_blocks, runner.num_state_slots)
     units = f"{runner.num_blocks:,} blocks" if runner.num_blocks else ""
     if runner.num_state_slots:
         units += (", " if units else "") + f"{runner.num_state_slots:,} state slots"
@@ -47,7 +47,7 @@ def startup_summary(runner, max_model_len: int, load_s: float, source=None) -> s
     packed = packed_summary(runner.model, source)
     weights = mib(weight_bytes(runner.model)) + (f" (quantized matrices: {packed})" if packed else "")
     return (f"engine ready in {load_s:.1f} s: weights {weights}, "
-            f"KV cache {mib(runner.cache.num_bytes)} ({units}), max concurrency {requests:,} requests at "
+            f"KV cache {mib(runner.caches.cache.num_bytes)} ({units}), max concurrency {requests:,} requests at "
             f"max_model_len {max_model_len:,}, dtype {runner.dtype_choice.value}, quantization "
             f"{runner.quantization.value}, attention {runner.attention_backend.name}, device {runner.device}"
             f"{_draft_summary(runner)}")

@@ -149,7 +149,7 @@ def test_a_steps_tensors_share_one_device_storage(device, tiny_dirs, monkeypatch
     llm = _llm(tiny_dirs[arch], device)
     runner = llm.engine.runner
     plan = _decode_plan(llm, monkeypatch)
-    inputs = build_step_inputs(plan, runner.addressing, runner.device, pack=None if device == "cuda" else True)
+    inputs = build_step_inputs(plan, runner.caches.addressing, runner.device, pack=None if device == "cuda" else True)
     tensors = [t for t in [inputs.input_ids, inputs.sample_index, *inputs.attn_metadata.tensors()] if t is not None]
     assert len(tensors) >= 4
     assert {t.device.type for t in tensors} == {device}

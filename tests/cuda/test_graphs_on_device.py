@@ -38,10 +38,10 @@ def _greedy(llm):
 def test_graphs_give_the_eager_tokens_and_count_replays(graphs_on_this_device, tiny_llama_dir):
     device = graphs_on_this_device
     eager_llm = _engine(tiny_llama_dir, device, enforce_eager=True)
-    assert eager_llm.engine.runner.graphs is None
+    assert eager_llm.engine.runner.steps.graphs is None
     eager = _greedy(eager_llm)
     llm = _engine(tiny_llama_dir, device)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.steps.graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
     before = graphs.num_replays
     got = _greedy(llm)
@@ -57,7 +57,7 @@ def test_graphs_are_captured_on_cuda(device, tiny_llama_dir, caplog):
         pytest.skip("CUDA-only: the CPU has no graphs to capture (the emulated path runs in the test above)")
     with caplog.at_level("INFO", logger="deepinfer.worker"):
         llm = _engine(tiny_llama_dir, device)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.steps.graphs
     assert graphs is not None and graphs.capture and sorted(graphs.runs) == [1, 2, 4, 8]
     assert all(run.logits.is_cuda for run in graphs.runs.values())
     assert any(r.getMessage().startswith("CUDA graphs captured for decode batch sizes 1, 2, 4, 8")

@@ -105,7 +105,7 @@ def test_a_closed_llm_refuses_use(llama, tensor_parallel_size):
 def test_releasing_a_one_rank_llm_frees_its_kv_cache(llama, how):
     llm = LLM(llama, **SMALL)
     _tokens(llm)
-    cache = weakref.ref(llm.engine.runner.cache)
+    cache = weakref.ref(llm.engine.runner.caches.cache)
     if how == "close":
         llm.close()
     elif how == "with":

@@ -15,6 +15,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.plan import FatalStepError
 from deepinfer.worker import multiproc
 from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.step_executor import StepExecutor
 
 # few blocks (12 of 4 tokens: one request at max_model_len 48; the three below grow to 17) and
 # 8-token steps: chunked prefill, and preemption
@@ -142,14 +143,14 @@ def _failing_start(rank, world_size, init_method, config, plans, status):
 
 
 def _failing_step(rank, world_size, init_method, config, plans, status):
-    real = ModelRunner.follow
+    real = StepExecutor.follow
 
     def follow(self, plan, *args):
         if any(s.start_pos > 0 for s in plan.scheduled):
             raise RuntimeError(f"injected step fault on rank {rank}")
         return real(self, plan, *args)
 
-    ModelRunner.follow = follow
+    StepExecutor.follow = follow
     multiproc.worker_main(rank, world_size, init_method, config, plans, status)
 
 

@@ -97,11 +97,11 @@ def test_a_size_other_than_world_size_is_refused_naming_both(llama):
 _DYING_FOLLOWER = """
 import os, sys
 from deepinfer import LLM, SamplingParams
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.step_executor import StepExecutor
 
 if os.environ["RANK"] == "1":  # the follower dies in its second step
-    steps, real = [], ModelRunner.follow
-    ModelRunner.follow = lambda s, p, *a: os._exit(7) if steps.append(p) or len(steps) == 2 else real(s, p, *a)
+    steps, real = [], StepExecutor.follow
+    StepExecutor.follow = lambda s, p, *a: os._exit(7) if steps.append(p) or len(steps) == 2 else real(s, p, *a)
 llm = LLM(sys.argv[1], device="cpu", max_model_len=64, num_blocks=16)  # rank 1 serves rank 0's steps in here
 print("runner", type(llm.engine.runner).__name__, flush=True)
 llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)

@@ -137,7 +137,7 @@ def test_drafts_verified_on_two_ranks_give_one_ranks_tokens(v4_path):
     with LLM(v4_path, tensor_parallel_size=2, speculative_method="ngram", num_speculative_tokens=3,
              **engine) as split:
         truth = {tuple(p): list(t) for p, t in zip(prompts, want, strict=True)}
-        split.engine.runner.driver.drafter = ScriptedDrafter(truth, 3, VOCAB, mixed)  # rank 0 drafts
+        split.engine.runner.driver.steps.drafter = ScriptedDrafter(truth, 3, VOCAB, mixed)  # rank 0 drafts
         got = [o.outputs[0].token_ids for o in split.generate(prompts, params, use_tqdm=False)]
         metrics = split.get_metrics()
     assert 0 < metrics["spec_decode_num_accepted_tokens"] < metrics["spec_decode_num_draft_tokens"]

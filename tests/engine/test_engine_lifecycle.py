@@ -62,10 +62,10 @@ def test_a_refused_request_leaves_nothing_behind(llm):
 
 def test_seeded_generators_and_states_are_released_when_requests_end(llm):
     llm.generate([PROMPT, PROMPT[:5]], SamplingParams(max_tokens=4, temperature=1.0, seed=3), use_tqdm=False)
-    assert llm.engine.runner.sampler.num_request_generators == 0
+    assert llm.engine.runner.steps.sampler.num_request_generators == 0
     stream = llm.stream(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=5, ignore_eos=True))
     next(stream), next(stream)
     stream.close()
-    assert llm.engine.runner.sampler.num_request_generators == 0 and not llm.engine.outputs._states
+    assert llm.engine.runner.steps.sampler.num_request_generators == 0 and not llm.engine.outputs._states
     outs = llm.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(outs) == 1 and outs[0].outputs[0].finish_reason == "length"

@@ -72,7 +72,7 @@ def _assert_engine_clean(llm) -> None:
     engine = llm.engine
     engine.kv_manager.check_no_leaks()
     assert not engine.has_unfinished_requests() and not engine.outputs._states
-    assert engine.runner.sampler.num_request_generators == 0
+    assert engine.runner.steps.sampler.num_request_generators == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert out[0].error is None and len(out[0].outputs[0].token_ids) == 3
     engine.kv_manager.check_no_leaks()

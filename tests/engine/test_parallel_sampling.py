@@ -194,7 +194,7 @@ def test_abort_mid_run_ends_every_sample_and_frees_every_block(llm, num_steps):
     assert [c.finish_reason for c in outs[0].outputs] == ["abort"] * 4
     assert not engine.has_unfinished_requests()
     engine.kv_manager.check_no_leaks()
-    assert engine.runner.sampler.num_request_generators == 0
+    assert engine.runner.steps.sampler.num_request_generators == 0
 
 
 def test_a_failed_sample_fails_alone(llm, monkeypatch):

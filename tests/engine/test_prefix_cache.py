@@ -681,7 +681,7 @@ class Harness:
                  max_num_seqs=4, interval=8):
         self.kv = make_kv(specs, num_blocks, num_state_slots, num_snapshot_slots=num_snapshot_slots,
                           snapshot_interval=interval)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, 512), self.kv)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.kv, 512)
         self.runner = PhysicalRunner(self.kv)
         self.reqs: dict[str, Request] = {}
         self.num_steps = 0

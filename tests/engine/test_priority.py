@@ -25,7 +25,7 @@ class PolicyHarness:
 
     def __init__(self, policy="priority", block_size=4, num_blocks=64, budget=32, max_num_seqs=2):
         self.kv = KVCacheManager((PagedGroupSpec("full", block_size),), num_blocks)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, 256, scheduling_policy=policy), self.kv)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, scheduling_policy=policy), self.kv, 256)
         self.runner = FakeRunner(block_size)
         self.num_free_at_start = self.kv.num_free_blocks
         self.arrival = 0.0

@@ -89,7 +89,7 @@ class Harness:
         if num_state_slots:
             specs += (RingGroupSpec("swa", 8),)
         self.kv = KVCacheManager(specs, num_blocks, num_state_slots)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), self.kv)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.kv, max_model_len)
         self.runner = FakeRunner(block_size, forced)
         self.order: dict[str, int] = {}  # request id -> arrival index
         self.done: dict[str, Request] = {}  # finished or aborted
@@ -422,12 +422,12 @@ def test_random_operations_keep_invariants(data):
     assert h.kv.num_free_blocks == h.kv.num_total_blocks
     for req in h.done.values():
         if req.status is not ABORTED:
-            assert req.output_token_ids == reference_output(req, h.sched.config.max_model_len)
+            assert req.output_token_ids == reference_output(req, h.sched.max_model_len)
 
 
 def add_random_request(h: Harness, draw, eos) -> None:
     """Add a request that fits the cache, or (1 in 8) one that may not; a refused one must not fit."""
-    limit = min(h.sched.config.max_model_len, h.kv.max_num_tokens)
+    limit = min(h.sched.max_model_len, h.kv.max_num_tokens)
     num_total = draw(st.integers(2, max(limit, 2)))
     num_prompt = draw(st.integers(1, num_total - 1))
     max_tokens = num_total - num_prompt + (draw(st.integers(1, 8)) if draw(st.integers(0, 7)) == 0 else 0)
@@ -435,7 +435,7 @@ def add_random_request(h: Harness, draw, eos) -> None:
     try:
         h.add(rid, num_prompt, eos=eos, max_tokens=max_tokens, ignore_eos=draw(st.booleans()))
     except ValueError:
-        limit = h.sched.config.max_model_len
+        limit = h.sched.max_model_len
         assert num_prompt >= limit or min(num_prompt + max_tokens, limit) > h.kv.max_num_tokens
         h.order[rid] = len(h.order)
 

@@ -14,7 +14,7 @@ from deepinfer.sampling_params import SamplingParams
 
 def _scheduler(budget: int = 64, max_model_len: int = 64, num_blocks: int = 32) -> Scheduler:
     kv = KVCacheManager((PagedGroupSpec("full", 4),), num_blocks=num_blocks)
-    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len), kv)
+    return Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget), kv, max_model_len)
 
 
 def _samples(*ids: int) -> list[SampleResult]:

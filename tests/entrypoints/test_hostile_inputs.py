@@ -165,7 +165,7 @@ def test_the_engine_thread_compiles_nothing(llm, monkeypatch):
         raise AssertionError("compiled on the engine thread")
 
     monkeypatch.setattr(llm.engine.outputs.grammars, "compile", refuse)
-    monkeypatch.setattr(llm.engine.runner.structured, "_compile", refuse)
+    monkeypatch.setattr(llm.engine.runner.steps.structured, "_compile", refuse)
 
     async def scenario(client):
         return await client.post(CMPL, json=_body(CMPL, {"guided_regex": "[0-9]{3}", "max_tokens": 10}))

@@ -55,9 +55,9 @@ def test_the_flag_or_the_env_knob_accepts_a_long_max_model_len(tiny_checkpoint, 
                      "--allow-long-max-model-len", "--max-num-seqs", "1"]) == 0
     assert "max_model_len: 2048" in capsys.readouterr().out
     env = read_environ({"DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN": "1"})
-    assert EngineConfig(max_model_len=4096, env=env).resolve_max_model_len(1024) == 4096
+    assert EngineConfig(max_model_len=4096, env=env).given_max_model_len(1024) == 4096
     with pytest.raises(ValueError, match="max_model_len 4,096 exceeds the model's context of 1,024"):
-        EngineConfig(max_model_len=4096, env=read_environ({})).resolve_max_model_len(1024)
+        EngineConfig(max_model_len=4096, env=read_environ({})).given_max_model_len(1024)
 
 
 def test_num_blocks_too_few_for_one_request_is_refused_with_numbers(tiny_checkpoint, capsys):
@@ -95,7 +95,7 @@ def test_auto_is_the_default_and_sizes_for_max_num_seqs_requests(tiny_checkpoint
     llm = LLM(tiny_checkpoint("llama"), max_num_seqs=3, max_model_len=128)
     runner = llm.engine.runner
     assert runner.num_blocks == 3 * 128 // 16
-    assert runner.cache.num_bytes == 3 * 128 // 16 * PAGE
+    assert runner.caches.cache.num_bytes == 3 * 128 // 16 * PAGE
     ring = LLM(tiny_checkpoint("gemma3"), max_num_seqs=3, max_model_len=128).engine.runner
     assert ring.num_state_slots == 3 and ring.num_blocks == 3 * 128 // 16
 

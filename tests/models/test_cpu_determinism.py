@@ -92,7 +92,7 @@ def test_the_default_cpu_path_runs_the_mode_natively(engines):
     attention, the sampler's fixed-block sums, and no TorchFunctionMode around the forward."""
     runner = engines["default"].engine.runner
     assert runner.quantization.value == "gguf"
-    assert runner.batch_invariant and runner.numerics.batch_invariant and runner.sampler.batch_invariant
+    assert runner.batch_invariant and runner.numerics.batch_invariant and runner.steps.sampler.batch_invariant
     assert runner.attention_backend.batch_invariant and runner.attention_backend.cpu_invariant
     assert not hasattr(runner.model.forward, "__wrapped__")  # the model's own forward, not _under_mode's
 
@@ -154,7 +154,7 @@ def test_a_float_checkpoint_runs_natively_and_zero_turns_it_off(tiny_checkpoint,
 
     path = tiny_checkpoint("llama")
     runner = LLM(path, num_blocks=16, block_size=8, max_model_len=64).engine.runner
-    assert runner.batch_invariant and runner.attention_backend.batch_invariant and runner.sampler.batch_invariant
+    assert runner.batch_invariant and runner.attention_backend.batch_invariant and runner.steps.sampler.batch_invariant
     assert not hasattr(runner.model.forward, "__wrapped__")
     linears = [m for m in runner.model.modules() if isinstance(m, nn.Linear)]
     assert linears and all("forward" in vars(m) for m in linears)

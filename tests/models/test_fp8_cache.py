@@ -26,7 +26,7 @@ def forced_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     rows = []
     for p, t in enumerate(tokens):
         step = ScheduledRequest("forced", [t], p, (table,), (0,) * runner.num_state_slots and (0,))
-        inputs = build_step_inputs(StepPlan([step]), runner.addressing, runner.device)
+        inputs = build_step_inputs(StepPlan([step]), runner.caches.addressing, runner.device)
         with forward_context(inputs.attn_metadata):
             hidden = runner.model(inputs.input_ids, inputs.positions)  # [1, hidden]
         rows.append(torch.log_softmax(runner.model.compute_logits(hidden).float(), -1))

@@ -95,6 +95,38 @@ def test_engine_matches_transformers(name, gemma2_phi3_checkpoint):  # noqa: F81
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def _longrope_inv_freq(cfg, factors: list[float]) -> torch.Tensor:
+    """inv_freq_i = 1 / (factor_i * theta^(2i / R)) over the R rotating dims (transformers' longrope)."""
+    params = cfg.rope_parameters
+    rotary_dim = int(cfg.hidden_size // cfg.num_attention_heads * params["partial_rotary_factor"])
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim  # [R/2]
+    return 1.0 / (torch.tensor(factors) * params["rope_theta"] ** exponent)  # [R/2]
+
+
+def test_longrope_takes_the_factor_set_of_the_fitted_max_model_len(gemma2_phi3_checkpoint):  # noqa: F811
+    """phi3_longrope: context 256, original length 64. Seven blocks of 8 rows hold one request of
+    56 tokens, so max_model_len (not given) is 56, resolved before the model is built: LongRoPE takes
+    the short factors, as transformers does for a sequence within the original length. (Built at the
+    context, 256 > 64, the model would take the long ones and drift from transformers.)"""
+    path = gemma2_phi3_checkpoint("phi3_longrope")
+    llm = LLM(path, num_blocks=7, block_size=8, max_num_seqs=1)
+    assert llm.engine.max_model_len == 56 and llm.engine.config.max_model_len == 56
+    cfg = load_model_source(path).hf_config
+    params = cfg.rope_parameters
+    rotary = llm.engine.runner.model.model.layers[0].self_attn.rotary
+    angles = rotary.cos[1:2, :rotary.rotary_dim // 2] / rotary.cos[0, 0]  # cos(1 * inv_freq), scaling divided out
+    torch.testing.assert_close(angles[0], _longrope_inv_freq(cfg, params["short_factor"]).cos())
+    assert not torch.allclose(angles[0], _longrope_inv_freq(cfg, params["long_factor"]).cos())
+    prompts = _prompts(2, seed=11, min_len=20, max_len=30)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, logprobs=1, ignore_eos=True),
+                        use_tqdm=False)
+    hf = hf_reference(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        c = out.outputs[0]
+        sampled = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        assert_teacher_forcing(hf, prompt, c.token_ids, sampled, atol=1e-4)
+
+
 @contextlib.contextmanager
 def _batch_invariant():
     """DEEPINFER_BATCH_INVARIANT=1 for the engines built inside (EngineConfig reads it once)."""

@@ -94,7 +94,7 @@ release_free_memory()
 before = rss_mib()
 llm = LLM(source, max_model_len=1024, kv_cache_memory="64MiB")
 after = rss_mib()
-allocations = {id(a): a for a in llm.engine.runner.cache.allocations if a is not None}
+allocations = {id(a): a for a in llm.engine.runner.caches.cache.allocations if a is not None}
 kv = sum(a.numel() * a.element_size() for a in allocations.values()) / 2**20
 print(json.dumps({"before": before, "after": after, "kv": kv, "quantization": llm.engine.runner.quantization.value}))
 """

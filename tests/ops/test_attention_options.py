@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
-from deepinfer.model_executor.layers.attention import invariant, torch_ref
+from deepinfer.model_executor.layers.attention import invariant
 from deepinfer.model_executor.layers.attention.backend import (
     AttentionMetadata,
     GroupMetadata,
@@ -33,6 +33,7 @@ from deepinfer.model_executor.layers.attention.layer import Attention
 from deepinfer.model_executor.layers.attention.triton_backend import TritonAttentionBackend
 from deepinfer.model_executor.layers.kernel_set import TORCH_KERNELS
 from deepinfer.model_executor.layers.ops import fused
+from deepinfer.model_executor.layers.ops import torch_attention as torch_ref
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec
 

@@ -72,7 +72,8 @@ def _same_rows(engine, compared: list[int]) -> None:
             units = [slots[unit] if g.is_ring else blocks[unit][p // rows] for p in positions]
             at = (torch.tensor(units, dtype=torch.long), torch.tensor([p % rows for p in positions], dtype=torch.long))
             for li in range(len(g.layer_ids)):
-                target, mine = runner.cache.layer_view(ti, li)[at], draft.cache.layer_view(gi, li)[at]  # [n, 1, row]
+                target = runner.caches.cache.layer_view(ti, li)[at]  # [n, 1, row]
+                mine = draft.cache.layer_view(gi, li)[at]  # [n, 1, row]
                 assert torch.equal(target, mine), (req.request_id, g.name, li, done)
             compared.append(len(positions))
 
@@ -95,7 +96,8 @@ def test_copy_of_the_target_drafts_everything_right_in_fewer_steps(checkpoints):
     assert spec_steps < plain_steps / 2, (spec_steps, plain_steps)
     # pass 0 starts where the chained rows end: the draft computes each kept position about once
     positions = sum(map(len, PROMPTS)) + sum(map(len, spec.values()))
-    assert llm.engine.runner.drafter.num_tokens < 1.25 * positions, (llm.engine.runner.drafter.num_tokens, positions)
+    drafter = llm.engine.runner.steps.drafter
+    assert drafter.num_tokens < 1.25 * positions, (drafter.num_tokens, positions)
 
 
 def test_first_layer_draft_keeps_greedy_output(checkpoints):
@@ -173,8 +175,8 @@ def test_sizing_counts_the_drafts_rows(checkpoints):
     """Each block and state slot holds the draft's rows beside the target's: the page the sizing
     divides memory by is both, and the draft has no blocks of its own."""
     target = checkpoints["llama"]
-    plain = LLM(target, **ENGINE).engine.runner.sizing
-    with_draft = LLM(target, speculative_model=checkpoints["llama-draft"], **ENGINE).engine.runner.sizing
+    plain = LLM(target, **ENGINE).engine.runner.caches.sizing
+    with_draft = LLM(target, speculative_model=checkpoints["llama-draft"], **ENGINE).engine.runner.caches.sizing
     draft = [g for g in with_draft.groups if g.mirrors == "full"]
     assert [g.name for g in draft] == ["draft"] and draft[0].num_layers == 1
     assert with_draft.page_bytes == plain.page_bytes * 3 // 2  # 2 target layers + 1 draft layer per block

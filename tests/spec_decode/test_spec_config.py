@@ -44,7 +44,7 @@ def test_k_sizes_the_ring(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("mistral_swa"), speculative_method="ngram", num_speculative_tokens=9)
     ring = next(g for g in llm.engine.runner.groups if g.is_ring)
     assert ring.rows_per_unit == ring.window + 10  # S = W + max(backtracking 0, k + 1)
-    assert llm.engine.runner.drafter.k == 9
+    assert llm.engine.runner.steps.drafter.k == 9
 
 
 def _positions_read(llm, p: int, k: int) -> list[list[int]]:
@@ -52,10 +52,10 @@ def _positions_read(llm, p: int, k: int) -> list[list[int]]:
     prefill of p tokens, then a k + 1 verification step (store, then read through each query's
     index row). Returns the positions each of the k + 1 queries actually read."""
     runner = llm.engine.runner
-    view = runner.cache.group_caches(0)[0]  # layer 0 of the ring group
+    view = runner.caches.cache.group_caches(0)[0]  # layer 0 of the ring group
 
     def store(step: ScheduledRequest) -> list:
-        g = build_step_inputs(StepPlan([step]), runner.addressing, runner.device).attn_metadata.groups[0]
+        g = build_step_inputs(StepPlan([step]), runner.caches.addressing, runner.device).attn_metadata.groups[0]
         pos = torch.arange(step.start_pos, step.start_pos + step.num_tokens, dtype=torch.float32)
         pos = pos if g.store_rows is None else pos[g.store_rows]
         rows = pos[:, None, None].expand(-1, view.codec.num_kv_heads, view.codec.head_dim)  # [n, H_kv, D]

@@ -36,8 +36,8 @@ def _plain_and_spec(path: str, prompts, drafter_wrong=mixed, method="ngram", **e
     truth = run_engine(plain_llm, prompts, _greedy())
     spec_llm = LLM(path, speculative_method=method, num_speculative_tokens=K, **engine)
     vocab = spec_llm.engine.source.hf_config.vocab_size
-    spec_llm.engine.runner.drafter = ScriptedDrafter({tuple(p): truth[i] for i, p in enumerate(prompts)}, K, vocab,
-                                                    drafter_wrong)
+    spec_llm.engine.runner.steps.drafter = ScriptedDrafter({tuple(p): truth[i] for i, p in enumerate(prompts)}, K,
+                                                           vocab, drafter_wrong)
     spec = run_engine(spec_llm, prompts, _greedy(), abort=2)
     return plain, spec, plain_llm.get_metrics(), spec_llm.get_metrics()
 
@@ -74,7 +74,7 @@ def test_window_wraps_inside_verification_steps(tiny_checkpoint):
     wraps = []
     prompts = _prompts(2)
     truth = run_engine(LLM(path, **ENGINE), prompts, _greedy())
-    llm.engine.runner.drafter = ScriptedDrafter({tuple(p): truth[i] for i, p in enumerate(prompts)}, K,
+    llm.engine.runner.steps.drafter = ScriptedDrafter({tuple(p): truth[i] for i, p in enumerate(prompts)}, K,
                                                 llm.engine.source.hf_config.vocab_size, mixed)
 
     def record(engine):

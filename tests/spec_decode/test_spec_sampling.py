@@ -20,7 +20,7 @@ from chi_square import assert_fits, assert_rate
 from tiny_models import hf_reference
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.worker.drafters import draft_budget
+from deepinfer.spec_decode.drafter import draft_budget
 
 VOCAB = 32
 PROMPT = [5, 17, 9, 23, 11, 30, 4]  # ids < 32; EOS (2) is ignored
@@ -114,7 +114,7 @@ def test_sampled_tokens_with_drafts_follow_plain_decoding(model_dir, penalty, on
 
     llm = LLM(model_dir, speculative_method="ngram", num_speculative_tokens=K, max_num_seqs=64,
               num_blocks=512, block_size=4, max_model_len=64, seed=0)
-    llm.engine.runner.drafter = TableDrafter(table)
+    llm.engine.runner.steps.drafter = TableDrafter(table)
     seeds = range(int(penalty * 1000), int(penalty * 1000) + NUM_REQUESTS)  # another seed range per case
     outs = llm.generate([PROMPT] * NUM_REQUESTS, [SamplingParams(**params, seed=s) for s in seeds],
                         use_tqdm=False)

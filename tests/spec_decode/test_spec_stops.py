@@ -20,7 +20,7 @@ def llms(tiny_checkpoint):
     spec = LLM(path, max_num_seqs=4, speculative_method="ngram", num_speculative_tokens=K)
     long = plain.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, long, strict=True)}
-    spec.engine.runner.drafter = ScriptedDrafter(truth, K, VOCAB)  # every draft right: runs of k + 1 tokens
+    spec.engine.runner.steps.drafter = ScriptedDrafter(truth, K, VOCAB)  # every draft right: runs of k + 1 tokens
     return plain, spec, truth
 
 

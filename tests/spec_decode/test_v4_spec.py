@@ -41,7 +41,7 @@ def _greedy(n: int = 30) -> SamplingParams:
 
 def _scripted(llm: LLM, prompts, truth, wrong) -> ScriptedDrafter:
     drafter = ScriptedDrafter({tuple(p): truth[i] for i, p in enumerate(prompts)}, K, VOCAB, wrong)
-    llm.engine.runner.drafter = drafter
+    llm.engine.runner.steps.drafter = drafter
     return drafter
 
 
@@ -120,7 +120,7 @@ def test_cached_mtp_chain_equals_the_stateless_reference(v4_path):
     (the main model's streams of all kept positions, collected step by step)."""
     llm = LLM(v4_path, load_format="dummy", speculative_method="mtp", num_speculative_tokens=K, **ENGINE)
     runner, model = llm.engine.runner, llm.engine.runner.model
-    drafter, streams, checks = runner.drafter, [], []
+    drafter, streams, checks = runner.steps.drafter, [], []
 
     def propose(inputs, samples):
         (s, start), = inputs.spans
@@ -133,7 +133,7 @@ def test_cached_mtp_chain_equals_the_stateless_reference(v4_path):
             checks.append((history, drafts.get(s.request_id, [])))
         return drafts
 
-    runner.drafter = type("Recording", (), {"propose": staticmethod(propose), "release": drafter.release,
+    runner.steps.drafter = type("Recording", (), {"propose": staticmethod(propose), "release": drafter.release,
                                              "draft_probs": drafter.draft_probs, "runs_model": drafter.runs_model})()
     prompt = _prompts(3)[1] + [5] * 9  # 22 tokens: two prefill chunks, then decoding past the window
     llm.generate([prompt], _greedy(16), use_tqdm=False)

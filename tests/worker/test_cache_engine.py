@@ -9,7 +9,7 @@ import torch
 from deepinfer.contracts.cache import CacheGroupSpec
 from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.layers.attention.backend import TorchAttentionBackend
-from deepinfer.model_executor.layers.attention.torch_ref import visibility
+from deepinfer.model_executor.layers.ops.torch_attention import visibility
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec, page_rows
 from deepinfer.worker.input_batch import build_step_inputs, group_addressing
 
@@ -72,7 +72,7 @@ class StoreFirstBackend(TorchAttentionBackend):
         cache.store(group.store_slots, k, v)
         loaded = [cache.load(seg.load_slots) for seg in group.prefills]
         seg, old = group.prefills[0], loaded[0]
-        from deepinfer.model_executor.layers.attention.torch_ref import prefill_attention
+        from deepinfer.model_executor.layers.ops.torch_attention import prefill_attention
 
         return prefill_attention(q, k, v, old, metadata.positions, seg.load_positions, scale, group.window)
 

@@ -186,13 +186,14 @@ def test_canary_is_repeatable_and_leaves_the_cache_alone(arch, tiny_checkpoint, 
     cache_dir = str(tmp_path / "kv")
     with LLM(path, kv_cache_dir=cache_dir, **KW, **kw) as llm:
         runner = llm.engine.runner
-        for allocation in runner.cache.allocations:
+        for allocation in runner.caches.cache.allocations:
             allocation.view(torch.uint8).random_(0, 256)  # rows a canary must put back
-        before = [a.view(torch.uint8).clone() for a in runner.cache.allocations]
+        before = [a.view(torch.uint8).clone() for a in runner.caches.cache.allocations]
         state = runner.model.read_state(0)
-        digest = canary_digest(runner)
-        assert digest == canary_digest(runner) == _record_of(cache_dir, runner.cache_identity)
-        assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(runner.cache.allocations, before, strict=True))
+        digest = canary_digest(runner.caches)
+        assert digest == canary_digest(runner.caches) == _record_of(cache_dir, runner.cache_identity)
+        allocations = runner.caches.cache.allocations
+        assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(allocations, before, strict=True))
         after = runner.model.read_state(0)
         assert sorted(after) == sorted(state) and all(torch.equal(after[k], state[k]) for k in state)
 
@@ -252,17 +253,17 @@ def test_one_flipped_kv_bit_changes_the_digest_and_the_root(tiny_checkpoint, tmp
 
     cache_dir = str(tmp_path / "kv")
     with LLM(tiny_checkpoint("llama"), kv_cache_dir=cache_dir, **KW) as llm:
-        runner, cache_config = llm.engine.runner, llm.engine.config.cache
-        identity, digest = runner.cache_identity, canary_digest(runner)
+        caches, cache_config = llm.engine.runner.caches, llm.engine.config.cache
+        identity, digest = caches.cache_identity, canary_digest(caches)
         assert digest == _record_of(cache_dir, identity)
-        assert checked_identity(runner, identity, cache_config) == identity  # unflipped rows agree
-        group = next(gi for gi, g in enumerate(runner.groups) if not g.is_ring)
-        flip = _FlipOneBit(runner.model, runner.cache.allocations[group], runner.cache.codecs[group].row_bytes)
-        monkeypatch.setattr(runner, "model", flip)
-        flipped = canary_digest(runner)
-        assert flipped != digest and flipped == canary_digest(runner)
+        assert checked_identity(caches, identity, cache_config) == identity  # unflipped rows agree
+        group = next(gi for gi, g in enumerate(caches.groups) if not g.is_ring)
+        flip = _FlipOneBit(caches.model, caches.cache.allocations[group], caches.cache.codecs[group].row_bytes)
+        monkeypatch.setattr(caches, "model", flip)
+        flipped = canary_digest(caches)
+        assert flipped != digest and flipped == canary_digest(caches)
         caplog.set_level(logging.WARNING)
-        moved = checked_identity(runner, identity, cache_config)
+        moved = checked_identity(caches, identity, cache_config)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert moved != identity and len(warnings) == 1 and "canary" in warnings[0], warnings
     assert _record_of(cache_dir, identity) == digest and _record_of(cache_dir, moved) == flipped

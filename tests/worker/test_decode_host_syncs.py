@@ -71,7 +71,7 @@ def _record_decode_steps(runner, monkeypatch) -> list[list[str]]:
     """Per plain decode step, the host reads its forward and its sampler's `draw` made."""
     steps: list[list[str]] = []
     current: list[list[str] | None] = [None]  # the open step's list while a plain decode step runs
-    execute, forward, draw = runner.execute, runner.steps._forward, runner.sampler.draw
+    execute, forward, draw = runner.execute, runner.steps._forward, runner.steps.sampler.draw
 
     def recording_execute(plan):
         if plan.scheduled and all(is_decode(s) and s.num_tokens == 1 for s in plan.scheduled):
@@ -92,7 +92,7 @@ def _record_decode_steps(runner, monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(runner, "execute", recording_execute)
     monkeypatch.setattr(runner.steps, "_forward", recorded(forward))
-    monkeypatch.setattr(runner.sampler, "draw", recorded(draw))
+    monkeypatch.setattr(runner.steps.sampler, "draw", recorded(draw))
     return steps
 
 

@@ -319,7 +319,7 @@ def test_budget_is_never_exceeded(arch, tiny_checkpoint, tmp_path):
             outs = tokens(generate(llm, prompts))
             ref = ref or outs
             assert outs == ref
-            assert llm.engine.runner.prefix.disk.files_evicted > 0
+            assert llm.engine.runner.caches.prefix.disk.files_evicted > 0
         assert 0 < dir_bytes(cache_dir) <= budget
 
 

@@ -28,7 +28,7 @@ def test_fp8_rows_shrink_the_cache(tiny_checkpoint):
     path = tiny_checkpoint("llama")  # rows of 2 kv heads x 16 dims x 2 = 64 elements
     auto = LLM(path, kv_cache_memory="1MiB")
     fp8 = LLM(path, kv_cache_memory="1MiB", kv_cache_dtype="fp8")
-    assert auto.engine.runner.codec.row_bytes == 256 and fp8.engine.runner.codec.row_bytes == 66
+    assert auto.engine.runner.caches.codec.row_bytes == 256 and fp8.engine.runner.caches.codec.row_bytes == 66
     assert fp8.engine.runner.num_blocks == (1 << 20) // (16 * 2 * 66)
 
 

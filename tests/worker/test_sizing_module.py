@@ -3,7 +3,7 @@ benchmarks and the engine all size through `plan_model_cache`, so their figures 
 
 For every supported architecture (the tiny checkpoints, and a tiny DeepSeek-V4 with sliding, CSA and
 HCA layers) the planner's bytes per token, fixed bytes per request, page and blocks per request equal
-what the engine allocated (`runner.cache`, the model's kept state), with the default draft allowance
+what the engine allocated (`runner.caches.cache`, the model's kept state), with the default draft allowance
 and with n-gram drafting at k = 3 (a smaller ring: S = W + max(backtracking, k + 1)). The planner
 builds rank 0 on the meta device and reads its declared groups; V4-Flash cannot be allocated here, so
 its plan is checked against the sizing of the meta-built model's groups and against the config's
@@ -58,15 +58,15 @@ def _kept_state_bytes(model) -> int:
 def test_the_planner_sizes_what_the_engine_allocates(arch, draft, tiny_checkpoint, v4_config_dir):
     llm = _engine(arch, draft, tiny_checkpoint, v4_config_dir)
     runner, cfg = llm.engine.runner, llm.engine.source.hf_config.to_dict()
-    plan = plan_capacity(cfg, max_model_len=64, speculative=DRAFTS[draft], env=runner.env).kv
+    plan = plan_capacity(cfg, max_model_len=64, speculative=DRAFTS[draft], env=runner.config.env).kv
     assert [g.name for g in plan.groups] == [g.name for g in runner.groups]
-    k = 3 if draft == "ngram3" else runner.env.use_nextn_decode
-    assert plan.num_speculative_tokens == runner.speculative.num_speculative_tokens == k
-    cache = runner.cache
+    k = 3 if draft == "ngram3" else runner.config.env.use_nextn_decode
+    assert plan.num_speculative_tokens == runner.config.speculative.num_speculative_tokens == k
+    cache = runner.caches.cache
     for gi, (g, want) in enumerate(zip(runner.groups, plan.groups, strict=True)):
         assert want.rows_per_unit == g.rows_per_unit
         if g.is_ring:  # S = W + max(backtracking, k + 1) rows per state slot, all the group's layers
-            assert g.rows_per_unit == g.window + max(runner.env.max_backtracking_tokens, k + 1)
+            assert g.rows_per_unit == g.window + max(runner.config.env.max_backtracking_tokens, k + 1)
             assert want.per_request == cache.allocations[gi].shape[1] == cache.unit_bytes(gi)
             assert want.visible_rows(64) == min(64, g.window) < g.rows_per_unit
         else:
@@ -79,9 +79,9 @@ def test_the_planner_sizes_what_the_engine_allocates(arch, draft, tiny_checkpoin
     assert cache.num_bytes == runner.num_blocks * plan.page_bytes + runner.num_state_slots * plan.ring_bytes + \
         runner.num_snapshot_slots * plan.ring_bytes
     # one request at max_model_len: the engine's need and the scheduler's blocks
-    assert plan.request_need(64) == runner.cache_need
+    assert plan.request_need(64) == runner.caches.cache_need
     assert plan.blocks_for(64) == sum(spec.num_blocks_for(64) for spec in llm.engine.kv_manager.paged_specs)
-    assert plan.request_bytes(64) == plan.per_request + runner.cache_need.paged_bytes
+    assert plan.request_bytes(64) == plan.per_request + runner.caches.cache_need.paged_bytes
 
 
 @pytest.mark.parametrize("arch", ["mistral_swa", "v4"])
@@ -91,7 +91,7 @@ def test_ngram_k3_shrinks_the_ring_in_the_engine_and_the_plan(arch, tiny_checkpo
     ring = next(gi for gi, g in enumerate(default.groups) if g.is_ring)
     window = default.groups[ring].window
     assert default.groups[ring].rows_per_unit == window + 6 and ngram.groups[ring].rows_per_unit == window + 4
-    assert ngram.sizing.ring_bytes < default.sizing.ring_bytes
+    assert ngram.caches.sizing.ring_bytes < default.caches.sizing.ring_bytes
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The one step skeleton (`ModelRunner.start` / `finish`) and rank 0's per-step messages, in one
+"""The one step skeleton (`StepExecutor.start` / `finish`) and rank 0's per-step messages, in one
 process: a `DriverRunner` whose channel records what it sends, and a second runner that follows
 the recording as a follower rank would (`follow_plans`)."""
 
@@ -43,13 +43,13 @@ class _Replay:
 
 
 def _record_drafting(runner: ModelRunner, events: list) -> None:
-    propose = runner.drafter.propose
+    propose = runner.steps.drafter.propose
 
     def recorded(inputs, samples):
         events.append("propose")
         return propose(inputs, samples)
 
-    runner.drafter.propose = recorded
+    runner.steps.drafter.propose = recorded
 
 
 def test_rank0_sends_step_tokens_before_drafting_and_a_follower_keeps_step(tiny_checkpoint):
@@ -81,6 +81,6 @@ def test_rank0_sends_step_tokens_before_drafting_and_a_follower_keeps_step(tiny_
 
         follower = ModelRunner(engine.source, engine.config)
         follow_plans(follower, _Replay(e for e in channel.events if isinstance(e, (StepPlan, StepTokens))))
-        assert all(torch.equal(a, b) for a, b in zip(driver.cache.allocations, follower.cache.allocations,
+        assert all(torch.equal(a, b) for a, b in zip(driver.caches.cache.allocations, follower.caches.cache.allocations,
                                                       strict=True)), "the follower computed the same rows"
         follower.close()

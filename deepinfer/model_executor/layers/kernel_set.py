@@ -37,11 +37,11 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from deepinfer.model_executor.layers.attention import torch_ref
-from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse, indexer_scores
 from deepinfer.model_executor.layers.moe import grouped_experts
 from deepinfer.model_executor.layers.ops import fused
+from deepinfer.model_executor.layers.ops import torch_attention as torch_ref
 from deepinfer.model_executor.layers.ops.lora import lora_cpu_op, lora_delta_by, lora_gpu_op, lora_op_name
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import decode_mla_mqa_sparse, indexer_scores
 
 
 @dataclass(frozen=True)

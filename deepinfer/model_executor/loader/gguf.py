@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections import deque
@@ -303,18 +304,31 @@ def _quantized(tensor: GGUFTensor) -> QuantWeight | None:
 _UNPACKED_LOGGED: set[str] = set()
 
 
-def packed_file_bytes(path: str) -> dict[str, int]:
-    """ggml type -> bytes in the file of the matrices that loading keeps packed (from the tensor
-    table; nothing is read): what `deepinfer info` sets the packed weights' bytes against."""
-    sizes: dict[str, int] = {}
+def _packed_tensors(path: str) -> list[GGUFTensor]:
+    """The matrices of the file that loading keeps packed (from the tensor table; nothing is read)."""
+    packed = []
     for tensor in read_gguf_file(path).tensors:
         kind, part = tensor.tensor_type.name, tensor.name.split(".")[-2]
         if part in DENSE_PARTS:
             continue  # deepseek2's MLA up-projections: loaded dense
         expert_stack = part in _EXPERT_NAMES and len(tensor.shape) == 3
         if is_packed(kind, tensor.shape[1:] if expert_stack else tensor.shape):  # an expert stack: per expert
-            sizes[kind] = sizes.get(kind, 0) + tensor.data.nbytes
+            packed.append(tensor)
+    return packed
+
+
+def packed_file_bytes(path: str) -> dict[str, int]:
+    """ggml type -> bytes in the file of the matrices that loading keeps packed: what `deepinfer
+    info` sets the packed weights' bytes against."""
+    sizes: dict[str, int] = {}
+    for tensor in _packed_tensors(path):
+        sizes[tensor.tensor_type.name] = sizes.get(tensor.tensor_type.name, 0) + tensor.data.nbytes
     return sizes
+
+
+def packed_file_elements(path: str) -> int:
+    """Values of the matrices that loading keeps packed (they stay the file's mapped pages)."""
+    return sum(math.prod(tensor.shape) for tensor in _packed_tensors(path))
 
 
 def _map_rows(weight: torch.Tensor | QuantWeight, fn) -> torch.Tensor | QuantWeight:

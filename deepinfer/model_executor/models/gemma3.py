@@ -23,6 +23,7 @@ from __future__ import annotations
 from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.activation import gelu_tanh_and_mul
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
+from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
 from deepinfer.model_executor.models.llama import llama_spec
 
@@ -49,13 +50,13 @@ def check_gemma_config(cfg, attn_softcap, final_softcap, bidirectional: bool) ->
 def gemma_spec(cfg, qk_norm: bool, rotaries) -> DecoderSpec:
     """The Gemma decoder for `cfg` (the optional fields read here once); Gemma 3 and Gemma 2 differ
     in `qk_norm` and their RoPE tables."""
-    attn_softcap = getattr(cfg, "attn_logit_softcapping", None)
-    final_softcap = getattr(cfg, "final_logit_softcapping", None)
-    check_gemma_config(cfg, attn_softcap, final_softcap, getattr(cfg, "use_bidirectional_attention", False))
+    optional = DecoderFields.of(cfg, tie_word_embeddings=True)
+    attn_softcap, final_softcap = optional.attn_logit_softcapping, optional.final_logit_softcapping
+    check_gemma_config(cfg, attn_softcap, final_softcap, optional.use_bidirectional_attention)
     return llama_spec(cfg, qk_norm=qk_norm, rotaries=rotaries, act=gelu_tanh_and_mul,
                       attn_scale=cfg.query_pre_attn_scalar**-0.5, attn_softcap=attn_softcap,
                       final_softcap=final_softcap, norm_offset=GEMMA_NORM_OFFSET, sandwich_norms=True,
-                      embed_scale=True, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", True)))
+                      embed_scale=True, tie_word_embeddings=bool(optional.tie_word_embeddings))
 
 
 def gemma3_rotaries(spec: DecoderSpec, cfg, max_positions: int) -> list[RotaryEmbedding]:

@@ -36,6 +36,7 @@ from deepinfer.model_executor.layers.mxfp4_moe import SWIGLU_ALPHA, OssExperts
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, even_piece
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding
 from deepinfer.model_executor.layers.router import Router, RouterSpec
+from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
 from deepinfer.model_executor.models.llama import LlamaAttention, llama_spec
 
@@ -85,13 +86,14 @@ class OssExpertsSpec:
 def gpt_oss_spec(cfg, expert_parallel_size: int = 1) -> DecoderSpec:
     """The Llama spec (biases on q|k|v and o, windows from `layer_types`, YaRN from the rope
     parameters) with sinks and the MoE block; the optional config fields are read here."""
-    attention_bias = bool(getattr(cfg, "attention_bias", True))
+    optional = DecoderFields.of(cfg, attention_bias=True, swiglu_alpha=SWIGLU_ALPHA)
+    attention_bias = bool(optional.attention_bias)
     check_gpt_oss_config(cfg, attention_bias, expert_parallel_size)
     router = RouterSpec(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok,
                         topk_before_score=True, linear_bias=True, fp32_logits=False)
     experts = OssExpertsSpec(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
-                             mxfp4_experts_of(getattr(cfg, "quantization_config", None)), cfg.swiglu_limit,
-                             getattr(cfg, "swiglu_alpha", SWIGLU_ALPHA))
+                             mxfp4_experts_of(optional.quantization_config), cfg.swiglu_limit,
+                             optional.swiglu_alpha)
     return llama_spec(cfg, attention=GptOssAttention, qkv_bias=attention_bias, o_bias=attention_bias,
                       mlp=lambda spec, cfg, layer_idx, ep: GptOssMoE(router, experts, ep))
 

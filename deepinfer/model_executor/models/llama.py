@@ -26,11 +26,12 @@ from deepinfer.model_executor.layers.parallel_linear import (
     row_parallel_linear,
 )
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding
+from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp, shared_rotary
 
 
 def head_dim_of(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return DecoderFields.of(cfg).head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
 def windows_of(cfg) -> tuple[int | None, ...]:
@@ -39,21 +40,21 @@ def windows_of(cfg) -> tuple[int | None, ...]:
     `config.layer_types` says which layers slide (Qwen2/3 from `max_window_layers`, Gemma, GPT-OSS);
     without it (Mistral, Phi-3) every layer slides when `config.sliding_window` is set.
     """
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or ("sliding_attention",) * cfg.num_hidden_layers
+    optional = DecoderFields.of(cfg)
+    window = optional.sliding_window
+    layer_types = optional.layer_types or ("sliding_attention",) * cfg.num_hidden_layers
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:cfg.num_hidden_layers])
 
 
 def llama_spec(cfg, **choices) -> DecoderSpec:
     """The Llama family's decoder for `cfg`, its optional fields read here once; `choices` replace
     fields for a member family (Gemma, Phi-3, the MoE members, GPT-OSS)."""
-    head_dim = head_dim_of(cfg)
-    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    head_dim, optional = head_dim_of(cfg), DecoderFields.of(cfg)
+    attention_bias = bool(optional.attention_bias)
     spec = dict(attention=LlamaAttention, mlp=dense_mlp, rotaries=shared_rotary, head_dim=head_dim,
                 attn_scale=head_dim**-0.5, windows=windows_of(cfg), o_bias=attention_bias,
                 qkv_bias=cfg.model_type == "qwen2" or attention_bias, qk_norm=cfg.model_type == "qwen3",
-                mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-                tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)))
+                mlp_bias=bool(optional.mlp_bias), tie_word_embeddings=bool(optional.tie_word_embeddings))
     return DecoderSpec(**{**spec, **choices})
 
 

@@ -48,6 +48,7 @@ from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
 from deepinfer.model_executor.layers.parallel_linear import computes_expert_slice
 from deepinfer.model_executor.layers.router import Router, RouterSpec
+from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp
 from deepinfer.model_executor.models.llama import llama_spec
 from deepinfer.model_executor.models.utils import load_weights
@@ -77,18 +78,19 @@ MIXTRAL = MoeFamily(always_renormalize=True, expert_size=lambda cfg: cfg.interme
 def moe_spec(cfg, family: MoeFamily) -> DecoderSpec:
     """The Llama spec with the family's attention choices and, on its sparse layers, a
     `SparseMoeBlock`; every optional config field the family reads is read here."""
-    if getattr(cfg, "hidden_act", "silu") != "silu":
+    optional = DecoderFields.of(cfg)
+    if optional.hidden_act != "silu":
         raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported: the experts are SwiGLU (silu)")
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must lie in [1, num_experts="
                          f"{cfg.num_experts}]")
-    step = getattr(cfg, "decoder_sparse_step", 1) if family.dense_layers else 1
+    step = optional.decoder_sparse_step if family.dense_layers else 1
     if step < 1:
         raise ValueError(f"decoder_sparse_step={step} must be >= 1")
-    dense = set(getattr(cfg, "mlp_only_layers", None) or ()) if family.dense_layers else set()
+    dense = set(optional.mlp_only_layers or ()) if family.dense_layers else set()
     sparse = tuple(i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
                    for i in range(cfg.num_hidden_layers))  # as HF decides it
-    renormalize = family.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
+    renormalize = family.always_renormalize or bool(optional.norm_topk_prob)
     router = RouterSpec(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, renormalize=renormalize)
     shared = cfg.shared_expert_intermediate_size if family.shared_expert else 0
     block = partial(SparseMoeBlock, router, family.expert_size(cfg), shared)

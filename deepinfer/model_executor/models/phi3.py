@@ -13,7 +13,8 @@ picks one set per forward call from the call's largest position: max(position_id
 original_max_position_embeddings gives the long factors to every position of that call, else the
 short ones; its `generate` drops the cache and recomputes the whole sequence with the long set when
 a sequence first grows past the original length. Cached keys here keep the rotation they were
-stored with, so the set is fixed per engine from `max_model_len` (the model's `max_positions`):
+stored with, so the set is fixed per engine from `max_model_len` (the model's `max_positions`, resolved
+before the model is built: worker/context_length.py):
 
     max_model_len <= original   short factors: HF's set for every request the engine can run
     max_model_len >  original   long factors at every position of every request: HF's set for a

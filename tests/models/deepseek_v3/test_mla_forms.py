@@ -15,8 +15,8 @@ from v3_tiny import randomize, tiny_config
 from deepinfer.contracts.cache import PAGED, CacheGroupSpec, RowSpec
 from deepinfer.distributed import parallel_state
 from deepinfer.environ import Environ
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
 from deepinfer.model_executor.layers.kernel_set import TORCH_KERNELS, TRITON_KERNELS
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 from deepinfer.model_executor.models.deepseek_v3.cached_attn import CachedMLAAttention
 from deepinfer.model_executor.models.deepseek_v3.config import check_config
 from deepinfer.model_executor.models.deepseek_v3.mla import mla_rotary

@@ -107,7 +107,7 @@ def test_latent_rows_fill_one_paged_group_of_every_layer(checkpoint):
     assert (group.name, group.kind, group.layer_ids) == ("mla", "paged", (0, 1, 2))
     assert group.row.shared_kv and group.row.num_elements == 32 + 8  # kv_lora_rank + qk_rope_head_dim
     # fp32 rows under fp32 compute: 3 layers x 40 values x 4 B per token
-    assert llm.engine.runner.sizing.per_token == 3 * 40 * 4
+    assert llm.engine.runner.caches.sizing.per_token == 3 * 40 * 4
 
 
 @torch.inference_mode()
@@ -117,7 +117,7 @@ def test_bf16_rows_stay_close(checkpoint):
     path, hf = checkpoint("v3")
     llm = LLM(path, dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=13,
               kv_cache_dtype="bfloat16")
-    assert llm.engine.runner.sizing.per_token == 3 * 40 * 2
+    assert llm.engine.runner.caches.sizing.per_token == 3 * 40 * 2
     prompts = _prompts(3, seed=5)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)
@@ -168,7 +168,7 @@ def test_mxfp8_rows_match_transformers_on_rounded_rows(checkpoint, monkeypatch):
 
     path, hf = checkpoint("v3_wide")
     llm = LLM(path, dtype="float32", block_size=4, max_model_len=128, max_num_batched_tokens=13, kv_cache_dtype="fp8")
-    assert llm.engine.runner.sizing.per_token == 3 * (64 + 2)
+    assert llm.engine.runner.caches.sizing.per_token == 3 * (64 + 2)
     prompts = _prompts(3, seed=6)
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0),
                         use_tqdm=False)

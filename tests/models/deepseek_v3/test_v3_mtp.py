@@ -19,7 +19,6 @@ from v3_tiny import VOCAB, add_tensors, hf_mtp, make_tiny, mtp_checkpoint_tensor
 from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.forward_context import forward_context
-from deepinfer.worker.input_batch import build_group_metadata
 
 ENGINE = dict(dtype="float32", block_size=4, max_model_len=96, enable_prefix_caching=False)
 NUM_LAYERS = 3
@@ -98,7 +97,7 @@ def test_mtp_layer_logits_match_transformers(random_mtp):
     hidden = mtp.forward_layer(0, h[None], torch.arange(len(ids))[None], None, input_ids=ids[None])
     want = mtp._project_to_logits(hidden)[0]  # [T, V]
     sched = ScheduledRequest("r", tokens[1:], 0, ([0],), (0,))
-    md, _ = build_group_metadata([sched], runner.drafter.addressing)
+    md, _ = runner.steps.drafter.metadata([sched])  # the "mtp" group's pass metadata
     with forward_context(md):
         streams = layer.forward_cached(h[:, None], F.embedding(ids, model.model.embed_tokens.weight), md.positions,
                                        ids)  # [T, 1, H]

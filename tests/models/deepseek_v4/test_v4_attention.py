@@ -163,7 +163,7 @@ def test_decode_mla_mqa_sparse_reads_only_indexed_slots():
     read (filling them with garbage changes nothing), and the result equals attention over the
     rows gathered by hand."""
     from deepinfer.contracts.cache import CacheGroupSpec
-    from deepinfer.model_executor.layers.attention.sparse_mla import decode_mla_mqa_sparse
+    from deepinfer.model_executor.layers.ops.torch_sparse_mla import decode_mla_mqa_sparse
     from deepinfer.worker.cache_engine import CacheEngine, RowCodec
 
     codec = RowCodec(1, 32, torch.float32, "auto", shared_kv=True)

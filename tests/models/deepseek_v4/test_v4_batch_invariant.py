@@ -19,9 +19,10 @@ from v4_tiny import CSA, HCA, SLIDING, VOCAB, make_tiny_v4
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers import batch_invariant as bi
-from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts, indexer_scores
 from deepinfer.model_executor.layers.fused_moe import FusedExperts
+from deepinfer.model_executor.layers.invariant_attention import index_scores
 from deepinfer.model_executor.layers.moe import grouped_experts
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import attention_over_parts, indexer_scores
 from deepinfer.model_executor.models.deepseek_v4 import invariant
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection
 from deepinfer.model_executor.models.deepseek_v4.indexer import ascending_rows
@@ -87,11 +88,11 @@ def test_index_scores_do_not_depend_on_the_call():
     gen = torch.Generator().manual_seed(1)
     q, keys = torch.randn(33, 2, 32, generator=gen), torch.randn(150, 32, generator=gen)
     weights = torch.randn(33, 2, generator=gen)
-    shared = bi.index_scores(q, keys, weights, 0.2)  # [33, 150]
-    own = bi.index_scores(q, keys[None].expand(33, -1, -1), weights, 0.2)
+    shared = index_scores(q, keys, weights, 0.2)  # [33, 150]
+    own = index_scores(q, keys[None].expand(33, -1, -1), weights, 0.2)
     assert torch.equal(shared, own)
     for i in (0, 16, 32):  # alone, against only the first 100 + i keys
-        alone = bi.index_scores(q[i:i + 1], keys[:100 + i], weights[i:i + 1], 0.2)  # [1, 100 + i]
+        alone = index_scores(q[i:i + 1], keys[:100 + i], weights[i:i + 1], 0.2)  # [1, 100 + i]
         assert torch.equal(alone, shared[i:i + 1, :100 + i]), i
     torch.testing.assert_close(shared, indexer_scores(q, keys, weights, 0.2), rtol=1e-5, atol=1e-5)
     assert ascending_rows(torch.tensor([[7, -1, 2], [-1, -1, 0]])).tolist() == [[2, 7, -1], [0, -1, -1]]

@@ -109,8 +109,8 @@ def test_v4_ring_and_compressed_groups(v4_checkpoint):
     groups = {g.name: g for g in llm.engine.runner.groups}
     assert groups["swa"].kind == "ring" and groups["swa"].rows_per_unit == WINDOW + 6
     assert (groups["csa"].compress_ratio, groups["hca"].compress_ratio, groups["index"].compress_ratio) == (4, 8, 4)
-    assert llm.engine.runner.codec_of(groups["swa"]).row_bytes == 32 + 1  # 32 e4m3 values + one UE8M0 scale
-    assert llm.engine.runner.codec_of(groups["index"]).row_bytes == 32 + 1
+    assert llm.engine.runner.caches.codec_of(groups["swa"]).row_bytes == 32 + 1  # 32 e4m3 values + one UE8M0 scale
+    assert llm.engine.runner.caches.codec_of(groups["index"]).row_bytes == 32 + 1
 
 
 def test_v4_mxfp8_rows_stay_close(v4_checkpoint):
@@ -140,7 +140,7 @@ def test_v4_bf16_rows_under_fp32_compute(v4_checkpoint):
     """
     path, hf_model = v4_checkpoint((SLIDING, CSA, HCA))
     llm = LLM(path, block_size=4, max_num_batched_tokens=13, max_model_len=256, kv_cache_dtype="bfloat16")
-    assert llm.engine.runner.codecs[0].row_bytes == 32 * 2
+    assert llm.engine.runner.caches.codecs[0].row_bytes == 32 * 2
     prompts = _prompts(6, seed=2)
     outs, _ = _run(llm, prompts, MAX_TOKENS)
     median, p95, agreement = _drift(hf_model, prompts, outs)

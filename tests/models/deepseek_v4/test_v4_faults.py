@@ -77,7 +77,7 @@ def spec(v4_path, clean) -> LLM:
     """Verification steps with scripted drafts of the clean run: accepted, partly and fully rejected."""
     llm = LLM(v4_path, speculative_method="ngram", num_speculative_tokens=K, **ENGINE)
     continuations = {tuple(p): clean[rid] for rid, p in _prompts().items()}
-    llm.engine.runner.drafter = ScriptedDrafter(continuations, K, VOCAB, mixed)
+    llm.engine.runner.steps.drafter = ScriptedDrafter(continuations, K, VOCAB, mixed)
     return llm
 
 
@@ -110,7 +110,7 @@ def _rerun_state(runner, plan) -> list[torch.Tensor]:
             valid = n % bank.kv.shape[1]
             state += [torch.tensor(n), bank.kv[slot, :valid].clone(), bank.score[slot, :valid].clone(),
                       bank.prev_a_kv[slot].clone(), bank.prev_a_score[slot].clone()]
-        unit = runner.cache.allocations[swa][slot].view(len(group.layer_ids), group.rows_per_unit, -1)
+        unit = runner.caches.cache.allocations[swa][slot].view(len(group.layer_ids), group.rows_per_unit, -1)
         rows = [x % group.rows_per_unit for x in range(max(0, s.start_pos - WINDOW + 1), s.start_pos)]
         state.append(unit[:, rows].clone())  # [layers, rows, row bytes]
     return state

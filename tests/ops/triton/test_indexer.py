@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.contracts.cache import PAGED, CacheGroupSpec, RowSpec
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 from deepinfer.model_executor.layers.ops.triton.indexer import indexer_scores, indexer_scores_from_cache
 from deepinfer.model_executor.models.deepseek_v4.indexer import IndexerScorer, topk_visible_rows
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec

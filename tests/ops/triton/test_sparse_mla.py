@@ -1,4 +1,4 @@
-"""The Triton sparse MLA decode against the torch reference (`layers/attention/sparse_mla.py`),
+"""The Triton sparse MLA decode against the torch reference (`layers/ops/torch_sparse_mla.py`),
 both reading the same LayerCaches: ring window rows that wrap, paged compressed rows, -1 padding,
 MXFP8 / bf16 / fp32 rows, odd head counts and widths, two head blocks."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer.contracts.cache import PAGED, RING, CacheGroupSpec, RowSpec
-from deepinfer.model_executor.layers.attention import sparse_mla as ref
+from deepinfer.model_executor.layers.ops import torch_sparse_mla as ref
 from deepinfer.model_executor.layers.ops.addressing import ring_read_index
 from deepinfer.model_executor.layers.ops.triton import sparse_mla as tri
 from deepinfer.worker.cache_engine import CacheEngine, RowCodec

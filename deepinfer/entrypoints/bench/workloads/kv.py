@@ -39,12 +39,12 @@ def planned_sizing(runner, cache_config):
     from deepinfer.worker.cache_sizing import plan_model_cache
 
     return plan_model_cache(runner.model, runner.dtype, cache_config.kv_cache_dtype, cache_config.block_size,
-                            runner.env, runner.speculative.num_speculative_tokens)[2]
+                            runner.config.env, runner.config.speculative.num_speculative_tokens)[2]
 
 
 def engine_group_bytes(runner, gi: int) -> tuple[float, int]:
     """(bytes per token, fixed bytes per request) of group gi from the engine's allocation."""
-    group, cache = runner.groups[gi], runner.cache
+    group, cache = runner.groups[gi], runner.caches.cache
     if group.is_ring:
         return 0.0, cache.allocations[gi].shape[1]  # one state slot: [units, unit_bytes]
     return cache.unit_bytes(gi) / (group.rows_per_unit * group.compress_ratio), 0
@@ -121,6 +121,6 @@ def workload_kv_line(runner, workload: Workload) -> str:
     from deepinfer.entrypoints.info import fmt_bytes
 
     lengths = [len(p) + o for p, o in zip(workload.prompts, workload.output_lens, strict=True)]
-    allocated = sum(runner.sizing.request_bytes(n) for n in lengths)
+    allocated = sum(runner.caches.sizing.request_bytes(n) for n in lengths)
     return (f"kv       {workload.name:6s} allocated for its {len(lengths)} requests at their final lengths "
             f"({sum(lengths):,} tokens): {allocated:,} B = {fmt_bytes(round(allocated / sum(lengths), 3))} B per token")

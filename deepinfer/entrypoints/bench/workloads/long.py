@@ -21,7 +21,7 @@ from deepinfer.entrypoints.engine_args import make_llm
 def allocated_bytes_per_request(runner, num_tokens: int) -> int:
     """KV bytes one request holds at num_tokens tokens: its ring slots and state, and its pages
     (the engine's sizing, worker/cache_sizing.py)."""
-    return runner.sizing.request_bytes(num_tokens)
+    return runner.caches.sizing.request_bytes(num_tokens)
 
 
 def _engine_args(args, window: int | None):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.model_executor.layers.batch_invariant import (
+from deepinfer.model_executor.layers.invariant_attention import (
     DECODE_PAIR_BUDGET,
     KEY_BLOCK,
     PREFILL_PAIR_BUDGET,

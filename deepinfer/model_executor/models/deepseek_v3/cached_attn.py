@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.model_executor.forward_context import get_forward_context
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
-from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
+from deepinfer.model_executor.layers.ops.torch_attention import visibility
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 from deepinfer.model_executor.models.deepseek_v3.mla import MLAAttention
 
 

@@ -11,7 +11,7 @@ at each position t of a sequence::
 
 The output at t predicts token t+2. The embedding and the LM head are the main model's (the
 checkpoint's copies under the MTP prefix are not loaded). h after the main norm is what
-transformers' `MtpModel` and vLLM read. The worker's MTP drafter (worker/mtp_drafter.py) chains
+transformers' `MtpModel` and vLLM read. The MTP drafter (spec_decode/mtp.py) chains
 the layers: pass 0 over a step's kept positions, pass j >= 1 one position further, with the
 previous pass's output `x` before `shared_head.norm` as h (vLLM's chain; transformers drafts
 one token per layer and has no chain to follow). Its rows live in

@@ -33,9 +33,9 @@ from torch import nn
 
 from deepinfer.contracts.weight_storage import FP32, LINEAR
 from deepinfer.distributed.parallel_state import tp_size
-from deepinfer.model_executor.layers.attention.sparse_mla import attention_over_parts
 from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
 from deepinfer.model_executor.layers.norm import RMSNorm
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import attention_over_parts
 from deepinfer.model_executor.layers.parallel_linear import (
     ColumnParallelLinear,
     ShardSpec,

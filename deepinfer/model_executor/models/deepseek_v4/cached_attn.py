@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.forward_context import get_forward_context
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
-from deepinfer.model_executor.layers.attention.torch_ref import visibility
 from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
+from deepinfer.model_executor.layers.ops.torch_attention import visibility
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 from deepinfer.model_executor.models.deepseek_v4 import invariant
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING, DeepseekV4Attention
 from deepinfer.model_executor.models.deepseek_v4.compressor import (

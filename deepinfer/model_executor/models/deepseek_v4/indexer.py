@@ -19,7 +19,7 @@ tensor's width and on k.
 When fewer than k rows are visible, all visible rows are taken and the remaining slots are -1.
 
 Under DEEPINFER_BATCH_INVARIANT (`batch_invariant`) the scores come from
-`batch_invariant.index_scores`: each (query, row) gets the same bits whatever shares the call, so
+`invariant_attention.index_scores`: each (query, row) gets the same bits whatever shares the call, so
 the tie rule above compares exactly equal scores the same way in every batch and chunking; the
 picks are then handed on in ascending row id, the order the attention sums them in.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.model_executor.layers.batch_invariant import index_scores
+from deepinfer.model_executor.layers.invariant_attention import index_scores
 from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.layers.ops.addressing import visible_rows
 from deepinfer.model_executor.models.deepseek_v4.pooling import CSA, WindowCompressor, apply_interleaved_rope

@@ -1,6 +1,6 @@
 """DeepSeek-V4 attention under DEEPINFER_BATCH_INVARIANT: which rows each query reads, and where.
 
-Every query, decode or prefill, goes through one function, `batch_invariant.latent_block_attention`,
+Every query, decode or prefill, goes through one function, `invariant_attention.latent_block_attention`,
 over two row lists of its own, so its bits depend on neither the batch nor where its chunk was cut:
 
 - its window: the visible window rows in blocks of KEY_BLOCK at absolute position offsets (the
@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.model_executor.layers.attention.invariant import decode_layout, first_visible
-from deepinfer.model_executor.layers.attention.sparse_mla import load_latent
-from deepinfer.model_executor.layers.batch_invariant import (
+from deepinfer.model_executor.layers.invariant_attention import (
     DECODE_PAIR_BUDGET,
     latent_block_attention,
     padded_width,
     query_slices,
 )
+from deepinfer.model_executor.layers.ops.torch_sparse_mla import load_latent
 
 
 def as_cached_rows(cache, rows: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ One MTP layer, for each position t of a sequence (structure of DeepSeek's `MTPBl
 
 The output streams at t predict token t+2. In the engine (`forward_cached`), the block's
 sliding-window rows live in the engine's "mtp" ring group, one ring per request like the main
-layers' window, written and read through the step's metadata (`worker/mtp_drafter.py`).
+layers' window, written and read through the step's metadata (`spec_decode/mtp.py`).
 `hnorm` normalises each stream on its own. The
 embedding and the LM head are the main model's (the checkpoint carries no MTP copies); `hc_head`
 and `norm` are the MTP layer's own. The block's attention is sliding-window only (no compressor)

@@ -1,5 +1,5 @@
 """DeepSeek-V4 sparse MLA decode as one Triton kernel (the torch reference is
-`layers/attention/sparse_mla.py`; this module keeps its signature).
+`layers/ops/torch_sparse_mla.py`; this module keeps its signature).
 
 Per query n and a block of heads: one online softmax over the window rows named by
 `indices_in_kvcache[n]`, then the compressed rows named by `indices_in_kvcache_extra[n]` (-1: no

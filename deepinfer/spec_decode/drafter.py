@@ -1,15 +1,11 @@
-"""Draft proposers the runner calls after sampling: each request that sampled gets up to k drafts
-for its next step, which the scheduler then verifies in one span of 1 + k' tokens.
+"""The drafters' shared rule and the drafter that runs no model.
 
-    NgramDrafter  prompt lookup over the request's prompt and outputs (any model)
-    MtpDrafter    DeepSeek-V4's next-n module, chained k times (`worker/mtp_drafter.py`)
-    DraftModelDrafter  a smaller model with the target's tokenizer (speculative_model), over its
-                  own cache at the target's addresses (`worker/draft_model_drafter.py`)
+    draft_budget  how many drafts a request is worth after this step: k, fewer when max_tokens
+                  leaves less room to verify
+    NgramDrafter  prompt lookup over the request's prompt and outputs (any model; `ngram.py`)
 
-A drafter offers `propose(inputs, samples) -> {request_id: drafts}`, `draft_probs`
-(the proposal distribution q of drafts it handed out, None for one-hot), `release(ids)` and
-`runs_model` (True: its passes run a model, so every tensor-parallel rank runs them).
-It proposes no more than the request's max_tokens leaves room to verify.
+The model drafters (`mtp.py`, `draft_model.py`) run the chain loop of `chain.py`; all three are
+`Drafter`s (contracts/drafting.py), built by the worker (`worker/drafting.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from deepinfer.config import SpeculativeConfig
+from deepinfer.contracts.drafting import DraftInputs
+from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.spec_decode.ngram import NgramProposer
 
 
-def draft_budget(s, samples: list, k: int) -> int:
+def draft_budget(s: ScheduledRequest, samples: list, k: int) -> int:
     """Drafts worth proposing for request s after this step's samples: k, fewer when max_tokens
     leaves less room (the verification step also yields one token of its own)."""
     params = s.sampling_params
@@ -37,7 +35,7 @@ class NgramDrafter:
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
 
-    def propose(self, inputs, samples: dict) -> dict[str, list[int]]:
+    def propose(self, inputs: DraftInputs, samples: dict) -> dict[str, list[int]]:
         drafts = {}
         for s in inputs.sample_rows:
             new = samples.get(s.request_id)

@@ -1,4 +1,5 @@
-"""PyTorch reference attention kernels: the torch hooks of layers/kernel_set.py.
+"""PyTorch reference attention kernels: the torch hooks of layers/kernel_set.py (beside their
+Triton twins in ops/triton/; the attention backends reach them through their kernel set).
 
 Each reads the cache through explicit index rows (decode) or attends over [loaded rows | chunk
 rows] with a position mask (prefill); no causal mask is applied to a cache read, -1 marks padding.
@@ -12,21 +13,27 @@ softmax, the sink column dropped, the weights times the values.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from deepinfer.model_executor.layers.attention.layer_cache import LayerCache
+
+class RowCache(Protocol):
+    """What these kernels ask of a layer's cache view (`attention/layer_cache.LayerCache`, which
+    sits above ops/ and is not imported here)."""
+
+    def store(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None: ...
+
+    def load(self, index: torch.Tensor) -> torch.Tensor: ...
 
 
-def store_rows(cache: LayerCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+def store_rows(cache: RowCache, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
     """k, v [M, H_kv, D] (v None: a shared K = V row) -> the rows of flat slots [M]."""
     cache.store(slots, k, v)
 
 
-def decode_attention(cache: LayerCache, q: torch.Tensor, kv_index: torch.Tensor, scale: float,
+def decode_attention(cache: RowCache, q: torch.Tensor, kv_index: torch.Tensor, scale: float,
                      lens: torch.Tensor | None = None, softcap: float | None = None,
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D], kv_index [N, L] -> [N, H, D]; index -1 contributes nothing (`lens`, a bound on

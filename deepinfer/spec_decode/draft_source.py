@@ -1,24 +1,25 @@
-"""The draft model of `speculative_model`: loaded like the target, checked against its tokenizer.
+"""The draft model of `speculative_model`: opened and checked before anything is built, then built
+like the target.
 
-    load_draft       the checkpoint (GGUF file or HF directory) -> a built model in the target's
-                     compute dtype, quantized by the same rule (`--quantization` resolved for the
-                     draft's own source: a GGUF draft stays quantized on a CPU with the kernels,
-                     int8 / int4 quantize it at load), its linears settled as the target's are
-                     (batch-invariant, or few-row linears)
+    open_draft       the checkpoint (GGUF file or HF directory), its tokenizer checked against the
+                     target's and its quantization resolved by the target's rule (`--quantization`
+                     for the draft's own source: a GGUF draft stays quantized on a CPU with the
+                     kernels, int8 / int4 quantize it at load); the max_model_len fit reads it
+                     before any model is built (`worker/context_length.py`)
     check_tokenizer  drafts are token ids of the target's vocabulary: the draft must share the
                      tokenizer (same vocabulary size, the same special-token ids, the same ids for
                      a probe text); a ValueError naming speculative_model otherwise
-    draft_identity   what the draft adds to the cache identity: its rows ride in every unit the
-                     prefix cache keeps (`worker/draft_cache.py`)
+    load_draft       the built model in the target's compute dtype at the resolved max_model_len,
+                     its linears settled as the target's are (batch-invariant, or few-row linears)
 
 The draft may be narrower or shallower than the target and its LM head may have more or fewer
-rows (a padded vocabulary); drafts are argmax ids below the target's vocabulary size.
+rows (a padded vocabulary); drafts are argmax ids below the target's vocabulary size. Its cache
+rows sit at the target's units (`worker/draft_cache.py`, which also adds the draft to the cache
+identity); it drafts through `spec_decode/draft_model.py`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -30,14 +31,23 @@ from deepinfer.model_executor.layers.batch_invariant import make_batch_invariant
 from deepinfer.model_executor.layers.linear import use_few_row_linear
 from deepinfer.model_executor.loader import load_model_source
 from deepinfer.model_executor.model_loader import build_model, resolve_quantization
-from deepinfer.worker.numerics import with_weights
-from deepinfer.worker.prefix_store import cache_identity
 
 logger = logging.getLogger("deepinfer.worker")
 
 FIELD = "speculative_model"
 _PROBE = "Hello, world! The draft's ids must be the target's: 0123456789 <|>"
 _SPECIAL = ("bos_token_id", "eos_token_id", "unk_token_id")
+@dataclass(frozen=True)
+class DraftSource:
+    """The draft checkpoint, opened and checked against the target's tokenizer, and the
+    quantization it will be built with (`--quantization` resolved for its own source)."""
+
+    source: object
+    quantization: str
+
+    @property
+    def path(self) -> str:
+        return self.source.path
 
 
 @dataclass
@@ -53,10 +63,10 @@ class DraftModel:
         return self.source.path
 
 
-def load_draft(config: EngineConfig, target_source, numerics: NumericsRecord, dtype: torch.dtype,
-               device: torch.device) -> DraftModel:
-    """The draft model `config.speculative.model` names, built on `device` in `dtype`; ValueError
-    naming speculative_model when it cannot draft for `target_source`."""
+def open_draft(config: EngineConfig, target_source, device: torch.device, batch_invariant: bool) -> DraftSource:
+    """The draft checkpoint `config.speculative.model` names, checked (its tokenizer is the target's)
+    and its quantization resolved, before anything is built; ValueError naming speculative_model
+    when it cannot draft for `target_source`."""
     path = config.speculative.model
     try:
         source = load_model_source(path, load_format=config.load_format)  # "dummy": seeded random, as the target
@@ -64,15 +74,23 @@ def load_draft(config: EngineConfig, target_source, numerics: NumericsRecord, dt
         raise ValueError(f"{FIELD}={path!r} cannot be loaded: {exc}") from exc
     check_tokenizer(target_source, source, path)
     try:
-        quantization = resolve_quantization(config.quantization, source, device, numerics.batch_invariant).value
+        quantization = resolve_quantization(config.quantization, source, device, batch_invariant).value
     except ValueError as exc:
         raise ValueError(f"{FIELD}={path!r}: {exc}") from exc
+    return DraftSource(source, quantization)
+
+
+def load_draft(config: EngineConfig, draft: DraftSource, numerics: NumericsRecord, dtype: torch.dtype,
+               device: torch.device) -> DraftModel:
+    """The draft model built on `device` in `dtype` at the resolved max_model_len, its linears
+    settled as the target's (batch-invariant, or few-row linears)."""
+    source, quantization = draft.source, draft.quantization
     model = build_model(source, dtype, device, config.max_model_len, None, quantization, 1, config.activation_levels)
     if numerics.batch_invariant:
         make_batch_invariant(model, native_path(device, dtype, model.capabilities))
     else:
         use_few_row_linear(model)
-    logger.info("speculative model: %s (%s, %d layers, quantization %s)", path, source.hf_config.model_type,
+    logger.info("speculative model: %s (%s, %d layers, quantization %s)", draft.path, source.hf_config.model_type,
                 source.hf_config.num_hidden_layers, quantization)
     return DraftModel(source, model, quantization)
 
@@ -105,13 +123,3 @@ def check_tokenizer(target_source, draft_source, path: str) -> None:
         raise ValueError(f"{FIELD}={path!r} does not share the target's tokenizer: {'; '.join(differences)}")
 
 
-def draft_identity(draft: DraftModel, numerics: NumericsRecord, groups) -> str:
-    """The cache identity of the draft's rows: its weights, config, quantization, weight formats
-    and its sized groups (`prefix_store.cache_identity`)."""
-    record = with_weights(dataclasses.replace(numerics, quantization=draft.quantization), draft.model, 0)
-    return cache_identity(draft.source, record, groups)
-
-
-def combined_identity(target: str, draft: str) -> str:
-    """One identity for a cache whose units hold the target's rows and the draft's."""
-    return hashlib.sha256(f"{target}|draft|{draft}".encode()).hexdigest()

@@ -1,5 +1,6 @@
 """Draft-model drafts (speculative_model): a smaller model with the target's tokenizer, run after
-each target step over its own cache at the target's addresses (`worker/draft_cache.py`).
+each target step over its own cache at the target's addresses (`worker/draft_cache.py`), on the
+chain loop (`spec_decode/chain.py`).
 
 After a step that computed positions p .. p+n-1 of a request and kept them (a prefill chunk, a
 decode token, or a verification's last token and accepted drafts: kept = 1 + a of 1 + k'), and
@@ -14,7 +15,7 @@ nothing included, so a block the prefix cache keeps holds both models' rows. Row
 past what the target computed; positions past the request's block table go to its scratch blocks.
 The next step's pass 0 starts at the first kept position without a valid row: rows of x and of
 the accepted drafts d_1 .. d_{k'-1} chained last step hold (their tokens and everything before
-them are the kept ones) where they lie below `DraftCache.stable_end` (not in scratch blocks nor
+them are the kept ones) where they lie below `DraftRows.stable_end` (not in scratch blocks nor
 in blocks the scheduler frees when it trims rejected positions), so after a verification that
 accepted a drafts pass 0 is y alone (a < k'), or d_k' and y; anything else (a preemption, a
 re-run, an unknown request) starts at the span's own first position. A pass packs every
@@ -30,15 +31,36 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from deepinfer.config import SpeculativeConfig
-from deepinfer.contracts.plan import ScheduledRequest
+from deepinfer.contracts.drafting import DraftInputs
+from deepinfer.contracts.plan import ScheduledRequest, is_decode
 from deepinfer.model_executor.forward_context import forward_context
-from deepinfer.worker.draft_cache import DraftCache, scratch_blocks_per_request
-from deepinfer.worker.drafters import draft_budget
-from deepinfer.worker.input_batch import build_group_metadata, is_decode
+from deepinfer.spec_decode.chain import Chain, ChainDrafter
+from deepinfer.spec_decode.drafter import draft_budget
+
+
+class DraftRows(Protocol):
+    """What the drafter needs of the draft's cache (the worker's `DraftCache`): the draft model
+    bound to it, the device, each request's units and scratch blocks, and pass metadata."""
+
+    model: Any  # the draft model (a CachedModel), bound to the draft's groups
+    device: Any
+
+    def units_of(self, s: ScheduledRequest, scratch: list[int]) -> tuple[tuple[list[int], ...], tuple[int, ...]]:
+        """(block tables, state slots) of the draft's groups for request s, each table followed by `scratch`."""
+
+    def scratch(self, i: int) -> list[int]:
+        """The scratch block ids of the i-th request of a step's drafting."""
+
+    def stable_end(self, q: int) -> int:
+        """Draft rows of positions below this stay at the request's addresses until its next step."""
+
+    def metadata(self, scheduled: list[ScheduledRequest]) -> tuple[Any, list[tuple[ScheduledRequest, int]]]:
+        """One pass's attention metadata over the draft's groups, on its device, and the packed order."""
 
 
 @dataclass(frozen=True)
@@ -59,56 +81,22 @@ class _Written:
         return min(self.q + 1 + min(accepted, max(len(self.drafts) - 1, 0)), self.limit, s.start_pos + kept)
 
 
-@dataclass
-class _Chain:
-    """One request's drafting: its next pass (a one-request schedule over the draft's groups),
-    how many drafts it wants and the drafts so far."""
-
-    sched: ScheduledRequest
-    budget: int
-    drafts: list[int]
-
-    @property
-    def last_pos(self) -> int:
-        return self.sched.start_pos + self.sched.num_tokens - 1
-
-
-class DraftModelDrafter:
+class DraftModelDrafter(ChainDrafter):
     """Runs the draft model after each step (see the module docstring). With several ranks every
     rank runs its passes (its layers split like the target's); the drafts agree."""
 
-    runs_model = True
-
-    def __init__(self, config: SpeculativeConfig, cache: DraftCache, vocab_size: int, max_model_len: int):
-        self.k, self.cache, self.model = config.num_speculative_tokens, cache, cache.model
+    def __init__(self, config: SpeculativeConfig, rows: DraftRows, vocab_size: int, max_model_len: int):
+        self.k, self.rows, self.model = config.num_speculative_tokens, rows, rows.model
         self.vocab_size = vocab_size  # drafts are ids of the target's vocabulary
         self.max_model_len = max_model_len  # no draft row past the last position a request may reach
-        self.per_request = scratch_blocks_per_request(cache.plan, self.k)
         self.num_passes = 0  # draft forwards run (pass 0 and the chained ones), for tests and benchmarks
         self.num_tokens = 0  # token rows those forwards computed
         self._written: dict[str, _Written] = {}  # per request: the rows its last passes left
 
-    def propose(self, inputs, samples: dict) -> dict[str, list[int]]:
-        chains, drafts, written = self._first_pass(inputs, samples)
-        step = 0
-        while chains:
-            wanted = [c for c in chains if c.budget > step]
-            tokens = self._run(chains, wanted)
-            chains = []
-            for c, token in zip(wanted, tokens, strict=True):
-                c.drafts.append(token)
-                if c.budget > step + 1:
-                    nxt = ScheduledRequest(c.sched.request_id, [token], c.last_pos + 1, c.sched.block_ids,
-                                           c.sched.state_ids)
-                    chains.append(_Chain(nxt, c.budget, c.drafts))
-            step += 1
-        self._written = written
-        return drafts
-
-    def _first_pass(self, inputs, samples: dict) -> tuple[list[_Chain], dict[str, list[int]], dict[str, _Written]]:
-        """Every request's kept tokens without a valid row and its new one as pass 0's spans, per
-        request that sampled and has room the list its chain's drafts go to, and what the passes
-        will leave per request that sampled."""
+    def first_pass(self, inputs: DraftInputs, samples: dict) -> tuple[list[Chain], dict[str, list[int]]]:
+        """Every request's kept tokens without a valid row and its new one as pass 0's spans, and per
+        request that sampled and has room the list its drafts go to; what the passes will leave per
+        request that sampled replaces what the last step's left."""
         drafts: dict[str, list[int]] = {}
         chains, written = [], {}
         for s, _ in inputs.spans:
@@ -125,34 +113,30 @@ class DraftModelDrafter:
                 continue
             budget = min(draft_budget(s, new, self.k), self.max_model_len - q) if s.do_sample else 0
             collected = drafts.setdefault(s.request_id, []) if budget else []
-            tables, slots = self.cache.units_of(s, self.cache.scratch(len(chains), self.per_request))
+            tables, slots = self.rows.units_of(s, self.rows.scratch(len(chains)))
             sched = ScheduledRequest(s.request_id, tokens, first, tables, slots,
                                      verify=is_decode(s) and len(tokens) > 1)
-            chains.append(_Chain(sched, budget, collected))
+            chains.append(Chain(sched, budget, collected))
             if sampled:
-                written[s.request_id] = _Written(q, new[-1].token_id, collected, self.cache.stable_end(q))
-        return chains, drafts, written
+                written[s.request_id] = _Written(q, new[-1].token_id, collected, self.rows.stable_end(q))
+        self._written = written
+        return chains, drafts
 
-    def _run(self, chains: list[_Chain], wanted: list[_Chain]) -> list[int]:
+    def run_pass(self, step: int, chains: list[Chain], wanted: list[Chain]) -> list[tuple[int, Any]]:
         """One draft forward over every chain's span, packed; the argmax at the last row of each
         chain in `wanted` (no logits for the others)."""
-        md, order = build_group_metadata([c.sched for c in chains], self.cache.addressing)
-        device = self.cache.device
-        if device.type != "cpu":
-            md = md.to(device)
+        md, order = self.rows.metadata([c.sched for c in chains])
         starts = {id(s): start for s, start in order}
-        ids = torch.tensor([t for s, _ in order for t in s.token_ids], device=device)  # [T']
+        ids = torch.tensor([t for s, _ in order for t in s.token_ids], device=self.rows.device)  # [T']
         with forward_context(md):
             hidden = self.model(ids, md.positions)  # [T', hidden]
         self.num_passes, self.num_tokens = self.num_passes + 1, self.num_tokens + ids.numel()
         if not wanted:
             return []
-        rows = torch.tensor([starts[id(c.sched)] + c.sched.num_tokens - 1 for c in wanted], device=device)  # [r]
+        rows = torch.tensor([starts[id(c.sched)] + c.sched.num_tokens - 1 for c in wanted],
+                            device=self.rows.device)  # [r]
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [r, V']
-        return logits[:, :self.vocab_size].argmax(dim=-1).tolist()  # [r]
-
-    def draft_probs(self, request_id: str, draft_token_ids: list[int]):
-        return None  # argmax drafts: one-hot q
+        return [(token, None) for token in logits[:, :self.vocab_size].argmax(dim=-1).tolist()]  # [r]
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget what finished, aborted or preempted requests' passes left (a preempted one
