@@ -6,12 +6,18 @@ A transformers `PretrainedConfig` holds only what its model class and config.jso
 and the entry points read them through `HFConfigFields.of(hf_config)`, never probing the config
 where they use a field. Fields every config has (`model_type`, `architectures`) and those every
 model class of ours requires (`vocab_size`, ...) are read from the config directly.
+
+A model family declares the optional fields it reads the same way, in a subclass next to its
+code (`LlamaConfigFields` in models/llama.py, ...): each field once, with the default its
+transformers config class has (a member family's subclass may change a parent's default, as
+GPT-OSS does for `attention_bias`), read through the inherited `of` where the family builds its
+modules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Self
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,9 @@ class HFConfigFields:
     fim_sep_token_id: int | None = None
 
     @classmethod
-    def of(cls, hf_config: Any) -> HFConfigFields:
-        """The fields `hf_config` sets (a transformers config, or any object with such attributes)."""
+    def of(cls, hf_config: Any) -> Self:
+        """The fields `hf_config` sets (a transformers config, or any object with such attributes); a
+        field it does not set takes this class's default, one it sets to None stays None."""
         return cls(**{f.name: getattr(hf_config, f.name, f.default) for f in fields(cls)})
 
 

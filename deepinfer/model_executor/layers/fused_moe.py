@@ -30,7 +30,7 @@ from deepinfer.model_executor.layers.kernel_set import CPU_KERNELS, KernelSet
 from deepinfer.model_executor.layers.moe import clamped_swiglu
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, expert_piece
-from deepinfer.model_executor.layers.quant_linear import QUANTIZATION_SCHEMES, kind_runs
+from deepinfer.model_executor.layers.quant_linear import QUANTIZATION_SCHEMES, PackedModule, kind_runs
 
 logger = logging.getLogger("deepinfer.quantization")
 
@@ -225,7 +225,7 @@ class FusedExperts(_RoutedExperts):
                                         self.swiglu_limit)  # [T, H]
 
 
-class QuantFusedExperts(_RoutedExperts):
+class QuantFusedExperts(_RoutedExperts, PackedModule):
     """`FusedExperts`' twin with each held expert's matrices kept in ggml blocks.
 
     `gate_up[e]`: the parts of local expert e's gate|up rows (one part per run of a ggml type,

@@ -35,7 +35,7 @@ from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.batch_invariant import BatchInvariantMode
 from deepinfer.model_executor.layers.kernel_set import KernelSet
 from deepinfer.model_executor.layers.parallel_linear import Piece, shard_spec_of
-from deepinfer.model_executor.layers.quant_linear import QuantLinear
+from deepinfer.model_executor.layers.quant_linear import QuantLinear, merged_sizes
 
 TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -199,5 +199,5 @@ def _piece_sizes(module: nn.Module, num_names: int) -> list[int] | None:
     if spec is not None and spec.dim == 0:
         sizes = [p.local for p in spec.pieces]
     else:
-        sizes = list(getattr(module, "shard_sizes", None) or [module.out_features])
+        sizes = list(merged_sizes(module) or [module.out_features])
     return sizes if len(sizes) == num_names and sum(sizes) == module.out_features else None

@@ -143,13 +143,18 @@ class OssExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Held expert `e` (a local index: global id - expert_start) on rows x [n, H] -> fp32 [n, H]."""
-        h = self._linear(x, e, "gate_up_proj") + self.gate_up_proj_bias[e].float()  # [n, 2I]
+        if self.packed:
+            gate_up = (self.gate_up_proj_blocks[e], self.gate_up_proj_scales[e])
+            down = (self.down_proj_blocks[e], self.down_proj_scales[e])
+        else:
+            gate_up, down = (self.gate_up_proj[e],), (self.down_proj[e],)  # [H, 2I], [I, H]
+        h = self._linear(x, gate_up) + self.gate_up_proj_bias[e].float()  # [n, 2I]
         act = oss_swiglu(h, self.alpha, self.limit)  # [n, I]
-        return self._linear(act, e, "down_proj") + self.down_proj_bias[e].float()  # [n, H]
+        return self._linear(act, down) + self.down_proj_bias[e].float()  # [n, H]
 
-    def _linear(self, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
-        """x [n, in] times held expert e's matrix `name` -> fp32 [n, out]."""
+    def _linear(self, x: torch.Tensor, matrix: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [n, in] times one held expert matrix -> fp32 [n, out]: (blocks, scales) when packed,
+        else (w [in, out],)."""
         if self.packed:  # the C++ kernel on the CPU, else dequantize-then-matmul
-            return mxfp4_matmul(x, getattr(self, f"{name}_blocks")[e], getattr(self, f"{name}_scales")[e])
-        w = getattr(self, name)[e]  # [in, out]
-        return (x @ w.to(x.dtype)).float()  # [n, out]
+            return mxfp4_matmul(x, *matrix)
+        return (x @ matrix[0].to(x.dtype)).float()  # [n, out]

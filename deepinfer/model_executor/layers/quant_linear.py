@@ -46,7 +46,13 @@ from torch import nn
 from deepinfer.distributed.parallel_state import all_reduce
 from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
-from deepinfer.model_executor.layers.parallel_linear import RowParallelLinear, VocabParallelEmbedding
+from deepinfer.model_executor.layers.parallel_linear import (
+    ColumnParallelLinear,
+    MergedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_spec_of,
+)
 
 logger = logging.getLogger("deepinfer.quantization")
 
@@ -59,9 +65,16 @@ QUANTIZATION_SCHEMES = ("int8", "int4")
 _BLOCK = 32  # values per Q8_0 / Q4_1 block: a quantized layer's K is a multiple of it
 
 
-class QuantLinear(nn.Module):
+class PackedModule:
+    """What a module that keeps weights packed declares: every part in `qweights` (byte counts,
+    numerics). QuantLinear, QuantEmbedding and fused_moe.QuantFusedExperts are such modules."""
+
+    qweights: tuple[QuantWeight, ...]
+
+
+class QuantLinear(nn.Module, PackedModule):
     """y = x W^T + b with W packed, as parts stacked on the output axis (one per run of a type);
-    `shard_sizes` kept for a merged projection."""
+    `shard_sizes`: the rows of each projection of a merged one (q|k|v, gate|up), else None."""
 
     def __init__(self, qweights: QuantWeight | Sequence[QuantWeight], bias: torch.Tensor | None,
                  shard_sizes: list[int] | None = None, act_levels: int = ACT_LEVELS):
@@ -73,8 +86,7 @@ class QuantLinear(nn.Module):
         if any(w.shape[1] != self.in_features for w in self.qweights):
             raise ValueError(f"QuantLinear parts have different input sizes: {[w.shape for w in self.qweights]}")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        if shard_sizes is not None:
-            self.shard_sizes = list(shard_sizes)
+        self.shard_sizes = None if shard_sizes is None else list(shard_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
@@ -85,7 +97,7 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {kinds}, act_levels={self.act_levels}"
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(nn.Module, PackedModule):
     """An embedding table kept packed; rows are dequantized when looked up."""
 
     def __init__(self, qweight: QuantWeight, dtype: torch.dtype = torch.float32):
@@ -142,7 +154,15 @@ def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 def packed_weights(model: nn.Module) -> list[QuantWeight]:
     """Every packed weight (part) the model's quantized modules hold."""
-    return [w for m in model.modules() for w in getattr(m, "qweights", ())]
+    return [w for m in model.modules() if isinstance(m, PackedModule) for w in m.qweights]
+
+
+def merged_sizes(module: nn.Module) -> list[int] | None:
+    """The rows of each projection a merged linear module stacks on its output axis (q|k|v, gate|up:
+    MergedLinear, ColumnParallelLinear, the QuantLinear of one); None for any other module."""
+    if isinstance(module, MergedLinear | ColumnParallelLinear | QuantLinear):
+        return module.shard_sizes
+    return None
 
 
 # ---- swapping modules ---------------------------------------------------------------------------
@@ -168,7 +188,7 @@ def activation_levels(name: str, parts: Sequence[QuantWeight]) -> int:
 
 def _joined(name: str, module: nn.Module,
             pieces: list[tuple[int | None, QuantWeight]]) -> tuple[QuantWeight, ...]:
-    sizes = getattr(module, "shard_sizes", None)
+    sizes = merged_sizes(module)
     if pieces[0][0] is None:
         return _checked(name, module, (pieces[0][1],))
     got = sorted(shard for shard, _ in pieces)
@@ -209,9 +229,10 @@ def _twin(module: nn.Module, weight: QuantWeight | tuple[QuantWeight, ...], name
         return QuantEmbedding(parts[0], module.weight.dtype)
     if isinstance(module, nn.Linear):
         cls = QuantRowParallelLinear if isinstance(module, RowParallelLinear) else QuantLinear
-        twin = cls(parts, module.bias, getattr(module, "shard_sizes", None), activation_levels(name, parts))
-        if getattr(module, "shard_specs", None):  # which slice it holds (LoRA splits its A / B alike)
-            twin.shard_specs = {"weight": module.shard_specs["weight"]}
+        twin = cls(parts, module.bias, merged_sizes(module), activation_levels(name, parts))
+        spec = shard_spec_of(module, "weight")
+        if spec is not None:  # which slice it holds (LoRA splits its A / B alike)
+            twin.shard_specs = {"weight": spec}
         return twin
     raise ValueError(f"a quantized weight arrived for a {type(module).__name__}, which has no quantized twin")
 

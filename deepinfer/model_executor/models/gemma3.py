@@ -20,12 +20,13 @@ merged (models/utils.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.activation import gelu_tanh_and_mul
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
-from deepinfer.model_executor.models.llama import llama_spec
+from deepinfer.model_executor.models.llama import LlamaConfigFields, llama_spec
 
 GEMMA_NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by (1 + w)
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
@@ -47,16 +48,27 @@ def check_gemma_config(cfg, attn_softcap, final_softcap, bidirectional: bool) ->
             raise ValueError(f"{field}={cap!r} must be a positive number or None")
 
 
+@dataclass(frozen=True)
+class GemmaConfigFields(LlamaConfigFields):
+    """The optional config fields Gemma 2 and 3 read beside the Llama family's; the head is tied
+    unless the config says otherwise."""
+
+    attn_logit_softcapping: float | None = None  # None: no cap on the attention logits
+    final_logit_softcapping: float | None = None  # None: no cap on the final logits
+    use_bidirectional_attention: bool = False
+    tie_word_embeddings: bool = True
+
+
 def gemma_spec(cfg, qk_norm: bool, rotaries) -> DecoderSpec:
     """The Gemma decoder for `cfg` (the optional fields read here once); Gemma 3 and Gemma 2 differ
     in `qk_norm` and their RoPE tables."""
-    optional = DecoderFields.of(cfg, tie_word_embeddings=True)
-    attn_softcap, final_softcap = optional.attn_logit_softcapping, optional.final_logit_softcapping
-    check_gemma_config(cfg, attn_softcap, final_softcap, optional.use_bidirectional_attention)
-    return llama_spec(cfg, qk_norm=qk_norm, rotaries=rotaries, act=gelu_tanh_and_mul,
+    fields = GemmaConfigFields.of(cfg)
+    attn_softcap, final_softcap = fields.attn_logit_softcapping, fields.final_logit_softcapping
+    check_gemma_config(cfg, attn_softcap, final_softcap, fields.use_bidirectional_attention)
+    return llama_spec(cfg, fields, qk_norm=qk_norm, rotaries=rotaries, act=gelu_tanh_and_mul,
                       attn_scale=cfg.query_pre_attn_scalar**-0.5, attn_softcap=attn_softcap,
                       final_softcap=final_softcap, norm_offset=GEMMA_NORM_OFFSET, sandwich_norms=True,
-                      embed_scale=True, tie_word_embeddings=bool(optional.tie_word_embeddings))
+                      embed_scale=True)
 
 
 def gemma3_rotaries(spec: DecoderSpec, cfg, max_positions: int) -> list[RotaryEmbedding]:

@@ -36,9 +36,8 @@ from deepinfer.model_executor.layers.mxfp4_moe import SWIGLU_ALPHA, OssExperts
 from deepinfer.model_executor.layers.parallel_linear import ShardSpec, computes_expert_slice, even_piece
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding
 from deepinfer.model_executor.layers.router import Router, RouterSpec
-from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec
-from deepinfer.model_executor.models.llama import LlamaAttention, llama_spec
+from deepinfer.model_executor.models.llama import LlamaAttention, LlamaConfigFields, llama_spec
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 _SINKS_WEIGHT = ".self_attn.sinks.weight"
@@ -83,18 +82,26 @@ class OssExpertsSpec:
     swiglu_alpha: float
 
 
+@dataclass(frozen=True)
+class GptOssConfigFields(LlamaConfigFields):
+    """The optional config fields GPT-OSS reads beside the Llama family's (`quantization_config`
+    is HFConfigFields'); its projections have biases unless the config says otherwise."""
+
+    attention_bias: bool = True
+    swiglu_alpha: float = SWIGLU_ALPHA
+
+
 def gpt_oss_spec(cfg, expert_parallel_size: int = 1) -> DecoderSpec:
     """The Llama spec (biases on q|k|v and o, windows from `layer_types`, YaRN from the rope
     parameters) with sinks and the MoE block; the optional config fields are read here."""
-    optional = DecoderFields.of(cfg, attention_bias=True, swiglu_alpha=SWIGLU_ALPHA)
-    attention_bias = bool(optional.attention_bias)
+    fields = GptOssConfigFields.of(cfg)
+    attention_bias = bool(fields.attention_bias)
     check_gpt_oss_config(cfg, attention_bias, expert_parallel_size)
     router = RouterSpec(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok,
                         topk_before_score=True, linear_bias=True, fp32_logits=False)
     experts = OssExpertsSpec(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
-                             mxfp4_experts_of(optional.quantization_config), cfg.swiglu_limit,
-                             optional.swiglu_alpha)
-    return llama_spec(cfg, attention=GptOssAttention, qkv_bias=attention_bias, o_bias=attention_bias,
+                             mxfp4_experts_of(fields.quantization_config), cfg.swiglu_limit, fields.swiglu_alpha)
+    return llama_spec(cfg, fields, attention=GptOssAttention, qkv_bias=attention_bias, o_bias=attention_bias,
                       mlp=lambda spec, cfg, layer_idx, ep: GptOssMoE(router, experts, ep))
 
 

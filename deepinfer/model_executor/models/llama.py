@@ -13,9 +13,13 @@ per MLP. The embedding and the LM head hold the rank's vocabulary rows; compute_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.model import ModelCapabilities
 from deepinfer.model_executor.layers.attention.layer import Attention
 from deepinfer.model_executor.layers.norm import RMSNorm
@@ -26,35 +30,51 @@ from deepinfer.model_executor.layers.parallel_linear import (
     row_parallel_linear,
 )
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding
-from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp, shared_rotary
 
 
-def head_dim_of(cfg) -> int:
-    return DecoderFields.of(cfg).head_dim or cfg.hidden_size // cfg.num_attention_heads
+@dataclass(frozen=True)
+class LlamaConfigFields(HFConfigFields):
+    """The optional config fields the Llama family reads (transformers' `LlamaConfig` defaults);
+    Gemma, GPT-OSS and the MoE members add theirs in subclasses."""
+
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    sliding_window: int | None = None  # the window W of the layers that slide
+    layer_types: Sequence[str] | None = None  # None: every layer slides when sliding_window is set
+    attention_bias: bool = False  # a bias on q|k|v and o
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
 
 
-def windows_of(cfg) -> tuple[int | None, ...]:
+def head_dim_of(cfg, fields: LlamaConfigFields | None = None) -> int:
+    """The size of one head: `head_dim`, else hidden_size / num_attention_heads."""
+    fields = LlamaConfigFields.of(cfg) if fields is None else fields
+    return fields.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def windows_of(cfg, fields: LlamaConfigFields | None = None) -> tuple[int | None, ...]:
     """Each layer's window W (HF's: keys p-W+1 .. p), or None for full attention.
 
     `config.layer_types` says which layers slide (Qwen2/3 from `max_window_layers`, Gemma, GPT-OSS);
     without it (Mistral, Phi-3) every layer slides when `config.sliding_window` is set.
     """
-    optional = DecoderFields.of(cfg)
-    window = optional.sliding_window
-    layer_types = optional.layer_types or ("sliding_attention",) * cfg.num_hidden_layers
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:cfg.num_hidden_layers])
+    fields = LlamaConfigFields.of(cfg) if fields is None else fields
+    layer_types = fields.layer_types or ("sliding_attention",) * cfg.num_hidden_layers
+    return tuple(fields.sliding_window if kind == "sliding_attention" else None
+                 for kind in layer_types[:cfg.num_hidden_layers])
 
 
-def llama_spec(cfg, **choices) -> DecoderSpec:
-    """The Llama family's decoder for `cfg`, its optional fields read here once; `choices` replace
-    fields for a member family (Gemma, Phi-3, the MoE members, GPT-OSS)."""
-    head_dim, optional = head_dim_of(cfg), DecoderFields.of(cfg)
-    attention_bias = bool(optional.attention_bias)
+def llama_spec(cfg, fields: LlamaConfigFields | None = None, **choices) -> DecoderSpec:
+    """The Llama family's decoder for `cfg`, its optional fields read here once (a member family
+    passes its own `fields`, a subclass of LlamaConfigFields); `choices` replace fields of the spec
+    for a member family (Gemma, Phi-3, the MoE members, GPT-OSS)."""
+    fields = LlamaConfigFields.of(cfg) if fields is None else fields
+    head_dim = head_dim_of(cfg, fields)
+    attention_bias = bool(fields.attention_bias)
     spec = dict(attention=LlamaAttention, mlp=dense_mlp, rotaries=shared_rotary, head_dim=head_dim,
-                attn_scale=head_dim**-0.5, windows=windows_of(cfg), o_bias=attention_bias,
+                attn_scale=head_dim**-0.5, windows=windows_of(cfg, fields), o_bias=attention_bias,
                 qkv_bias=cfg.model_type == "qwen2" or attention_bias, qk_norm=cfg.model_type == "qwen3",
-                mlp_bias=bool(optional.mlp_bias), tie_word_embeddings=bool(optional.tie_word_embeddings))
+                mlp_bias=bool(fields.mlp_bias), tie_word_embeddings=bool(fields.tie_word_embeddings))
     return DecoderSpec(**{**spec, **choices})
 
 

@@ -34,7 +34,7 @@ added on rank 0. A dense layer is Llama's split MLP.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -48,9 +48,8 @@ from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
 from deepinfer.model_executor.layers.parallel_linear import computes_expert_slice
 from deepinfer.model_executor.layers.router import Router, RouterSpec
-from deepinfer.model_executor.models.config_fields import DecoderFields
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp
-from deepinfer.model_executor.models.llama import llama_spec
+from deepinfer.model_executor.models.llama import LlamaConfigFields, llama_spec
 from deepinfer.model_executor.models.utils import load_weights
 
 _EXPERT = re.compile(r"^(?P<owner>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
@@ -63,7 +62,7 @@ class MoeFamily:
     """What one MoE model type changes in the shared body."""
 
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE
-    qkv_bias_field: str | None = None  # config field that puts a bias on q, k and v (not on o)
+    reads_qkv_bias: bool = False  # the config's `qkv_bias` puts a bias on q, k and v (not on o)
     always_renormalize: bool = False  # renormalise the top-k weights whatever `norm_topk_prob` says
     shared_expert: bool = False  # a sigmoid-gated dense expert beside the routed ones
     expert_size: Callable = lambda cfg: cfg.moe_intermediate_size  # an expert's intermediate size
@@ -71,31 +70,42 @@ class MoeFamily:
 
 
 QWEN3_MOE = MoeFamily(qk_norm=True)
-QWEN2_MOE = MoeFamily(qkv_bias_field="qkv_bias", shared_expert=True)
+QWEN2_MOE = MoeFamily(reads_qkv_bias=True, shared_expert=True)
 MIXTRAL = MoeFamily(always_renormalize=True, expert_size=lambda cfg: cfg.intermediate_size, dense_layers=False)
+
+
+@dataclass(frozen=True)
+class MoeConfigFields(LlamaConfigFields):
+    """The optional config fields the MoE members read beside the Llama family's."""
+
+    hidden_act: str = "silu"
+    decoder_sparse_step: int = 1  # Qwen: layer i is sparse when (i + 1) is a multiple of it
+    mlp_only_layers: Sequence[int] | None = None  # Qwen: the layers that stay dense
+    norm_topk_prob: bool = False  # Qwen: renormalise the top-k weights
+    qkv_bias: bool = False  # Qwen2-MoE: a bias on q, k and v
 
 
 def moe_spec(cfg, family: MoeFamily) -> DecoderSpec:
     """The Llama spec with the family's attention choices and, on its sparse layers, a
     `SparseMoeBlock`; every optional config field the family reads is read here."""
-    optional = DecoderFields.of(cfg)
-    if optional.hidden_act != "silu":
-        raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported: the experts are SwiGLU (silu)")
+    fields = MoeConfigFields.of(cfg)
+    if fields.hidden_act != "silu":
+        raise ValueError(f"hidden_act={fields.hidden_act!r} is not supported: the experts are SwiGLU (silu)")
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must lie in [1, num_experts="
                          f"{cfg.num_experts}]")
-    step = optional.decoder_sparse_step if family.dense_layers else 1
+    step = fields.decoder_sparse_step if family.dense_layers else 1
     if step < 1:
         raise ValueError(f"decoder_sparse_step={step} must be >= 1")
-    dense = set(optional.mlp_only_layers or ()) if family.dense_layers else set()
+    dense = set(fields.mlp_only_layers or ()) if family.dense_layers else set()
     sparse = tuple(i not in dense and cfg.num_experts > 0 and (i + 1) % step == 0
                    for i in range(cfg.num_hidden_layers))  # as HF decides it
-    renormalize = family.always_renormalize or bool(optional.norm_topk_prob)
+    renormalize = family.always_renormalize or bool(fields.norm_topk_prob)
     router = RouterSpec(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, renormalize=renormalize)
     shared = cfg.shared_expert_intermediate_size if family.shared_expert else 0
     block = partial(SparseMoeBlock, router, family.expert_size(cfg), shared)
-    spec = llama_spec(cfg)
-    qkv_bias = family.qkv_bias_field is not None and bool(getattr(cfg, family.qkv_bias_field, False))
+    spec = llama_spec(cfg, fields)
+    qkv_bias = family.reads_qkv_bias and bool(fields.qkv_bias)
     return replace(spec, qk_norm=family.qk_norm, qkv_bias=spec.qkv_bias or qkv_bias,
                    mlp=partial(_sparse_or_dense, sparse, block))
 

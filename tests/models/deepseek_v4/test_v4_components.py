@@ -175,6 +175,17 @@ def test_topk_bias_steers_choice_not_weights():
     torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), expected, atol=1e-6, rtol=0)
 
 
+def test_score_routed_block_of_a_hash_layer_routes_by_score():
+    """The MTP block's MoE (`score_routed`) at index 0, a hash layer of the model: it routes as HF's
+    score-routed layer 1 does, with no token ids and no `tid2eid`."""
+    cfg = tiny_config()
+    theirs = randomize(hf.DeepseekV4SparseMoeBlock(cfg, 1))
+    ours = load_from(DeepseekV4MoE(cfg, 0, score_routed=True), theirs)
+    assert not ours.is_hash and "gate.tid2eid" not in dict(ours.named_parameters())
+    x = torch.randn(T, H)
+    torch.testing.assert_close(ours(x), theirs(x[None])[0], atol=ATOL, rtol=0)
+
+
 def test_hash_layer_requires_input_ids():
     cfg = tiny_config()
     with pytest.raises(ValueError, match="input_ids"):

@@ -118,7 +118,7 @@ def _read_sources(sources: Sequence[str]) -> dict[str, bytes]:
 
 def _build_key(contents: dict[str, bytes], cflags: Sequence[str], ldflags: Sequence[str]) -> str:
     """16 hex digits naming one build: sources, compiler, flags, torch and Python ABI."""
-    abi = [torch.__version__, str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), sys.implementation.cache_tag,
+    abi = [torch.__version__, str(torch.compiled_with_cxx11_abi()), sys.implementation.cache_tag,
            str(sysconfig.get_config_var("EXT_SUFFIX")), platform.machine()]
     digest = hashlib.sha256("\0".join([*_compiler(), *cflags, "|", *ldflags, "|", *abi]).encode())
     for name in sorted(contents):

@@ -14,15 +14,33 @@ HF transformers (`DeepseekV2Config`, `DeepseekV3Config`) is the reference for ev
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
+from deepinfer.contracts.hf_config import HFConfigFields
 
 V2, V3 = "deepseek_v2", "deepseek_v3"
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 V3_TOPK_METHODS = (None, "noaux_tc")
 
 
+@dataclass(frozen=True)
+class DeepseekConfigFields(HFConfigFields):
+    """The optional config fields DeepSeek-V2 / V3 read (the defaults of transformers' config classes,
+    or what an absent field means)."""
+
+    rope_interleave: bool = True  # V3: RoPE on channel pairs (2i, 2i+1)
+    num_nextn_predict_layers: int | None = None  # V3's MTP layers (None, as in V2 configs: none)
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    attention_bias: bool = False
+    moe_layer_freq: int | None = 1
+    scoring_func: str | None = None
+    topk_method: str | None = None
+
+
 def rope_parameters(cfg) -> dict:
     """The config's RoPE dict (transformers fills `rope_parameters` from a legacy `rope_scaling`)."""
-    return dict(getattr(cfg, "rope_parameters", None) or {"rope_type": "default"})
+    return dict(DeepseekConfigFields.of(cfg).rope_parameters or {"rope_type": "default"})
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -41,12 +59,12 @@ def softmax_scale(cfg) -> float:
 
 def interleaved_rope(cfg) -> bool:
     """Whether RoPE rotates channel pairs (2i, 2i+1) (V2 always; V3 with `rope_interleave`)."""
-    return cfg.model_type == V2 or bool(getattr(cfg, "rope_interleave", True))
+    return cfg.model_type == V2 or bool(DeepseekConfigFields.of(cfg).rope_interleave)
 
 
 def num_mtp_layers(cfg) -> int:
     """`num_nextn_predict_layers` (V3's MTP layers; 0 when absent, as in V2 configs)."""
-    return int(getattr(cfg, "num_nextn_predict_layers", None) or 0)
+    return int(DeepseekConfigFields.of(cfg).num_nextn_predict_layers or 0)
 
 
 def is_moe_layer(cfg, layer_idx: int) -> bool:
@@ -57,20 +75,20 @@ def is_moe_layer(cfg, layer_idx: int) -> bool:
 def check_config(cfg) -> None:
     """Refuse, naming the field and value, what this package does not run."""
     _require(cfg.model_type in (V2, V3), "model_type", cfg.model_type, f"{V2!r} or {V3!r}")
-    act, bias, freq = (getattr(cfg, name, default) for name, default in
-                       (("hidden_act", "silu"), ("mlp_bias", False), ("moe_layer_freq", 1)))
+    fields = DeepseekConfigFields.of(cfg)
+    act, bias, freq = fields.hidden_act, fields.mlp_bias, fields.moe_layer_freq
     _require(act == "silu", "hidden_act", act, "'silu'")
     _require(not bias, "mlp_bias", bias, "False")
     _require(freq in (None, 1), "moe_layer_freq", freq, "1 (every layer from first_k_dense_replace on is MoE)")
     if cfg.n_routed_experts:
-        _check_routing(cfg)
+        _check_routing(cfg, fields)
 
 
-def _check_routing(cfg) -> None:
+def _check_routing(cfg, fields: DeepseekConfigFields) -> None:
     experts, groups = cfg.n_routed_experts, cfg.n_group or 1
     _require(experts % groups == 0, "n_group", cfg.n_group, f"a divisor of n_routed_experts={experts}")
     _require(1 <= (cfg.topk_group or groups) <= groups, "topk_group", cfg.topk_group, f"in [1, n_group={groups}]")
-    scoring, method = getattr(cfg, "scoring_func", None), getattr(cfg, "topk_method", None)
+    scoring, method = fields.scoring_func, fields.topk_method
     if cfg.model_type == V3:
         _require(scoring in (None, "sigmoid"), "scoring_func", scoring, "'sigmoid' for deepseek_v3")
         _require(method in V3_TOPK_METHODS, "topk_method", method, "'noaux_tc' for deepseek_v3")

@@ -38,7 +38,7 @@ from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.layers.parallel_linear import ColumnParallelLinear, even_piece, row_parallel_linear
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding, rope_inv_freq
-from deepinfer.model_executor.models.deepseek_v3.config import interleaved_rope, softmax_scale
+from deepinfer.model_executor.models.deepseek_v3.config import DeepseekConfigFields, interleaved_rope, softmax_scale
 
 NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (HF builds them with the default eps, not rms_norm_eps)
 
@@ -67,7 +67,7 @@ class MLAAttention(nn.Module):
         self.nope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
         self.row_dim = self.kv_lora_rank + self.rope_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
+        bias = bool(DeepseekConfigFields.of(cfg).attention_bias)
         q_piece = even_piece(heads * self.qk_dim, "num_attention_heads * qk_head_dim")
         self.q_lora_rank = cfg.q_lora_rank
         if self.q_lora_rank:

@@ -29,7 +29,7 @@ from torch import nn
 
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref
 from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
-from deepinfer.model_executor.layers.quant_linear import install_quantized
+from deepinfer.model_executor.layers.quant_linear import install_quantized, merged_sizes
 from deepinfer.model_executor.models.deepseek_v4.names import expert_target
 from deepinfer.model_executor.models.deepseek_v4.weights import dequantize_v4_weights, owned_tensors
 
@@ -117,7 +117,7 @@ def _load_tensor(model: nn.Module, params: dict, name: str, tensor, packed: dict
     value = spec.read(piece, tensor, name, dst.shape) if spec is not None else _whole(tensor)
     if isinstance(value, QuantWeight):
         if isinstance(module, nn.Linear | nn.Embedding) and not target.endswith(_DENSE_ONLY):
-            merged = getattr(module, "shard_sizes", None) is not None  # pieces stacked on its rows
+            merged = merged_sizes(module) is not None  # pieces stacked on its rows
             packed.setdefault(target, []).append((piece if merged else None, value))
             return target
         value = dequantize_ref(value)  # [rows, cols] fp32

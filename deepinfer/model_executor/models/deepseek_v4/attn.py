@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.weight_storage import FP32, LINEAR
 from deepinfer.distributed.parallel_state import tp_size
 from deepinfer.model_executor.layers.batch_invariant import linear as invariant_linear
@@ -58,7 +59,7 @@ def attention_rope_inv_freq(config, layer_type: str) -> tuple[torch.Tensor, floa
     rope_dim = config.qk_rope_head_dim
     if rope_label(layer_type) == "compress":
         return compress_rope_inv_freq(config, rope_dim)
-    params = (getattr(config, "rope_parameters", None) or {}).get("main") or {}
+    params = (HFConfigFields.of(config).rope_parameters or {}).get("main") or {}
     return rope_inv_freq(config, rope_dim, params or {"rope_type": "default"}, "main",
                          default_theta=config.rope_theta)
 

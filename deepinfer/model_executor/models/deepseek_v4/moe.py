@@ -28,43 +28,47 @@ from deepinfer.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from deepinfer.model_executor.layers.fused_moe import FusedExperts, SharedExpert
 from deepinfer.model_executor.layers.parallel_linear import computes_expert_slice
 from deepinfer.model_executor.layers.router import Router, RouterSpec
+from deepinfer.model_executor.models.deepseek_v4.config import DeepseekV4ConfigFields
 
 
 def v4_router(cfg, hashed: bool) -> RouterSpec:
     """A score-routed layer's router (`e_score_correction_bias` steers the top-k) or a hash layer's
     (`tid2eid` picks the experts); both weight them by `scoring_func` of their logits."""
+    renormalize = DeepseekV4ConfigFields.of(cfg).norm_topk_prob
     return RouterSpec(cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, score=cfg.scoring_func,
-                      sorted_topk=False, correction_bias=not hashed, renormalize=getattr(cfg, "norm_topk_prob", True),
+                      sorted_topk=False, correction_bias=not hashed, renormalize=renormalize,
                       scale=cfg.routed_scaling_factor, hash_vocab=cfg.vocab_size if hashed else 0)
 
 
 def is_hash_layer(cfg, layer_idx: int) -> bool:
     """Whether layer `layer_idx` routes by token id (`mlp_layer_types`, else `num_hash_layers`)."""
-    layer_types = getattr(cfg, "mlp_layer_types", None)
-    if layer_types is not None:
-        return layer_types[layer_idx] == "hash_moe"
-    return layer_idx < getattr(cfg, "num_hash_layers", 0)
+    fields = DeepseekV4ConfigFields.of(cfg)
+    if fields.mlp_layer_types is not None:
+        return fields.mlp_layer_types[layer_idx] == "hash_moe"
+    return layer_idx < fields.num_hash_layers
 
 
 class DeepseekV4MoE(nn.Module):
-    """The MoE block of layer `layer_idx` (HF: `DeepseekV4SparseMoeBlock`).
+    """The MoE block of layer `layer_idx` (HF: `DeepseekV4SparseMoeBlock`); `score_routed` makes it
+    route by score whatever the layer (the MTP block's).
 
     Submodules: `gate` (a `Router`, hash or score routed), `experts` (`FusedExperts`), `shared_experts`.
     `forward(x [T, H], input_ids [T] | None) -> [T, H]`; hash layers require `input_ids`.
     """
 
-    def __init__(self, cfg, layer_idx: int, expert_parallel_size: int = 1):
+    def __init__(self, cfg, layer_idx: int, expert_parallel_size: int = 1, score_routed: bool = False):
         super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act must be 'silu' for DeepSeek-V4 experts, got {cfg.hidden_act!r}")
-        self.is_hash = is_hash_layer(cfg, layer_idx)
+        fields = DeepseekV4ConfigFields.of(cfg)
+        if fields.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for DeepSeek-V4 experts, got {fields.hidden_act!r}")
+        self.is_hash = not score_routed and is_hash_layer(cfg, layer_idx)
         self.gate = Router(v4_router(cfg, self.is_hash))
-        limit = getattr(cfg, "swiglu_limit", None)
+        limit = fields.swiglu_limit
         inter = cfg.moe_intermediate_size
         self.experts = FusedExperts(cfg.n_routed_experts, cfg.hidden_size, inter, limit, expert_parallel_size)
         self.computes_experts = computes_expert_slice(expert_parallel_size)
         self.split, self.adds_shared = tp_size() > 1, tp_rank() == 0  # fixed at construction
-        shared_inter = inter * getattr(cfg, "n_shared_experts", 1)
+        shared_inter = inter * fields.n_shared_experts
         self.shared_experts = SharedExpert(cfg.hidden_size, shared_inter, limit)
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

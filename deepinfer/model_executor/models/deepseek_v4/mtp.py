@@ -34,6 +34,7 @@ from torch import nn
 from deepinfer.model_executor.layers.norm import RMSNorm
 from deepinfer.model_executor.models.deepseek_v4.attn import SLIDING
 from deepinfer.model_executor.models.deepseek_v4.cached_attn import CachedV4Attention
+from deepinfer.model_executor.models.deepseek_v4.config import DeepseekV4ConfigFields
 from deepinfer.model_executor.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead
 from deepinfer.model_executor.models.deepseek_v4.moe import DeepseekV4MoE
 from deepinfer.model_executor.models.deepseek_v4.names import module_name
@@ -45,22 +46,9 @@ _SHARED_NAMES = re.compile(r"^(emb\.tok_emb|embed|embed_tokens|head|shared_head\
 _HC_HEAD = re.compile(r"\.hc_head_(fn|base|scale)$")
 
 
-class _ScoreRoutedConfig:
-    """A view of the model config whose MoE layers all route by score (the MTP block's MoE)."""
-
-    mlp_layer_types = ("moe",)
-    num_hash_layers = 0
-
-    def __init__(self, cfg):
-        self._cfg = cfg
-
-    def __getattr__(self, name):
-        return getattr(self._cfg, name)
-
-
 def num_mtp_layers(cfg) -> int:
     """`num_nextn_predict_layers` of the config (1 when absent)."""
-    n = getattr(cfg, "num_nextn_predict_layers", None)
+    n = DeepseekV4ConfigFields.of(cfg).num_nextn_predict_layers
     return 1 if n is None else int(n)
 
 
@@ -81,7 +69,7 @@ class DeepseekV4MTPLayer(nn.Module):
         self.e_proj = nn.Linear(h, h, bias=False)
         self.h_proj = nn.Linear(h, h, bias=False)
         self.self_attn = CachedV4Attention(cfg, layer_idx, layer_type=SLIDING)
-        self.mlp = DeepseekV4MoE(_ScoreRoutedConfig(cfg), 0)
+        self.mlp = DeepseekV4MoE(cfg, 0, score_routed=True)  # routes by score, whatever layer 0 does
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.attn_hc = HyperConnection.from_config(cfg)

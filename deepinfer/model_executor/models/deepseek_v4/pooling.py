@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.weight_storage import FP32
 from deepinfer.model_executor.layers.batch_invariant import slot_pool
 from deepinfer.model_executor.layers.norm import RMSNorm
@@ -75,7 +76,7 @@ class CompressorState:
 
 def compress_rope_inv_freq(config, rope_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [rope_dim/2], attention_scaling) of the ``compress`` RoPE (base compress_rope_theta)."""
-    params = (getattr(config, "rope_parameters", None) or {}).get("compress") or {}
+    params = (HFConfigFields.of(config).rope_parameters or {}).get("compress") or {}
     return rope_inv_freq(config, rope_dim, params or {"rope_type": "default"}, "compress",
                          default_theta=config.compress_rope_theta)
 

@@ -80,8 +80,9 @@ class StateBank:
 
     def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
         """Set the slot's state from `export`'s tensors."""
-        for name in ("kv", "score", "prev_a_kv", "prev_a_score"):
-            getattr(self, name)[slot].copy_(tensors[name])
+        for name, bank in (("kv", self.kv), ("score", self.score), ("prev_a_kv", self.prev_a_kv),
+                           ("prev_a_score", self.prev_a_score)):
+            bank[slot].copy_(tensors[name])
         self.num_tokens[slot] = int(tensors["num_tokens"])
 
     def write(self, slot: int, state: CompressorState) -> None:

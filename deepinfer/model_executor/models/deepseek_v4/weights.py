@@ -29,8 +29,7 @@ FP8_BLOCK = (128, 128)
 FP4_GROUP = 32
 # e2m1 code -> value; bit 3 is the sign, bits 2..1 the exponent, bit 0 the mantissa
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_FLOAT4 = getattr(torch, "float4_e2m1fn_x2", None)  # torch builds without it read FP4 pairs as int8 / uint8
-_FP4_DTYPES = tuple(d for d in (torch.int8, torch.uint8, _FLOAT4) if d is not None)
+_FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 
 
 def is_quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -40,7 +39,7 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     integer tables such as `tid2eid` pass through. A lazy slice answers by its stored dtype.
     """
     dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else _stored(tensor).dtype
-    if dtype == torch.float8_e4m3fn or dtype == _FLOAT4:
+    if dtype in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
         return True
     return dtype in (torch.int8, torch.uint8) and name.endswith((".weight", "_proj"))
 
