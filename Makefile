@@ -34,7 +34,7 @@ test: $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_PARALLEL) --durations=25
 
 # The fast tier, for iterating: no real model, no server or other subprocess, no tensor-parallel ranks, no
-# whole-engine parity sweep, nothing marked slow (tests/conftest.py marks each test). `make test` runs everything.
+# whole-engine parity sweep, nothing marked slow (each test's file marks it). `make test` runs everything.
 test-fast: $(STAMP)
 	$(PY) -m ruff check deepinfer labs tests
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not multirank and not live_server and not subprocess and not real_model and not parity and not bench"

@@ -100,6 +100,7 @@ def test_only_plain_decode_steps_qualify(tiny_checkpoint, emulated):
     assert not accepts(*[_request(f"d{i}", 1, 3) for i in range(5)])  # 5 > Bmax = 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_emulated_graphs_give_the_eager_tokens(tiny_checkpoint, arch, monkeypatch):
     """Three requests decode together (padded to bucket 4), then two, then one: every token and
@@ -125,6 +126,7 @@ def test_emulated_graphs_give_the_eager_tokens(tiny_checkpoint, arch, monkeypatc
             assert abs(m.logprobs[j][t].logprob - r.logprobs[j][t].logprob) < 1e-4
 
 
+@pytest.mark.slow
 def test_enforce_eager_turns_graphs_off(tiny_checkpoint, emulated):
     assert make_llm(tiny_checkpoint("llama")).engine.runner.steps.graphs is not None
     assert make_llm(tiny_checkpoint("llama"), enforce_eager=True).engine.runner.steps.graphs is None

@@ -11,6 +11,8 @@ from embedding_models import cosines, make_st_checkpoint, st_inputs, st_referenc
 from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.pooling import PoolingParams
 
+pytestmark = [pytest.mark.parity]
+
 BUDGET = 64  # tokens per step: the longest inputs (~230 tokens) are computed in 4 chunks
 MODES = {"mean": "llama", "lasttoken": "qwen3", "cls": "llama"}  # Pooling mode -> the decoder under it
 

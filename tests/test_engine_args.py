@@ -164,6 +164,7 @@ def test_each_default_literal_is_written_once_in_the_package():
     assert found["gpu_memory_utilization"][0].startswith("deepinfer/config.py:")
 
 
+@pytest.mark.subprocess
 def test_engine_args_and_the_engine_flags_import_without_torch():
     code = textwrap.dedent("""
         import argparse, sys

@@ -42,6 +42,7 @@ def test_v4_3l_config_is_flash_cut_to_three_layers():
     assert (c["n_routed_experts"], c["num_experts_per_tok"], c["hidden_size"]) == (256, 6, 4096)
 
 
+@pytest.mark.subprocess
 def test_bench_refuses_cuda_without_a_device():
     if _cuda_available():
         pytest.skip("this machine has CUDA")
@@ -107,6 +108,7 @@ def step_output(out: str, name: str) -> str:
     return out[start:out.index(f"=== {name}: exit ", start)]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_gpu_check_step_runs_the_compiled_moe_test(cpu_rehearsal):
     """The grouped-GEMM kernel test (CUDA-only outside the check) is selected by a gpu_check.sh step's own
@@ -124,6 +126,7 @@ def test_a_gpu_check_step_runs_the_compiled_moe_test(cpu_rehearsal):
         assert not re.search(rf"^SKIPPED .*{re.escape(MOE_TEST.split('::')[0])}", out, re.M), (name, out[-3000:])
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_cpu(cpu_rehearsal):
     """`gpu_check.sh --cpu`: the CUDA tests rehearsed on the CPU pass, every benchmark prints its figures."""

@@ -374,6 +374,7 @@ def test_collector_sees_the_real_tree(real_imports):
     assert any(_within(imp.importer, "deepinfer.model_executor") and imp.target == "torch" for imp in real_imports)
 
 
+@pytest.mark.subprocess
 def test_engine_and_contracts_import_without_torch():
     """Every module of `deepinfer.engine` and `deepinfer.contracts` loads with torch blocked."""
     code = textwrap.dedent("""

@@ -139,6 +139,7 @@ PROMPTS = ["10-11-12-13-14-15-16 and 10-11-12", "11-11-11-11-11-11-11-11", "19-1
            "ab-ab-ab-12-12-12-ab-ab"]
 
 
+@pytest.mark.slow
 def test_preemption_keeps_the_matchers(tiny_checkpoint, tiny_llm):
     """A pool too small for all requests preempts and recomputes them; the constrained greedy
     outputs equal those of a run without preemption."""
@@ -151,6 +152,7 @@ def test_preemption_keeps_the_matchers(tiny_checkpoint, tiny_llm):
     small.engine.kv_manager.check_no_leaks()
 
 
+@pytest.mark.slow
 def test_ngram_speculation_keeps_greedy_output_and_the_grammar(tiny_checkpoint, tiny_llm):
     """With n-gram drafts verified under the per-row masks, constrained greedy output is the same
     as plain decoding's; drafts were proposed and some were refused."""

@@ -21,6 +21,8 @@ from deepinfer import LLM, SamplingParams
 sys.path.insert(0, str(Path(__file__).parents[1] / "entrypoints"))
 from tp_processes import still_alive, workers  # noqa: E402
 
+pytestmark = [pytest.mark.multirank]
+
 SMALL = dict(max_model_len=48, num_blocks=16, block_size=4)
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 11)]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -17,6 +17,8 @@ from deepinfer.worker import multiproc
 from deepinfer.worker.model_runner import ModelRunner
 from deepinfer.worker.step_executor import StepExecutor
 
+pytestmark = [pytest.mark.multirank]
+
 # few blocks (12 of 4 tokens: one request at max_model_len 48; the three below grow to 17) and
 # 8-token steps: chunked prefill, and preemption
 TIGHT = dict(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=48)
@@ -218,6 +220,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("end", ["exit", "sigterm"])
 def test_no_worker_outlives_its_parent(llama, end):
     """The parent ends without close(): at exit (atexit stops the workers), or by SIGTERM (each
@@ -257,6 +260,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.subprocess
 def test_a_worker_waiting_to_join_ends_with_its_killed_parent(llama, tmp_path):
     """Killed before it opened the rendezvous, the parent leaves a worker blocked in it (until the
     collective timeout, minutes); the worker notices its parent is gone and exits within seconds."""

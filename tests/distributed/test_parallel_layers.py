@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from deepinfer.distributed.parallel_state import all_gather, destroy_parallel, init_parallel
 from deepinfer.model_executor.layers import parallel_linear as pl
 
+pytestmark = [pytest.mark.multirank]
+
 WORLD = 2
 
 

@@ -15,6 +15,8 @@ import pytest
 
 from deepinfer.worker.torchrun import TorchrunJob, torchrun_job
 
+pytestmark = [pytest.mark.multirank]
+
 FLAGS = ["--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--raw", "--device", "cpu",
          "--max-model-len", "64", "--num-blocks", "16"]
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
@@ -45,6 +47,7 @@ def llama(tiny_checkpoint) -> str:
     return tiny_checkpoint("llama")
 
 
+@pytest.mark.subprocess
 def test_two_torchrun_ranks_print_one_ranks_text_once_from_rank_0(llama):
     one = _cli("generate", "hello world", "--model", llama, *FLAGS)
     assert one.returncode == 0, one.stderr
@@ -77,6 +80,7 @@ def _two_node_agents(*args: str) -> list[subprocess.CompletedProcess]:
     return results
 
 
+@pytest.mark.subprocess
 def test_two_nodes_with_one_rank_each_equal_one_rank_token_for_token(llama):
     """torchrun --nnodes 2: RANK 1 has LOCAL_RANK 0 on its node; tensor parallelism across the two
     nodes prints what one rank prints, once, from node 0."""
@@ -88,6 +92,7 @@ def test_two_nodes_with_one_rank_each_equal_one_rank_token_for_token(llama):
     assert node1.stdout == ""  # the follower node prints nothing of the command's output
 
 
+@pytest.mark.subprocess
 def test_a_size_other_than_world_size_is_refused_naming_both(llama):
     res = _torchrun("generate", "hi", "--model", llama, *FLAGS, "--tensor-parallel-size", "3")
     assert res.returncode != 0
@@ -108,6 +113,7 @@ llm.generate([[3, 4, 5, 6]], SamplingParams(max_tokens=6, ignore_eos=True), use_
 """
 
 
+@pytest.mark.subprocess
 def test_a_dying_follower_ends_the_job_and_only_rank_0_ran_the_script_body(llama, tmp_path):
     script = tmp_path / "dying_follower.py"
     script.write_text(_DYING_FOLLOWER)

@@ -33,6 +33,8 @@ from deepinfer.model_executor.loader.gguf import iter_gguf_slices
 from deepinfer.model_executor.loader.gguf_file import read_gguf_file
 from deepinfer.model_executor.loader.source import load_model_source
 
+pytestmark = [pytest.mark.multirank]
+
 
 def _dense(x) -> torch.Tensor:
     return dequantize_ref(x) if isinstance(x, QuantWeight) else x.float()
@@ -51,6 +53,7 @@ def _cuts(shape) -> list[tuple[int, int, int]]:
     return [(0, 0, n // 2), (0, n // 2, n - n // 2), (1, 0, k // 2), (1, k // 2, k - k // 2), (1, 16, 48)]
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("keep_quantized", [False, True], ids=["dense", "packed"])
 def test_a_slice_decodes_as_the_whole_tensor_cut(gemma3_gguf_path, keep_quantized):
     slices = _slices(gemma3_gguf_path, keep_quantized)
@@ -226,6 +229,7 @@ def _scored(model: str, tp: int, sequences: list[list[int]]) -> list[list]:
             for o, ids in zip(outs, sequences, strict=True)]
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 @pytest.mark.parametrize("model, tp", [("gemma3-270m", 2), ("smollm2-135m", 3)])
 def test_shipped_gguf_models_split_score_one_ranks_tokens(model, tp, gemma3_gguf_path):

@@ -27,6 +27,8 @@ from deepinfer.model_executor.layers.mxfp4_moe import OssExperts
 from deepinfer.model_executor.layers.ops.mxfp4 import dequantize_mxfp4
 from deepinfer.model_executor.layers.parallel_linear import shard_spec_of
 
+pytestmark = [pytest.mark.multirank]
+
 VOCAB, PROMPT_LENGTHS, MAX_TOKENS = 49152, (3, 29, 47), 8
 EXPERT_PARAMS = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales",
                  "gate_up_proj_bias", "down_proj_bias")

@@ -12,6 +12,8 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.multirank]
+
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 KW = dict(max_num_batched_tokens=128, max_model_len=256, prefix_snapshot_interval=32, num_blocks=32)
 

@@ -22,6 +22,8 @@ from deepinfer import LLM
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.layers import parallel_linear
 
+pytestmark = [pytest.mark.multirank]
+
 ARCHS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "gemma3": {}}
 OTHER_ARCHS = ("gemma2", "phi3_swa")  # tests/gemma2_phi3_models.py; phi3: fused qkv_proj / gate_up_proj
 PREFILL, CHUNK, DECODE = 30, 17, 3  # Gemma 3's window is 16: its rings wrap

@@ -23,6 +23,8 @@ from slice_reads import spy_slice_reads
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import parallel_state
 
+pytestmark = [pytest.mark.multirank]
+
 PROMPT_LENGTHS, MAX_TOKENS = (3, 29, 47), 8
 
 

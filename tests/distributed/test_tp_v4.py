@@ -23,6 +23,8 @@ from deepinfer.distributed import parallel_state
 sys.path.insert(0, str(Path(__file__).parents[1] / "models" / "deepseek_v4"))
 from v4_tiny import CSA, HCA, SLIDING, VOCAB, make_tiny_v4  # noqa: E402
 
+pytestmark = [pytest.mark.multirank]
+
 PROMPT_LENGTHS, MAX_TOKENS = (3, 29, 47), 8
 SPLIT_NAMES = (".wq_b.", ".wo_a.", ".wo_b.", "attn_sink")  # read as slices on every rank
 

@@ -50,6 +50,7 @@ def _stream(tokenizer, prompt_ids, output_ids, chunk_sizes=(1,), skip_special_to
     return deltas, detok.flush(), detok
 
 
+@pytest.mark.subprocess
 def test_detokenizer_module_does_not_import_torch():
     code = "import sys, deepinfer.engine.detokenizer; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

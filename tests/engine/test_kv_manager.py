@@ -18,6 +18,7 @@ from deepinfer.engine.kv_manager import (
 FULL = PagedGroupSpec("full", block_size=4)
 
 
+@pytest.mark.subprocess
 def test_module_imports_without_torch():
     code = "import sys; sys.modules['torch'] = None; import deepinfer.engine.kv_manager"
     subprocess.run([sys.executable, "-c", code], check=True)

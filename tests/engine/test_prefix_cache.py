@@ -127,6 +127,7 @@ def test_request_hashes_grow_with_outputs_and_match_a_longer_prompt():
     assert kv.block_hashes(req) == kv.block_hashes(make_req("b", PROMPT[:12]))
 
 
+@pytest.mark.subprocess
 def test_hashes_are_stable_across_processes():
     """Saved files are named by these keys: they must not depend on the process (hash seeds)."""
     code = ("from deepinfer.engine.prefix_cache import chain_hash, chain_root; "

@@ -154,6 +154,7 @@ def check_plan(h: Harness, plan: StepPlan) -> None:
     kv.check_consistency()
 
 
+@pytest.mark.subprocess
 def test_modules_import_without_torch():
     """engine/ never imports torch (DESIGN.md): the whole CPU side loads with torch blocked."""
     code = ("import sys; sys.modules['torch'] = None; "
@@ -397,6 +398,7 @@ def test_finish_request_from_the_engine():
 OPERATIONS = st.sampled_from(["add", "add", "step", "step", "step", "abort"])
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_random_operations_keep_invariants(data):

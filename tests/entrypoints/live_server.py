@@ -52,6 +52,9 @@ class LiveServer:
             raise
 
     def start(self) -> LiveServer:
+        from tiers import tier_marked
+
+        tier_marked("live_server", "starts `deepinfer serve` as a subprocess")
         entry = ["-m", "deepinfer.entrypoints.cli"] if self.prelude is None else ["-c", self.prelude + _RUN_CLI]
         self.proc = subprocess.Popen([sys.executable, *entry, *self.args], stdout=self.log, stderr=subprocess.STDOUT)
         return self

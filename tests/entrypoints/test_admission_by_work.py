@@ -116,6 +116,7 @@ def test_2048_one_token_embedding_inputs_leave_room_for_a_completion(embed_llm, 
     assert embeddings_done < 2048  # it really ran beside them
 
 
+@pytest.mark.slow
 def test_two_7_5_mb_tokenize_calls_do_not_delay_a_completion(llm, monkeypatch):
     """The probe's two 7.5 MB /tokenize calls, then a streamed completion: no big text is tokenized
     before the completion's first token (on main both took the pool's two workers and 15 MB were

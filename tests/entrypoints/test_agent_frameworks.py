@@ -93,6 +93,7 @@ def _second_turn_was_sent_the_result(bodies: list[dict], result: str) -> None:
 # -- openai-agents ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool_choice,streamed", [("required", False), ("add", True)])
 def test_openai_agents_two_tools_call_one_and_quote_its_result(server, tool_choice, streamed):
     from agents import (
@@ -211,6 +212,7 @@ def test_langgraph_react_agent_two_tools_call_one_and_quote_its_result(server):
 # -- /v1/messages with the anthropic client ----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(6))
 def test_messages_forced_tool_use_over_random_schemas(server, seed):
     """Two tools of seeded random input schemas; `any` and a named tool, whole and streamed."""

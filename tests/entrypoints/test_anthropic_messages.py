@@ -248,6 +248,7 @@ def test_an_unknown_model_is_a_404(client, server):
     assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.slow
 def test_api_keys_as_x_api_key_or_bearer(tiny_checkpoint, tmp_path):
     path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path / "keyed"), HERMES)
     with AppServer("--model", path, "--served-model-name", "tiny", api_key=KEY) as keyed:
@@ -300,6 +301,7 @@ def reasoning_server(tiny_checkpoint, tmp_path_factory):
         yield app
 
 
+@pytest.mark.slow
 def test_an_unfinished_reasoning_section_is_a_thinking_block(reasoning_server):
     client = _client(reasoning_server)
     request = dict(model="tiny", max_tokens=12, extra_body=GREEDY, messages=USER, thinking={

@@ -7,6 +7,8 @@ import json
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.bench.common import BenchResult, spec_between
 from deepinfer.entrypoints.bench.workloads.copy import COPY_TASKS, _compare, copy_workload, repeated_span_prompts
@@ -14,6 +16,7 @@ from deepinfer.entrypoints.bench.workloads.copy import COPY_TASKS, _compare, cop
 TOK_S = r"\d+ tokens in +\d+\.\d+ s = +\d+\.\d+ tok/s"
 
 
+@pytest.mark.bench
 def test_copy_bench_runs_plain_and_speculative_on_a_tiny_model(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "copy.json"
     assert cli.main(["bench", "--model", tiny_checkpoint("llama"), "--workload", "copy", "--max-tokens", "8",
@@ -45,6 +48,7 @@ def test_copy_bench_runs_plain_and_speculative_on_a_tiny_model(tiny_checkpoint, 
         assert len(counters["spec_decode_num_accepted_tokens_per_pos"]) <= 3
 
 
+@pytest.mark.bench
 def test_any_workload_with_a_method_prints_its_acceptance(tiny_checkpoint, capsys):
     assert cli.main(["bench", "--model", tiny_checkpoint("llama"), "--workload", "decode1", "--max-tokens", "8",
                      "--speculative-method", "ngram", "--num-blocks", "64"]) == 0
@@ -53,6 +57,7 @@ def test_any_workload_with_a_method_prints_its_acceptance(tiny_checkpoint, capsy
     assert re.search(r"^decode1 +deepinfer\+ngram: acceptance rate \d\.\d{3} ", text, re.M), text
 
 
+@pytest.mark.bench
 def test_copy_bench_without_a_tokenizer_runs_token_id_prompts(tmp_path, capsys):
     from tiny_models import tiny_config
 

@@ -45,6 +45,7 @@ def test_spec_needs_a_draft_model_or_method():
     assert spec.method_of(argparse.Namespace(speculative_method=None, speculative_model="d.gguf")) == "draft_model"
 
 
+@pytest.mark.bench
 def test_spec_end_to_end_on_a_tiny_model(tiny_checkpoint, capsys):
     model = tiny_checkpoint("llama")
     assert cli.main(["bench", "--model", model, "--workload", "spec", "--speculative-method", "ngram",

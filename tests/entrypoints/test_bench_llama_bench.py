@@ -22,6 +22,7 @@ from deepinfer.entrypoints.bench.workloads import llama_bench as lb
 VOCAB = 49152
 
 
+@pytest.mark.bench
 def test_pp512_and_tg128_run_end_to_end_on_a_tiny_model(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     """Every request runs alone on an engine without prefix caching, on --threads threads (1 here: two
     threads on a busy 2-core machine stall each other); pp512 times 512 prompt tokens, tg128 the 128
@@ -89,6 +90,7 @@ def _checkpoint_bytes(path: str) -> int:
     return total
 
 
+@pytest.mark.bench
 def test_a_prompt_at_a_depth_computes_only_its_own_tokens(tiny_checkpoint, capsys):
     """ppN@dD runs each request's context alone first; the timed request finds all of it cached
     (`time_request` checks the cached count and raises otherwise)."""

@@ -11,6 +11,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from deepinfer.entrypoints.bench.peers import node_llama_cpp
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +58,7 @@ def _probe() -> tuple[str, dict]:
     return help_text, json.loads(report)
 
 
+@pytest.mark.subprocess
 def test_import_and_bench_help_load_no_peer_and_a_peer_loads_only_its_own_module():
     help_text, report = _probe()
     assert _peer_modules(report["import"]) == []
@@ -87,6 +90,7 @@ def test_the_llama_cpp_driver_is_package_data_of_the_peers_package():
     assert [p for p in shipped if fnmatch.fnmatch(p.name, "*.mjs")] == [script]
 
 
+@pytest.mark.subprocess
 def test_the_prefix_restart_child_starts_as_a_module_without_a_double_import():
     """The prefix workload's restart run is `python -m ...workloads.prefix --child SPEC`: the bench
     package must not have imported that module already (runpy would warn and run it twice)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.bench.workloads.prefix import percentile
 from deepinfer.entrypoints.bench.workloads.prefix_prompts import random_prompts, shared_len, text_prompts
@@ -13,6 +15,7 @@ from deepinfer.entrypoints.bench.workloads.prefix_prompts import random_prompts,
 MS = r"\d+\.\dms"
 
 
+@pytest.mark.bench
 def test_prefix_bench_runs_cold_memory_hit_and_restart(tiny_checkpoint, tmp_path, capsys):
     out, cache_dir = tmp_path / "prefix.json", tmp_path / "kv"
     assert cli.main(["bench", "--model", tiny_checkpoint("llama"), "--workload", "prefix", "--prefix-len", "96",

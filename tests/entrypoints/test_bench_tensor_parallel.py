@@ -9,9 +9,12 @@ import os
 import re
 import sys
 
+import pytest
 from tp_processes import run_watching_workers, still_alive, workers
 
 from deepinfer.entrypoints import cli
+
+pytestmark = [pytest.mark.multirank]
 
 TOK_S = r"tokens in +\d+\.\d+ s = +\d+\.\d+ tok/s"
 
@@ -34,6 +37,7 @@ def test_a_two_rank_bench_prints_its_size_and_throughput_and_leaves_no_worker(ti
     assert not still_alive(sorted(seen)), "a tensor-parallel worker outlived bench"
 
 
+@pytest.mark.bench
 def test_bench_closes_each_two_rank_engine_before_the_next_and_before_it_returns(tiny_checkpoint, capsys):
     """The copy workload builds two engines (plain, then ngram) in one process: the second can only
     join a process group once the first has left its own; bench returns with no worker running."""

@@ -171,6 +171,7 @@ def test_plan_counts_fp8_and_fp4_weights_as_stored(v4_quantized_dir):
             ("compressors + indexer", "fp8"), ("mHC", "fp32"), ("routers", "int64")} <= formats
 
 
+@pytest.mark.multirank
 def test_v4_flash_plan_at_tp8_ep8_matches_the_formula_and_the_issue(flash, capsys):
     out = run_info(capsys, "--model", FLASH, "--tensor-parallel-size", "8", "--expert-parallel-size", "8",
                    "--max-model-len", "131072")
@@ -218,6 +219,7 @@ def test_v4_flash_plan_at_tp8_ep8_matches_the_formula_and_the_issue(flash, capsy
     assert figure(out, r"at once \(([\d,]+) B = ") == request == 469_835_296
 
 
+@pytest.mark.multirank
 def test_qwen3_at_tp2_splits_attention_mlp_and_vocab(capsys):
     cfg = load_config(QWEN3)
     out = run_info(capsys, "--model", QWEN3, "--tensor-parallel-size", "2")
@@ -235,6 +237,7 @@ def test_qwen3_at_tp2_splits_attention_mlp_and_vocab(capsys):
         attention + n * 3 * h * inter + vocab_rows * h + (2 * n + 1) * h + 2 * n * d)
 
 
+@pytest.mark.multirank
 def test_config_only_directory_is_planned_without_building(monkeypatch, capsys):
     def refuse(args):
         raise AssertionError("info built the engine for a config-only directory")
@@ -244,6 +247,7 @@ def test_config_only_directory_is_planned_without_building(monkeypatch, capsys):
     assert out.startswith("capacity plan: deepseek_v4") and "1,048,576 tokens" in out
 
 
+@pytest.mark.multirank
 def test_buildable_model_prints_info_then_the_plan(tiny_checkpoint, capsys):
     out = run_info(capsys, "--model", tiny_checkpoint("llama"), "--kv-cache-memory", "1MiB",
                    "--tensor-parallel-size", "2")
@@ -251,6 +255,7 @@ def test_buildable_model_prints_info_then_the_plan(tiny_checkpoint, capsys):
     assert out.index("KV bytes per token, all layers") < out.index("capacity plan: llama")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("model, tp, ep, cfg_change, message", [
     (FLASH, 3, 1, {}, "tensor_parallel_size=3 does not divide num_attention_heads=64"),
     (FLASH, 8, 8, {"n_routed_experts": 100}, "n_routed_experts=100 is not divisible by expert_parallel_size=8"),
@@ -265,6 +270,7 @@ def test_bad_sizes_are_refused_naming_them(model, tp, ep, cfg_change, message):
         plan_capacity({**load_config(model), **cfg_change}, tp, ep)
 
 
+@pytest.mark.multirank
 def test_cli_reports_bad_sizes_as_an_error(capsys):
     assert cli.main(["info", "--model", FLASH, "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size=3 does not divide num_attention_heads=64" in capsys.readouterr().err
@@ -293,6 +299,7 @@ def _family_config(model_type: str) -> dict:
     return configs[model_type]().to_dict()
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "gemma2", "phi3", "gpt_oss"])
 def test_llama_family_plans_count_every_value_of_the_checkpoint(model_type):
     """Dense and MoE members: the plan's parameters at one rank are transformers' checkpoint, every

@@ -18,6 +18,8 @@ import pytest
 from live_server import LiveServer
 from playwright.sync_api import Page, expect, sync_playwright
 
+pytestmark = [pytest.mark.live_server]
+
 KEY = "page-test-key"
 MAX_TOKENS = 24
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -44,6 +44,7 @@ def test_the_server_renders_with_a_template_file(tiny_checkpoint, template_file)
         assert answer["usage"]["prompt_tokens"] == len(app.llm.get_tokenizer()(MARKED_TEXT)["input_ids"])
 
 
+@pytest.mark.slow
 def test_the_server_renders_with_a_template_string_and_detects_its_tool_format(tiny_checkpoint):
     from transformers import AutoTokenizer
 
@@ -55,6 +56,7 @@ def test_the_server_renders_with_a_template_string_and_detects_its_tool_format(t
         assert app.app.state.server.chat_setup.tool_parser.name == "hermes"
 
 
+@pytest.mark.slow
 def test_llm_chat_takes_a_template_string_or_file(tiny_checkpoint, template_file):
     params = SamplingParams(max_tokens=1, temperature=0)
     for value in (MARKED, template_file):

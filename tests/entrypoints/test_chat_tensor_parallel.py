@@ -15,6 +15,8 @@ from tp_processes import still_alive, workers
 
 from deepinfer.entrypoints.chat import INTERRUPTED, LENGTH_LIMIT, QUIT_HINT
 
+pytestmark = [pytest.mark.multirank, pytest.mark.subprocess]
+
 TIMEOUT_S = 120  # per step: loading two ranks on a busy 2-core machine takes a while
 # from a way out to the end of the process (the pty closes once every rank is gone): a hang guard, not a
 # speed bound (a second or two on a quiet machine; a loaded one stretches the ranks' teardown)

@@ -12,6 +12,8 @@ import sys
 import pexpect
 import pytest
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 MAX_MODEL_LEN, MAX_TOKENS = 64, 16  # with the model's own system prompt, the second turn outgrows the context
 UP = "\x1b[A"
 CTRL_C = "\x03"
@@ -36,7 +38,6 @@ def turn(child, line: str) -> str:
     return child.before
 
 
-@pytest.mark.slow
 def test_chat_at_a_terminal(tmp_path):
     history, saved = tmp_path / "history", tmp_path / "chat.json"
     child = spawn_chat(history)

@@ -24,6 +24,7 @@ def test_help_everywhere(sub, capsys):
     assert "usage: deepinfer" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_generate_streams_text(tiny_checkpoint):
     res = run_cli("generate", "hello", "--model", tiny_checkpoint("llama"), "--max-tokens", "5",
                   "--ignore-eos", "--raw", "--num-blocks", "16", "--max-model-len", "256")
@@ -31,6 +32,7 @@ def test_generate_streams_text(tiny_checkpoint):
     assert res.stdout.strip()
 
 
+@pytest.mark.subprocess
 def test_missing_model_is_a_clear_error(tmp_path):
     res = run_cli("generate", "hi", "--model", str(tmp_path / "missing"))
     assert res.returncode == 2 and "missing" in res.stderr and "Traceback" not in res.stderr
@@ -66,6 +68,7 @@ def test_chat_repl_keeps_history(tiny_checkpoint):
     assert kv.num_free_blocks == kv.num_total_blocks
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_an_answer_and_keeps_the_session(tiny_checkpoint):
     """Ctrl-C while an answer streams: the answer ends between steps with a marker, its request is
     aborted (every block free again), the partial reply stays in the history, the REPL goes on."""
@@ -126,6 +129,7 @@ def test_ctrl_c_in_any_command_is_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "deepinfer: interrupted\n"
 
 
+@pytest.mark.bench
 def test_bench_runs_a_small_workload(tiny_checkpoint, tmp_path):
     import json
 

@@ -16,6 +16,8 @@ from test_chat_page import CHROMIUM_FLAGS, chromium_path
 
 from deepinfer.engine.cache_view import ring_picture
 
+pytestmark = [pytest.mark.live_server]
+
 KEY = "dashboard-test-key"
 PREFIX = ("The lighthouse keeper wrote in the log every evening: the wind, the sea, the ships that "
           "passed, the colour of the sky, and the names of the birds that rested on the rail. ")

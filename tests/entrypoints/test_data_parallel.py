@@ -108,6 +108,7 @@ def test_bad_data_parallel_flags_are_refused_naming_them():
     assert parse_address("[::1]:80") == ("::1", 80)
 
 
+@pytest.mark.multirank
 def test_under_torchrun_rank_0_is_the_front_end_and_the_others_join_it():
     env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
     args = _dp_args()
@@ -203,6 +204,8 @@ def test_merged_metrics_label_each_replicas_samples():
     assert values['g{replica="1"}'] == 2.0 and text.count("# TYPE a_total counter") == 1
 
 
+@pytest.mark.multirank
+@pytest.mark.subprocess
 def test_a_front_end_whose_replicas_all_fail_to_start_exits_1_with_their_errors():
     """Two replicas of two tensor-parallel ranks each: SmolLM2's 9 heads do not split in two, so
     both replicas exit at start-up, and the front end stops instead of answering 503 forever."""

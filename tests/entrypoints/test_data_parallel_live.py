@@ -77,6 +77,7 @@ def cluster():
             yield front, joined
 
 
+@pytest.mark.live_server
 def test_routing_by_prefix_hits_the_cache_more_than_random_placement(cluster):
     front, _ = cluster
     urls = {r["rank"]: r["url"] for r in httpx.get(f"{front.url}/dp/replicas").json()["replicas"]}
@@ -101,6 +102,7 @@ def test_routing_by_prefix_hits_the_cache_more_than_random_placement(cluster):
     assert routed > scattered
 
 
+@pytest.mark.live_server
 def test_the_dashboard_through_the_front_end_shows_one_replicas_engine(cluster):
     from playwright.sync_api import sync_playwright
     from test_chat_page import CHROMIUM_FLAGS, chromium_path
@@ -122,6 +124,7 @@ def test_the_dashboard_through_the_front_end_shows_one_replicas_engine(cluster):
     assert shown == str(int(want))  # replica `rank`'s own counter, not another's nor a sum
 
 
+@pytest.mark.live_server
 def test_the_front_end_refuses_hostile_requests_as_a_replica_does(cluster):
     front, _ = cluster
     secret = {"x-deepinfer-dp-secret": SECRET}
@@ -140,6 +143,7 @@ def test_the_front_end_refuses_hostile_requests_as_a_replica_does(cluster):
     assert httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1]
 
 
+@pytest.mark.live_server
 def test_a_replica_stopped_with_sigstop_does_not_hold_a_request(cluster):
     front, joined = cluster
     os.kill(joined.proc.pid, signal.SIGSTOP)  # it accepts connections (the kernel does) and answers nothing
@@ -155,6 +159,7 @@ def test_a_replica_stopped_with_sigstop_does_not_hold_a_request(cluster):
     _wait_for(lambda: httpx.get(f"{front.url}/health").json()["replicas_up"] == [0, 1], "rank 1 answers again")
 
 
+@pytest.mark.live_server
 def test_a_client_that_leaves_a_whole_answer_aborts_it_on_its_replica(cluster):
     front, _ = cluster
     before = front.metrics()
@@ -173,6 +178,7 @@ def test_a_client_that_leaves_a_whole_answer_aborts_it_on_its_replica(cluster):
     assert _total(front.metrics(), tokens) == after and after - _total(before, tokens) < 1500
 
 
+@pytest.mark.live_server
 def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster):
     front, joined = cluster
     results: dict[str, object] = {}
@@ -219,6 +225,7 @@ def test_a_killed_replica_fails_only_its_requests_and_is_routed_no_more(cluster)
     assert front.metrics()['deepinfer_dp_replica_up{replica="1"}'] == 0.0
 
 
+@pytest.mark.live_server
 def test_a_local_replica_killed_mid_stream_ends_its_streams_with_error_events_and_starts_again(cluster):
     front, _ = cluster  # rank 1 was killed by the test before: every request goes to rank 0
     secret = {"x-deepinfer-dp-secret": SECRET}
@@ -264,6 +271,8 @@ def test_a_local_replica_killed_mid_stream_ends_its_streams_with_error_events_an
     assert front.metrics()["deepinfer_dp_health_task_restarts_total"] == 0.0
 
 
+@pytest.mark.multirank
+@pytest.mark.subprocess
 def test_torchrun_ranks_become_a_front_end_and_a_replica_that_joins_it():
     """`torchrun --nproc-per-node 2 ... serve --data-parallel-size 2`: RANK 0 serves the front end
     (with its own replica), RANK 1 a replica that registers with it; both answer through it."""

@@ -14,6 +14,8 @@ import pytest
 from app_server import AppServer
 from embedding_models import cosines, make_st_checkpoint, st_inputs, st_reference
 
+pytestmark = [pytest.mark.parity]
+
 MODEL = "tiny-embed"
 FLAGS = ("--dtype", "float32", "--max-num-batched-tokens", "64", "--max-model-len", "512",
          "--served-model-name", MODEL)

@@ -126,6 +126,7 @@ def test_gguf_metadata_fim_ids(gguf_server, monkeypatch):
     assert fim["choices"][0]["text"] == plain["choices"][0]["text"] == infill["content"]
 
 
+@pytest.mark.slow
 def test_a_model_without_fim_tokens_and_bad_infill_bodies(tiny_checkpoint, server):
     with AppServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96") as plain:
         error = _post(plain, "/v1/completions", {"prompt": "a", "suffix": "b"}, status=400)["error"]

@@ -19,6 +19,7 @@ def _generate(prompt_arg: str, model: str, stdin: str = "") -> subprocess.Comple
                           input=stdin, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_dash_reads_the_prompt_from_stdin(tiny_checkpoint):
     model = tiny_checkpoint("llama")
     piped = _generate("-", model, stdin="Once upon a time\n")
@@ -27,6 +28,7 @@ def test_dash_reads_the_prompt_from_stdin(tiny_checkpoint):
     assert piped.stdout.strip() and piped.stdout == direct.stdout
 
 
+@pytest.mark.subprocess
 def test_empty_stdin_is_one_line_and_status_2(tiny_checkpoint):
     res = _generate("-", tiny_checkpoint("llama"), stdin="  \n")
     assert res.returncode == 2 and res.stderr.strip().count("\n") == 0

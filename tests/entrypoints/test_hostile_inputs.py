@@ -122,6 +122,7 @@ def _record_compiles(monkeypatch) -> list[str]:
     return threads
 
 
+@pytest.mark.slow
 def test_hostile_inputs_are_400s_and_nobody_else_waits(llm, monkeypatch, caplog):
     """Every hostile body is a 400 naming its param with llguidance's short reason: a list over
     its limit before any grammar is compiled, a grammar llguidance refuses after one compile; all
@@ -158,6 +159,7 @@ def test_hostile_inputs_are_400s_and_nobody_else_waits(llm, monkeypatch, caplog)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+@pytest.mark.slow
 def test_the_engine_thread_compiles_nothing(llm, monkeypatch):
     """The pool compiled the grammar; the engine's add path and the worker reuse it."""
 
@@ -175,6 +177,7 @@ def test_the_engine_thread_compiles_nothing(llm, monkeypatch):
     assert resp.json()["choices"][0]["text"].isdigit()
 
 
+@pytest.mark.slow
 def test_a_grammar_dead_end_mid_generation_is_a_400_and_one_log_line(llm, monkeypatch, caplog):
     """"hello world" is two tokens, and bad_words bans the pair: after "hello" no token is left.
     Whole: a 400; streamed: one error event after the first token, then [DONE]."""

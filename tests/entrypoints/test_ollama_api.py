@@ -203,6 +203,7 @@ def test_an_unknown_model_is_ollamas_404(server, client):
     assert info.value.status_code == 400 and "options.top_p" in info.value.error
 
 
+@pytest.mark.slow
 def test_embed_equals_the_embeddings_route(tokenizer_dir, tmp_path_factory):
     path = make_st_checkpoint(str(tmp_path_factory.mktemp("st") / "mean"), tokenizer_dir, "llama", "mean")
     with AppServer("--model", path, "--served-model-name", "st", api_key=KEY) as app:

@@ -45,6 +45,7 @@ def offline_llm():
         yield llm
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_openai_client_matches_offline_generate(default_server, offline_llm):
     client = default_server.openai()
@@ -63,6 +64,7 @@ def test_openai_client_matches_offline_generate(default_server, offline_llm):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_openai_client_chat_matches_offline_chat(default_server, offline_llm):
     client = default_server.openai()
@@ -82,6 +84,7 @@ def test_openai_client_chat_matches_offline_chat(default_server, offline_llm):
     assert chunks[-1].choices[0].finish_reason == expected.finish_reason
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_openai_client_logprobs_shapes(default_server):
     client = default_server.openai()
@@ -308,6 +311,7 @@ async def _sigterm_scenario(server: LiveServer, grace: float) -> dict:
         return {"full": full, "late": late, "finishes": await asyncio.gather(*readers)}
 
 
+@pytest.mark.live_server
 def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
     grace = 3.0
     with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "2", "--max-waiting", "1",
@@ -326,6 +330,7 @@ def test_full_queue_then_sigterm_exits_zero_within_grace(tiny_checkpoint):
     assert result["finishes"] == ["error:request_aborted"] * 3
 
 
+@pytest.mark.slow
 def test_queued_streaming_client_that_leaves_is_aborted_before_it_runs(tiny_checkpoint):
     """One seat: a long stream holds it; a second stream waits, its client leaves before any
     chunk, and the request is aborted while still queued (the first one keeps running)."""

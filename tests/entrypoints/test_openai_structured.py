@@ -153,6 +153,7 @@ def _field(rng: random.Random, kind: str, depth: int) -> dict:
     return random_schema(rng, depth + 1)
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_openai_client_json_schema_answers_validate(default_server):
     client = default_server.openai(api_key="none", timeout=600)

@@ -227,6 +227,7 @@ def _cached(resp: httpx.Response) -> int:
     return usage["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_server_cache_salt_and_cached_tokens(server):
     body = {"prompt": IDS, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "cache_salt": "tenant-1"}
     assert _cached(_post(server, CMPL, body)) == 0
@@ -292,6 +293,7 @@ def test_the_app_closes_the_engine_once_after_its_loop_stops(llm, monkeypatch):
     assert calls == [False]
 
 
+@pytest.mark.live_server
 def test_shutdown_saves_the_cache_dir_and_a_restart_reads_it(tiny_checkpoint, tmp_path):
     """SIGTERM closes the engine, which writes the blocks the directory still lacks; a new server
     (here the app in this process) on the same directory finds the prompt's blocks there."""

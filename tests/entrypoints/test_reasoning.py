@@ -19,6 +19,8 @@ from app_server import AppServer
 from deepinfer.serving.chat.constraints import ConstrainedOutput, constrained
 from deepinfer.serving.chat.reasoning import make_reasoning_parser
 
+pytestmark = [pytest.mark.parity]
+
 R1, QWEN3 = make_reasoning_parser("deepseek_r1"), make_reasoning_parser("qwen3")
 CASES = [  # (parser, begins inside, answer, reasoning, content)
     (R1, True, "Let me think.\n</think>\n\nThe answer is 4.", "Let me think.\n", "The answer is 4."),

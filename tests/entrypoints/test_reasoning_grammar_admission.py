@@ -68,6 +68,7 @@ def plain(llm):
         return _answers(llm, monkeypatch, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reasoning_parser", ["deepseek_r1", "qwen3"])
 def test_a_reasoning_parser_refuses_the_same_grammars(llm, plain, monkeypatch, reasoning_parser):
     reasoning = _answers(llm, monkeypatch, reasoning_parser)
@@ -83,9 +84,11 @@ def test_a_reasoning_parser_refuses_the_same_grammars(llm, plain, monkeypatch, r
 
 @pytest.mark.parametrize("reasoning_parser", [None, "deepseek_r1", "qwen3"])
 @pytest.mark.parametrize("spec, words", [
-    ({"regex": REGEX_BLOWUP}, "structured_output.regex cannot be used: lexer error: too many expressions"),
-    ({"json": SELF_REF}, "structured_output.json cannot be used: parser error: Too many items"),
-], ids=["regex blowup", "self-ref schema"])
+    pytest.param({"regex": REGEX_BLOWUP}, "structured_output.regex cannot be used: lexer error: too many expressions",
+                 id="regex blowup", marks=pytest.mark.slow),
+    pytest.param({"json": SELF_REF}, "structured_output.json cannot be used: parser error: Too many items",
+                 id="self-ref schema"),
+])
 def test_llm_chat_refuses_the_same_grammars(llm, reasoning_parser, spec, words):
     params = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutputsParams(**spec))
     with pytest.raises(ValueError) as caught:

@@ -132,6 +132,7 @@ def test_bad_bodies_name_the_field_and_leave_every_block_free(server):
     assert metrics["deepinfer_kv_free_blocks"] == metrics["deepinfer_kv_total_blocks"] > 0
 
 
+@pytest.mark.slow
 def test_a_generative_model_without_pooling_is_refused_naming_model(tiny_checkpoint):
     with AppServer("--model", tiny_checkpoint("llama"), "--max-model-len", "96") as generative:
         for path, body in (("/v1/rerank", {"query": "a", "documents": ["b"]}),

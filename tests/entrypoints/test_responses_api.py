@@ -22,6 +22,8 @@ from responses_stream import check_response_stream, parse_events
 from deepinfer.serving.store import ResponseStore
 from deepinfer.serving.tenancy import EVERYONE
 
+pytestmark = [pytest.mark.parity]
+
 TOOL = {"type": "function", "name": "get_weather", "description": WEATHER["function"]["description"],
         "parameters": WEATHER["function"]["parameters"], "strict": True}
 QUESTION = "What is the weather in Paris?"

@@ -146,6 +146,7 @@ def lora_server(tiny_checkpoint, tmp_path_factory):
 LORA_REQUEST = {"input": QUESTION, "temperature": 0, "max_output_tokens": 8}
 
 
+@pytest.mark.slow
 def test_a_response_with_an_adapter_reports_its_name(lora_server):
     """`model` names the adapter in the whole response, in every streamed event's response and in
     the stored one (it used to be the base model's name)."""

@@ -8,10 +8,13 @@ import os
 import signal
 
 import httpx
+import pytest
 from live_server import LiveServer
 from tp_processes import still_alive, workers
 
 from deepinfer import LLM
+
+pytestmark = [pytest.mark.live_server, pytest.mark.multirank]
 
 PROMPT = [5, 17, 99, 3, 250, 41, 8, 77]
 

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from live_server import LiveServer
 
+pytestmark = [pytest.mark.live_server, pytest.mark.slow]
+
 POISON = 400  # a token id only the faulty requests' prompts hold (the tiny vocabulary is 512)
 # Two cycles warm up (the second is the first whose prompts hit the prefix cache); three are measured.
 NUM_STREAMS, MAX_TOKENS, NUM_CYCLES = 64, 12, 5
@@ -124,7 +126,6 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-@pytest.mark.slow
 def test_64_streams_with_disconnects_and_injected_faults_over_five_cycles(tiny_checkpoint, tmp_path):
     counts_path = str(tmp_path / "live.json")
     with LiveServer("--model", tiny_checkpoint("llama"), "--max-num-seqs", "64", "--num-blocks", "512",

@@ -71,6 +71,7 @@ def test_the_start_up_line_names_the_template_format_and_the_parser(hermes):
                                   "parser: hermes"]
 
 
+@pytest.mark.slow
 def test_a_template_without_tools_says_so_at_start_up_and_refuses_tools(tiny_checkpoint, tmp_path_factory):
     with server_log() as lines, _served(tiny_checkpoint, tmp_path_factory, PLAIN) as app:
         assert _tool_lines(lines) == [f"tool calls: the chat template has no tool support; {REFUSED}"]

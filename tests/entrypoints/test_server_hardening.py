@@ -197,6 +197,7 @@ def test_a_refusing_chat_template_gets_a_400_without_its_text():
 # -- 2. tokenization off the event loop -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_health_answers_fast_while_a_maximal_prompt_is_tokenized(app):
     """A maximal chat message (a text prompt this long is refused by its length before tokenizing)."""
     max_body = 8 << 20  # the default --max-body-bytes
@@ -252,6 +253,7 @@ def _wait_closed(sock: socket.socket, limit_s: float) -> bytes:
     return received
 
 
+@pytest.mark.live_server
 def test_slow_connections_are_closed_while_others_are_served(hardened):
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n"
     start = time.monotonic()
@@ -272,6 +274,7 @@ def test_slow_connections_are_closed_while_others_are_served(hardened):
         sock.close()
 
 
+@pytest.mark.live_server
 def test_a_trickling_client_is_closed_at_the_deadline(hardened):
     sock = _open(hardened)
     sock.settimeout(0.2)
@@ -294,6 +297,7 @@ def test_a_trickling_client_is_closed_at_the_deadline(hardened):
     sock.close()
 
 
+@pytest.mark.live_server
 def test_connections_over_the_cap_get_503(hardened):
     held = [_open(hardened) for _ in range(MAX_CONNECTIONS)]
     try:
@@ -321,6 +325,7 @@ def test_models_show_the_served_name_not_a_path(app, tiny_checkpoint):
     assert resp.status_code == 200 and resp.json()["model"] == card["id"]
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("model, served, expected", [
     ("/models/smol/model-q8.gguf", None, "model-q8"), ("/models/smol/", None, "smol"),
     ("./relative/dir", None, "dir"), (None, None, "SmolLM2-135M-Instruct"), ("/x/y.gguf", "mine", "mine"),
@@ -414,6 +419,7 @@ async def _shutdown_scenario(server: LiveServer) -> tuple[httpx.Response, list[s
         return await whole, lines
 
 
+@pytest.mark.live_server
 def test_requests_cut_by_shutdown_get_503_or_an_error_event(tiny_checkpoint):
     with LiveServer("--model", tiny_checkpoint("llama"), "--max-model-len", "8192",
                     "--allow-long-max-model-len", "--shutdown-grace", "2") as server:
@@ -439,6 +445,7 @@ LLMEngine.step = _fatal_step
 """
 
 
+@pytest.mark.live_server
 def test_a_fatal_engine_fault_exits_the_process_non_zero(tiny_checkpoint):
     with LiveServer("--model", tiny_checkpoint("llama"), prelude=_FATAL_STEP) as server:
         resp = httpx.post(server.url + CMPL, json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)

@@ -179,6 +179,7 @@ def _stream(client, **request) -> tuple[str, list[tuple[str, str]], str]:
     return content, [tuple(calls[i]) for i in sorted(calls)], finish
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}],
                          ids=["required", "named"])
 def test_forced_calls_whole_and_streamed(tag_server, choice):
@@ -196,6 +197,7 @@ def test_forced_calls_whole_and_streamed(tag_server, choice):
     assert streamed == [(call.function.name, call.function.arguments)]
 
 
+@pytest.mark.slow
 def test_twenty_random_schemas_give_valid_arguments(tag_server):
     client = tag_server.openai(timeout=300)
     rng = random.Random(39)

@@ -30,6 +30,8 @@ from deepinfer.serving.chat.tool_parsers import (
 )
 from deepinfer.serving.chat.tool_parsers.deepseek_v3 import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 
+pytestmark = [pytest.mark.parity]
+
 W = '{"city": "Paris", "unit": "celsius"}'
 TRICKY = '{"text": "a </tool_call> [TOOL_CALLS] } ] \\" \\\\", "n": [1, {"x": null}], "é": "日本"}'
 

@@ -22,6 +22,8 @@ from deepinfer.entrypoints.bench.workloads import make_workload
 from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size
 from deepinfer.model_executor.loader import load_model_source
 
+pytestmark = [pytest.mark.parity]
+
 MINI = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepseek_v4_flash_mini")
 SL, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 REDUCED = dict(hidden_size=64, num_attention_heads=2, q_lora_rank=32, o_groups=2, o_lora_rank=16,
@@ -135,6 +137,7 @@ def test_workload_prompts_are_token_ids_and_max_tokens_caps_outputs():
     assert capped.prompts == full.prompts and capped.output_lens == [min(n, 5) for n in full.output_lens]
 
 
+@pytest.mark.bench
 def test_bench_dummy_v4_reports_tokens_per_s_and_kv_bytes(reduced_mini, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     assert cli.main(["bench", "--model", reduced_mini, "--load-format", "dummy", "--workload", "cpu32",
@@ -154,6 +157,7 @@ def test_bench_dummy_v4_reports_tokens_per_s_and_kv_bytes(reduced_mini, tmp_path
     assert "kv       book   payload at L = 4,096" in out and "kv       cpu32  allocated for its 2 requests" in out
 
 
+@pytest.mark.bench
 def test_bench_refuses_peers_with_dummy_weights(reduced_mini, tmp_path, capsys):
     """Dummy weights have a peer only for V4 in transformers (which then runs our weights)."""
     from tiny_models import tiny_config
@@ -166,6 +170,7 @@ def test_bench_refuses_peers_with_dummy_weights(reduced_mini, tmp_path, capsys):
     assert "load_format='dummy'" in err and "model_type is 'llama'" in err
 
 
+@pytest.mark.bench
 def test_bench_dummy_v4_runs_hf_peer_on_the_same_weights_at_batch_1(reduced_mini, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     assert cli.main(["bench", "--model", reduced_mini, "--load-format", "dummy", "--peer", "hf", "--num-requests", "2",

@@ -49,11 +49,13 @@ def load_lab(name):
 
 # --- lab 07 -------------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_lab07_prints_the_book(tmp_path):
     result, out = run_lab("07_attention.py", tmp_path=tmp_path)
     assert blocks(result, out) == [golden("07_table"), golden("07_full"), golden("07_window3")]
 
 
+@pytest.mark.subprocess
 def test_lab07_window_larger_than_input_equals_full(tmp_path):
     result, out = run_lab("07_attention.py", "--window", "10", tmp_path=tmp_path)
     [block] = blocks(result, out)
@@ -61,6 +63,7 @@ def test_lab07_window_larger_than_input_equals_full(tmp_path):
     assert block[1:] == golden("07_full")[1:]
 
 
+@pytest.mark.subprocess
 def test_lab07_window_one_returns_each_value_row(tmp_path):
     lab = load_lab("07_attention")
     outputs, pairs, kept = lab.incremental(lab.INPUTS, 1)
@@ -90,6 +93,7 @@ def test_lab07_exits_nonzero_on_a_mismatch(tmp_path, monkeypatch, capsys):
     assert "DIFFER" in captured.out and "MISMATCH prefix 5, position 4" in captured.err
 
 
+@pytest.mark.subprocess
 def test_lab07_refuses_window_zero(tmp_path):
     result, _ = run_lab("07_attention.py", "--window", "0", tmp_path=tmp_path, check=False)
     assert result.returncode == 2 and "--window must be >= 1, got 0" in result.stderr
@@ -97,12 +101,14 @@ def test_lab07_refuses_window_zero(tmp_path):
 
 # --- lab 08 -------------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_lab08_prints_the_book(tmp_path):
     result, out = run_lab("08_kv_layout.py", tmp_path=tmp_path)
     assert blocks(result, out) == [golden(name) for name in
                                    ("08_generic", "08_swa_row", "08_ring_trace", "08_overwrite")]
 
 
+@pytest.mark.subprocess
 def test_lab08_flags(tmp_path):
     result, out = run_lab("08_kv_layout.py", "--kv-heads", "1", "--state", "3", "--positions", "134",
                           "--rings", "128,134", tmp_path=tmp_path)
@@ -112,6 +118,7 @@ def test_lab08_flags(tmp_path):
     assert overwrite == golden("08_overwrite")[0::2]
 
 
+@pytest.mark.subprocess
 def test_lab08_default_ring_follows_the_environment(tmp_path):
     result, out = run_lab("08_kv_layout.py", tmp_path=tmp_path, variables={"DEEPINFER_USE_NEXTN_DECODE": "7"})
     _, swa, trace, overwrite = blocks(result, out)
@@ -121,6 +128,7 @@ def test_lab08_default_ring_follows_the_environment(tmp_path):
     assert overwrite[0].endswith("[7, 6, 5, 4, 3, 2, 1, 0]")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("args", "message"), [
     (["--ring", "100"], "swa_block_size=100 is smaller than window_size=128"),
     (["--positions", "1,x"], "expected comma-separated integers"),
@@ -133,6 +141,7 @@ def test_lab08_refuses_bad_flags(tmp_path, args, message):
 
 # --- lab 17 -------------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_lab17_worked_example(tmp_path):
     result, out = run_lab("17_kv_bytes.py", tmp_path=tmp_path)
     assert blocks(result, out) == [[
@@ -142,6 +151,7 @@ def test_lab17_worked_example(tmp_path):
     ]]
 
 
+@pytest.mark.subprocess
 def test_lab17_flags(tmp_path):
     result, out = run_lab("17_kv_bytes.py", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
                           "--tokens", "4096", "--bytes", "2", tmp_path=tmp_path)
@@ -154,6 +164,7 @@ def golden_blocks(name):
     return [block.splitlines() for block in (GOLDEN / f"{name}.txt").read_text().rstrip("\n").split("\n\n")]
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 @pytest.mark.real_model
 def test_lab18_saved_cache_matches_golden(tmp_path):

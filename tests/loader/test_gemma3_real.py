@@ -18,7 +18,7 @@ from deepinfer.model_executor.loader.gguf import dequantize_tensor
 from deepinfer.model_executor.loader.gguf_file import read_gguf_file
 from deepinfer.model_executor.loader.gguf_repack import packed_gguf
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

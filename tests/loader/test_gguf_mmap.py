@@ -133,6 +133,7 @@ def child(tmp_path_factory):
     return path, digest, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_mapped_bytes_cannot_be_written(tmp_path, child):
     """numpy views refuse writes; a torch write into a mapped weight faults (SIGSEGV), the file unchanged."""
     path = _write(tmp_path, "qwen2", Q.Q8_0)
@@ -148,6 +149,7 @@ def test_mapped_bytes_cannot_be_written(tmp_path, child):
     assert hashlib.sha256(open(path, "rb").read()).hexdigest() == digest
 
 
+@pytest.mark.subprocess
 def test_import_deepinfer_imports_no_transformers_or_fastapi(child):
     assert child[2].stdout.split("\n")[:2] == ["[]", "[]"], child[2].stderr[-2000:]
 

@@ -67,6 +67,7 @@ def test_name_generates_as_its_local_directory(hub):
     assert _greedy(REPO) == _greedy(dirs["A"])
 
 
+@pytest.mark.slow
 def test_llm_revision_generates_as_that_snapshot(hub):
     _, dirs = hub
     tokens = _greedy(REPO, revision="v2")

@@ -13,6 +13,8 @@ import pytest
 from deepinfer.model_executor.loader import default_model_path, load_model_source
 from deepinfer.model_executor.loader.source import resolve_model_path
 
+pytestmark = [pytest.mark.real_model]
+
 
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()

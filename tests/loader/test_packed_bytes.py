@@ -76,11 +76,13 @@ def test_a_tiny_model_holds_its_file_size(tmp_path, kind):
         assert {w.kind for w in packed_weights(llm.engine.runner.model)} == {kind}
 
 
+@pytest.mark.real_model
 def test_smollm2_holds_its_file_size(default_gguf_path):
     with LLM(default_gguf_path, quantization="gguf", max_model_len=64, max_num_seqs=1) as llm:
         _check_model(llm, default_gguf_path)
 
 
+@pytest.mark.real_model
 def test_gemma3_holds_its_file_size(gemma3_gguf_path):
     """Q4_K, Q5_0, Q6_K and Q8_0 matrices; merged q|k|v of two types are held as parts, not widened."""
     with LLM(gemma3_gguf_path, quantization="gguf", max_model_len=64, max_num_seqs=1) as llm:

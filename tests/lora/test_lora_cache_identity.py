@@ -17,6 +17,8 @@ from lora_adapters import ADAPTER_SPECS, PeftReference, assert_matches_reference
 
 from deepinfer import LLM, LoRARequest, SamplingParams
 
+pytestmark = [pytest.mark.slow]
+
 PROMPT = list(range(100, 140))  # 40 tokens: with 8-token blocks a hit covers 32 of them
 HIT = 32
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)

@@ -232,6 +232,7 @@ _SPARSE_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.subprocess
 def test_a_2gb_sparse_adapter_is_refused_with_small_peak_rss(tmp_path):
     """Four concurrent loads of a weights file whose header claims 2 GiB of float32 tensors (a sparse
     file that really is 2 GiB long): each refused before its tensors are read, VmHWM grows < 1 GB."""

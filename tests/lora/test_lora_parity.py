@@ -87,6 +87,7 @@ def test_ngram_speculative_decoding_with_adapters(setup):
         assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
 
 
+@pytest.mark.multirank
 def test_two_tensor_parallel_ranks_match_peft(setup):
     """A split like the base: B by output rows on q|k|v and gate|up, A by input columns on o and down."""
     base, adapters, ref = setup
@@ -154,6 +155,7 @@ def _assert_beside(qkv, x, y, path: str, spec: dict, base_y: torch.Tensor) -> No
     torch.testing.assert_close(y[[0, 2]], expected[[0, 2]], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_adapted_rows_do_not_depend_on_the_batch(setup):
     """On the CPU default path (batch-invariant) a request's logprobs are bit-identical alone, in one
     chunk, and inside the mixed, 16-token-chunked batch: the delta runs through the invariant linear."""

@@ -123,6 +123,7 @@ def test_a_bad_adapter_is_a_400_naming_it(served, tmp_path, case):
             "targets": "lm_head"}[case] in message
 
 
+@pytest.mark.slow
 def test_without_runtime_updating_the_routes_do_not_exist(served):
     from deepinfer.entrypoints.openai.server import build_app
 

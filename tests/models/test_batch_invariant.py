@@ -30,6 +30,8 @@ from deepinfer.model_executor.layers.attention.invariant import (
 from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 
+pytestmark = [pytest.mark.parity]
+
 # ---- ops -------------------------------------------------------------------------------------
 
 

@@ -87,6 +87,7 @@ def expected(engines):
     return expected
 
 
+@pytest.mark.real_model
 def test_the_default_cpu_path_runs_the_mode_natively(engines):
     """Defaults: quantized GGUF weights, the mode on (recorded in the row identity), the C++ invariant
     attention, the sampler's fixed-block sums, and no TorchFunctionMode around the forward."""
@@ -97,6 +98,7 @@ def test_the_default_cpu_path_runs_the_mode_natively(engines):
     assert not hasattr(runner.model.forward, "__wrapped__")  # the model's own forward, not _under_mode's
 
 
+@pytest.mark.real_model
 def test_prefix_cache_batch_and_chunking_change_no_bit(engines, expected):
     """The default engine: alone with a budget of 512 (a cold cache), alone with a budget of 8 (on
     the cached prefix), and last among 16 others with a budget of 64: ids and logprobs == the
@@ -111,6 +113,7 @@ def test_prefix_cache_batch_and_chunking_change_no_bit(engines, expected):
     assert hits[0] == 0 and hits[1] > 0, f"a cold run, then one on the cached prefix: cached tokens {hits}"
 
 
+@pytest.mark.real_model
 def test_ngram_speculative_decoding_changes_no_bit(engines):
     """Greedy on a prompt that repeats itself, with n-gram drafts (k = 3) and without: the same ids and
     logprobs, and drafts were accepted (tokens taken from verification rows past the first)."""
@@ -147,6 +150,7 @@ def test_the_knob_resolves_to_on_for_the_cpu_path_only(monkeypatch):
         cpu_kernels.kernel_isa.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_float_checkpoint_runs_natively_and_zero_turns_it_off(tiny_checkpoint, monkeypatch):
     """A tiny HF checkpoint (float linear layers): on by default, its linear layers on the invariant
     `linear`, no TorchFunctionMode; DEEPINFER_BATCH_INVARIANT=0: off, the plain kernels."""

@@ -25,6 +25,8 @@ from family_checkpoints import FAMILIES, make_family_checkpoint
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 EXACT = ("gemma2", "phi3")  # the batch-invariant CPU default covers these model types
 TOL = 1e-5  # the other families: measured at most 9.5e-7 (fp32 matmuls of other row counts)
 PREFIX_LEN = 72

@@ -16,6 +16,8 @@ from deepinfer.contracts.plan import ScheduledRequest, StepPlan
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.worker.input_batch import build_step_inputs
 
+pytestmark = [pytest.mark.parity]
+
 
 @torch.inference_mode()
 def forced_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:

@@ -33,6 +33,8 @@ from deepinfer.model_executor.models.gemma2 import Gemma2ForCausalLM
 from deepinfer.model_executor.models.llama import head_dim_of
 from deepinfer.model_executor.models.phi3 import Phi3ForCausalLM
 
+pytestmark = [pytest.mark.parity]
+
 Q = gguf.GGMLQuantizationType
 GGUF_ARCH = {"gemma2": "gemma2", "phi3_longrope": "phi3", "phi3_swa": "phi3"}
 GGUF_OVERRIDES = {"gemma2": {"query_pre_attn_scalar": 32}}  # llama.cpp's Gemma 2 scale: head_dim

@@ -16,6 +16,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.model_executor.models.llama import LlamaForCausalLM
 
+pytestmark = [pytest.mark.parity]
+
 WINDOW = 16  # the tiny configs' sliding window
 SWA_ARCHS = ["gemma3", "mistral_swa", "qwen2_swa"]
 
@@ -73,6 +75,7 @@ def test_sliding_window_parity_long(arch, tiny_checkpoint):
     _check_parity(path, _prompts(4, seed=len(arch), min_len=20, max_len=40))
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_gemma3_270m_matches_transformers(gemma3_gguf_path, gemma3_hf_model):
     """3 prompts x 32 greedy tokens against HF's Gemma3ForCausalLM with the same dequantized weights

@@ -23,6 +23,8 @@ from tiny_models import assert_teacher_forcing, hf_reference, teacher_forcing_lo
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
+pytestmark = [pytest.mark.parity]
+
 VOCAB, WINDOW = 49152, 16
 ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 32, "rope_theta": 150000.0}
@@ -183,6 +185,7 @@ def test_triton_backend_parity(checkpoints):
     assert all(layer.mlp.experts.grouped_mxfp4 is not None for layer in llm.engine.runner.model.model.layers)
 
 
+@pytest.mark.multirank
 def test_two_ranks_give_one_rank_tokens(checkpoints):
     """Heads (and their sinks) split over 2 ranks, experts whole on each: HF's greedy tokens."""
     prompts = _prompts(2, seed=2)

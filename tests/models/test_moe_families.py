@@ -37,6 +37,8 @@ from deepinfer.model_executor.loader.gguf_config import gguf_config_dict
 from deepinfer.model_executor.loader.source import load_model_source
 from deepinfer.model_executor.models.moe_llama import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
+pytestmark = [pytest.mark.parity]
+
 MIN_AGREEMENT = 0.97
 MAX_PACKED_RATIO = 1.05  # packed bytes held over the file's bytes of those tensors
 WIDE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, vocab_size=4096)  # K-quant rows

@@ -12,6 +12,8 @@ from tiny_models import assert_teacher_forcing, hf_reference
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
 
 

@@ -26,6 +26,8 @@ from v4_tiny import CSA, HCA, SLIDING, make_tiny_v4  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 
+pytestmark = [pytest.mark.parity]
+
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 # max_model_len 160: the tight pools below (10 blocks of 16; V4: 24 of 4) hold one request at it
@@ -245,6 +247,7 @@ def test_default_model_hits_change_no_output():
     check_real_model(None, max_model_len=256, kv_cache_memory="64MiB")
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_gemma3_270m_hits_change_no_output(gemma3_gguf_path):
     check_real_model(gemma3_gguf_path, max_model_len=256, prefix_snapshot_interval=32)

@@ -18,6 +18,7 @@ def prompt_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     return run_steps(llm, [ScheduledRequest("r", tokens, 0, (table,), (0,))])[0]  # [T, V]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("scheme,bound", [("int8", 0.05), ("int4", 0.6)])
 def test_quantized_at_load_stays_close(tiny_checkpoint, arch, scheme, bound):

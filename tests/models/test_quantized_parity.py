@@ -23,6 +23,8 @@ from tiny_models import teacher_forcing_logprobs
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 
+pytestmark = [pytest.mark.slow]
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -64,7 +66,6 @@ def assert_quantized(llm: LLM) -> None:
     assert any(type(m).__name__ == "QuantLinear" for m in runner.model.modules())
 
 
-@pytest.mark.slow
 def test_embedded_model_agrees_with_transformers(smollm2_hf_model):
     assert kernel_isa() > 0, "the CPU kernels did not build: the default path would not be quantized"
     llm = LLM(max_model_len=512, kv_cache_memory="128MiB")
@@ -72,7 +73,7 @@ def test_embedded_model_agrees_with_transformers(smollm2_hf_model):
     assert agreement(llm, smollm2_hf_model) >= MIN_AGREEMENT
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_gemma3_270m_agrees_with_transformers(gemma3_gguf_path, gemma3_hf_model):
     llm = LLM(gemma3_gguf_path, max_model_len=512, kv_cache_memory="128MiB", max_num_seqs=8)
     assert_quantized(llm)
@@ -100,7 +101,7 @@ print(json.dumps({"before": before, "after": after, "kv": kv, "quantization": ll
 """
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_loaded_embedded_model_stays_near_its_file_size(default_gguf_path):
     """Loading the weights adds at most 1.5x the GGUF file's size to the resident set, beside the KV cache."""
     out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT], capture_output=True, text=True, check=True,

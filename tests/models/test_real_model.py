@@ -13,6 +13,8 @@ from tiny_models import assert_teacher_forcing
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.slow]
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -20,7 +22,6 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.slow
 def test_default_model_matches_transformers(smollm2_hf_model):
     llm = LLM(max_model_len=512, kv_cache_memory="256MiB", activation_levels=2)
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -32,7 +33,6 @@ def test_default_model_matches_transformers(smollm2_hf_model):
         assert_teacher_forcing(smollm2_hf_model, out.prompt_token_ids, c.token_ids, sampled, atol=2e-3)
 
 
-@pytest.mark.slow
 def test_default_model_chat_is_coherent():
     """The README's question on the default path. (Without "Answer in one sentence." the first token is
     a near tie: llama.cpp on the same file, and the default, open with "L'Étoile"; two activation

@@ -27,6 +27,7 @@ from deepinfer.model_executor.layers.ops.cache_common import (
 GENERIC = dict(num_layers=32, num_kv_heads=8, head_dim=128, num_tokens=4096, bytes_per_element=2)
 
 
+@pytest.mark.subprocess
 def test_layout_modules_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import deepinfer.environ\n"

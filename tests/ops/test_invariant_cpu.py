@@ -135,6 +135,7 @@ def test_attention_is_softmax_attention(isa, dtype, num_heads, num_kv_heads, hea
     torch.testing.assert_close(prefill_chunks(seq, q, 37, window, scale, isa).double(), expect, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,window", SHAPES[:2] + SHAPES[3:])

@@ -143,6 +143,7 @@ def _snapshot(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.name != "build.lock"}
 
 
+@pytest.mark.subprocess
 def test_two_checkouts_share_one_build_and_the_second_says_it_waits(checkouts, sandbox):
     start, cache, gate_dir = sandbox
     a = start(checkouts[0], str(checkouts[0] / "tiny.cpp"))
@@ -166,6 +167,7 @@ def test_two_checkouts_share_one_build_and_the_second_says_it_waits(checkouts, s
     assert [p.name for p in cache.iterdir()] == [folder.name]
 
 
+@pytest.mark.subprocess
 def test_the_lock_of_a_build_killed_midway_is_taken_over_without_waiting(checkouts, sandbox):
     start, cache, gate_dir = sandbox
     source = str(checkouts[0] / "tiny.cpp")
@@ -184,6 +186,7 @@ def test_the_lock_of_a_build_killed_midway_is_taken_over_without_waiting(checkou
     assert not (folder / "build" / "lock").exists()
 
 
+@pytest.mark.subprocess
 def test_a_lock_file_left_by_a_dead_pid_is_taken_over_without_waiting(checkouts, sandbox, monkeypatch):
     start, cache, gate_dir = sandbox
     source = str(checkouts[0] / "tiny.cpp")
@@ -201,6 +204,7 @@ def test_a_lock_file_left_by_a_dead_pid_is_taken_over_without_waiting(checkouts,
     assert _loaded(out) == (str(folder / "tiny.so"), 42)
 
 
+@pytest.mark.subprocess
 def test_a_failed_build_keeps_its_log_and_is_not_retried_by_every_process(checkouts, sandbox, tmp_path):
     start, cache, gate_dir = sandbox
     (gate_dir / "gate").touch()
@@ -246,6 +250,7 @@ def test_the_kernel_cache_follows_its_variable_then_xdg_then_home(monkeypatch, t
     assert cpu_kernels.kernel_cache_dir() == str(tmp_path / "home" / ".cache" / "deepinfer" / "kernels")
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_two_checkouts_started_at_once_build_the_real_kernels_once(checkouts, sandbox):
     start, cache, _ = sandbox

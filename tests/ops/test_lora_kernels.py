@@ -203,6 +203,7 @@ print("compiled")
 """
 
 
+@pytest.mark.subprocess
 def test_triton_kernels_compile_for_a_gpu(tmp_path):
     """The real compiler (not the interpreter) builds both kernels for sm_90: catches GPU-only errors
     (dot shapes, dtype rules) that the interpreter lets through."""

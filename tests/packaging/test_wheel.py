@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess]
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "deepinfer"
 # Every file the package opens by path at run time (next to its modules), as globs under deepinfer/.
@@ -89,6 +91,7 @@ def test_the_wheel_holds_every_data_file_and_module_of_the_package(built):
     assert [name for name in [*expected, *modules] if name not in names] == []
 
 
+@pytest.mark.real_model
 def test_the_installed_wheel_answers_from_outside_the_checkout(built, tmp_path_factory):
     wheel = built
     root = tmp_path_factory.mktemp("wheel-venv")

@@ -12,6 +12,8 @@ from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.rejection import RejectionSampler, VerifyRow
 
+pytestmark = [pytest.mark.parity]
+
 # ---- an independent reference of the target distribution -----------------------------------------
 
 

@@ -69,6 +69,7 @@ def _positions_read(llm, p: int, k: int) -> list[list[int]]:
             for row, index in zip(loaded.tolist(), g.decode_index, strict=True)]
 
 
+@pytest.mark.slow
 def test_an_undersized_ring_corrupts_verification_and_the_chosen_one_does_not(tiny_checkpoint, monkeypatch):
     """k + 1 stores, then each query reads its window W through its index row. The engine's
     S = W + max(6, k + 1) keeps every row; at S = W + k - 1 the store of p + k lands on the slot of

@@ -11,6 +11,8 @@ from spec_helpers import ScriptedDrafter, mixed, run_engine
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 K = 4
 ARCHS = ["llama", "qwen2", "qwen3", "mistral_swa", "qwen2_swa", "gemma3"]
 # a small pool (block_size 4) and budget: four requests of ~70 tokens cannot all stay resident
@@ -84,6 +86,7 @@ def test_window_wraps_inside_verification_steps(tiny_checkpoint):
     assert max(wraps) >= 2
 
 
+@pytest.mark.real_model
 @pytest.mark.slow
 def test_gemma3_real_ngram_greedy_identity(gemma3_gguf_path):
     _real_model_identity(gemma3_gguf_path)

@@ -22,6 +22,8 @@ from tiny_models import hf_reference
 from deepinfer import LLM, SamplingParams
 from deepinfer.spec_decode.drafter import draft_budget
 
+pytestmark = [pytest.mark.parity]
+
 VOCAB = 32
 PROMPT = [5, 17, 9, 23, 11, 30, 4]  # ids < 32; EOS (2) is ignored
 K = 2

@@ -14,6 +14,8 @@ from deepinfer.model_executor.layers.sampler import Sampler
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.rejection import RejectionSampler
 
+pytestmark = [pytest.mark.parity]
+
 EOS = 1
 
 

@@ -17,6 +17,8 @@ from deepinfer import LLM, SamplingParams
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models", "deepseek_v4"))
 from v4_tiny import CSA, HCA, M_CSA, SLIDING, VOCAB, make_tiny_v4  # noqa: E402
 
+pytestmark = [pytest.mark.parity]
+
 K = 3
 # max_model_len 75: what 24 blocks of 2 rows hold for one request (compressed and index groups together)
 ENGINE = dict(block_size=2, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=75)

@@ -47,6 +47,7 @@ def test_int8_rows_are_never_served_to_none(tiny_checkpoint, tmp_path):
     assert tokens(outs) == ref
 
 
+@pytest.mark.slow
 def test_identical_settings_share_the_identity_and_the_rows(tiny_checkpoint, tmp_path, caplog):
     path, cache_dir = tiny_checkpoint("llama"), str(tmp_path / "kv")
     prompts = prompts_for(49152, seed=42)
@@ -61,6 +62,7 @@ def test_identical_settings_share_the_identity_and_the_rows(tiny_checkpoint, tmp
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "the canary agrees with its record"
 
 
+@pytest.mark.slow
 def test_isa_cap_changes_the_identity(tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint("llama")
     default = identity_of(path, quantization="int8")
@@ -76,6 +78,7 @@ def test_isa_cap_changes_the_identity(tiny_checkpoint, monkeypatch):
     assert identity_of(path, quantization="int8") == default
 
 
+@pytest.mark.real_model
 def test_gguf_kept_packed_and_dequantized_differ(default_gguf_path):
     """The default model's GGUF tensors kept packed (Q4_1 ...) or dequantized, in one dtype."""
     with LLM(default_gguf_path, max_model_len=64, quantization="gguf", dtype="float32") as packed, \
@@ -146,6 +149,7 @@ def _record_of(cache_dir: str, identity: str) -> str:
     return open(kv_files.canary_file(cache_dir, identity)).read().strip()
 
 
+@pytest.mark.slow
 def test_canary_mismatch_takes_a_new_root(tiny_checkpoint, tmp_path, caplog):
     """A record that disagrees with this engine's rows (as if a setting outside the identity had
     changed them): one warning, a new root, the right tokens, and the next start-up with the same
@@ -198,6 +202,8 @@ def test_canary_is_repeatable_and_leaves_the_cache_alone(arch, tiny_checkpoint, 
         assert sorted(after) == sorted(state) and all(torch.equal(after[k], state[k]) for k in state)
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_canary_mismatch_on_one_rank_moves_both(tiny_checkpoint, tmp_path):
     """Two tensor-parallel ranks, each with its own root and record: a record that disagrees on
     rank 1 alone moves both ranks to new roots together (one all_reduce; no rank waits for

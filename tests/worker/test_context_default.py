@@ -119,6 +119,7 @@ def test_the_write_check_can_fail(tmp_path):
     assert [w.split(" ", 1)[0].rsplit(":", 1)[1] for w in _writes_of_max_model_len(bad)] == ["2", "3", "4"]
 
 
+@pytest.mark.multirank
 def test_two_ranks_fit_the_same_length_before_they_build(tiny_checkpoint):
     """Each rank fits max_model_len before its model is built; the smallest over the ranks wins, so
     the follower builds at the length rank 0 serves, and the fitted length runs."""

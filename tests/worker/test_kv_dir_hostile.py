@@ -210,6 +210,7 @@ def copy_dir(llama_dir, tmp_path) -> str:
     return cache_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_engine_reads_past_a_hostile_unit(kind, llama_dir, tmp_path, caplog):
     cache_dir = copy_dir(llama_dir, tmp_path)
@@ -263,6 +264,7 @@ def clean_child(llama_dir, tmp_path_factory) -> dict:
     return child_run(llama_dir, copy_dir(llama_dir, tmp_path_factory.mktemp("clean")))
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("kinds", [["sparse"], HOSTILE], ids=["sparse", "all"])
 def test_hostile_directory_costs_no_memory(kinds, llama_dir, clean_child, tmp_path):
     """Hostile entries in the first units, in a new process: its peak RSS within 1.2x of one that
@@ -278,6 +280,7 @@ def test_hostile_directory_costs_no_memory(kinds, llama_dir, clean_child, tmp_pa
     assert hostile["maxrss_kib"] <= 1.2 * clean_child["maxrss_kib"], (hostile, clean_child)
 
 
+@pytest.mark.slow
 def test_request_in_flight_is_not_held_up(llama_dir, tmp_path, caplog):
     """While a request decodes, hostile entries appear where the next request's blocks are and
     at the lock file; that request is served around them and the first keeps its pace."""

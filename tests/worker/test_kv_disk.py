@@ -245,6 +245,7 @@ def test_writer_renames_only_under_the_directory_lock(store):
     assert os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_directory_within_budget(tmp_path):
     directory = str(tmp_path / "kv")
     reader = KvDiskStore(directory, 1 << 30, ROOT)

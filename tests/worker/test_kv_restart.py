@@ -24,6 +24,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.kv_files import unit_file
 from deepinfer.engine.prefix_cache import chain_hash, chain_root
 
+pytestmark = [pytest.mark.parity]
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "models", "deepseek_v4"))
 
 MAX_TOKENS = 4
@@ -118,6 +120,7 @@ def v4_path(tmp_path_factory) -> str:
     return tiny_v4_dir(tmp_path_factory, "v4-restart")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "v4"])
 def test_new_process_hits_the_saved_cache(arch, tiny_checkpoint, v4_path, tmp_path):
     if arch == "v4":
@@ -145,6 +148,7 @@ def test_new_process_hits_the_saved_cache(arch, tiny_checkpoint, v4_path, tmp_pa
     assert metrics["kv_cache_dir_load_failures"] == 0 and "WARNING" not in stderr, stderr
 
 
+@pytest.mark.subprocess
 def test_two_processes_share_one_directory_at_once(tiny_checkpoint, tmp_path):
     path = tiny_checkpoint("llama")
     prompts = prompts_for(49152, seed=21)

@@ -9,6 +9,8 @@ from deepinfer.entrypoints.bench.workloads.long import allocated_bytes_per_reque
 from deepinfer.entrypoints.info import info_lines
 from deepinfer.model_executor.layers.ops.cache_common import get_inference_swa_block_size
 
+pytestmark = [pytest.mark.slow]
+
 
 def test_window_memory_ratio_equals_s_over_l(tiny_checkpoint):
     path, window, length = tiny_checkpoint("llama"), 16, 2304

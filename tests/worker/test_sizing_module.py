@@ -24,6 +24,8 @@ from deepinfer.entrypoints import cli
 from deepinfer.entrypoints.capacity_plan import load_config, meta_model, plan_capacity
 from deepinfer.worker.cache_sizing import plan_model_cache, ring_size
 
+pytestmark = [pytest.mark.parity]
+
 FLASH = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "deepseek_v4_flash")
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "gemma3", "v4"]
 DRAFTS = {"default": None, "ngram3": SpeculativeConfig("ngram", 3)}
@@ -117,6 +119,7 @@ def test_v4_flash_plan_is_the_sizing_of_the_meta_built_model(flash, spec):
     assert plan.kv.page_bytes == 16 * 23 * 528  # the widest paged group: 23 HCA layers
 
 
+@pytest.mark.multirank
 def test_the_planner_follows_the_speculative_flags(capsys):
     """`deepinfer info` plans the rings for the engine's k, not for the process environment alone."""
     def ring_line(*flags: str) -> str:

@@ -83,6 +83,7 @@ def test_unsupported_fields_are_refused_naming_them(model_type, field, value):
         check_config(cfg)
 
 
+@pytest.mark.multirank
 def test_head_split_that_does_not_divide_is_refused(monkeypatch):
     monkeypatch.setitem(parallel_state._WORLD, "rank", 0)
     monkeypatch.setitem(parallel_state._WORLD, "size", 3)

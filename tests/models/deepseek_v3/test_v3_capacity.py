@@ -61,6 +61,7 @@ def test_planner_counts_every_value_of_the_checkpoint(v3_dir):
     assert planned == sum(t.numel() for t in hf.state_dict().values()) and abs(planned / 671e9 - 1) < 0.001
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(("kv_cache_dtype", "row_bytes"), [("bfloat16", 576 * 2), ("fp8", 576 + 576 // 32)])
 def test_v3_on_eight_h200(v3_dir, capsys, kv_cache_dtype, row_bytes):
     assert cli.main(["info", "--model", v3_dir, "--tensor-parallel-size", "8", "--expert-parallel-size", "8",
@@ -92,6 +93,7 @@ def test_v3_on_eight_h200(v3_dir, capsys, kv_cache_dtype, row_bytes):
     assert resident > 2 * routed > 141e9 * 0.9 and "more than the 126,900,000,000 B usable" in out
 
 
+@pytest.mark.multirank
 def test_bad_split_is_refused_naming_it(v3_dir):
     with open(os.path.join(v3_dir, "config.json")) as f:
         cfg = json.load(f)

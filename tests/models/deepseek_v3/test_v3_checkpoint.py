@@ -23,6 +23,8 @@ from v3_tiny import VOCAB, make_tiny
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 BLOCK = 128
 FP8_LINEARS = ("_proj.weight", "_proj_with_mqa.weight")  # q/kv/o projections, MLPs, experts
 PROMPT_LENGTHS, MAX_TOKENS = (3, 29, 47), 8
@@ -114,6 +116,7 @@ def test_fp8_checkpoint_matches_transformers_on_the_dequantized_weights(fp8_chec
             assert abs(out.logprobs[i][token].logprob - float(ref[i, token])) < 1e-4
 
 
+@pytest.mark.multirank
 def test_two_ranks_give_one_ranks_tokens(fp8_checkpoint, monkeypatch):
     path, _ = fp8_checkpoint
     _, want = _generate(path)

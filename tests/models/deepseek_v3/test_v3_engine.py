@@ -19,6 +19,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.layers.ops.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 from deepinfer.model_executor.models.deepseek_v3.config import softmax_scale
 
+pytestmark = [pytest.mark.parity]
+
 CASES = {
     "v3": ("deepseek_v3", {}),
     "v3_yarn": ("deepseek_v3", {"rope_scaling": {**YARN, "original_max_position_embeddings": 128}}),

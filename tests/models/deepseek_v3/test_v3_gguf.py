@@ -39,6 +39,8 @@ from deepinfer.model_executor.loader.source import load_model_source
 from deepinfer.model_executor.models.deepseek_v3.config import softmax_scale
 from deepinfer.model_executor.models.deepseek_v3.moe import DeepseekMoE
 
+pytestmark = [pytest.mark.parity]
+
 QTYPES = {"ffn_down_exps": "Q4_0", "ffn_up_exps": "Q5_1", "default": "Q8_0"}  # GGUF name fragment -> ggml type
 K_QTYPES = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q5_K", "ffn_down_exps": "Q6_K", "default": "Q8_0"}
 CASES = {  # model type, config overrides, writer options, types of the quantized file

@@ -20,6 +20,8 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.forward_context import forward_context
 
+pytestmark = [pytest.mark.parity]
+
 ENGINE = dict(dtype="float32", block_size=4, max_model_len=96, enable_prefix_caching=False)
 NUM_LAYERS = 3
 

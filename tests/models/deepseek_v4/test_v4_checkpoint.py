@@ -23,6 +23,8 @@ from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 H, VOCAB, MAX_LEN, NEW_TOKENS = 128, 512, 256, 16
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
@@ -279,6 +281,7 @@ def test_a_quantized_slice_reads_as_the_whole_weight_cut(tmp_path, fmt):
         assert torch.equal(lazy.narrow(dim, start, length), exact.narrow(dim, start, length)), (dim, start, length)
 
 
+@pytest.mark.multirank
 def test_quantized_checkpoint_across_two_ranks_gives_one_ranks_tokens(checkpoints, engines, monkeypatch):
     """FP8 attention and FP4 experts split over 2 gloo ranks (heads, output groups, 4 of 8 experts
     each): rank 0 reads its blocks of the split weights and scales only, never its partner's

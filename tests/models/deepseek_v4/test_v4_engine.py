@@ -20,6 +20,8 @@ from v4_tiny import CSA, HCA, SLIDING, VOCAB, WINDOW, make_tiny_v4
 
 from deepinfer import LLM, SamplingParams
 
+pytestmark = [pytest.mark.parity]
+
 MAX_TOKENS = 64
 
 

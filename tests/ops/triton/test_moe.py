@@ -193,6 +193,7 @@ print("compiled")
 """
 
 
+@pytest.mark.subprocess
 def test_kernels_compile_for_a_gpu(tmp_path):
     """The real compiler (not the interpreter) builds both kernels for sm_90 with bf16 tensor-core dots.
 

@@ -12,6 +12,8 @@ from deepinfer.model_executor.layers.attention import triton_backend
 from deepinfer.model_executor.layers.attention.triton_backend import TritonAttentionBackend, resolve_attention_backend
 from deepinfer.worker.summary import startup_summary
 
+pytestmark = [pytest.mark.parity]
+
 PROMPTS = [list(range(10, 31)), list(range(40, 47)), list(range(100, 113))]  # 21, 7, 13 tokens
 PARAMS = SamplingParams(max_tokens=3, temperature=0, logprobs=1, ignore_eos=True)
 
