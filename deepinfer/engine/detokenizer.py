@@ -58,9 +58,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The output text emitted so far (the sum of all deltas)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return joined(self._pieces)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Appends output tokens; returns the text they complete (may be '')."""
@@ -123,6 +121,13 @@ def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int, str]
     return None if best is None else (best[1], best[2])
 
 
+def joined(pieces: list[str]) -> str:
+    """The text of `pieces`, which are joined in place into one (reading it again costs nothing)."""
+    if len(pieces) > 1:
+        pieces[:] = ["".join(pieces)]
+    return pieces[0] if pieces else ""
+
+
 def partial_stop_len(text: str, stop: Sequence[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string: the
     characters a stream must hold back because the next delta may complete a stop string."""
@@ -159,9 +164,7 @@ class StopChecker:
     @property
     def text(self) -> str:
         """All text emitted so far."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return joined(self._pieces)
 
     @property
     def stopped(self) -> bool:

@@ -78,9 +78,9 @@ class ToolParser(abc.ABC):
         self.chat_template = chat_template
 
     @classmethod
-    @abc.abstractmethod
     def detect(cls, chat_template: str) -> bool:
-        """Whether a chat template writes tool calls in this format."""
+        """Whether a chat template writes tool calls in this format (by default: it writes the first marker)."""
+        return bool(cls.markers) and cls.markers[0] in chat_template
 
     @abc.abstractmethod
     def scan(self, text: str, final: bool) -> Scan:

@@ -30,10 +30,6 @@ class DeepSeekV3ToolParser(ToolParser):
     name = "deepseek_v3"
     markers = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
-    @classmethod
-    def detect(cls, chat_template: str) -> bool:
-        return CALLS_BEGIN in chat_template
-
     def scan(self, text: str, final: bool) -> Scan:
         return scan_sections(text, final, CALLS_BEGIN, self._open_section)
 

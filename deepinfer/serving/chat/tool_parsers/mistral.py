@@ -31,10 +31,6 @@ class MistralToolParser(ToolParser):
     TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
     markers = (TOOL_CALLS, ARGS)
 
-    @classmethod
-    def detect(cls, chat_template: str) -> bool:
-        return cls.TOOL_CALLS in chat_template
-
     def new_call_id(self) -> str:
         return "".join(random.choices(_ID_CHARS, k=9))
 
