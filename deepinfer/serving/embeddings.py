@@ -80,6 +80,19 @@ def input_ids(tokenizer, ctx, item: str | list[int], params: PoolingParams, path
     return ids
 
 
+def checked_inputs(inputs: list, field: str, limit: int = MAX_INPUTS, one: bool = False) -> list:
+    """`inputs` when there are 1 to `limit` of them and none is empty; a 400 naming `field` (and the
+    index of an empty one, unless the field holds `one` input) otherwise."""
+    if not inputs:
+        raise bad_request("must not be empty", field)
+    if len(inputs) > limit:
+        raise bad_request(f"has {len(inputs)} entries; the limit is {limit}", field)
+    empty = next((i for i, item in enumerate(inputs) if not item), None)
+    if empty is not None:
+        raise bad_request("is empty; every input needs at least one token", field if one else (field, empty))
+    return list(inputs)
+
+
 def input_window(ctx) -> int:
     """How many inputs of one request may be in the engine at a time."""
     return max(1, min(INPUT_WINDOW, ctx.engine.config.scheduler.max_num_seqs))

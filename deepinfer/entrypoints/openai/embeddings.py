@@ -34,8 +34,8 @@ from pydantic import BaseModel, Field
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.outputs import EmbeddingRequestOutput
-from deepinfer.serving.embeddings import MAX_INPUTS, input_ids, pooled_outputs, pooling_error, resolve_pooling
-from deepinfer.serving.errors import Path, bad_request
+from deepinfer.serving.embeddings import checked_inputs, input_ids, pooled_outputs, pooling_error, resolve_pooling
+from deepinfer.serving.errors import Path
 from deepinfer.serving.parse import STRICT, Items, parse_body
 
 
@@ -54,7 +54,7 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """Each input as text or token ids; a 400 naming `input` for an empty or too long list."""
-        return checked_inputs(self.input, "input")
+        return input_list(self.input, "input")
 
     def pooling_params(self) -> PoolingParams:
         try:
@@ -64,19 +64,11 @@ class EmbeddingRequest(BaseModel):
             raise pooling_error(exc) from None
 
 
-def checked_inputs(value, field: str) -> list[str | list[int]]:
+def input_list(value, field: str) -> list[str | list[int]]:
     """A string, a list of strings, token ids or lists of token ids as a list of inputs; a 400 naming
     `field` for an empty or too long list, or an empty input."""
-    if isinstance(value, str) or (value and isinstance(value[0], int)):
-        value = [value]
-    if not value:
-        raise bad_request("must not be empty: give a string, a list of strings or of token ids", field)
-    if len(value) > MAX_INPUTS:
-        raise bad_request(f"has {len(value)} entries; the limit is {MAX_INPUTS}", field)
-    for i, item in enumerate(value):
-        if not item:
-            raise bad_request("is empty; every input needs at least one token", (field, i))
-    return list(value)
+    one = isinstance(value, str) or bool(value and isinstance(value[0], int))
+    return checked_inputs([value] if one else value, field)
 
 
 def embeddings_routes(ctx) -> APIRouter:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.embeddings import embed
-from deepinfer.serving.embeddings import MAX_INPUTS, input_ids, require_pooling, resolve_pooling
+from deepinfer.serving.embeddings import MAX_INPUTS, checked_inputs, input_ids, require_pooling, resolve_pooling
 from deepinfer.serving.errors import Path, bad_request
 from deepinfer.serving.parse import STRICT, Items, parse_body
 
@@ -61,8 +61,8 @@ class RerankRequest(BaseModel):
     def texts(self) -> list[str]:
         """The query, then every document's text; a 400 naming the field of an empty one."""
         documents = [d if isinstance(d, str) else d.text for d in self.documents]
-        _check_texts([self.query], "query", single=True)
-        _check_texts(documents, "documents", limit=MAX_INPUTS - 1)
+        checked_inputs([self.query], "query", one=True)
+        checked_inputs(documents, "documents", limit=MAX_INPUTS - 1)
         return [self.query, *documents]
 
 
@@ -78,22 +78,12 @@ class ScoreRequest(BaseModel):
         """(text_1 list, text_2 list) checked for emptiness and pairing; a 400 naming the field."""
         first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
         second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
-        _check_texts(first, "text_1", single=isinstance(self.text_1, str), limit=MAX_INPUTS // 2)
-        _check_texts(second, "text_2", single=isinstance(self.text_2, str), limit=MAX_INPUTS // 2)
+        checked_inputs(first, "text_1", limit=MAX_INPUTS // 2, one=isinstance(self.text_1, str))
+        checked_inputs(second, "text_2", limit=MAX_INPUTS // 2, one=isinstance(self.text_2, str))
         if len(first) != 1 and len(first) != len(second):
             raise bad_request(f"has {len(second)} entries but text_1 has {len(first)}: give one text_1 (scored "
                               f"against every text_2) or as many as text_2 (paired by position)", "text_2")
         return first, second
-
-
-def _check_texts(texts: list[str], param: str, single: bool = False, limit: int = MAX_INPUTS) -> None:
-    if not texts:
-        raise bad_request("must not be empty", param)
-    if len(texts) > limit:
-        raise bad_request(f"has {len(texts)} entries; the limit is {limit}", param)
-    for i, text in enumerate(texts):
-        if not text:
-            raise bad_request("is empty; every text needs at least one token", param if single else (param, i))
 
 
 def rerank_routes(state) -> APIRouter:
