@@ -10,6 +10,7 @@ served meanwhile. An input too long for the context is a 400 unless the request 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -28,20 +29,25 @@ def embed_llm(tmp_path_factory, tokenizer_dir):
 
 
 class InEngine:
-    """How many embedding inputs of a response are in the engine at once (added, not yet finished)."""
+    """The most embedding inputs of one request in the engine at once (added, not yet finished); an
+    input's id is its request's id and its index (`embd-<hex>-<i>`)."""
 
     def __init__(self, engine, monkeypatch):
         self.open: set[str] = set()
         self.most = 0
+        self.looked = threading.Event()  # set once the test has seen the full window
         add, step = engine.add_request, engine.step
 
         def counted_add(prompt_ids, params, request_id, **kwargs):
             result = add(prompt_ids, params, request_id, **kwargs)
             self.open.add(request_id)
-            self.most = max(self.most, len([r for r in self.open if r.startswith("embd-")]))
+            owner = request_id.rsplit("-", 1)[0]
+            self.most = max(self.most, sum(r.rsplit("-", 1)[0] == owner for r in self.open))
             return result
 
         def counted_step():
+            if self.most >= SEATS:  # the window is full: hold it so until the test has looked
+                assert self.looked.wait(60)
             outputs = step()
             self.open -= {out.request_id for out in outputs if out.finished}
             return outputs
@@ -77,7 +83,8 @@ def test_an_embeddings_window_holds_no_more_than_the_clients_seats(embed_llm, mo
         big = asyncio.create_task(mine.post("/v1/embeddings", json={"input": [f"text number {i}" for i in range(40)]}))
         while log.most < SEATS and not big.done():
             await asyncio.sleep(0.002)
-        refused = await mine.post("/v1/embeddings", json={"input": "one more"})
+        refused = await mine.post("/v1/embeddings", json={"input": "one more"})  # no seat: the engine is held
+        log.looked.set()
         served = await other.post("/v1/embeddings", json={"input": "another client"})
         return await big, refused, served
 
