@@ -47,6 +47,15 @@ class EngineStats:
     ring_groups: tuple[tuple[str, int, int], ...] = ()
 
 
+# (EngineStats field, metric, help): the gauges set to the engine's latest snapshot
+ENGINE_GAUGES = (
+    ("num_running", "deepinfer_num_requests_running", "Requests in the running batch"),
+    ("num_waiting", "deepinfer_num_requests_waiting", "Requests waiting (incl. preempted)"),
+    ("kv_usage", "deepinfer_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)"),
+    ("num_free_blocks", "deepinfer_kv_free_blocks", "Free KV cache blocks"),
+    ("num_total_blocks", "deepinfer_kv_total_blocks", "KV cache blocks in all"),
+    ("num_cached_blocks", "deepinfer_num_cached_blocks", "KV cache blocks holding a cached prefix (in use or free)"),
+)
 # (EngineStats field, metric, help): the counters that follow one of the engine's running totals
 ENGINE_TOTALS = (
     ("num_preemptions_total", "deepinfer_num_preemptions", "Preemptions since start"),
@@ -83,18 +92,9 @@ class ServerMetrics:
                               "token after the first, per request", buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("deepinfer_e2e_request_latency_seconds", "Time from arrival to the "
                              "end of a request", buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("deepinfer_num_requests_running", "Requests in the running batch", registry=r)
-        self.waiting = Gauge("deepinfer_num_requests_waiting", "Requests waiting (incl. preempted)",
-                             registry=r)
-        self.kv_usage = Gauge("deepinfer_kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)",
-                              registry=r)
-        self.kv_free_blocks = Gauge("deepinfer_kv_free_blocks", "Free KV cache blocks", registry=r)
-        self.kv_total_blocks = Gauge("deepinfer_kv_total_blocks", "KV cache blocks in all", registry=r)
         self.spec_accepted_per_pos = Counter("deepinfer_spec_decode_num_accepted_tokens_per_pos", "Draft "
                                              "tokens accepted at each draft position (0-based)", ["position"],
                                              registry=r)
-        self.cached_blocks = Gauge("deepinfer_num_cached_blocks", "KV cache blocks holding a cached prefix "
-                                   "(in use or free)", registry=r)
         self.group_blocks_used = Gauge("deepinfer_kv_group_blocks_used", "KV cache blocks (pages) the requests' "
                                        "block tables of a paged cache group hold", ["group"], registry=r)
         self.group_blocks_total = Gauge("deepinfer_kv_group_blocks_total", "KV cache blocks a paged cache group "
@@ -103,6 +103,7 @@ class ServerMetrics:
                                      "cache group held by requests", ["group"], registry=r)
         self.ring_slots_total = Gauge("deepinfer_kv_ring_slots_total", "State slots (rings) of a sliding-window "
                                       "cache group", ["group"], registry=r)
+        self.gauges = {stat: Gauge(name, text, registry=r) for stat, name, text in ENGINE_GAUGES}
         self.totals = {stat: Counter(name, text, registry=r) for stat, name, text in ENGINE_TOTALS}
         self._seen: dict[object, int] = {}  # counter (or labelled child) -> the engine total it has reached
 
@@ -131,17 +132,13 @@ class ServerMetrics:
     # -- engine -----------------------------------------------------------------------------------
 
     def record_engine(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        self.kv_free_blocks.set(stats.num_free_blocks)
-        self.kv_total_blocks.set(stats.num_total_blocks)
         values = dataclasses.asdict(stats)
+        for stat, gauge in self.gauges.items():
+            gauge.set(values[stat])
         for stat, counter in self.totals.items():
             self._advance(counter, values[stat])
         for position, total in enumerate(stats.spec_accepted_per_position):
             self._advance(self.spec_accepted_per_pos.labels(str(position)), total)
-        self.cached_blocks.set(stats.num_cached_blocks)
         for group, used, total in stats.paged_groups:
             self.group_blocks_used.labels(group).set(used)
             self.group_blocks_total.labels(group).set(total)
