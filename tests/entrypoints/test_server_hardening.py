@@ -75,9 +75,10 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
 _BIG = "9" * 5001
 _MSG = [{"role": "user", "content": "hi"}]
 HOSTILE = [  # (name, path, raw body, param, code)
-    ("prompt nested 100k deep", CMPL, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "invalid_json"),
+    ("prompt nested 100k deep", CMPL, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "prompt",
+     "invalid_json"),
     ("messages nested deep", CHAT, b'{"messages": [{"role": "user", "content": "x", "name": '
-     + b"{\"a\": " * 5000 + b"1" + b"}" * 5000 + b"}]}", None, "invalid_json"),
+     + b"{\"a\": " * 5000 + b"1" + b"}" * 5000 + b"}]}", "messages", "invalid_json"),
     ("5001-digit max_tokens", CMPL, f'{{"prompt": "hi", "max_tokens": {_BIG}}}'.encode(), "max_tokens",
      "invalid_number"),
     ("5001-digit seed", CHAT, f'{{"messages": [{{"role": "user", "content": "hi"}}], "seed": -{_BIG}}}'.encode(),
