@@ -14,9 +14,9 @@ import time
 import httpx
 import pytest
 from embedding_models import make_st_checkpoint
+from server_probe import StepLog, serve
 
 from deepinfer import LLM
-from deepinfer.entrypoints.openai.server import ServerSettings, build_app
 from deepinfer.serving.engine_loop import EngineLoop
 
 CMPL = "/v1/completions"
@@ -33,53 +33,6 @@ def embed_llm(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
     return LLM(tiny_checkpoint("llama"), max_num_seqs=8)
-
-
-def serve(llm, scenario, monkeypatch, clients=(("127.0.0.1", 123),), **settings):
-    """Run `scenario(app, *clients)` against a fresh app over `llm`'s engine, one httpx client per
-    peer address in `clients`; every KV block must be free afterwards."""
-    monkeypatch.setattr(llm.engine, "close", lambda: None)
-    app = build_app(llm.engine, ServerSettings(model_name="m", **settings))
-
-    async def main():
-        async with app.router.lifespan_context(app):
-            http = [httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=peer),
-                                      base_url="http://test", timeout=120) for peer in clients]
-            try:
-                return await scenario(app, *http)
-            finally:
-                for client in http:
-                    await client.aclose()
-
-    result = asyncio.run(main())
-    assert not llm.engine.has_unfinished_requests()
-    llm.engine.kv_manager.check_no_leaks()
-    return result
-
-
-class StepLog:
-    """Counts engine steps, and notes the step at which a completion was added and first answered."""
-
-    def __init__(self, engine, monkeypatch):
-        self.steps, self.added, self.first_output = 0, {}, {}
-        step, add = engine.step, engine.add_request
-
-        def counted_step():
-            outputs = step()
-            self.steps += 1
-            for out in outputs:
-                self.first_output.setdefault(out.request_id, self.steps)
-            return outputs
-
-        def noted_add(prompt_ids, params, request_id, **kwargs):
-            self.added[request_id] = self.steps
-            return add(prompt_ids, params, request_id, **kwargs)
-
-        monkeypatch.setattr(engine, "step", counted_step)
-        monkeypatch.setattr(engine, "add_request", noted_add)
-
-    def steps_to_first_output(self, request_id: str) -> int:
-        return self.first_output[request_id] - self.added[request_id]
 
 
 async def _timed_post(client, path: str, body: dict) -> tuple[httpx.Response, float]:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import httpx
 import pytest
 from embedding_models import make_st_checkpoint
+from server_probe import serve
 
 from deepinfer import LLM
-from deepinfer.entrypoints.openai.server import ServerSettings, build_app
 
 SEATS = 3
 
@@ -56,30 +55,15 @@ class InEngine:
         monkeypatch.setattr(engine, "step", counted_step)
 
 
-def serve(llm, scenario, monkeypatch):
-    monkeypatch.setattr(llm.engine, "close", lambda: None)
-    app = build_app(llm.engine, ServerSettings(model_name="m", max_requests_per_client=SEATS))
-
-    async def main():
-        async with app.router.lifespan_context(app):
-            clients = [httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=(host, 1)),
-                                         base_url="http://test", timeout=120) for host in ("10.0.0.1", "10.0.0.2")]
-            try:
-                return await scenario(*clients)
-            finally:
-                for client in clients:
-                    await client.aclose()
-
-    result = asyncio.run(main())
-    assert not llm.engine.has_unfinished_requests()
-    llm.engine.kv_manager.check_no_leaks()
-    return result
+def serve_seated(llm, scenario, monkeypatch):
+    """`scenario(app, mine, other)`: two clients (peer addresses) of a server with SEATS seats each."""
+    return serve(llm, scenario, monkeypatch, clients=(("10.0.0.1", 1), ("10.0.0.2", 1)), max_requests_per_client=SEATS)
 
 
 def test_an_embeddings_window_holds_no_more_than_the_clients_seats(embed_llm, monkeypatch):
     log = InEngine(embed_llm.engine, monkeypatch)
 
-    async def scenario(mine, other):
+    async def scenario(app, mine, other):
         big = asyncio.create_task(mine.post("/v1/embeddings", json={"input": [f"text number {i}" for i in range(40)]}))
         while log.most < SEATS and not big.done():
             await asyncio.sleep(0.002)
@@ -88,7 +72,7 @@ def test_an_embeddings_window_holds_no_more_than_the_clients_seats(embed_llm, mo
         served = await other.post("/v1/embeddings", json={"input": "another client"})
         return await big, refused, served
 
-    big, refused, served = serve(embed_llm, scenario, monkeypatch)
+    big, refused, served = serve_seated(embed_llm, scenario, monkeypatch)
     assert big.status_code == 200 and len(big.json()["data"]) == 40, big.text
     assert log.most == SEATS, log.most  # the window grew to the client's seats, and no further
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full", refused.text
@@ -98,7 +82,7 @@ def test_an_embeddings_window_holds_no_more_than_the_clients_seats(embed_llm, mo
 def test_an_input_too_long_is_refused_unless_truncation_is_asked(embed_llm, monkeypatch):
     long = "word " * 500  # far more than max_model_len (64) tokens
 
-    async def scenario(client, _):
+    async def scenario(app, client, _):
         return [await client.post(path, json=body) for path, body in (
             ("/v1/embeddings", {"input": ["short", long]}),
             ("/v1/embeddings", {"input": long, "truncate_prompt_tokens": -1}),
@@ -106,7 +90,8 @@ def test_an_input_too_long_is_refused_unless_truncation_is_asked(embed_llm, monk
             ("/api/embed", {"model": "m", "input": long, "truncate": True}),
             ("/api/embeddings", {"model": "m", "prompt": long}))]
 
-    openai_refused, openai_cut, ollama_refused, ollama_cut, legacy_refused = serve(embed_llm, scenario, monkeypatch)
+    openai_refused, openai_cut, ollama_refused, ollama_cut, legacy_refused = serve_seated(
+        embed_llm, scenario, monkeypatch)
     assert openai_refused.status_code == 400 and openai_refused.json()["error"]["param"] == "input"
     assert "input[1]" in openai_refused.json()["error"]["message"]
     assert openai_cut.status_code == 200 and openai_cut.json()["usage"]["prompt_tokens"] == 64

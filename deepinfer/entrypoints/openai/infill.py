@@ -89,7 +89,7 @@ class InfillRequest(BaseModel):
 
 
 def infill_routes(state) -> APIRouter:
-    """POST /infill over the server's `ServerState`, behind the same API key."""
+    """POST /infill over the server's `ServingContext`, behind the same API key."""
     router = APIRouter()
 
     @router.post("/infill")

@@ -87,7 +87,7 @@ class ScoreRequest(BaseModel):
 
 
 def rerank_routes(state) -> APIRouter:
-    """The rerank and score routes over the server's `ServerState`, behind the same API key."""
+    """The rerank and score routes over the server's `ServingContext`, behind the same API key."""
     router = APIRouter()
 
     async def rerank(request: Request) -> Response:
