@@ -169,5 +169,5 @@ def test_a_float_checkpoint_runs_natively_and_zero_turns_it_off(tiny_checkpoint,
     finally:
         monkeypatch.undo()
         get_environ.cache_clear()
-    assert not (off.batch_invariant or off.attention_backend.batch_invariant or off.sampler.batch_invariant)
+    assert not (off.batch_invariant or off.attention_backend.batch_invariant or off.steps.sampler.batch_invariant)
     assert not off.numerics.batch_invariant and runner.numerics.batch_invariant
