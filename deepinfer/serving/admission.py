@@ -179,8 +179,9 @@ class PriorityRange:
             bounds = cls(int(low) if low.strip() else INT64_MIN, int(high) if high.strip() else INT64_MAX)
         except ValueError:
             bounds = None
-        if not sep or bounds is None or bounds.low > bounds.high:
-            raise ValueError(f"--priority-range must be MIN:MAX with MIN <= MAX (either may be empty), got {text!r}")
+        if not sep or bounds is None or not INT64_MIN <= bounds.low <= bounds.high <= INT64_MAX:
+            raise ValueError(f"--priority-range must be MIN:MAX with MIN <= MAX, 64-bit integers (either may be "
+                             f"empty), got {text[:60]!r}")
         return bounds
 
     def check(self, priority: int, tenant: Tenant, path="priority") -> None:
