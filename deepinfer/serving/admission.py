@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from deepinfer.serving.errors import ServingError, bad_request, too_busy
-from deepinfer.serving.tenancy import Credentials, Tenant, forwarded_client, key_id, presented_key
+from deepinfer.serving.tenancy import Credentials, Tenant, forwarded_client
 
 UNICODE_SHRINK = 4  # NFC/NFKC join at most 3 code points into one (Hangul syllables); with margin
 _UNICODE_FORMS = frozenset({"NFC", "NFKC", "NFD", "NFKD"})
@@ -117,18 +117,16 @@ def _replaces_one_char(spec: dict) -> bool:
 
 def client_key(headers, peer: str | None, credentials: Credentials, secret: str | None = None) -> str:
     """Whom a request's seats count for: the client a data-parallel front end names (believed beside
-    this replica's cluster `secret` only), else the key it presents (hashed) when the server checks
-    keys, else its peer address. `headers(name)` gives a header's values."""
+    this replica's cluster `secret` only), else the tenant of an accepted key it presents, else its peer
+    address (a made-up key names nobody, so it buys no share). `headers(name)` gives a header's values."""
     forwarded = forwarded_client(headers, secret)
     if forwarded is not None:
         return forwarded
     if credentials.checked:
         try:
-            given = presented_key(headers)
-        except ServingError:  # a header sent twice: the key check answers it
-            given = None
-        if given:
-            return key_id(given)
+            return credentials.tenant(headers, x_api_key=True).id
+        except ServingError:  # no key, a wrong one, or one sent twice: the key check answers it
+            pass
     return f"addr:{peer or 'unknown'}"
 
 

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from fastapi.responses import JSONResponse
 
-from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER, key_id
+from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER
+from deepinfer.serving.tenancy import key_id
 
 SECRET = "cluster-secret-of-these-tests"
 CHILD_SECRET = "child-secret-of-these-tests"

@@ -21,9 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.entrypoints.data_parallel.frontend import Frontend, build_frontend
-from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER, key_id
+from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER
 from deepinfer.entrypoints.data_parallel.replicas import ReplicaSet
 from deepinfer.entrypoints.data_parallel.router import PrefixRouter
+from deepinfer.serving.tenancy import key_id
 from tests.entrypoints.live_server import parse_metrics
 
 SECRET = "cluster-secret-of-these-tests"
@@ -143,7 +144,7 @@ def make_frontend(size: int = 1, *, api_key: str | None = None, cluster_secret: 
                   read_timeout: float = 600.0, limit: int | None = None):
     frontend = Frontend(ReplicaSet(size), PrefixRouter("least-load"), None, 16, child_secret=CHILD_SECRET,
                         cluster_secret=cluster_secret, api_key=api_key, read_timeout=read_timeout)
-    return frontend, build_frontend(frontend, api_key, max_requests_per_client=limit)
+    return frontend, build_frontend(frontend, max_requests_per_client=limit)
 
 
 def register(front_url: str, rank: int, url: str, secret: str | None = SECRET, **kw) -> httpx.Response:
@@ -246,7 +247,7 @@ def test_bodies_are_read_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(registration, "parse_registration",
                         lambda *a: threads.append(threading.current_thread()) or parse(*a))
     monkeypatch.setattr(frontend, "_hashes", lambda *a: threads.append(threading.current_thread()) or hashes(*a))
-    with Served(fake.app) as replica, Served(build_frontend(frontend, None)) as front:
+    with Served(fake.app) as replica, Served(build_frontend(frontend)) as front:
         assert register(front.url, 0, replica.url).status_code == 200
         assert httpx.post(f"{front.url}/v1/completions", json={"prompt": [1, 2, 3]}).status_code == 200
         assert len(threads) == 2 and front.thread not in threads  # neither ran on the front end's event loop

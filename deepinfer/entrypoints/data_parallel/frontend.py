@@ -33,7 +33,6 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
-from deepinfer.entrypoints.data_parallel.identity import client_identity
 from deepinfer.entrypoints.data_parallel.metrics import (
     MAX_METRICS_BYTES,
     FrontendMetrics,
@@ -50,8 +49,8 @@ from deepinfer.entrypoints.openai.auth import api_key_dependency
 from deepinfer.entrypoints.openai.body import BodySizeLimit
 from deepinfer.entrypoints.openai.errors import install_error_handlers
 from deepinfer.json_bounds import MAX_JSON_DEPTH, json_depth
-from deepinfer.serving.admission import ClientSeats
-from deepinfer.serving.tenancy import Credentials, api_keys
+from deepinfer.serving.admission import ClientSeats, client_key
+from deepinfer.serving.tenancy import Credentials
 
 logger = logging.getLogger("deepinfer.server")
 DEFAULT_READ_TIMEOUT_S = 600.0
@@ -69,7 +68,7 @@ class Frontend:
                  read_timeout: float = DEFAULT_READ_TIMEOUT_S):
         self.replicas, self.router, self.tokenizer, self.block_size = replicas, router, tokenizer, block_size
         self.child_secret, self.cluster_secret = child_secret, cluster_secret
-        self.api_keys = api_keys(api_key)  # a client presenting one is that key's client
+        self.credentials = Credentials(api_key)  # a client presenting one of its keys is that key's client
         self.read_timeout = read_timeout
         self.metrics = FrontendMetrics()
         self.failed = False  # every replica exited: the command ends with status 1
@@ -117,9 +116,9 @@ class Frontend:
         return self._down.setdefault(rank, asyncio.Event())
 
     def client_of(self, scope) -> str:
-        """Whom a request counts for at the front end (`identity.client_identity`)."""
+        """Whom a request counts for at the front end (`serving.admission.client_key`)."""
         peer = scope.get("client")
-        return client_identity(Headers(scope=scope), peer[0] if peer else None, self.api_keys)
+        return client_key(Headers(scope=scope).getlist, peer[0] if peer else None, self.credentials)
 
     def went_down(self, rank: int, why: str) -> None:
         self.replicas.mark_down(rank, why)
@@ -210,7 +209,7 @@ class Frontend:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_frontend(frontend: Frontend, api_key: str | None, max_body_bytes: int = 8 << 20,
+def build_frontend(frontend: Frontend, max_body_bytes: int = 8 << 20,
                    max_requests_per_client: int | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -228,7 +227,7 @@ def build_frontend(frontend: Frontend, api_key: str | None, max_body_bytes: int 
     install_error_handlers(app)  # after the middlewares: their 4xx answers are logged too
     app.include_router(_own_routes(frontend))
     app.include_router(registration_route(frontend))
-    app.include_router(_replicas_route(frontend), dependencies=[Depends(api_key_dependency(Credentials(api_key)))])
+    app.include_router(_replicas_route(frontend), dependencies=[Depends(api_key_dependency(frontend.credentials))])
     app.include_router(proxy_routes(frontend, lambda path, replica: _pinned(frontend, path, replica)))
     return app
 

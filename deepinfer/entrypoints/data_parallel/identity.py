@@ -12,9 +12,9 @@ Replicas. A replica registers (`POST /dp/register`) and is sent every request wi
 
 Secrets are compared in constant time. An API key is never a secret: clients hold those.
 
-Clients. The front end counts each request for its client (`client_identity`): the API key it
-presented when that is one of the front end's --api-key keys (`key:` and a short hash of it, as
-`serving.tenancy.key_id` names it), else its peer address (`addr:IP`). A key the front end does not accept
+Clients. The front end counts each request for its client (`serving.admission.client_key`): the API
+key it presented when that is one of the front end's --api-key keys (`key:` and a short hash of it,
+as the replicas name tenants), else its peer address (`addr:IP`). A key the front end does not accept
 names nobody: a client cannot make up keys to get new shares. The replica learns the client from
 `x-deepinfer-client`, which it believes only beside its own secret (`serving.tenancy.forwarded_client`,
 called by the replica's per-client admission): a client that sends the header itself gains nothing.
@@ -22,18 +22,11 @@ called by the replica's per-client admission): a client that sends the header it
 
 from __future__ import annotations
 
-import hmac
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from deepinfer.serving.tenancy import CLIENT_HEADER, SECRET_HEADER, key_id, same_secret
+from deepinfer.serving.tenancy import CLIENT_HEADER, SECRET_HEADER, same_secret
 
-__all__ = ["CLIENT_HEADER", "SECRET_ENV", "SECRET_HEADER", "check_secret", "client_identity", "cluster_secret",
-           "same_secret"]
-
-if TYPE_CHECKING:
-    from starlette.datastructures import Headers
+__all__ = ["CLIENT_HEADER", "SECRET_ENV", "SECRET_HEADER", "check_secret", "cluster_secret", "same_secret"]
 
 SECRET_ENV = "DEEPINFER_DP_SECRET"  # a local child's secret, from its front end
 MIN_SECRET_CHARS = 16
@@ -67,28 +60,3 @@ def cluster_secret(args) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--data-parallel-secret-file {path!r} cannot be read: {exc}") from None
     return check_secret(text.rstrip("\r\n\t "), f"--data-parallel-secret-file {path!r}")
-
-
-def client_identity(headers: Headers, peer: str | None, api_keys: Sequence[str]) -> str:
-    """Whom a request counts for at the front end: `key:<hash>` of an accepted API key it presented
-    (as Bearer token or `x-api-key`), else `addr:<peer address>`."""
-    given = _presented_key(headers) if api_keys else None
-    if given is not None:
-        accepted = sum(hmac.compare_digest(given.encode(), key.encode()) for key in api_keys)  # no early exit
-        if accepted:
-            return key_id(given)
-    return f"addr:{peer or 'unknown'}"
-
-
-def _presented_key(headers: Headers) -> str | None:
-    """The key of the request's one `authorization: Bearer KEY` or else its one `x-api-key`, or None."""
-    for name in ("authorization", "x-api-key"):
-        values = headers.getlist(name)
-        if len(values) != 1 or not values[0]:
-            continue
-        if name == "x-api-key":
-            return values[0].strip()
-        scheme, _, token = values[0].partition(" ")
-        if scheme.lower() == "bearer" and token.strip():
-            return token.strip()
-    return None

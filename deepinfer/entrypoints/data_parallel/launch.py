@@ -118,7 +118,7 @@ def run_frontend(args, argv: list[str]) -> int:
     frontend = Frontend(replicas, PrefixRouter(args.data_parallel_routing), _routing_tokenizer(args),
                         args.block_size or 16, child_secret=secret, cluster_secret=shared, api_key=args.api_key,
                         read_timeout=args.data_parallel_read_timeout)
-    app = build_frontend(frontend, args.api_key, args.max_body_bytes, args.max_requests_per_client)
+    app = build_frontend(frontend, args.max_body_bytes, args.max_requests_per_client)
     print(f"deepinfer: data-parallel front end for {size} replicas ({local} here, routing "
           f"{args.data_parallel_routing}) on http://{args.host}:{args.port}/v1", flush=True)
     if shared is None:

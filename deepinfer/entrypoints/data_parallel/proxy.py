@@ -29,7 +29,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER, client_identity
+from deepinfer.entrypoints.data_parallel.identity import CLIENT_HEADER, SECRET_HEADER
 from deepinfer.entrypoints.data_parallel.stream_errors import StreamTail
 from deepinfer.entrypoints.openai.errors import error_response
 from deepinfer.serving.errors import ServingError
@@ -94,9 +94,8 @@ def proxy_routes(frontend, pinned) -> APIRouter:
 def upstream_headers(frontend, request: Request) -> list[tuple[str, str]]:
     """The client's headers a replica gets (REQUEST_HEADERS, every value of each), and who the client is."""
     kept = [(name, value) for name, value in request.headers.items() if name.lower() in REQUEST_HEADERS]
-    peer = request.client.host if request.client else None
-    return [*kept, ("accept-encoding", "identity"),
-            (CLIENT_HEADER, client_identity(request.headers, peer, frontend.api_keys))]
+    client = request.scope.get("deepinfer.client") or frontend.client_of(request.scope)  # the seats' one, if counted
+    return [*kept, ("accept-encoding", "identity"), (CLIENT_HEADER, client)]
 
 
 async def forward(frontend, request: Request, raw: bytes, hashes: list[bytes], pinned: int | None = None) -> Response:

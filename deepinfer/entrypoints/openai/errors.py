@@ -130,17 +130,3 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         return respond(request, internal_error(exc, f"serving {request.method} {request.url.path}"))
-
-
-def error_message(body: bytes, status: int) -> str:
-    """The message of an error answer's body (any of the three shapes), else the body's text, cut to
-    1,000 characters."""
-    try:
-        found = json.loads(body)
-    except ValueError:
-        found = None
-    error = found.get("error") if isinstance(found, dict) else None
-    message = error.get("message") if isinstance(error, dict) else error
-    if isinstance(message, str):
-        return message
-    return body.decode("utf-8", "replace")[:1000] or f"HTTP {status}"
