@@ -23,7 +23,8 @@ from __future__ import annotations
 import logging
 import reprlib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger("deepinfer.server")
 
@@ -103,6 +104,22 @@ def bad_request(problem: str, path: str | Path | None = None, code: str | None =
 
 def from_field_error(exc: FieldError, code: str | None = None) -> ServingError:
     return ServingError(400, exc.problem, INVALID_REQUEST, exc.path, code)
+
+
+@contextmanager
+def named_by(names: FieldNames) -> Iterator[None]:
+    """Errors raised inside name their fields by `names` (unless one already has its own); a FieldError
+    becomes a 400. An API wraps its own conversions in `named_by(same_names)` (their paths are in its
+    names already) and its use of the chat path in its mapping of the chat request's names."""
+    try:
+        yield
+    except FieldError as exc:
+        error = from_field_error(exc)
+        error.names = names
+        raise error from None
+    except ServingError as error:
+        error.names = error.names or names
+        raise
 
 
 def too_busy(problem: str, retry_after_s: int) -> ServingError:

@@ -26,7 +26,7 @@ from deepinfer.entrypoints.openai.errors import anthropic_error
 from deepinfer.entrypoints.openai.messages_output import MessageContext, MessageEvents, new_id
 from deepinfer.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest, messages_names
 from deepinfer.serving import run
-from deepinfer.serving.errors import FieldError, from_field_error, same_names
+from deepinfer.serving.errors import named_by, same_names
 from deepinfer.serving.parse import parse_body, validate
 from deepinfer.serving.prepare import Prepared, prepare_chat
 from deepinfer.serving.protocol import ChatCompletionRequest
@@ -81,12 +81,8 @@ def _count_tokens(tokenizer, state, raw: bytes) -> int:
 
 def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages body is; its own refusals keep the Messages API's names."""
-    try:
+    with named_by(same_names):  # already in the Messages API's names
         chat_body = body.chat_body()
-    except FieldError as exc:
-        error = from_field_error(exc)
-        error.names = same_names  # already in the Messages API's names
-        raise error from None
     return validate(ChatCompletionRequest, chat_body)
 
 

@@ -26,6 +26,7 @@ import uuid
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.pooling import DEFAULT_SOURCE
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
 from deepinfer.entrypoints.openai.body import in_pool, read_body
@@ -51,7 +52,7 @@ from deepinfer.entrypoints.openai.ollama_protocol import (
 )
 from deepinfer.serving import run
 from deepinfer.serving.embeddings import input_ids, resolve_pooling
-from deepinfer.serving.errors import FieldError, ServingError, from_field_error, not_found, same_names
+from deepinfer.serving.errors import named_by, not_found, same_names
 from deepinfer.serving.parse import parse_body, validate
 from deepinfer.serving.prepare import Prepared, prepare_chat, prepare_completion
 from deepinfer.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -83,7 +84,8 @@ def ollama_routes(state) -> APIRouter:
     @router.post("/show")
     async def show(request: Request) -> dict:
         body = await state.pool.parse(await read_body(request), NameBody)
-        name = _own_names(lambda: resolve_model(state, body.model_name()))
+        with named_by(same_names):
+            name = resolve_model(state, body.model_name())
         return _show(state, next(card for card in cards() if card["name"] == name))
 
     @router.post("/chat")
@@ -146,62 +148,61 @@ def _show(state, card: dict) -> dict:
                       dict(state.sampling_defaults), model_info)
 
 
-def _own_names(fn):
-    """`fn()`, its refusals already in Ollama's names (the conversions from Ollama's bodies)."""
-    try:
-        return fn()
-    except FieldError as exc:
-        error = from_field_error(exc)
-        error.names = same_names
-        raise error from None
-    except ServingError as error:
-        error.names = error.names or same_names
-        raise
-
-
 # -- on a TokenizerPool thread ------------------------------------------------------------------------
 
 
 def _prepare_chat(tokenizer, state, raw: bytes) -> tuple[ChatBody, str, Prepared | None]:
     """(body, model, its preparation on the chat path); None for a request without messages."""
     body = parse_body(raw, ChatBody)
-    model = _own_names(lambda: resolve_model(state, body.model))
-    if not body.messages:
+    with named_by(same_names):  # Ollama's own fields
+        model = resolve_model(state, body.model)
+        chat_body = body.chat_body(model, state.chat_setup.reasoning is not None) if body.messages else None
+    if chat_body is None:
         return body, model, None
-    chat_body = _own_names(lambda: body.chat_body(model, state.chat_setup.reasoning is not None))
     return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
 
 
 def _prepare_generate(tokenizer, state, raw: bytes) -> tuple[GenerateBody, str, Prepared | None]:
     """(body, model, preparation): through the chat template, or raw on the completion path."""
     body = parse_body(raw, GenerateBody)
-    model = _own_names(lambda: (body.check_supported(), resolve_model(state, body.model))[1])
+    with named_by(same_names):
+        body.check_supported()
+        model = resolve_model(state, body.model)
     if not body.prompt and not body.suffix:
         return body, model, None
     if body.templated:
-        chat_body = _own_names(lambda: body.chat_body(model, state.chat_setup.reasoning is not None))
+        with named_by(same_names):
+            chat_body = body.chat_body(model, state.chat_setup.reasoning is not None)
         return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
-    completion = _own_names(lambda: body.completion_body(model))
+    with named_by(same_names):
+        completion = body.completion_body(model)
     prepared = prepare_completion(tokenizer, state, validate(CompletionRequest, completion))
     if "max_tokens" not in completion:  # Ollama's default: up to the context (the completion path's: 16)
         prepared.params.max_tokens = state.max_model_len - len(prepared.prompt_ids)
     return body, model, prepared
 
 
+def _embedding_model(state, name: str) -> str:
+    """The served model `name` stands for, when it can embed (not an adapter)."""
+    with named_by(same_names):
+        model = resolve_model(state, name)
+    state.base_model_only(model, "embeddings")
+    return model
+
+
 def _prepare_embed(tokenizer, state, raw: bytes):
     body = parse_body(raw, EmbedBody)
-    model = _own_names(lambda: resolve_model(state, body.model))
-    state.base_model_only(model if model != state.settings.model_name else None, "embeddings")
-    inputs = _own_names(body.inputs)
-    params = resolve_pooling(state, _own_names(body.pooling_params))
+    _embedding_model(state, body.model)
+    with named_by(same_names):
+        inputs, params = body.inputs(), body.pooling_params()
+    params = resolve_pooling(state, params)
     return body, prepared_inputs(tokenizer, state, inputs, params, "input"), params
 
 
 def _prepare_legacy_embed(tokenizer, state, raw: bytes):
     body = parse_body(raw, LegacyEmbedBody)
-    model = _own_names(lambda: resolve_model(state, body.model))
-    state.base_model_only(model if model != state.settings.model_name else None, "embeddings")
-    params = resolve_pooling(state, _own_names(lambda: EmbedBody(model=model, input=body.prompt).pooling_params()))
+    _embedding_model(state, body.model)
+    params = resolve_pooling(state, PoolingParams())
     return body, [input_ids(tokenizer, state, body.prompt, params, ("prompt",))], params
 
 

@@ -39,7 +39,7 @@ from deepinfer.entrypoints.openai.responses_output import (
 )
 from deepinfer.entrypoints.openai.responses_protocol import ResponsesRequest, responses_names
 from deepinfer.serving import run
-from deepinfer.serving.errors import FieldError, ServingError, from_field_error, not_found, same_names
+from deepinfer.serving.errors import ServingError, named_by, not_found, same_names
 from deepinfer.serving.parse import parse_body, validate
 from deepinfer.serving.prepare import Prepared, prepare_chat
 from deepinfer.serving.protocol import ChatCompletionRequest
@@ -118,20 +118,12 @@ def _page(items: list[dict], limit: int, after: str | None) -> dict:
 def _prepare(tokenizer, state, raw: bytes, tenant: Tenant) -> tuple[ResponsesRequest, list[dict], Prepared]:
     """The request, the stored conversation it continues (the tenant's own), and its preparation."""
     body = parse_body(raw, ResponsesRequest)
-    try:
+    with named_by(same_names):  # already in the Responses API's names
         body.check_supported()
         history = _history(state, tenant, body.previous_response_id)
         chat_body = body.chat_body(history)
-    except FieldError as exc:
-        error = from_field_error(exc)
-        error.names = same_names  # already in the Responses API's names
-        raise error from None
-    names = responses_names((1 if body.instructions else 0) + len(history))
-    try:
+    with named_by(responses_names((1 if body.instructions else 0) + len(history))):
         return body, history, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
-    except ServingError as error:
-        error.names = error.names or names
-        raise
 
 
 def _history(state, tenant: Tenant, previous_response_id: str | None) -> list[dict]:
