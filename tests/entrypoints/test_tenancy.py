@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 
@@ -29,7 +30,7 @@ from server_probe import HANG_S, check_whole
 KEY_A, KEY_B, ADMIN = "key-a-0123456789", "key-b-9876543210", "admin-key-5555"
 SECRET = "hunter2"
 POLL_S = 60.0  # a "must not hang" bound of a dashboard poll
-STEP_DELAY_S = 0.05
+STEP_DELAY_S = 0.25  # 480 tokens: two minutes, far more than the polls take
 CMPL, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 SHORT = {"prompt": "hi", "max_tokens": 2}
 PUBLIC = {"/", "/health", "/metrics", "/dashboard", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
@@ -161,12 +162,13 @@ def _running_ids(view: dict) -> list[str]:
 
 
 def test_the_dashboard_shows_a_client_its_own_requests_only(server, monkeypatch):
-    """A's long stream runs (each engine step slowed by STEP_DELAY_S, so that it outlasts the polls)
-    while B, A and the operator look."""
-    step = server.llm.engine.step
+    """A's long stream runs (each engine step slowed by STEP_DELAY_S until the polls are done, so that it
+    outlasts them however busy the machine) while B, A and the operator look."""
+    step, looked = server.llm.engine.step, threading.Event()
 
     def slow_step():
-        time.sleep(STEP_DELAY_S)
+        if not looked.is_set():
+            time.sleep(STEP_DELAY_S)
         return step()
 
     monkeypatch.setattr(server.llm.engine, "step", slow_step)
@@ -181,6 +183,7 @@ def test_the_dashboard_shows_a_client_its_own_requests_only(server, monkeypatch)
         other = _dashboard(server, KEY_B)
         other_chosen = _dashboard(server, KEY_B, mine)
         operator = _dashboard(server, ADMIN, until=lambda view: mine in _running_ids(view))  # still running
+        looked.set()
     assert chosen["request"]["request_id"] == mine
     assert [r["num_prompt_tokens"] > 0 for r in owner["running"] if r["request_id"] == mine] == [True], owner
     for view in (other, other_chosen):
