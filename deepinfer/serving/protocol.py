@@ -38,11 +38,10 @@ from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
 SEED_MIN, SEED_MAX, INT64_MAX = -(2**63), 2**64 - 1, 2**63 - 1
-_STRICT = STRICT
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding is sent)
 
@@ -50,7 +49,7 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (None: the default)."""
 
-    model_config = _STRICT
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)

@@ -37,7 +37,6 @@ from deepinfer.serving.fim import fim_prompt, require_fim_tokens
 from deepinfer.serving.parse import STRICT, Items, parse_body
 from deepinfer.serving.prepare import Prepared
 
-_STRICT = STRICT
 # SamplingParams' field -> the body's name for it, for a refusal's `param`
 _PARAM_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty", "temperature": "temperature",
                 "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop": "stop",
@@ -45,7 +44,7 @@ _PARAM_NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty
 
 
 class ExtraChunk(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     filename: str = "tmp"
     text: str
 
@@ -53,7 +52,7 @@ class ExtraChunk(BaseModel):
 class InfillRequest(BaseModel):
     """POST /infill."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     input_prefix: str = ""
     input_suffix: str = ""

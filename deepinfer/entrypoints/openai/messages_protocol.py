@@ -35,7 +35,6 @@ from deepinfer.sampling_params import INT64_MAX, short_repr
 from deepinfer.serving.errors import FieldError, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = STRICT
 _USER_BLOCKS = ("text", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 _TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
@@ -58,7 +57,7 @@ def messages_names(path: Path) -> Path:
 
 
 class ToolChoice(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -67,7 +66,7 @@ class ToolChoice(BaseModel):
 class CountTokensRequest(BaseModel):
     """POST /v1/messages/count_tokens: what the prompt is made of."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     messages: Items[Entries[str, Any]] = Field(min_length=1)
     system: str | Items[Entries[str, Any]] | None = None

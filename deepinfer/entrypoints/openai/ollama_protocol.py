@@ -34,7 +34,6 @@ from deepinfer.serving.embeddings import MAX_INPUTS
 from deepinfer.serving.errors import FieldError, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = STRICT
 # Ollama option -> chat request field
 _SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
@@ -61,7 +60,7 @@ def ollama_names(path: Path) -> Path:
 
 
 class _Body(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str = Field(min_length=1)
     format: str | Entries[str, Any] | None = None
     options: Entries[str, Any] | None = None
@@ -145,7 +144,7 @@ class GenerateBody(_Body):
 class EmbedBody(BaseModel):
     """POST /api/embed."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str = Field(min_length=1)
     input: str | Items[str]
     truncate: bool | None = None  # true: cut an input to the context (unset: a too long input is a 400)
@@ -175,7 +174,7 @@ class EmbedBody(BaseModel):
 class LegacyEmbedBody(BaseModel):
     """POST /api/embeddings (Ollama's older route)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str = Field(min_length=1)
     prompt: str = Field(min_length=1)
     options: Entries[str, Any] | None = None
@@ -185,7 +184,7 @@ class LegacyEmbedBody(BaseModel):
 class NameBody(BaseModel):
     """POST /api/show."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     name: str | None = None  # Ollama's older spelling
     verbose: bool | None = None

@@ -40,18 +40,17 @@ from deepinfer.serving.parse import STRICT, Items, parse_body
 
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
 SCORE_PATHS = ("/v1/score", "/score")
-_STRICT = STRICT
 
 
 class RerankDocument(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     text: str
 
 
 class RerankRequest(BaseModel):
     """POST /v1/rerank."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     query: str
     documents: Items[str | RerankDocument]
@@ -69,7 +68,7 @@ class RerankRequest(BaseModel):
 class ScoreRequest(BaseModel):
     """POST /v1/score."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     text_1: str | Items[str]
     text_2: str | Items[str]

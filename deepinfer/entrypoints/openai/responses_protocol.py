@@ -23,7 +23,6 @@ from deepinfer.sampling_params import short_repr
 from deepinfer.serving.errors import FieldError, FieldNames, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
 
-_STRICT = STRICT
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 # chat field -> the Responses field it comes from (for the param of a 400)
@@ -53,7 +52,7 @@ def responses_names(num_before: int) -> FieldNames:
 class ResponsesRequest(BaseModel):
     """POST /v1/responses."""
 
-    model_config = _STRICT
+    model_config = STRICT
     input: str | Items[Entries[str, Any]]
     model: str | None = None
     instructions: str | None = None

@@ -29,13 +29,11 @@ from deepinfer.serving.errors import FieldError, bad_request, from_field_error
 from deepinfer.serving.parse import STRICT, Entries, Items, parse_body
 from deepinfer.serving.protocol import ChatMessage
 
-_STRICT = STRICT
-
 
 class TokenizeRequest(BaseModel):
     """One of `prompt` (text) or `messages` (a chat)."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: Items[ChatMessage] | None = Field(None, min_length=1)
@@ -47,7 +45,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     model: str | None = None
     tokens: Items[int]
 
