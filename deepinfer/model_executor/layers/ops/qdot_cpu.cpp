@@ -141,7 +141,7 @@ struct Panel {
   const float* sf;      // [K/U][rows], kinds with a min (else null)
 };
 
-constexpr int64_t kFusedRows = 4;  // up to this many activation rows: decoded codes go straight from registers
+constexpr int64_t kFusedRows = 8;  // up to this many activation rows: decoded codes go straight from registers
 
 // What a qdot call reads: activations (plain and packed), weight bytes, the per-unit terms.
 struct Problem {
@@ -740,8 +740,9 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   I h[4];
   V::load_t4(p, stride, h);  // d|dmin, scale bytes 0-3, 4-7, 8-11
   const F d = V::half_lo(h[0]), dmin = V::half_lo(V::srl(h[0], 16));
-  const I m6 = V::set1(63), m4 = V::set1(0xF), m30 = V::set1(0x30);
-  for (int j = 0; j < 8; ++j) {
+  // Unit j's scale and min, handed to the sink just before its codes (few registers live at once).
+  auto scales = [&](int j) {
+    const I m6 = V::set1(63), m4 = V::set1(0xF), m30 = V::set1(0x30);
     I sc, mn;
     if (j < 4) {
       sc = V::and_(V::srl(h[1], 8 * j), m6);
@@ -753,7 +754,7 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
     }
     sink.scale(u0 + j, V::mul(d, V::cvt(sc)));
     sink.min(u0 + j, V::neg(V::mul(dmin, V::cvt(mn))));
-  }
+  };
   constexpr int qs_at = KIND == 12 ? 16 : 48;
   I qh[8];
   if constexpr (KIND == 13) {
@@ -773,7 +774,9 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
         hi[g] = V::or_(hi[g], V::sll(V::and_(V::srl(qh[g], 2 * pair + 1), bit), 4));
       }
     }
+    scales(2 * pair);
     sink.unit(u0 + 2 * pair, lo);
+    scales(2 * pair + 1);
     sink.unit(u0 + 2 * pair + 1, hi);
   }
   sink.block_done(u0);
@@ -875,24 +878,38 @@ INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code,
   }
 }
 
-// The fused sink, for a few activation rows (one panel of MR <= 4): each unit's integer sums are
-// taken as its codes come (from registers), its float step at the end of its block, in order.
+// The fused sink, for a few activation rows (one panel of MR <= kFusedRows): each unit's integer sums are
+// taken as its codes come (from registers). Units of 32 arrive in ascending order and take their
+// float step at once; Q6_K's units of 16 arrive two quarters interleaved (0, 4, 1, 5, ...), so
+// their sums wait for the end of the block and take their float steps then, in ascending order.
 template <int MR, int U, int L, bool MIN, bool INIT, bool SIGN>
 struct Fused {
   static constexpr int G = U / 4, UB = U == 16 ? 16 : 8;  // units per block, at most
+  static constexpr bool kDefer = U == 16;
   const Panel& p;
   int64_t block_units;  // units per block: 1, 8 or 16
   F acc[MR];
   F A[UB], B[UB];
-  I sums[UB][MR];
+  I sums[kDefer ? UB : 1][MR];
   INLINE Fused(const Panel& panel, int64_t units_per_block) : p(panel), block_units(units_per_block) {
     for (int i = 0; i < MR; ++i) acc[i] = V::zerof();
   }
   INLINE void scale(int64_t u, F a) { A[u % UB] = a; }
   INLINE void min(int64_t u, F b) { B[u % UB] = b; }
+  // Unit u's float step for each row: acc + (A * d) * float(isum) [+ (B * d) * float(s)].
+  INLINE void step(int64_t u, const I* isum) {
+    for (int i = 0; i < MR; ++i) {
+      const F d = V::set1f(p.d[u * MR + i]);
+      F c = V::mul(V::mul(A[u % UB], d), V::cvt(isum[i]));
+      if constexpr (MIN) c = V::add(c, V::mul(V::mul(B[u % UB], d), V::set1f(p.sf[u * MR + i])));
+      acc[i] = V::add(acc[i], c);
+    }
+  }
   template <class Code, class Raw>
   INLINE void sum(int64_t u, Code code, Raw raw) {
-    unit_sums<MR, G, L, SIGN>(sums[u % UB], p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
+    I* isum = sums[kDefer ? u % UB : 0];
+    unit_sums<MR, G, L, SIGN>(isum, p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
+    if constexpr (!kDefer) step(u, isum);
   }
   INLINE void unit(int64_t u, const I* v) {
     sum(u, [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
@@ -901,15 +918,8 @@ struct Fused {
     sum(u, [&](int g) { return abs[g]; }, [&](int g) { return w[g]; });
   }
   INLINE void block_done(int64_t u0) {
-    for (int64_t k = 0; k < block_units; ++k) {
-      const int64_t u = u0 + k;
-      for (int i = 0; i < MR; ++i) {
-        const F d = V::set1f(p.d[u * MR + i]);
-        F c = V::mul(V::mul(A[u % UB], d), V::cvt(sums[u % UB][i]));
-        if constexpr (MIN) c = V::add(c, V::mul(V::mul(B[u % UB], d), V::set1f(p.sf[u * MR + i])));
-        acc[i] = V::add(acc[i], c);
-      }
-    }
+    if constexpr (kDefer)
+      for (int64_t k = 0; k < block_units; ++k) step(u0 + k, sums[(u0 + k) % UB]);
   }
 };
 
@@ -1051,7 +1061,11 @@ void tiles_of(const Problem& pb, int64_t t0, int64_t t1) {
       case 1: return tiles_fused<KIND, 1>(pb, t0, t1);
       case 2: return tiles_fused<KIND, 2>(pb, t0, t1);
       case 3: return tiles_fused<KIND, 3>(pb, t0, t1);
-      default: return tiles_fused<KIND, 4>(pb, t0, t1);
+      case 4: return tiles_fused<KIND, 4>(pb, t0, t1);
+      case 5: return tiles_fused<KIND, 5>(pb, t0, t1);
+      case 6: return tiles_fused<KIND, 6>(pb, t0, t1);
+      case 7: return tiles_fused<KIND, 7>(pb, t0, t1);
+      default: return tiles_fused<KIND, 8>(pb, t0, t1);
     }
   }
   tiles_buffered<KIND>(pb, t0, t1);
