@@ -1,13 +1,19 @@
 """Write a real-size GGUF in the Qwen2 layout from random weights, for speed measurements (speed does
 not depend on the values), and optionally a same-family draft model for speculative decoding.
 
-    python scripts/make_synthetic_gguf.py OUT.gguf [--layers 28 --hidden 1536 --intermediate 8960
-        --heads 12 --kv-heads 2] [--draft OUT-draft.gguf --draft-layers 9 --extra-scale 0.05]
+    python scripts/make_synthetic_gguf.py OUT.gguf [--shape qwen2.5-1.5b | llama3.1-8b] [--vocab 151936]
+        [--layers 28 --hidden 1536 --intermediate 8960 --heads 12 --kv-heads 2]
+        [--draft OUT-draft.gguf --draft-layers 9 --extra-scale 0.05]
 
 The target is Qwen2.5-1.5B's shape (28 layers, hidden 1536, FFN 8960, 12 heads, 2 KV heads of 128,
 RoPE base 1e6, context 32768, tied embeddings) with the tokenizer of the embedded SmolLM2 GGUF
 (49,152 tokens: a real BPE vocabulary and chat template, so llama.cpp and transformers both load it);
-about 1.4 B parameters. Types follow llama.cpp's Q4_K_M mix: Q4_K everywhere, Q6_K for the embedding
+about 1.4 B parameters. `--vocab N` pads the vocabulary to N tokens (the extra ones unused control
+tokens, `<|pad_i|>`) so that the embedding and LM head have a real model's size: Qwen2.5's 151,936
+rows are ~18% of a 1.5B token's bytes, which a 49,152-token head understates. `--shape llama3.1-8b`
+is Llama-3.1-8B's shape (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads of 128, RoPE base
+5e5, an untied LM head, vocabulary 128,256 unless --vocab says otherwise) in the same Q4_K_M mix
+(Q6_K LM head, the embedding Q4_K as llama.cpp writes it), written in the llama layout. Types follow llama.cpp's Q4_K_M mix: Q4_K everywhere, Q6_K for the embedding
 (the LM head too, tied) and for attn_v / ffn_down on the layers where Q4_K_M spends more bits (the
 first and last eighth, and every third between; `--mix q4_k`: Q4_K everywhere). Blocks are random
 codes with fp16 scales sized for weights of standard deviation ~0.02; norms are ones, biases zeros.
@@ -92,6 +98,25 @@ def tokenizer_fields(path: str) -> dict:
     return fields
 
 
+SHAPES = {  # name: (layers, hidden, FFN, heads, KV heads, vocab, RoPE base, tied, architecture)
+    "qwen2.5-1.5b": (28, 1536, 8960, 12, 2, None, 1e6, True, "qwen2"),
+    "llama3.1-8b": (32, 4096, 14336, 32, 8, 128256, 5e5, False, "llama"),
+}
+
+
+def padded_vocab(tokenizer: dict, size: int | None) -> dict:
+    """The tokenizer keys with the token list padded to `size` tokens (unused control tokens)."""
+    tokens, kind, sub = tokenizer["tokenizer.ggml.tokens"]
+    if size is None or size <= len(tokens):
+        return tokenizer
+    types, tkind, tsub = tokenizer["tokenizer.ggml.token_type"]
+    extra = size - len(tokens)
+    out = dict(tokenizer)
+    out["tokenizer.ggml.tokens"] = (tokens + [f"<|pad_{i}|>" for i in range(extra)], kind, sub)
+    out["tokenizer.ggml.token_type"] = (types + [int(gguf.TokenType.CONTROL)] * extra, tkind, tsub)
+    return out
+
+
 def layer_tensors(rng, layer: int, args) -> dict[str, tuple[np.ndarray, object]]:
     """One block's tensors by GGUF name: (data, ggml type or None for F32)."""
     h, f, hd = args.hidden, args.intermediate, args.hidden // args.heads
@@ -112,20 +137,22 @@ def layer_tensors(rng, layer: int, args) -> dict[str, tuple[np.ndarray, object]]
         "ffn_up.weight": (q4_k_blocks(rng, f, h, 0.02), Q4_K),
         "ffn_down.weight": (make[heavy](rng, h, f, 0.02), heavy),
     }
+    if args.arch != "qwen2":  # Llama: no q/k/v biases
+        t = {name: value for name, value in t.items() if not name.endswith(".bias")}
     return {f"blk.{layer}.{name}": value for name, value in t.items()}
 
 
 def write_model(path: str, args, layers: int, tensors: dict, tokenizer: dict) -> None:
-    writer = gguf.GGUFWriter(path, "qwen2")
-    writer.add_name(f"synthetic-qwen2-{layers}L-{args.hidden}")
+    writer = gguf.GGUFWriter(path, args.arch)
+    writer.add_name(f"synthetic-{args.arch}-{layers}L-{args.hidden}")
     writer.add_context_length(args.context)
     writer.add_embedding_length(args.hidden)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(args.intermediate)
     writer.add_head_count(args.heads)
     writer.add_head_count_kv(args.kv_heads)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(args.rope_base)
+    writer.add_layer_norm_rms_eps(1e-6 if args.arch == "qwen2" else 1e-5)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     for key, (value, kind, sub) in tokenizer.items():
         writer.add_key_value(key, value, kind, sub_type=sub)
@@ -143,11 +170,15 @@ def write_model(path: str, args, layers: int, tensors: dict, tokenizer: dict) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--hidden", type=int, default=1536)
-    p.add_argument("--intermediate", type=int, default=8960)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b",
+                   help="the model's shape (the flags below override its parts)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="pad the vocabulary to this many tokens (default: the shape's, else the tokenizer's 49,152)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--draft", default=None, help="also write the draft model here")
     p.add_argument("--draft-layers", type=int, default=9)
@@ -157,13 +188,23 @@ def main() -> None:
     p.add_argument("--mix", choices=["q4_k_m", "q4_k"], default="q4_k_m",
                    help="q4_k_m: llama.cpp's mix (Q6_K embedding, attn_v and ffn_down on some layers); q4_k: Q4_K only")
     args = p.parse_args()
+    layers, hidden, ffn, heads, kv_heads, vocab_size, args.rope_base, tied, args.arch = SHAPES[args.shape]
+    for name, value in (("layers", layers), ("hidden", hidden), ("intermediate", ffn), ("heads", heads),
+                        ("kv_heads", kv_heads), ("vocab", vocab_size)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     rng = np.random.default_rng(args.seed)
-    tokenizer = tokenizer_fields(default_model_path())
+    tokenizer = padded_vocab(tokenizer_fields(default_model_path()), args.vocab)
     vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
-    embd = (q6_k_blocks(rng, vocab, args.hidden, 0.02), Q6_K) if args.mix == "q4_k_m" \
+    heavy = args.mix == "q4_k_m"
+    head = (q6_k_blocks(rng, vocab, args.hidden, 0.02), Q6_K) if heavy \
         else (q4_k_blocks(rng, vocab, args.hidden, 0.02), Q4_K)
+    # Tied: the embedding is the head (Q6_K in Q4_K_M). Untied: llama.cpp keeps the embedding Q4_K.
+    embd = head if tied else (q4_k_blocks(rng, vocab, args.hidden, 0.02), Q4_K)
     tensors = {"token_embd.weight": embd,
                "output_norm.weight": (np.ones(args.hidden, np.float32), None)}
+    if not tied:
+        tensors["output.weight"] = head
     for layer in range(args.layers):
         block = layer_tensors(rng, layer, args)
         if args.draft and layer >= args.draft_layers:
