@@ -129,6 +129,7 @@ class CacheConfig:
 
 # prompt lookup (any model); DeepSeek-V4's next-n module; a smaller model with the same tokenizer (`model`)
 SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+DRAFT_LENGTHS = ("adaptive", "fixed")
 MAX_SPECULATIVE_TOKENS = 32  # drafts one verification step may carry: each costs a query row every step
 
 
@@ -146,9 +147,17 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix matched against the history
     prompt_lookup_min: int = 1  # ngram: shortest
     model: str | None = None  # draft_model: the draft checkpoint (GGUF file or HF directory), same tokenizer
+    draft_length: str = "adaptive"  # "fixed": k drafts a step; "adaptive": as many as pay (spec_decode/draft_length.py)
+    row_cost: float = 0.15  # adaptive: one more verification row, as a share of a decode step
 
     def __post_init__(self):
         self._check_model()
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_draft_length must be one of {', '.join(map(repr, DRAFT_LENGTHS))}, "
+                             f"got {self.draft_length!r}")
+        if isinstance(self.row_cost, bool) or not isinstance(self.row_cost, (int, float)) \
+                or not 0.0 <= self.row_cost <= 1.0:
+            raise ValueError(f"speculative_row_cost must be a number in [0, 1], got {self.row_cost!r}")
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} "
                              f"or None, got {self.method!r}")

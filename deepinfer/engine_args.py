@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from deepinfer.config import (
     ACTIVATION_LEVELS,
     ATTENTION_BACKENDS,
+    DRAFT_LENGTHS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     POOLING_CHOICES,
@@ -137,6 +138,13 @@ class EngineArgs:
     num_speculative_tokens: int | None = _option(
         SpeculativeConfig, "num_speculative_tokens", "k: draft tokens a step may verify; rings keep S >= W + k + 1 "
         "(default: DEEPINFER_USE_NEXTN_DECODE, 5)")
+    speculative_draft_length: str = _option(
+        SpeculativeConfig, "draft_length", "adaptive: per request, as many drafts (up to k) as its running "
+        "acceptance says pay for their draft passes and verification rows; fixed: k every step",
+        choices=DRAFT_LENGTHS)
+    speculative_row_cost: float = _option(
+        SpeculativeConfig, "row_cost", "adaptive draft length: the cost of one more verification row as a share "
+        "of a decode step (decode reads the weights once for every row)")
     chat_template: str | None = _option(
         EngineConfig, "chat_template", "a chat template replacing the model's own: a path to a Jinja file, or the "
         "template text itself (as vLLM's flag); chat requests, `deepinfer chat` and `generate` render with it",

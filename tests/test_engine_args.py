@@ -129,7 +129,8 @@ def test_a_far_off_keyword_gets_no_suggestion():
 # -- each default is written once ---------------------------------------------------------------------------
 
 # defaults that are everywhere for other reasons (None, switches, "auto", 0, 1) are not searched for
-DISTINCT = {f.name: f.default for f in FIELDS
+# by the config field's name (an option's default is written there, e.g. SpeculativeConfig.row_cost)
+DISTINCT = {f.metadata["name"]: f.default for f in FIELDS
             if f.default is not None and not isinstance(f.default, bool) and f.default not in ("auto", 0, 1)}
 
 

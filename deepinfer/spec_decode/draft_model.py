@@ -40,6 +40,7 @@ from deepinfer.contracts.drafting import DraftInputs
 from deepinfer.contracts.plan import ScheduledRequest, is_decode
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.spec_decode.chain import Chain, ChainDrafter
+from deepinfer.spec_decode.draft_length import DraftLength
 from deepinfer.spec_decode.drafter import draft_budget
 
 
@@ -85,8 +86,10 @@ class DraftModelDrafter(ChainDrafter):
     """Runs the draft model after each step (see the module docstring). With several ranks every
     rank runs its passes (its layers split like the target's); the drafts agree."""
 
-    def __init__(self, config: SpeculativeConfig, rows: DraftRows, vocab_size: int, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, rows: DraftRows, vocab_size: int, max_model_len: int,
+                 lengths: DraftLength):
         self.k, self.rows, self.model = config.num_speculative_tokens, rows, rows.model
+        self.lengths = lengths  # how many of the k drafts a request gets (draft_length.py)
         self.vocab_size = vocab_size  # drafts are ids of the target's vocabulary
         self.max_model_len = max_model_len  # no draft row past the last position a request may reach
         self.num_passes = 0  # draft forwards run (pass 0 and the chained ones), for tests and benchmarks
@@ -111,7 +114,8 @@ class DraftModelDrafter(ChainDrafter):
             tokens = s.token_ids[first - s.start_pos:kept] + ([new[-1].token_id] if sampled else [])
             if not tokens:
                 continue
-            budget = min(draft_budget(s, new, self.k), self.max_model_len - q) if s.do_sample else 0
+            cap = min(draft_budget(s, new, self.k), self.max_model_len - q) if s.do_sample else 0
+            budget = self.lengths.budget(s, new, cap)
             collected = drafts.setdefault(s.request_id, []) if budget else []
             tables, slots = self.rows.units_of(s, self.rows.scratch(len(chains)))
             sched = ScheduledRequest(s.request_id, tokens, first, tables, slots,
@@ -141,5 +145,7 @@ class DraftModelDrafter(ChainDrafter):
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget what finished, aborted or preempted requests' passes left (a preempted one
         recomputes its rows from its first position)."""
+        request_ids = list(request_ids)
         for request_id in request_ids:
             self._written.pop(request_id, None)
+        self.lengths.release(request_ids)

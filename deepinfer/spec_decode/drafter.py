@@ -1,7 +1,7 @@
 """The drafters' shared rule and the drafter that runs no model.
 
-    draft_budget  how many drafts a request is worth after this step: k, fewer when max_tokens
-                  leaves less room to verify
+    draft_budget  how many drafts a request may take after this step: k, fewer when max_tokens
+                  leaves less room to verify (`draft_length.py` picks how many of them pay)
     NgramDrafter  prompt lookup over the request's prompt and outputs (any model; `ngram.py`)
 
 The model drafters (`mtp.py`, `draft_model.py`) run the chain loop of `chain.py`; all three are
@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from deepinfer.config import SpeculativeConfig
 from deepinfer.contracts.drafting import DraftInputs
 from deepinfer.contracts.plan import ScheduledRequest
+from deepinfer.spec_decode.draft_length import DraftLength
 from deepinfer.spec_decode.ngram import NgramProposer
 
 
@@ -31,15 +32,15 @@ class NgramDrafter:
 
     runs_model = False  # rank 0 alone drafts
 
-    def __init__(self, config: SpeculativeConfig):
-        self.k = config.num_speculative_tokens
+    def __init__(self, config: SpeculativeConfig, lengths: DraftLength):
+        self.k, self.lengths = config.num_speculative_tokens, lengths
         self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
 
     def propose(self, inputs: DraftInputs, samples: dict) -> dict[str, list[int]]:
         drafts = {}
         for s in inputs.sample_rows:
             new = samples.get(s.request_id)
-            budget = draft_budget(s, new, self.k) if new else 0
+            budget = self.lengths.budget(s, new, draft_budget(s, new, self.k)) if new else 0
             if budget:
                 history = s.prompt_token_ids + s.output_token_ids + [r.token_id for r in new]
                 drafts[s.request_id] = self.proposer.propose(history, budget)
@@ -49,4 +50,4 @@ class NgramDrafter:
         return None  # one-hot at each draft
 
     def release(self, request_ids: Iterable[str]) -> None:
-        pass
+        self.lengths.release(request_ids)

@@ -20,6 +20,7 @@ window. Drafts are the module's argmax (a one-hot proposal distribution q).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from deepinfer.contracts.model import DraftingModel
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.model_executor.forward_context import forward_context
 from deepinfer.spec_decode.chain import Chain, ChainDrafter
+from deepinfer.spec_decode.draft_length import DraftLength
 from deepinfer.spec_decode.drafter import draft_budget
 
 
@@ -39,11 +41,13 @@ class MtpDrafter(ChainDrafter):
     ranks every rank runs it (its layers are split like the main ones); the drafts agree.
     `metadata` builds a pass's metadata over the model's "mtp" ring group."""
 
-    def __init__(self, config: SpeculativeConfig, model: DraftingModel, metadata: PassMetadata):
+    def __init__(self, config: SpeculativeConfig, model: DraftingModel, metadata: PassMetadata,
+                 lengths: DraftLength):
         caps = model.capabilities
         if not (caps.mtp_drafting and caps.drafting_streams) or model.mtp is None:
             raise ValueError("speculative_method='mtp' needs a model built with its MTP module")
         self.k, self.model, self.mtp, self.metadata = config.num_speculative_tokens, model, model.mtp, metadata
+        self.lengths = lengths  # how many of the k drafts a request gets (draft_length.py)
 
     def first_pass(self, inputs: DraftInputs, samples: dict) -> tuple[list[Chain], dict[str, list[int]]]:
         """Every request's kept positions with the tokens after them (carrying their streams
@@ -57,7 +61,7 @@ class MtpDrafter(ChainDrafter):
                 continue  # its sampling failed: the request is failed, no drafts
             kept = len(new) if s.verify else s.num_tokens
             following = [new[-1].token_id] if s.do_sample else [_token_at(s, s.start_pos + s.num_tokens)]
-            budget = draft_budget(s, new, self.k) if s.do_sample else 0
+            budget = self.lengths.budget(s, new, draft_budget(s, new, self.k)) if s.do_sample else 0
             collected = drafts.setdefault(s.request_id, []) if budget else []
             sched = ScheduledRequest(s.request_id, s.token_ids[1:kept] + following, s.start_pos, s.block_ids,
                                      s.state_ids)
@@ -89,3 +93,6 @@ def _token_at(s: ScheduledRequest, pos: int) -> int:
     """The request's token at `pos` (prompt, then outputs)."""
     num_prompt = len(s.prompt_token_ids)
     return s.prompt_token_ids[pos] if pos < num_prompt else s.output_token_ids[pos - num_prompt]
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        self.lengths.release(request_ids)

@@ -17,11 +17,13 @@ import torch
 
 from deepinfer.config import SpeculativeConfig
 from deepinfer.contracts.drafting import Drafter
+from deepinfer.spec_decode.draft_length import DraftLength
 from deepinfer.spec_decode.draft_model import DraftModelDrafter
 from deepinfer.spec_decode.drafter import NgramDrafter
 from deepinfer.spec_decode.mtp import MtpDrafter
 from deepinfer.worker.draft_cache import DraftCache
 from deepinfer.worker.input_batch import PassMetadata
+from deepinfer.worker.summary import weight_bytes
 
 
 def make_drafter(config: SpeculativeConfig, model, addressing: list, device: torch.device,
@@ -32,13 +34,25 @@ def make_drafter(config: SpeculativeConfig, model, addressing: list, device: tor
     if config.method is None:
         return None
     if config.method == "ngram":
-        return NgramDrafter(config)
+        return NgramDrafter(config, draft_length(config, 0.0, sunk=False))
     if config.method == "draft_model":
         if draft is None:
             raise ValueError("speculative_method='draft_model' needs speculative_model (a draft checkpoint)")
-        return DraftModelDrafter(config, draft, vocab_size, max_model_len)
+        cost = weight_bytes(draft.model) / max(weight_bytes(model), 1)
+        return DraftModelDrafter(config, draft, vocab_size, max_model_len, draft_length(config, cost, sunk=True))
     mtp = [a for a in addressing if a.group.name == "mtp"]
     if len(mtp) != 1:
         names = [a.group.name for a in addressing]
         raise ValueError(f"the MTP module needs one 'mtp' ring group, the model declared {names}")
-    return MtpDrafter(config, model, PassMetadata(mtp, device))
+    return MtpDrafter(config, model, PassMetadata(mtp, device), draft_length(config, mtp_share(model), sunk=True))
+
+
+def draft_length(config: SpeculativeConfig, draft_cost: float, sunk: bool) -> DraftLength:
+    """The drafts' length rule of `config` (spec_decode/draft_length.py); `draft_cost`: one draft pass
+    as a share of a decode step (the drafter's weight bytes over the model's)."""
+    return DraftLength(config.draft_length == "adaptive", draft_cost, config.row_cost, sunk)
+
+
+def mtp_share(model) -> float:
+    """The MTP module's share of the model's weight bytes (what one MTP pass reads of a decode step's)."""
+    return weight_bytes(model.mtp) / max(weight_bytes(model), 1) if model.mtp is not None else 0.0

@@ -88,7 +88,8 @@ def test_mtp_and_the_draft_model_draft_through_the_same_loop(monkeypatch, tmp_pa
     v4 = str(tmp_path / "v4")
     make_tiny_v4(v4, [SLIDING, CSA])
     engine = dict(block_size=2, num_blocks=48, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
-    mtp = LLM(v4, load_format="dummy", speculative_method="mtp", num_speculative_tokens=K, **engine)
+    mtp = LLM(v4, load_format="dummy", speculative_method="mtp", num_speculative_tokens=K,
+              speculative_draft_length="fixed", **engine)
     mtp.generate([[5, 9, 12, 40, 33, 7, 8]], _greedy(12), use_tqdm=False)
     mtp_calls = [passes for name, passes in calls if name == "MtpDrafter"]
     assert len(mtp_calls) == len(calls) > 1 and max(mtp_calls) == K
@@ -99,7 +100,8 @@ def test_mtp_and_the_draft_model_draft_through_the_same_loop(monkeypatch, tmp_pa
     short = {k: v for k, v in weights.items() if ".layers." not in k or int(k.split(".")[2]) < 1}
     draft = write_gguf(tmp_path / "draft.gguf", "llama", tiny_hf_config("llama", num_hidden_layers=1), short)
     calls.clear()
-    llm = LLM(target, speculative_model=draft, num_speculative_tokens=K, block_size=4, num_blocks=32, max_model_len=64)
+    llm = LLM(target, speculative_model=draft, num_speculative_tokens=K, speculative_draft_length="fixed", block_size=4,
+              num_blocks=32, max_model_len=64)
     llm.generate([[3, 4, 5, 6, 7, 8]], _greedy(12), use_tqdm=False)
     draft_calls = [passes for name, passes in calls if name == "DraftModelDrafter"]
     assert len(draft_calls) == len(calls) > 1 and max(draft_calls) == K

@@ -120,7 +120,8 @@ def _drive(llm: LLM, on_step) -> list[int]:
 def test_cached_mtp_chain_equals_the_stateless_reference(v4_path):
     """Every step's drafts equal `DeepseekV4MTP.propose` run statelessly over the whole sequence
     (the main model's streams of all kept positions, collected step by step)."""
-    llm = LLM(v4_path, load_format="dummy", speculative_method="mtp", num_speculative_tokens=K, **ENGINE)
+    llm = LLM(v4_path, load_format="dummy", speculative_method="mtp", num_speculative_tokens=K,
+              speculative_draft_length="fixed", **ENGINE)
     runner, model = llm.engine.runner, llm.engine.runner.model
     drafter, streams, checks = runner.steps.drafter, [], []
 
