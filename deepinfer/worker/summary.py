@@ -3,6 +3,7 @@ dtype, quantization, attention backend and device."""
 
 from __future__ import annotations
 
+from deepinfer.model_executor.layers.ops.cpu_kernels import portable_reason, qdot_levels
 from deepinfer.model_executor.layers.ops.qmatmul import qdot_variant
 from deepinfer.model_executor.layers.quant_linear import packed_weights
 from deepinfer.model_executor.loader.gguf import packed_file_bytes
@@ -31,7 +32,19 @@ def packed_summary(model, source=None) -> str | None:
     if source is not None and source.format == "gguf":
         in_file = sum(packed_file_bytes(source.path).values())
         text += f" for {mib(in_file)} in the file ({held / max(in_file, 1):.2f}x)"
-    return f"{text}, qdot {qdot_variant()}"
+    return f"{text}, qdot {qdot_variant()}{_portable_note()}"
+
+
+def _portable_note() -> str:
+    """Why the integer dot products run without SIMD, when they do: a CPU without AVX2, no kernel
+    library, or DEEPINFER_CPU_ISA's cap."""
+    variant = qdot_variant()
+    if variant == "plain":
+        return f" (portable C++: {portable_reason()})"
+    if variant == "none":
+        return " (the torch reference: " + ("no CPU kernel library)" if not qdot_levels() else
+                                            "DEEPINFER_CPU_ISA=none caps it)")
+    return ""
 
 
 def startup_summary(runner, max_model_len: int, load_s: float, source=None) -> str:

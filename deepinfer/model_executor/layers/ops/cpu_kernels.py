@@ -298,7 +298,23 @@ def qdot_level(cap: bool = True) -> int:
     limit = _caps()[1] if cap else max(_QDOT_NAMES)
     if not limit:
         return 0
-    return max((level for level in qdot_levels() if level <= limit), default=0)
+    level = max((level for level in qdot_levels() if level <= limit), default=0)
+    if cap and level == 1:  # the one line a user sees (at start-up: the first quantized matmul asks)
+        logger.warning("integer dot products run the portable C++ path (%s): decode is several times slower "
+                       "than with AVX2", portable_reason())
+    return level
+
+
+def portable_reason() -> str:
+    """Why the portable path runs: the CPU, or DEEPINFER_CPU_ISA's cap."""
+    if not qdot_simd_available():
+        return "this CPU has neither AVX2 nor AVX-512"
+    return f"DEEPINFER_CPU_ISA={os.environ.get('DEEPINFER_CPU_ISA', '')} caps it"
+
+
+def qdot_simd_available() -> bool:
+    """Whether this CPU and build run an AVX2 or wider integer dot product (whatever the cap)."""
+    return any(level >= 2 for level in qdot_levels())
 
 
 def kernel_status() -> str:
