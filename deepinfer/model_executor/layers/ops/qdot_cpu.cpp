@@ -693,6 +693,8 @@ struct Tile {
       V::store(raw + (u * groups + g) * R * 4, w[g]);
     }
   }
+  INLINE void later(int64_t u, const I* v) const { unit(u, v); }
+  INLINE void settle(int64_t) const {}
   INLINE void block_done(int64_t) const {}
 };
 
@@ -789,15 +791,17 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   V::load_t4(p + 192, stride, sc);  // the 16 int8 scales
   V::load_t4(p + 194, stride, tail);  // bytes 194..209: d in the last dword's upper half
   const F d = V::half_lo(V::srl(tail[3], 16));
-  for (int s = 0; s < 16; ++s) {
+  auto scale = [&](int s) {  // unit s's scale, handed to the sink just before its float step
     const I v = V::sra(V::sll(sc[s / 4], 24 - 8 * (s % 4)), 24);  // int8 scale, sign-extended
     sink.scale(u0 + s, V::mul(d, V::cvt(v)));
-  }
+  };
   const I nib = V::set1(0x0F0F0F0F), two = V::set1(0x03030303);
   for (int h = 0; h < 2; ++h) {
     I qh[8];
     V::load_t4(p + 128 + 32 * h, stride, qh);
     V::load_t4(p + 128 + 32 * h + 16, stride, qh + 4);
+    // A 16-byte column of ql holds unit 8h + quarter (low nibbles) and unit 8h + 4 + quarter (high):
+    // the low units are taken in order as they come, the high ones' sums wait and are settled after.
     for (int quarter = 0; quarter < 4; ++quarter) {  // ql bytes 64h + 16 quarter .. + 15
       I ql[4], lo[4], hi[4];
       V::load_t4(p + 64 * h + 16 * quarter, stride, ql);
@@ -808,8 +812,13 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
         lo[j] = V::or_(V::and_(ql[j], nib), V::sll(qh_lo, 4));
         hi[j] = V::or_(V::and_(V::srl(ql[j], 4), nib), V::sll(qh_hi, 4));
       }
+      scale(8 * h + quarter);
       sink.unit(u0 + 8 * h + quarter, lo);  // values 128h + 16 quarter ..
-      sink.unit(u0 + 8 * h + 4 + quarter, hi);  // values 128h + 64 + 16 quarter ..
+      sink.later(u0 + 8 * h + 4 + quarter, hi);  // values 128h + 64 + 16 quarter ..
+    }
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      scale(8 * h + 4 + quarter);
+      sink.settle(u0 + 8 * h + 4 + quarter);
     }
   }
   sink.block_done(u0);
@@ -878,20 +887,19 @@ INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code,
   }
 }
 
-// The fused sink, for a few activation rows (one panel of MR <= kFusedRows): each unit's integer sums are
-// taken as its codes come (from registers). Units of 32 arrive in ascending order and take their
-// float step at once; Q6_K's units of 16 arrive two quarters interleaved (0, 4, 1, 5, ...), so
-// their sums wait for the end of the block and take their float steps then, in ascending order.
+// The fused sink, for a few activation rows (one panel of MR <= kFusedRows): each unit's integer
+// sums are taken as its codes come (from registers) and its float step follows at once (`unit`),
+// or, for a unit whose earlier units are still to come (Q6_K's high nibbles, `later`), its sums
+// wait for `settle`: every output adds its units' terms in ascending order, as the buffered path.
 template <int MR, int U, int L, bool MIN, bool INIT, bool SIGN>
 struct Fused {
   static constexpr int G = U / 4, UB = U == 16 ? 16 : 8;  // units per block, at most
-  static constexpr bool kDefer = U == 16;
+  static constexpr int W = 4;  // units whose sums may wait at once
   const Panel& p;
-  int64_t block_units;  // units per block: 1, 8 or 16
   F acc[MR];
   F A[UB], B[UB];
-  I sums[kDefer ? UB : 1][MR];
-  INLINE Fused(const Panel& panel, int64_t units_per_block) : p(panel), block_units(units_per_block) {
+  I waiting[W][MR];
+  INLINE Fused(const Panel& panel, int64_t) : p(panel) {
     for (int i = 0; i < MR; ++i) acc[i] = V::zerof();
   }
   INLINE void scale(int64_t u, F a) { A[u % UB] = a; }
@@ -906,21 +914,24 @@ struct Fused {
     }
   }
   template <class Code, class Raw>
-  INLINE void sum(int64_t u, Code code, Raw raw) {
-    I* isum = sums[kDefer ? u % UB : 0];
+  INLINE void sums(int64_t u, I* isum, Code code, Raw raw) {
     unit_sums<MR, G, L, SIGN>(isum, p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
-    if constexpr (!kDefer) step(u, isum);
   }
   INLINE void unit(int64_t u, const I* v) {
-    sum(u, [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
+    I isum[MR];
+    sums(u, isum, [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
+    step(u, isum);
   }
   INLINE void unit_sign(int64_t u, const I* abs, const I* w) {
-    sum(u, [&](int g) { return abs[g]; }, [&](int g) { return w[g]; });
+    I isum[MR];
+    sums(u, isum, [&](int g) { return abs[g]; }, [&](int g) { return w[g]; });
+    step(u, isum);
   }
-  INLINE void block_done(int64_t u0) {
-    if constexpr (kDefer)
-      for (int64_t k = 0; k < block_units; ++k) step(u0 + k, sums[(u0 + k) % UB]);
+  INLINE void later(int64_t u, const I* v) {
+    sums(u, waiting[u % W], [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
   }
+  INLINE void settle(int64_t u) { step(u, waiting[u % W]); }
+  INLINE void block_done(int64_t) {}
 };
 
 // The MR rows of panel p over the units [0, units) of a decoded chunk starting at unit gu0:
