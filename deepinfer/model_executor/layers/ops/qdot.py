@@ -36,8 +36,9 @@ below 2^53).
 
 `qdot_isa()` names the kernel variant this process uses: "avx512_vnni", "avx_vnni", "avx2",
 "plain" (portable C++, the same integers) or "none" (no kernel library: the torch reference).
-`DEEPINFER_CPU_ISA` caps it (see cpu_kernels.py). The functions below take `isa=` to run another
-variant (tests, benchmarks).
+`DEEPINFER_CPU_ISA` caps it (see cpu_kernels.py); calls of at most eight activation rows (decode,
+verification) run the variant `few_rows.py` measured fastest on this CPU, the same bits. The
+functions below take `isa=` to run another variant (tests, benchmarks).
 
 A layer calls `qlinear(x, w)` (one kernel call: quantize, then dot); weights stacked on the output
 axis share one `quantize_acts(x)` and take a `qdot(acts, part)` each. The result depends only on
@@ -53,6 +54,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from deepinfer.model_executor.layers.ops.cpu_kernels import qdot_level, qdot_levels
+from deepinfer.model_executor.layers.ops.few_rows import FEW_ROWS, few_row_level
 
 ACT_BLOCK = 32  # activation values per scale d
 ACT_LEVELS = 2  # quantization levels of the activations (x, then its residual)
@@ -144,10 +146,12 @@ def qdot_isa() -> str:
     return ISA_NAMES[qdot_level()]
 
 
-def _resolve(isa: str | None) -> int:
-    """The kernel level for `isa` (None: this process's choice)."""
+def _resolve(isa: str | None, rows: int | None = None) -> int:
+    """The kernel level for `isa` (None: this process's choice; for a call of at most FEW_ROWS
+    activation `rows`, the few-row variant `few_rows.py` measured)."""
     if isa is None:
-        return qdot_level()
+        level = qdot_level()
+        return few_row_level(level) if rows is not None and rows <= FEW_ROWS and level >= 2 else level
     levels = {v: k for k, v in ISA_NAMES.items()}
     if isa not in levels:
         raise ValueError(f"qdot: isa must be one of {', '.join(levels)}; got {isa!r}")
@@ -174,7 +178,7 @@ def qdot(acts: QuantActs, w: BlockWeight, *, isa: str | None = None) -> torch.Te
     kind = check_weight(w)
     if acts.q.shape[1] != w.shape[1]:
         raise ValueError(f"qdot: activations have K={acts.q.shape[1]}, the weight K={w.shape[1]}")
-    level = _resolve(isa)
+    level = _resolve(isa, acts.q.shape[0])
     if level and w.data.device.type == "cpu":
         return torch.ops.deepinfer_cpu.qdot.default(acts.q, acts.d, acts.sums, w.data, kind.ggml_id, w.shape[1],
                                                     level, acts.levels)  # [M, N]: level 1 + level 2
@@ -199,7 +203,7 @@ def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: 
     check_levels(levels)
     flat = x.dim() == 2  # the layers' case: no reshapes (a microsecond each, per layer and step)
     x2 = x if flat else x.reshape(-1, k)  # [M, K]
-    level = _resolve(isa)
+    level = _resolve(isa, x2.shape[0] * levels)
     if level and x.is_cpu and w.data.is_cpu:
         x2 = x2 if x2.dtype is torch.float32 else x2.float()
         y = torch.ops.deepinfer_cpu.qlinear.default(x2, w.data, kind.ggml_id, k, level, levels)  # [M, N]
