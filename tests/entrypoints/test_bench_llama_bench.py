@@ -73,8 +73,12 @@ def test_pp512_and_tg128_run_end_to_end_on_a_tiny_model(tiny_checkpoint, tmp_pat
                      r"\d+\.\d\d tok/s \(2 runs, \d+\.\d{3} s each\)$", text, re.M), text
     assert re.search(r"^tg128 +bandwidth +copy \d+\.\d\d GB/s \(STREAM-like copy of 8 MiB fp32, read \+ write "
                      r"bytes, best of 5, 1 thread\)$", text, re.M), text
+    assert re.search(r"^tg128 +bandwidth +read \d+\.\d\d GB/s \(a sum over 8 MiB fp32, bytes read, best of 5, "
+                     r"1 thread\)$", text, re.M), text
     assert re.search(rf"^tg128 +deepinfer +weights {tg['weight_bytes'] / 1e6:.1f} MB read per token x "
-                     r"\d+\.\d\d tok/s = \d+\.\d\d GB/s = \d+\.\d% of the copy bandwidth$", text, re.M), text
+                     r"\d+\.\d\d tok/s = \d+\.\d\d GB/s = \d+\.\d% of the copy bandwidth, \d+\.\d% of the read$",
+                     text, re.M), text
+    assert bw["read_share"] == pytest.approx(bw["weight_read_bytes_per_s"] / bw["read_bytes_per_s"])
 
 
 def _checkpoint_bytes(path: str) -> int:
@@ -207,6 +211,10 @@ def test_the_copy_probe_measures_on_the_given_threads_and_restores_torch_s():
     assert torch.get_num_threads() == before
     assert probe.nbytes == 4 << 20 and probe.threads == 1 and probe.repeats == 2 and probe.best_s > 0
     assert probe.bytes_per_s == 2 * probe.nbytes / probe.best_s
+    read = bandwidth.measure_read_bandwidth(threads=1, nbytes=4 << 20, repeats=2)
+    assert torch.get_num_threads() == before
+    assert read.nbytes == 4 << 20 and read.threads == 1 and read.repeats == 2 and read.best_s > 0
+    assert read.bytes_per_s == read.nbytes / read.best_s  # each byte once
 
 
 def test_gguf_tensor_bytes_sums_every_stored_tensor(tmp_path):

@@ -17,6 +17,10 @@ table), an overstatement by the embedding table otherwise (a token reads one row
 rows a short context reads are left out. A share near or above 1 means the weights stayed in
 cache between tokens (a model smaller than the last-level cache) or the copy probe was slowed
 by other work on the machine.
+
+Decode only reads its weights, so the probe also measures a read alone (`measure_read_bandwidth`:
+a sum over one buffer of the same size, counting its bytes once), the wall a decode kernel can
+reach; the share of it is printed beside the copy's.
 """
 
 from __future__ import annotations
@@ -86,6 +90,50 @@ def measure_copy_bandwidth(threads: int, nbytes: int | None = None,
             dst.copy_(src)
             best = min(best, time.perf_counter() - start)
         return CopyProbe(src.numel() * 4, best, threads, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass(frozen=True)
+class ReadProbe:
+    """The best of `repeats` sums over one buffer of `nbytes` on `threads` threads."""
+
+    nbytes: int
+    best_s: float
+    threads: int
+    repeats: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        if self.nbytes <= 0 or self.best_s <= 0:
+            raise ValueError(f"read bandwidth needs positive bytes and seconds, got {self.nbytes!r} and "
+                             f"{self.best_s!r}")
+        return self.nbytes / self.best_s
+
+    def as_json(self) -> dict:
+        return asdict(self) | {"bytes_per_s": self.bytes_per_s}
+
+
+def measure_read_bandwidth(threads: int, nbytes: int | None = None,
+                           repeats: int = DEFAULT_PROBE_REPEATS) -> ReadProbe:
+    """Sum an fp32 buffer of `nbytes` (default DEFAULT_PROBE_BYTES) `repeats` times on `threads` torch
+    threads (after one untimed sum); torch's thread count is restored after."""
+    import torch
+
+    nbytes = DEFAULT_PROBE_BYTES if nbytes is None else nbytes
+    if threads < 1 or repeats < 1 or nbytes < 4:
+        raise ValueError(f"threads, repeats >= 1 and nbytes >= 4 needed, got {threads!r}, {repeats!r}, {nbytes!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
+        src.sum()  # untimed
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            src.sum()
+            best = min(best, time.perf_counter() - start)
+        return ReadProbe(src.numel() * 4, best, threads, repeats)
     finally:
         torch.set_num_threads(before)
 

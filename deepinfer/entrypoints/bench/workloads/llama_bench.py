@@ -190,21 +190,30 @@ def format_llama_bench(r: LlamaBenchResult) -> str:
             f"{r.std_tokens_per_s:.2f} tok/s ({runs})")
 
 
-def bandwidth_lines(probe, results: list[LlamaBenchResult]) -> list[str]:
-    """The copy probe's line and, per tg128 result with weight bytes, its share (also stored on it)."""
+def bandwidth_lines(probe, results: list[LlamaBenchResult], read=None) -> list[str]:
+    """The copy probe's line (and the read probe's, given one) and, per tg128 result with weight bytes,
+    its share of each (also stored on it)."""
     from deepinfer.entrypoints.bench.bandwidth import bandwidth_share, weight_read_bytes_per_s
 
+    threads = _plural(probe.threads, "thread")
     lines = [f"tg128    bandwidth       copy {probe.bytes_per_s / 1e9:.2f} GB/s (STREAM-like copy of "
-             f"{probe.nbytes / 2**20:.0f} MiB fp32, read + write bytes, best of {probe.repeats}, "
-             f"{_plural(probe.threads, 'thread')})"]
+             f"{probe.nbytes / 2**20:.0f} MiB fp32, read + write bytes, best of {probe.repeats}, {threads})"]
+    if read is not None:
+        lines.append(f"tg128    bandwidth       read {read.bytes_per_s / 1e9:.2f} GB/s (a sum over "
+                     f"{read.nbytes / 2**20:.0f} MiB fp32, bytes read, best of {read.repeats}, {threads})")
     for r in results:
         if r.workload != "tg128" or r.weight_bytes is None:
             continue
         achieved = weight_read_bytes_per_s(r.weight_bytes, r.tokens_per_s)
         share = bandwidth_share(r.weight_bytes, r.tokens_per_s, probe.bytes_per_s)
         r.bandwidth = probe.as_json() | {"weight_read_bytes_per_s": achieved, "share": share}
-        lines.append(f"tg128    {r.engine:15s} weights {r.weight_bytes / 1e6:.1f} MB read per token x "
-                     f"{r.tokens_per_s:.2f} tok/s = {achieved / 1e9:.2f} GB/s = {share:.1%} of the copy bandwidth")
+        line = (f"tg128    {r.engine:15s} weights {r.weight_bytes / 1e6:.1f} MB read per token x "
+                f"{r.tokens_per_s:.2f} tok/s = {achieved / 1e9:.2f} GB/s = {share:.1%} of the copy bandwidth")
+        if read is not None:
+            read_share = bandwidth_share(r.weight_bytes, r.tokens_per_s, read.bytes_per_s)
+            r.bandwidth |= {"read_bytes_per_s": read.bytes_per_s, "read_share": read_share}
+            line += f", {read_share:.1%} of the read"
+        lines.append(line)
     return lines
 
 
@@ -239,7 +248,12 @@ def _engine_args(args, threads: int, names: list[str]) -> argparse.Namespace:
 def run_llama_bench(args, names: list[str], progress: WorkloadProgress) -> list[BenchResult]:
     """pp512 / tg128 (those of `names`) on one engine, each followed by the llama.cpp peer when
     asked for; after tg128, the copy probe and the bandwidth lines. The engine is closed at the end."""
-    from deepinfer.entrypoints.bench.bandwidth import engine_weight_bytes, gguf_tensor_bytes, measure_copy_bandwidth
+    from deepinfer.entrypoints.bench.bandwidth import (
+        engine_weight_bytes,
+        gguf_tensor_bytes,
+        measure_copy_bandwidth,
+        measure_read_bandwidth,
+    )
 
     threads = bench_threads(args)
     repetitions = args.repetitions
@@ -267,6 +281,7 @@ def run_llama_bench(args, names: list[str], progress: WorkloadProgress) -> list[
                 print(format_llama_bench(theirs), flush=True)
                 results.append(theirs)
     if "tg128" in names:
-        for line in bandwidth_lines(measure_copy_bandwidth(threads), results):
+        copy, read = measure_copy_bandwidth(threads), measure_read_bandwidth(threads)
+        for line in bandwidth_lines(copy, results, read):
             print(line, flush=True)
     return results
