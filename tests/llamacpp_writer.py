@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -187,9 +188,12 @@ def _encode(array: np.ndarray, qtype) -> tuple[np.ndarray, object]:
     return gguf.quants.quantize(array.astype(np.float32), qtype), qtype
 
 
-def write_gguf(path, arch: str, config, state_dict: dict, qtype=None, extra=None, tokenizer=True) -> str:
-    """Write `state_dict` (HF names) as llama.cpp would; 2-D weights in `qtype` (None: F32)."""
-    writer = gguf.GGUFWriter(str(path), arch)
+def write_gguf(path, arch: str, config, state_dict: dict, qtype=None, extra=None, tokenizer=True,
+               split_max_tensors: int = 0) -> str:
+    """Write `state_dict` (HF names) as llama.cpp would; 2-D weights in `qtype` (None: F32). With
+    `split_max_tensors`, a split set as gguf-split writes it (NAME-00001-of-0000N.gguf ...): the first
+    part's path is returned."""
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, arch, config)
     if tokenizer:
         _write_tokenizer(writer, config.vocab_size)
@@ -210,11 +214,12 @@ def write_gguf(path, arch: str, config, state_dict: dict, qtype=None, extra=None
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32))
+    names = writer.format_shard_names(Path(path))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return str(path)
+    return str(names[0])
 
 
 def _hd(config) -> int:

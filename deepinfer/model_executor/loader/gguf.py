@@ -40,7 +40,7 @@ from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight
 from deepinfer.model_executor.loader.gguf_cache import load_derived
 from deepinfer.model_executor.loader.gguf_config import SUPPORTED_GGUF_ARCHITECTURES, gguf_config_dict
 from deepinfer.model_executor.loader.gguf_deepseek2 import DEEPSEEK2_BLOCK_NAMES, DENSE_PARTS, iter_deepseek2_tensors
-from deepinfer.model_executor.loader.gguf_file import GGUFFile, GGUFTensor, as_tensor, read_gguf_file
+from deepinfer.model_executor.loader.gguf_file import GGUFFile, GGUFTensor, as_tensor, gguf_parts, read_gguf_file
 from deepinfer.model_executor.loader.gguf_gpt_oss import is_expert_stack, iter_gpt_oss_experts
 from deepinfer.model_executor.loader.gguf_repack import is_packed, packed_gguf
 from deepinfer.model_executor.loader.gguf_slice import GGUFSlice
@@ -121,7 +121,7 @@ def load_gguf_source(path: str) -> ModelSource:
             f"GGUF file {path!r} has architecture {arch!r}, which is not supported; "
             f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
-    identity = compute_identity(path, [path])
+    identity = compute_identity(path, gguf_parts(path))  # every part of a split set
     derived = load_derived(path, identity, _config_fields(file, arch), "tokenizer.ggml.model" in file.metadata)
     config = derived.config
     return ModelSource(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -63,10 +64,59 @@ class GGUFFile:
 def read_gguf_file(path: str) -> GGUFFile:
     """Parse the header of `path`; ValueError naming the path when it is not a readable GGUF.
 
+    A split set (llama.cpp's `NAME-00001-of-0000N.gguf`, keys `split.no` / `split.count`) is read
+    from its first part: the metadata is the first part's, the tensors every part's in order, each
+    a view of its own part's mapping (`gguf_parts` names the files).
+
     Loading reads a file's header several times (config, weights, sizes): the parsed header is kept
     per process for the file as `os.stat` sees it (a rewritten file is parsed again); the file is
     mapped anew each time (a system call).
     """
+    metadata, tensors = _read_part(path)
+    parts = split_parts(path, metadata)
+    for number, part in enumerate(parts[1:], start=1):
+        if not os.path.isfile(part):
+            raise ValueError(f"{path!r} is the first of {len(parts)} parts of a split GGUF, but part "
+                             f"{number + 1}, {part!r}, is missing")
+        more, part_tensors = _read_part(part)
+        if (more.get("split.no"), more.get("split.count")) != (number, len(parts)):
+            raise ValueError(f"{part!r} should be part {number + 1} of {len(parts)} of {path!r}'s split set, but "
+                             f"its split.no is {more.get('split.no')!r} and split.count {more.get('split.count')!r}")
+        tensors += part_tensors
+    expected = metadata.get("split.tensors.count")
+    if len(parts) > 1 and expected is not None and expected != len(tensors):
+        raise ValueError(f"the split GGUF {path!r} declares {expected} tensors (split.tensors.count); its "
+                         f"{len(parts)} parts hold {len(tensors)}")
+    return GGUFFile(path=path, metadata=dict(metadata), tensors=tensors)
+
+
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str, metadata: dict[str, Any]) -> list[str]:
+    """The files of the split set whose first part is `path` (`[path]` for a whole file), by
+    llama.cpp's naming; ValueError for a later part or a name that hides the others."""
+    count, number = int(metadata.get("split.count") or 1), int(metadata.get("split.no") or 0)
+    if count <= 1:
+        return [path]
+    match = _SPLIT_NAME.match(os.path.basename(path))
+    if match is None:
+        raise ValueError(f"{path!r} is part {number + 1} of a {count}-part split GGUF, but its name does not end "
+                         f"in -{number + 1:05d}-of-{count:05d}.gguf, so its other parts cannot be found")
+    folder, prefix = os.path.dirname(path), match["prefix"]
+    first = os.path.join(folder, f"{prefix}-00001-of-{count:05d}.gguf")
+    if number != 0:
+        raise ValueError(f"{path!r} is part {number + 1} of {count} of a split GGUF: load its first part, {first!r}")
+    return [os.path.join(folder, f"{prefix}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def gguf_parts(path: str) -> list[str]:
+    """The files a GGUF's weights are in: `[path]`, or every part of a split set given its first."""
+    return split_parts(path, _read_part(path)[0])
+
+
+def _read_part(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """One file's metadata and tensors (views of its mapping); the parsed header cached by stat."""
     blob, stat = _map(path)
     key = (os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     header = _HEADERS.pop(key, None) or _parse_header(blob, path)
@@ -74,8 +124,7 @@ def read_gguf_file(path: str) -> GGUFFile:
     while len(_HEADERS) > _MAX_HEADERS:
         del _HEADERS[next(iter(_HEADERS))]
     metadata, entries, data_start = header
-    tensors = [_tensor_view(blob, data_start, entry, path) for entry in entries]
-    return GGUFFile(path=path, metadata=dict(metadata), tensors=tensors)
+    return metadata, [_tensor_view(blob, data_start, entry, path) for entry in entries]
 
 
 _HEADERS: dict[tuple, tuple] = {}  # stat key -> (metadata, tensor table, data start)
