@@ -218,7 +218,7 @@ class EngineConfig:
     # (the reference path); gguf: stay quantized (required); int8/int4: quantize linear layers at load
     quantization: str = "auto"
     # the int8 levels of quantized matmuls' activations on the CPU (~8 bits each value with one, ~15
-    # with two): auto, two on q/k/v and the LM head, one on o/gate/up/down (layers/quant_linear.py);
+    # with two): auto, two on q/k/v, one on o/gate/up/down and the LM head (layers/quant_linear.py);
     # "2" everywhere: closest to the fp32 forward; "1" everywhere: llama.cpp's Q8 activations
     activation_levels: str = "auto"
     device: str | None = None  # None/auto: cuda if available, else cpu

@@ -78,8 +78,8 @@ class EngineArgs:
         "at load (groups of 32)", choices=QUANTIZATIONS)
     activation_levels: str = _option(
         EngineConfig, "activation_levels", "int8 levels of the activations of quantized matmuls on the CPU (one: "
-        "~8 bits, llama.cpp's Q8; two: ~15 bits, twice the integer work); auto: two for q/k/v and the LM head, "
-        "one for o, gate/up and down", choices=ACTIVATION_LEVELS)
+        "~8 bits, llama.cpp's Q8; two: ~15 bits, twice the integer work); auto: two for q/k/v and 8-bit "
+        "weights, one for o, gate/up, down and the LM head", choices=ACTIVATION_LEVELS)
     revision: str | None = _option(
         EngineConfig, "revision", "branch, tag or commit of a Hugging Face model name (default: its default branch)")
     device: str | None = _option(EngineConfig, "device", "cpu, cuda, cuda:N (default: cuda if available)")

@@ -125,10 +125,11 @@ def test_auto_quantization_follows_source_device_and_kernels(monkeypatch):
         cpu_kernels.kernel_isa.cache_clear()
 
 
-@pytest.mark.parametrize("scheme,one_level", [("int4", {"o_proj", "gate_up_proj", "down_proj"}), ("int8", set())])
+@pytest.mark.parametrize("scheme,one_level", [("int4", {"o_proj", "gate_up_proj", "down_proj", "lm_head"}),
+                                              ("int8", set())])
 def test_activation_levels_per_module(tiny_checkpoint, scheme, one_level):
-    """Two int8 levels for q/k/v, the LM head and 8-bit weights; one for the attention output and the
-    MLP with <= 6-bit weights (quant_linear.activation_levels). The output is the chosen level's
+    """Two int8 levels for q/k/v and 8-bit weights; one for the attention output, the MLP and the LM
+    head with <= 6-bit weights (quant_linear.activation_levels). The output is the chosen level's
     product exactly, and the level is part of the cache identity."""
     from deepinfer.model_executor.layers.ops import qdot
 

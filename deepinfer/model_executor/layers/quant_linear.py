@@ -21,14 +21,17 @@ On the CPU the activations are quantized to int8 in one or two levels (ops/qdot.
 15 bits of each value, at twice the integer work for two. `activation_levels` chooses per module,
 by what its rounding does to the tokens (measured on SmolLM2-135M and Gemma 3 270M):
 
-    q/k/v, the LM head, any 8-bit weight    2   q and k feed softmax(q k^T), whose exponent turns a
+    q/k/v, any 8-bit weight                 2   q and k feed softmax(q k^T), whose exponent turns a
                                                  small error into another attention pattern
-    o, gate/up, down with <= 6-bit weights  1   llama.cpp's Q8 activations, well below the
-                                                 weight's own rounding
+    o, gate/up, down, the LM head           1   llama.cpp's Q8 activations, well below the
+      with <= 6-bit weights                      weight's own rounding
 
 Teacher-forced agreement with the fp32 forward of the same GGUF: 98.1% (SmolLM2) and 98.8%
 (Gemma 3) this way, 100% with two levels everywhere, 95.6-96.9% (SmolLM2) with one everywhere
-(docs/quantization.md).
+(docs/quantization.md). Both models' heads are Q8_0 (two levels); forced to one they agree on 97.8%
+/ 98.4% (8 x 40 tokens) and 98.0% / 99.4% (8 x 120), so a head of at most 6 bits (Q6_K in Q4_K_M
+files) takes one: it is up to a fifth of a decode step's bytes (Qwen2.5's 151,936 rows at 1.5B),
+and a second level a sixth of its time.
 
 The choice is a property of the module, never of the batch, so a row's bits still do not depend
 on how many rows run with it.
@@ -57,8 +60,8 @@ from deepinfer.model_executor.layers.parallel_linear import (
 logger = logging.getLogger("deepinfer.quantization")
 
 # Modules (by the last part of their name) whose activations take one level when their weights have
-# at most 6 bits: the attention output and the MLP, dense or shared-expert (see the docstring).
-ONE_LEVEL_PROJECTIONS = ("o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj")
+# at most 6 bits: the attention output, the MLP (dense or shared-expert) and the LM head (see the docstring).
+ONE_LEVEL_PROJECTIONS = ("o_proj", "gate_up_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 _EIGHT_BIT = ("Q8_0",)
 
 QUANTIZATION_SCHEMES = ("int8", "int4")
@@ -105,7 +108,7 @@ class QuantEmbedding(nn.Module, PackedModule):
         self.qweight = qweight
         self.num_embeddings, self.embedding_dim = qweight.shape
         self.dtype = dtype
-        self.act_levels = ACT_LEVELS  # as a tied LM head (activation_levels)
+        self.act_levels = activation_levels("lm_head", (qweight,))  # as a tied LM head
 
     @property
     def qweights(self) -> tuple[QuantWeight, ...]:
