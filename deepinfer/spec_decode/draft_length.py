@@ -7,8 +7,10 @@ A step that verifies k drafts yields E(k) tokens and costs C(k) plain decode ste
                                                    ones before it were (geometric: one rejection ends a run)
     C(k) = 1 + sunk + k * row + max(k - 1, 0) * draft
 
-    draft   one draft pass, as a share of a decode step: the draft model's weight bytes over the
-            target's (decode reads every weight once a token), the MTP module's likewise, 0 for n-gram
+    draft   one draft pass, as a share of a decode step: the draft checkpoint's weight bytes over
+            the target's (decode reads every weight once a token), the MTP layers' share of the
+            model's layers, 0 for n-gram; the same on every rank of a split model, so that every
+            rank drafts alike
     sunk    a pass that runs whatever k is: a model drafter's pass 0 writes the rows of the tokens
             the step kept (so the draft's cache follows the target's) and gives d_1 on the way
     row     one more row in the verification, as a share of a decode step (`row_cost`): decode is

@@ -79,7 +79,8 @@ class StepExecutor:
         self.prompt_logprobs = PromptLogprobs()  # gathered over prefill chunks, per request
         self.pooler = Pooler()  # embedding requests' pools, over prefill chunks
         self.drafter = make_drafter(self.speculative, model, caches.addressing, self.device, caches.draft,
-                                    source.hf_config.vocab_size, config.max_model_len)
+                                    source.hf_config.vocab_size, config.max_model_len, source.path,
+                                    source.hf_config)
         self.structured = StructuredOutputs(source.tokenizer, eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(model, caches.groups, backend_name, self.device, config,
                                           emulate=emulate_graphs)  # the cache is bound: its addresses hold
