@@ -73,6 +73,16 @@ def measure_copy_bandwidth(threads: int, nbytes: int | None = None,
     """Copy an fp32 buffer of `nbytes` (default DEFAULT_PROBE_BYTES) into another `repeats` times on
     `threads` torch threads (after one untimed copy that faults the pages in); torch's thread count
     is restored after."""
+    def setup(src):
+        dst = src.clone()  # [n]: every page of dst touched
+        return lambda: dst.copy_(src)
+
+    return CopyProbe(*_best_of(threads, nbytes, repeats, setup), threads, repeats)
+
+
+def _best_of(threads: int, nbytes: int | None, repeats: int, setup) -> tuple[int, float]:
+    """(bytes of the fp32 buffer, fastest of `repeats` runs) of `setup(buffer)`'s operation, on `threads`
+    torch threads (after one untimed run); torch's thread count is restored after."""
     import torch
 
     nbytes = DEFAULT_PROBE_BYTES if nbytes is None else nbytes
@@ -82,14 +92,14 @@ def measure_copy_bandwidth(threads: int, nbytes: int | None = None,
     torch.set_num_threads(threads)
     try:
         src = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
-        dst = torch.empty_like(src)  # [n]
-        dst.copy_(src)  # untimed: touches every page of dst
+        run = setup(src)
+        run()  # untimed
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            dst.copy_(src)
+            run()
             best = min(best, time.perf_counter() - start)
-        return CopyProbe(src.numel() * 4, best, threads, repeats)
+        return src.numel() * 4, best
     finally:
         torch.set_num_threads(before)
 
@@ -118,24 +128,7 @@ def measure_read_bandwidth(threads: int, nbytes: int | None = None,
                            repeats: int = DEFAULT_PROBE_REPEATS) -> ReadProbe:
     """Sum an fp32 buffer of `nbytes` (default DEFAULT_PROBE_BYTES) `repeats` times on `threads` torch
     threads (after one untimed sum); torch's thread count is restored after."""
-    import torch
-
-    nbytes = DEFAULT_PROBE_BYTES if nbytes is None else nbytes
-    if threads < 1 or repeats < 1 or nbytes < 4:
-        raise ValueError(f"threads, repeats >= 1 and nbytes >= 4 needed, got {threads!r}, {repeats!r}, {nbytes!r}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        src = torch.ones(nbytes // 4, dtype=torch.float32)  # [n]
-        src.sum()  # untimed
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            src.sum()
-            best = min(best, time.perf_counter() - start)
-        return ReadProbe(src.numel() * 4, best, threads, repeats)
-    finally:
-        torch.set_num_threads(before)
+    return ReadProbe(*_best_of(threads, nbytes, repeats, lambda src: src.sum), threads, repeats)
 
 
 def engine_weight_bytes(llm) -> int:
