@@ -673,7 +673,7 @@ constexpr int64_t kChunk = 16384 / R;  // values per decoded chunk: R * kChunk b
 
 // Decoders hand a sink, per unit u (numbered from the first block decoded), its scale A (`scale`),
 // its min B (`min`, kinds with one) and its U/4 code vectors (`unit`; `unit_sign` for Q8_0 with
-// the sign trick: |w| and w), then `block_done` after each block.
+// the sign trick: |w| and w; `later` then `settle` for a unit whose earlier units are still to come).
 
 // The buffered sink: a tile chunk's codes and unit scales, for many activation rows.
 struct Tile {
@@ -695,7 +695,6 @@ struct Tile {
   }
   INLINE void later(int64_t u, const I* v) const { unit(u, v); }
   INLINE void settle(int64_t) const {}
-  INLINE void block_done(int64_t) const {}
 };
 
 // Blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at p + r * stride (rows r < R): unit u.
@@ -733,7 +732,6 @@ INLINE void decode32(const uint8_t* p, int64_t stride, Sink& sink, int64_t u) {
     }
     sink.unit(u, codes);
   }
-  sink.block_done(u);
 }
 
 // Q4_K / Q5_K super-block at p + r * stride: units u0 .. u0+7.
@@ -781,7 +779,6 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
     scales(2 * pair + 1);
     sink.unit(u0 + 2 * pair + 1, hi);
   }
-  sink.block_done(u0);
 }
 
 // Q6_K super-block: units (of 16) u0 .. u0+15.
@@ -821,7 +818,6 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
       sink.settle(u0 + 8 * h + 4 + quarter);
     }
   }
-  sink.block_done(u0);
 }
 
 template <int KIND>
@@ -887,6 +883,18 @@ INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code,
   }
 }
 
+// One unit's float step for MR activation rows (lanes across weight rows), the numerics' rule:
+// acc[i] + (A * d[i]) * float(isum[i]) [+ (B * d[i]) * float(s[i])], each product rounded alone.
+template <int MR, bool MIN>
+INLINE void float_step(F* acc, F a, F b, const float* d, const float* s, const I* isum) {
+  for (int i = 0; i < MR; ++i) {
+    const F di = V::set1f(d[i]);
+    F c = V::mul(V::mul(a, di), V::cvt(isum[i]));
+    if constexpr (MIN) c = V::add(c, V::mul(V::mul(b, di), V::set1f(s[i])));
+    acc[i] = V::add(acc[i], c);
+  }
+}
+
 // The fused sink, for a few activation rows (one panel of MR <= kFusedRows): each unit's integer
 // sums are taken as its codes come (from registers) and its float step follows at once (`unit`),
 // or, for a unit whose earlier units are still to come (Q6_K's high nibbles, `later`), its sums
@@ -899,19 +907,13 @@ struct Fused {
   F acc[MR];
   F A[UB], B[UB];
   I waiting[W][MR];
-  INLINE Fused(const Panel& panel, int64_t) : p(panel) {
+  INLINE explicit Fused(const Panel& panel) : p(panel) {
     for (int i = 0; i < MR; ++i) acc[i] = V::zerof();
   }
   INLINE void scale(int64_t u, F a) { A[u % UB] = a; }
   INLINE void min(int64_t u, F b) { B[u % UB] = b; }
-  // Unit u's float step for each row: acc + (A * d) * float(isum) [+ (B * d) * float(s)].
   INLINE void step(int64_t u, const I* isum) {
-    for (int i = 0; i < MR; ++i) {
-      const F d = V::set1f(p.d[u * MR + i]);
-      F c = V::mul(V::mul(A[u % UB], d), V::cvt(isum[i]));
-      if constexpr (MIN) c = V::add(c, V::mul(V::mul(B[u % UB], d), V::set1f(p.sf[u * MR + i])));
-      acc[i] = V::add(acc[i], c);
-    }
+    float_step<MR, MIN>(acc, A[u % UB], B[u % UB], p.d + u * MR, MIN ? p.sf + u * MR : nullptr, isum);
   }
   template <class Code, class Raw>
   INLINE void sums(int64_t u, I* isum, Code code, Raw raw) {
@@ -931,7 +933,6 @@ struct Fused {
     sums(u, waiting[u % W], [&](int g) { return v[g]; }, [&](int g) { return v[g]; });
   }
   INLINE void settle(int64_t u) { step(u, waiting[u % W]); }
-  INLINE void block_done(int64_t) {}
 };
 
 // The MR rows of panel p over the units [0, units) of a decoded chunk starting at unit gu0:
@@ -952,15 +953,8 @@ INLINE void micro(const Panel& p, const Tile& t, int64_t units, int64_t gu0, flo
     unit_sums<MR, G, L, SIGN>(isum, qa + u * G * MR, INIT ? init + u * MR : nullptr,
                               [&](int g) { return V::load(codes + g * R * 4); },
                               [&](int g) { return V::load(raw + g * R * 4); });
-    const F sa = V::loadf(t.A + u * R);
-    F sb;
-    if constexpr (MIN) sb = V::loadf(t.B + u * R);
-    for (int i = 0; i < MR; ++i) {
-      const F d = V::set1f(da[u * MR + i]);
-      F c = V::mul(V::mul(sa, d), V::cvt(isum[i]));
-      if constexpr (MIN) c = V::add(c, V::mul(V::mul(sb, d), V::set1f(sf[u * MR + i])));
-      acc[i] = V::add(acc[i], c);
-    }
+    const F sb = MIN ? V::loadf(t.B + u * R) : V::zerof();
+    float_step<MR, MIN>(acc, V::loadf(t.A + u * R), sb, da + u * MR, MIN ? sf + u * MR : nullptr, isum);
   }
   for (int i = 0; i < MR; ++i) V::storef(yt + (p.m0 + i) * R, acc[i]);
 }
@@ -1057,7 +1051,7 @@ void tiles_fused(const Problem& pb, int64_t t0, int64_t t1) {
   std::vector<uint8_t> pad;
   for (int64_t tile = t0; tile < t1; ++tile) {
     const Rows rows = tile_rows(pb, tile, pad);
-    Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0], T::BV / T::U);
+    Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0]);
     decode<KIND>(rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
     alignas(64) float yt[MR * R];
     for (int i = 0; i < MR; ++i) V::storef(yt + i * R, sink.acc[i]);
