@@ -37,7 +37,7 @@ class CopyProbe:
     """The best of `repeats` copies of `nbytes` on `threads` threads."""
 
     nbytes: int  # bytes of one buffer (the copy reads nbytes and writes nbytes)
-    best_s: float  # the fastest copy's seconds
+    best_s: float  # the fastest run's seconds
     threads: int
     repeats: int
 
@@ -47,6 +47,15 @@ class CopyProbe:
 
     def as_json(self) -> dict:
         return asdict(self) | {"bytes_per_s": self.bytes_per_s}
+
+
+@dataclass(frozen=True)
+class ReadProbe(CopyProbe):
+    """The best of `repeats` sums over one buffer of `nbytes`: the same record, each byte counted once."""
+
+    @property
+    def bytes_per_s(self) -> float:
+        return copy_bytes_per_s(self.nbytes, self.best_s) / 2
 
 
 def copy_bytes_per_s(nbytes: int, seconds: float) -> float:
@@ -102,26 +111,6 @@ def _best_of(threads: int, nbytes: int | None, repeats: int, setup) -> tuple[int
         return src.numel() * 4, best
     finally:
         torch.set_num_threads(before)
-
-
-@dataclass(frozen=True)
-class ReadProbe:
-    """The best of `repeats` sums over one buffer of `nbytes` on `threads` threads."""
-
-    nbytes: int
-    best_s: float
-    threads: int
-    repeats: int
-
-    @property
-    def bytes_per_s(self) -> float:
-        if self.nbytes <= 0 or self.best_s <= 0:
-            raise ValueError(f"read bandwidth needs positive bytes and seconds, got {self.nbytes!r} and "
-                             f"{self.best_s!r}")
-        return self.nbytes / self.best_s
-
-    def as_json(self) -> dict:
-        return asdict(self) | {"bytes_per_s": self.bytes_per_s}
 
 
 def measure_read_bandwidth(threads: int, nbytes: int | None = None,
