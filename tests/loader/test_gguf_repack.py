@@ -12,7 +12,7 @@ from deepinfer.model_executor.loader.gguf_repack import PACKED_TYPES, packed_ggu
 
 # byte offsets of the fp16 fields (d, m, dmin) in each block: random bytes there could be inf/NaN
 _HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -53,7 +53,7 @@ def test_packed_bytes_are_the_files(kind):
     assert w.data.data_ptr() == data.ctypes.data  # a view of the caller's buffer (the file's mapping), no copy
 
 
-@pytest.mark.parametrize("kind", ["F16", "Q2_K", "IQ4_NL"])
+@pytest.mark.parametrize("kind", ["F16", "IQ2_XXS", "TQ2_0"])
 def test_types_without_layout_return_none(kind):
     assert packed_gguf(kind, np.zeros((2, 64), np.uint8), (2, 64)) is None
 
@@ -63,22 +63,22 @@ def test_vectors_stay_dequantized():
 
 
 def test_a_type_without_kernel_is_dequantized_with_one_log_line(caplog):
-    """Q2_K has no kernel: the loader dequantizes it (the same values as gguf's) and says so once."""
+    """IQ2_XXS has no kernel: the loader dequantizes it (the same values as gguf's) and says so once."""
     from deepinfer.model_executor.loader import gguf as gguf_loader
     from deepinfer.model_executor.loader.gguf_file import GGUFTensor
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K]
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS]
     data = np.random.default_rng(0).integers(0, 256, size=(4, size), dtype=np.uint8)
-    data[:, -4:] = np.array([0.01, 0.01], dtype=np.float16).view(np.uint8)  # d, dmin: finite
-    tensor = GGUFTensor("blk.0.ffn_up.weight", GGMLQuantizationType.Q2_K, (4, block), data)
-    gguf_loader._UNPACKED_LOGGED.discard("Q2_K")
+    data[:, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d: finite
+    tensor = GGUFTensor("blk.0.ffn_up.weight", GGMLQuantizationType.IQ2_XXS, (4, block), data)
+    gguf_loader._UNPACKED_LOGGED.discard("IQ2_XXS")
     with caplog.at_level("WARNING", logger="deepinfer.loader"):
         first = gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
         gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
     assert isinstance(first, torch.Tensor)
-    torch.testing.assert_close(first, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.Q2_K)))
+    torch.testing.assert_close(first, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.IQ2_XXS)))
     assert [r.getMessage() for r in caplog.records].count(
-        "GGUF type Q2_K has no quantized kernel: its tensors (e.g. blk.0.ffn_up.weight) are dequantized") == 1
+        "GGUF type IQ2_XXS has no quantized kernel: its tensors (e.g. blk.0.ffn_up.weight) are dequantized") == 1
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])

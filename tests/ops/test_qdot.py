@@ -37,7 +37,8 @@ class Blocks:
 
 def _fp16_fields(kind: str) -> list[int]:
     """Byte offsets of a block's fp16 scales (d, m, dmin)."""
-    return {"Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}.get(kind, [0])
+    return {"Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82],
+            "Q3_K": [108]}.get(kind, [0])
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
@@ -75,6 +76,17 @@ def exact_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
         blocks[..., 4:16] &= np.uint8(0x03)
     if kind == "Q6_K":
         blocks[..., 192:208] = rng.integers(-3, 4, (n, blocks.shape[1], 16)).astype(np.int8).view(np.uint8)
+    if kind == "Q2_K":  # 4-bit scales and mins 0..3
+        blocks[..., 0:16] &= np.uint8(0x33)
+    if kind == "Q3_K":  # 6-bit scales 32 + (-2..1): low nibbles 0, 1, 14 or 15 with high pairs 2, 2, 1, 1
+        low = rng.choice(np.array([0, 1, 14, 15], dtype=np.uint8), (n, blocks.shape[1], 16))
+        high = np.where(low < 2, 2, 1).astype(np.uint8)
+        blocks[..., 96:104] = low[..., :8] | (low[..., 8:] << 4)
+        blocks[..., 104:108] = sum(high[..., 4 * i:4 * i + 4] << (2 * i) for i in range(4)).astype(np.uint8)
+    if kind == "IQ4_XS":  # 6-bit scales 32 + (0 or 1): high pairs all 2 (0b10), low nibbles 0 or 1
+        blocks[..., 2:4] = 0xAA
+        low = rng.choice(np.array([0, 1], dtype=np.uint8), (n, blocks.shape[1], 8))
+        blocks[..., 4:8] = low[..., 0::2] | (low[..., 1::2] << 4)
     return w
 
 
@@ -213,6 +225,10 @@ def test_the_largest_codes_times_the_largest_activations_do_not_overflow(kind):
     blocks[..., ~fields] = 0x80 if kind == "Q8_0" else 0xFF  # Q6_K: int8 scales -1, codes 63
     if kind == "Q6_K":
         blocks[..., 192:208] = 0x80  # int8 scales -128
+    if kind in ("IQ4_NL", "IQ4_XS"):  # code 0: the value -127
+        blocks[..., spec.block_bytes - spec.block_values // 2:] = 0
+    if kind == "Q3_K":  # high bits clear: every value -4
+        blocks[..., 0:32] = 0
     for sign in (1.0, -1.0):
         x = torch.full((3, k), sign)
         acts = qd.quantize_acts_ref(x, levels=1)

@@ -13,6 +13,10 @@ HF order, a tensor-parallel rank's columns, a padded vocabulary).
     Q4_K   256 / 144                  d dmin | 12 B 6-bit sc, mn | 128 B     d sc_j q - dmin mn_j, j per 32
     Q5_K   256 / 176                  d dmin | 12 B sc, mn | 32 B hi | 128   d sc_j q - dmin mn_j, j per 32
     Q6_K   256 / 210                  128 B low 4 | 64 B high 2 | 16 sc | d  d sc_j (q - 32), j per 16
+    Q2_K   256 / 84                   16 sc|mn | 64 B 2-bit | d dmin         d sc_j q - dmin mn_j, j per 16
+    Q3_K   256 / 110                  32 B high 1 | 64 B low 2 | 12 sc | d   d (sc_j - 32) (q - 4), j per 16
+    IQ4_NL 32 / 18                    d | 16 B nibbles                       d kv[q] (kv: 16 int8 values)
+    IQ4_XS 256 / 136                  d | 2 B sc high | 4 B sc low | 128 B   d (sc_j - 32) kv[q], j per 32
 
 (d, m, dmin: fp16; q the block's unsigned integer code; sc_j, mn_j the sub-block's 6- or 8-bit
 scale and min.) Any other type returns None: the caller dequantizes it and logs the type once.

@@ -16,10 +16,11 @@ integer work, take up to twice as long. Which layers take which is the caller's 
 
 The weight `w` is read, never converted: `w.data` uint8 [N, row_bytes] holds each row's ggml
 blocks (bytes as in the GGUF file), `w.kind` the ggml type name and `w.shape` (N, K). Every weight
-block is split into units (sub-blocks) of U values, U = 16 for Q6_K and 32 for every other kind, so
-that each unit's value is w = A * (code - offset) + B: an unsigned code, a kind's constant offset
-(Q4_0 8, Q5_0 16, Q6_K 32, else 0; Q8_0's codes are signed bytes), a scale A and, for Q4_1, Q5_1
-and the K-quants, a min B (A = d * sc, B = -dmin * m for the K-quants; both exact in fp32).
+block is split into units (sub-blocks) of U values, so that each unit's value is w = A * (code - offset) + B: an unsigned code, a kind's constant offset
+(Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32, else 0; Q8_0's codes are signed bytes, IQ4_NL's and IQ4_XS's
+4-bit codes index the signed values IQ4_VALUES), a scale A and, for Q4_1, Q5_1, Q2_K, Q4_K and
+Q5_K, a min B (A = d * sc, B = -dmin * m for the K-quants; both exact in fp32). U = 16 for Q2_K,
+Q3_K and Q6_K, 32 for every other kind.
 
 Per output (m, n) the units are combined in ascending order, each in fp32, in exactly this order:
 
@@ -84,7 +85,14 @@ KINDS = {
     "Q4_K": Kind(12, 256, 144, 32, 0, True),
     "Q5_K": Kind(13, 256, 176, 32, 0, True),
     "Q6_K": Kind(14, 256, 210, 16, 32, False),
+    "Q2_K": Kind(10, 256, 84, 16, 0, True),
+    "Q3_K": Kind(11, 256, 110, 16, 4, False),
+    "IQ4_NL": Kind(20, 32, 18, 32, 0, False),
+    "IQ4_XS": Kind(23, 256, 136, 32, 0, False),
 }
+# The 4-bit non-linear kinds' 16 values (ggml's kvalues_iq4nl): a code is an index into them.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+SIGNED = {"Q8_0", "IQ4_NL", "IQ4_XS"}  # kinds whose values are signed bytes (no offset)
 ALIASES = {"int8": "Q8_0", "int4": "Q4_1"}  # weights quantized at load arrive as these blocks
 
 
@@ -359,5 +367,51 @@ def _q6_k(blocks):
     return codes, _f16(blocks, 208)[..., None] * scales, None
 
 
+def _two_bit_planes(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K/Q3_K qs [N, nb, 64]: per half of 128 values 32 bytes, whose bits 2j..2j+1 hold values
+    32j .. 32j + 31 of the half -> codes 0..3 [N, nb, 256]."""
+    lead = qs.shape[:-1]
+    planes = qs.reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # [.., 2, 4, 32]
+    return (planes & 3).reshape(*lead, 256)
+
+
+def _q2_k(blocks):
+    sc = blocks[..., 0:16]  # [N, nb, 16]: low nibble the unit's scale, high nibble its min
+    d, dmin = _f16(blocks, 80)[..., None], _f16(blocks, 82)[..., None]
+    return _two_bit_planes(blocks[..., 16:80]), d * (sc & 0xF).float(), -(dmin * (sc >> 4).float())
+
+
+def _q3_k(blocks):
+    lead = blocks.shape[:-1]
+    hmask = blocks[..., 0:32]  # bit b of byte l: the high bit of value 32b + l
+    high = (hmask[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [N, nb, 8, 32]
+    codes = _two_bit_planes(blocks[..., 32:96]) | (high.reshape(*lead, 256) << 2)
+    s = blocks[..., 96:108]  # 16 six-bit scales: low nibbles in bytes 0..7, high pairs in 8..11
+    low = torch.cat([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], dim=-1)  # [N, nb, 16]
+    pairs = (s[..., None, 8:12] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [N, nb, 4, 4]
+    scales = (low | (pairs.reshape(*lead, 16) << 4)).float() - 32.0
+    return codes, _f16(blocks, 108)[..., None] * scales, None
+
+
+def _iq4_lookup(nibbles: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_VALUES, dtype=torch.int16)[nibbles.long()]
+
+
+def _iq4_nl(blocks):
+    return _iq4_lookup(_nibbles(blocks[..., 2:18])), _f16(blocks, 0)[..., None], None
+
+
+def _iq4_xs(blocks):
+    lead = blocks.shape[:-1]
+    high = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [N, nb, 1]
+    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [N, nb, 8]
+    sl = blocks[..., 4:8].to(torch.int32)  # [N, nb, 4]: sub-blocks 2i (low nibble) and 2i + 1
+    low = torch.stack([sl & 0xF, sl >> 4], dim=-1).reshape(*lead, 8)
+    scales = (low | (high << 4)).float() - 32.0
+    codes = _nibbles(blocks[..., 8:136].reshape(*lead, 8, 16)).reshape(*lead, 256)
+    return _iq4_lookup(codes), _f16(blocks, 0)[..., None] * scales, None
+
+
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
-             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k, "Q3_K": _q3_k,
+             "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}

@@ -5,8 +5,9 @@
 //     (with two levels, q's rows m and m + M/2 are one row's: its output is level 1 + level 2)
 //
 // qdot.py states the function (its torch reference computes the same bits). In short: every
-// weight block splits into units of U values (16 for Q6_K, else 32) whose values are
-// A * (code - offset) + B; per output (m, n) the units are taken in ascending order and
+// weight block splits into units of U values (16 for Q2_K, Q3_K and Q6_K, else 32) whose values are
+// A * (code - offset) + B (IQ4_NL and IQ4_XS: a 16-entry table's value for the code); per output
+// (m, n) the units are taken in ascending order and
 //
 //   i = sum (code - offset) * q   (exact, int32)      c = (A * d_act) * float(i)
 //   c = c + (B * d_act) * float(s)   (kinds with a min; s = the unit's sum of q)      acc = acc + c
@@ -25,8 +26,8 @@
 // chunk of the tile (16 KB of codes, in L1) once and run every panel of MR activation rows over
 // it (register blocking: MR rows share each code vector; the panels' activations are packed so
 // that one pointer walks them). Signed codes use unsigned codes and start the sum at
-// -offset * s (Q8_0 with VNNI: code ^ 0x80, offset 128; with AVX2 the sign trick |w| * (sign(w) x)
-// instead, as maddubs saturates int16). The float steps run with lanes across the tile's rows,
+// -offset * s (signed bytes, Q8_0's and the IQ4 tables' values, with VNNI: w ^ 0x80, offset 128;
+// with AVX2 the sign trick |w| * (sign(w) x) instead, as maddubs saturates int16). The float steps run with lanes across the tile's rows,
 // so each output's order of operations is the same whatever M, the row's position, the thread
 // count or the instruction set.
 //
@@ -76,13 +77,25 @@ constexpr Kind kKinds[] = {
     {12, 256, 144, 32, 0, true},  // Q4_K: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     {13, 256, 176, 32, 0, true},  // Q5_K: as Q4_K plus 32 bytes of high bits before the nibbles
     {14, 256, 210, 16, 32, false},  // Q6_K: 128 bytes low nibbles, 64 bytes 2-bit highs, 16 int8 scales, d
+    {10, 256, 84, 16, 0, true},     // Q2_K: 16 bytes of 4-bit scale|min, 64 bytes of 2-bit codes, d, dmin
+    {11, 256, 110, 16, 4, false},   // Q3_K: 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of scales, d
+    {20, 32, 18, 32, 0, false},     // IQ4_NL: d, 16 bytes of nibbles indexing kIQ4Values
+    {23, 256, 136, 32, 0, false},   // IQ4_XS: d, 6-bit scales (2 high bytes, 4 low), 128 bytes of nibbles
 };
+
+// IQ4_NL's and IQ4_XS's 16 values (a code indexes them), and the same plus 128 as unsigned bytes.
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) constexpr uint8_t kIQ4Biased[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// Kinds whose values are signed bytes (Q8_0's, and the IQ4 kinds' after the table): no code offset.
+constexpr bool signed_kind(int64_t id) { return id == 8 || id == 20 || id == 23; }
 
 const Kind& kind_of(int64_t id) {
   for (const Kind& k : kKinds)
     if (k.id == id) return k;
   TORCH_CHECK(false, "qdot: no kernel for ggml type ", id, " (have Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, ",
-              "Q4_K 12, Q5_K 13, Q6_K 14)");
+              "Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
 }
 
 // A value the compiler cannot see into: a product passed through it is never fused with a later add.
@@ -216,6 +229,42 @@ void decode_row(const Kind& kd, const uint8_t* row, int64_t K, int16_t* vals, fl
           }
         break;
       }
+      case 10: case 11: {  // value i: half i / 128, bit plane (i % 128) / 32, byte i % 32 of the half
+        const uint8_t* qs = p + (kd.id == 10 ? 16 : 32);
+        for (int i = 0; i < 256; ++i) {
+          const int low = (qs[32 * (i / 128) + i % 32] >> (2 * ((i % 128) / 32))) & 3;
+          v[i] = static_cast<int16_t>(kd.id == 10 ? low : (low | (((p[i % 32] >> (i / 32)) & 1) << 2)) - 4);
+        }
+        if (kd.id == 10) {
+          const float d = half_to_float(p + 80), dmin = half_to_float(p + 82);
+          for (int s = 0; s < 16; ++s) {
+            A[u0 + s] = d * static_cast<float>(p[s] & 0xF);
+            B[u0 + s] = -(dmin * static_cast<float>(p[s] >> 4));
+          }
+        } else {
+          const float d = half_to_float(p + 108);
+          for (int s = 0; s < 16; ++s) {
+            const int sc = ((p[96 + s % 8] >> (4 * (s / 8))) & 0xF) | (((p[104 + s % 4] >> (2 * (s / 4))) & 3) << 4);
+            A[u0 + s] = d * static_cast<float>(sc - 32);
+          }
+        }
+        break;
+      }
+      case 20: case 23: {
+        const int64_t subs = kd.id == 20 ? 1 : 8;
+        const uint8_t* qs = p + (kd.id == 20 ? 2 : 8);
+        const float d = half_to_float(p);
+        const int high = p[2] | (p[3] << 8);
+        for (int64_t ib = 0; ib < subs; ++ib) {
+          const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4);
+          A[u0 + ib] = kd.id == 20 ? d : d * static_cast<float>(ls - 32);
+          for (int j = 0; j < 16; ++j) {
+            v[32 * ib + j] = kIQ4Values[qs[16 * ib + j] & 0xF];
+            v[32 * ib + 16 + j] = kIQ4Values[qs[16 * ib + j] >> 4];
+          }
+        }
+        break;
+      }
     }
   }
 }
@@ -302,6 +351,10 @@ struct V {
     return p;
   }
   static INLINE I abs8(I v) { return _mm512_abs_epi8(v); }
+  // Each byte (0..15) replaced by its entry in the 16-byte table t.
+  static INLINE I lut(const void* t, I idx) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t))), idx);
+  }
   // Bits s .. s+3 of each lane -> bit 4 of its bytes 0..3 (Q5_0/Q5_1's high bits): a 16-entry table.
   static INLINE I spread(I qh, int s) {
     const I table = _mm512_setr_epi32(0x0, 0x10, 0x1000, 0x1010, 0x100000, 0x100010, 0x101000, 0x101010,
@@ -392,6 +445,10 @@ struct V {
       return p;                                                                                                      \
     }                                                                                                                \
     static INLINE I abs8(I v) { return _mm256_abs_epi8(v); }                                                         \
+    static INLINE I lut(const void* t, I idx) {                                                                      \
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t))),  \
+                                 idx);                                                                               \
+    }                                                                                                                \
     /* Bits s .. s+3 of each lane -> bit 4 of its bytes 0..3: that nibble's byte copied to all 4, then a test */     \
     static INLINE I spread(I qh, int s) {                                                                            \
       const int b = s / 8;                                                                                           \
@@ -581,7 +638,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   if (M == 0 || N == 0) return y;
   if (K == 0) return y.zero_();
   // The unit terms of the activations: -offset * s starts a unit's sum, float(s) its min term.
-  const int64_t offset = kd.id == 8 ? (isa >= 3 ? 128 : 0) : kd.offset;
+  const int64_t offset = signed_kind(kd.id) ? (isa >= 3 ? 128 : 0) : kd.offset;
   const int64_t units = K / kd.unit;
   std::vector<float> sf(kd.has_min && isa == 1 ? M * units : 0);  // the portable variant's min terms
   const int32_t* s16 = sc.data_ptr<int32_t>();
@@ -672,13 +729,13 @@ constexpr int R = V::R;
 constexpr int64_t kChunk = 16384 / R;  // values per decoded chunk: R * kChunk bytes of codes (16 KB)
 
 // Decoders hand a sink, per unit u (numbered from the first block decoded), its scale A (`scale`),
-// its min B (`min`, kinds with one) and its U/4 code vectors (`unit`; `unit_sign` for Q8_0 with
-// the sign trick: |w| and w; `later` then `settle` for a unit whose earlier units are still to come).
+// its min B (`min`, kinds with one) and its U/4 code vectors (`unit`; `unit_sign` for signed bytes
+// with the sign trick: |w| and w; `later` then `settle` for a unit whose earlier units are still to come).
 
 // The buffered sink: a tile chunk's codes and unit scales, for many activation rows.
 struct Tile {
   uint8_t* codes;  // [values / 4][R][4]
-  uint8_t* raw;    // Q8_0 with the sign trick: the signed bytes, same layout
+  uint8_t* raw;    // signed bytes with the sign trick: the signed bytes, same layout
   float* A;        // [units][R]
   float* B;        // [units][R]
   int64_t groups;  // U / 4
@@ -697,7 +754,25 @@ struct Tile {
   INLINE void settle(int64_t) const {}
 };
 
-// Blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) at p + r * stride (rows r < R): unit u.
+// A unit of 32 IQ4 values from its 8 vectors of 4-bit codes: the table's signed values, as Q8_0's
+// bytes are taken (biased by 128 with VNNI; |w| and w with the sign trick).
+template <class Sink>
+INLINE void iq4_unit(Sink& sink, int64_t u, const I* nib) {
+  I codes[8];
+  if constexpr (V::kSignTrick) {
+    I raw[8];
+    for (int g = 0; g < 8; ++g) {
+      raw[g] = V::lut(kIQ4Values, nib[g]);
+      codes[g] = V::abs8(raw[g]);
+    }
+    sink.unit_sign(u, codes, raw);
+  } else {
+    for (int g = 0; g < 8; ++g) codes[g] = V::lut(kIQ4Biased, nib[g]);
+    sink.unit(u, codes);
+  }
+}
+
+// Blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) at p + r * stride (rows r < R): unit u.
 // (The fp16 fields come from the same 16-byte loads and transposes: gathers are slower.)
 template <int KIND, class Sink>
 INLINE void decode32(const uint8_t* p, int64_t stride, Sink& sink, int64_t u) {
@@ -730,7 +805,8 @@ INLINE void decode32(const uint8_t* p, int64_t stride, Sink& sink, int64_t u) {
         codes[g + 4] = V::or_(codes[g + 4], V::spread(qh, 16 + 4 * g));
       }
     }
-    sink.unit(u, codes);
+    if constexpr (KIND == 20) iq4_unit(sink, u, codes);
+    else sink.unit(u, codes);
   }
 }
 
@@ -820,10 +896,76 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   }
 }
 
+// Q2_K / Q3_K super-block: units (of 16) u0 .. u0+15. Per half of 128 values, 32 bytes of 2-bit
+// codes: bits 2j..2j+1 of byte l are value 32j + l, unit 2j + l / 16 of the half (Q3_K: the high
+// bit of value i is bit i / 32 of byte i % 32 of hmask, its code offset 4).
+template <int KIND, class Sink>
+INLINE void decode_q23k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  constexpr bool Q2 = KIND == 10;
+  I sc[4], tail[4], hm[8];
+  V::load_t4(p + (Q2 ? 0 : 92), stride, sc);  // Q2_K: the 16 scale|min bytes; Q3_K: 12 scale bytes in dwords 1..3
+  V::load_t4(p + (Q2 ? 68 : 94), stride, tail);  // the last dword: Q2_K d | dmin, Q3_K d in its upper half
+  const F d = V::half_lo(Q2 ? tail[3] : V::srl(tail[3], 16)), dmin = V::half_lo(V::srl(tail[3], 16));
+  if constexpr (!Q2) {
+    V::load_t4(p, stride, hm);
+    V::load_t4(p + 16, stride, hm + 4);
+  }
+  auto scale = [&](int s) {  // unit s's scale (and min), handed to the sink just before its codes
+    const I m4 = V::set1(0xF);
+    if constexpr (Q2) {
+      const I byte = V::and_(V::srl(sc[s / 4], 8 * (s % 4)), V::set1(0xFF));
+      sink.scale(u0 + s, V::mul(d, V::cvt(V::and_(byte, m4))));
+      sink.min(u0 + s, V::neg(V::mul(dmin, V::cvt(V::srl(byte, 4)))));
+    } else {  // low nibble: byte s % 8 (high nibble from s = 8), high pair: byte 8 + s % 4, bits 2 (s / 4)
+      const I lo = V::and_(V::srl(sc[1 + (s % 8) / 4], 8 * (s % 4) + 4 * (s / 8)), m4);
+      const I hi = V::and_(V::srl(sc[3], 8 * (s % 4) + 2 * (s / 4)), V::set1(3));
+      sink.scale(u0 + s, V::mul(d, V::cvt(V::addi(V::or_(lo, V::sll(hi, 4)), V::set1(-32)))));
+    }
+  };
+  const I two = V::set1(0x03030303), one = V::set1(0x01010101);
+  for (int h = 0; h < 2; ++h) {
+    I qs[8];
+    V::load_t4(p + (Q2 ? 16 : 32) + 32 * h, stride, qs);
+    V::load_t4(p + (Q2 ? 32 : 48) + 32 * h, stride, qs + 4);
+    for (int j = 0; j < 4; ++j)
+      for (int half = 0; half < 2; ++half) {
+        I codes[4];
+        for (int g = 0; g < 4; ++g) {
+          codes[g] = V::and_(V::srl(qs[4 * half + g], 2 * j), two);
+          if constexpr (!Q2) codes[g] = V::or_(codes[g], V::sll(V::and_(V::srl(hm[4 * half + g], 4 * h + j), one), 2));
+        }
+        scale(8 * h + 2 * j + half);
+        sink.unit(u0 + 8 * h + 2 * j + half, codes);
+      }
+  }
+}
+
+// IQ4_XS super-block: units (of 32) u0 .. u0+7, each scale d * (ls - 32) with a 6-bit ls (low
+// nibble 4 ib of scales_l, high pair 2 ib of scales_h).
+template <class Sink>
+INLINE void decode_iq4xs(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  I h[4];
+  V::load_t4(p, stride, h);  // d | scales_h, scales_l, ...
+  const F d = V::half_lo(h[0]);
+  const I nib = V::set1(0x0F0F0F0F);
+  for (int ib = 0; ib < 8; ++ib) {
+    const I lo = V::and_(V::srl(h[1], 4 * ib), V::set1(0xF));
+    const I hi = V::and_(V::srl(h[0], 16 + 2 * ib), V::set1(3));
+    sink.scale(u0 + ib, V::mul(d, V::cvt(V::addi(V::or_(lo, V::sll(hi, 4)), V::set1(-32)))));
+    I qs[4], codes[8];
+    V::load_t4(p + 8 + 16 * ib, stride, qs);
+    for (int g = 0; g < 4; ++g) {
+      codes[g] = V::and_(qs[g], nib);
+      codes[g + 4] = V::and_(V::srl(qs[g], 4), nib);
+    }
+    iq4_unit(sink, u0 + ib, codes);
+  }
+}
+
 template <int KIND>
 constexpr int64_t block_bytes() {
   return KIND == 12 ? 144 : KIND == 13 ? 176 : KIND == 14 ? 210 : KIND == 2 ? 18 : KIND == 3 ? 20 : KIND == 6 ? 22
-         : KIND == 7 ? 24 : 34;
+         : KIND == 7 ? 24 : KIND == 10 ? 84 : KIND == 11 ? 110 : KIND == 20 ? 18 : KIND == 23 ? 136 : 34;
 }
 
 // Decode blocks [b0, b1) of the R rows at w (stride row_bytes) into the sink (units from 0), and
@@ -839,7 +981,9 @@ INLINE void decode(const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, 
         _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T0);
     const uint8_t* p = w + b * BB;
     if constexpr (KIND == 14) decode_q6k(p, row_bytes, sink, (b - b0) * 16);
-    else if constexpr (KIND >= 12) decode_k45<KIND>(p, row_bytes, sink, (b - b0) * 8);
+    else if constexpr (KIND == 10 || KIND == 11) decode_q23k<KIND>(p, row_bytes, sink, (b - b0) * 16);
+    else if constexpr (KIND == 12 || KIND == 13) decode_k45<KIND>(p, row_bytes, sink, (b - b0) * 8);
+    else if constexpr (KIND == 23) decode_iq4xs(p, row_bytes, sink, (b - b0) * 8);
     else decode32<KIND>(p, row_bytes, sink, b - b0);
   }
 }
@@ -848,7 +992,7 @@ INLINE void decode(const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, 
 // code(g) . a[g * MR + i] (4 byte products each). VNNI: one vpdpbusd per group and row, in C
 // independent chains for few rows. AVX2: maddubs gives int16 pair sums, L of them are added in
 // int16 (exact: L is the most that cannot overflow for the kind's largest code) before one madd
-// widens them to int32. SIGN (Q8_0 on AVX2): code(g) = |w|, raw(g) = w.
+// widens them to int32. SIGN (signed bytes on AVX2): code(g) = |w|, raw(g) = w.
 template <int MR, int G, int L, bool SIGN, class Code, class Raw>
 INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code, Raw raw) {
   if constexpr (V::kInt16) {
@@ -972,14 +1116,15 @@ void rows_pass(const Problem& pb, const Tile& t, int64_t units, int64_t gu0, flo
 
 template <int KIND>
 struct Traits {
-  static constexpr bool MIN = KIND == 3 || KIND == 7 || KIND == 12 || KIND == 13;
-  static constexpr int U = KIND == 14 ? 16 : 32;
-  static constexpr int BV = KIND >= 12 ? 256 : 32;  // values per block
-  static constexpr bool SIGN = KIND == 8 && V::kSignTrick;
-  static constexpr bool INIT = KIND == 2 || KIND == 6 || KIND == 14 || (KIND == 8 && !SIGN);
+  static constexpr bool MIN = KIND == 3 || KIND == 7 || KIND == 10 || KIND == 12 || KIND == 13;
+  static constexpr int U = KIND == 10 || KIND == 11 || KIND == 14 ? 16 : 32;
+  static constexpr int BV = KIND >= 10 && KIND != 20 ? 256 : 32;  // values per block
+  static constexpr bool SIGN = signed_kind(KIND) && V::kSignTrick;
+  static constexpr bool INIT = KIND == 2 || KIND == 6 || KIND == 11 || KIND == 14 || (signed_kind(KIND) && !SIGN);
   // AVX2: int16 pair sums (2 products each, |activation| <= 127) added before widening, at most
-  // 32767 / (2 * 127 * largest code): codes to 15 -> 8, to 31 -> 4, to 63 -> 2, |Q8_0| to 128 -> 1.
-  static constexpr int L = KIND == 8 ? 1 : KIND == 14 ? 2 : (KIND == 6 || KIND == 7 || KIND == 13) ? 4 : 8;
+  // 32767 / (2 * 127 * largest code): codes to 15 -> 8, to 31 -> 4, to 63 -> 2, signed bytes
+  // (|w| to 128) -> 1.
+  static constexpr int L = signed_kind(KIND) ? 1 : KIND == 14 ? 2 : (KIND == 6 || KIND == 7 || KIND == 13) ? 4 : 8;
 };
 
 // Tile `tile`'s R weight rows: their bytes (a zero-padded copy for the last, partial tile: zero
@@ -1086,6 +1231,10 @@ void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1) {
     case 12: tiles_of<12>(pb, t0, t1); break;
     case 13: tiles_of<13>(pb, t0, t1); break;
     case 14: tiles_of<14>(pb, t0, t1); break;
+    case 10: tiles_of<10>(pb, t0, t1); break;
+    case 11: tiles_of<11>(pb, t0, t1); break;
+    case 20: tiles_of<20>(pb, t0, t1); break;
+    case 23: tiles_of<23>(pb, t0, t1); break;
   }
 }
 

@@ -27,6 +27,10 @@ formulas:
     Q4_K  d dmin | 12 B 6-bit sc, mn | 128 B    d sc_j q - dmin mn_j  per 32 values, q 0..15
     Q5_K  d dmin | 12 B sc, mn | 32 B hi | 128  d sc_j q - dmin mn_j  per 32 values, q 0..31
     Q6_K  128 B low 4 | 64 B high 2 | 16 sc | d d sc_j (q - 32)       per 16 values, q 0..63
+    Q2_K  16 sc|mn | 64 B 2-bit | d dmin        d sc_j q - dmin mn_j  per 16 values, q 0..3
+    Q3_K  32 B high 1 | 64 B low 2 | 12 sc | d  d (sc_j - 32) (q - 4) per 16 values, q 0..7
+    IQ4_NL d | 16 B nibbles                     d kv[q]               kv: 16 int8 values
+    IQ4_XS d | 2 B sc high | 4 B sc low | 128   d (sc_j - 32) kv[q]   per 32 values, sc 6 bits
 
 (d, m, dmin: fp16. Q4_0..Q5_1: byte j's low nibble is value j, its high nibble value 16 + j; a
 high-bit word's bit j belongs to value j. Q4_K/Q5_K: per 32 bytes of nibbles, the low nibbles are
@@ -48,7 +52,8 @@ from deepinfer.model_executor.layers.ops import qdot
 
 # ggml type -> (values per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110),
+          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 QUANTIZE_SCHEMES = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization at load -> the ggml type written
 
 
