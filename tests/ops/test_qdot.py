@@ -11,11 +11,13 @@ from gguf import GGMLQuantizationType, quants
 
 from deepinfer.model_executor.layers.ops import cpu_kernels
 from deepinfer.model_executor.layers.ops import qdot as qd
+from deepinfer.model_executor.layers.ops.block_encode import encode_blocks
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, qdot_level, qdot_levels
 
 VARIANTS = [qd.ISA_NAMES[level] for level in qdot_levels()]  # every variant this CPU runs
 KINDS = list(qd.KINDS)
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the gguf package quantizes these
+ENCODES = {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}  # block_encode.py does these
 # Shapes covering N in {1, 3, 17, 67}, M in {1, 2, 3, 4, 5, 8, 33, 130} (up to 4 rows: the fused
 # path; more: panels of 8 and 4, 2, 1), three K each.
 SHAPES = [(1, 1, 0), (2, 3, 1), (3, 67, 2), (4, 17, 0), (5, 17, 2), (8, 67, 0), (33, 17, 1), (130, 3, 2)]
@@ -54,11 +56,14 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
 
 
 def quantized_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
-    """A random normal weight quantized by the gguf package (random blocks where it cannot)."""
-    if kind not in GGUF_QUANTIZES:
-        return random_blocks(kind, n, k, seed)
+    """A random normal weight quantized by the gguf package or block_encode.py (random blocks where
+    neither can)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    return Blocks(quants.quantize(w, GGMLQuantizationType[kind]), kind, k)
+    if kind in GGUF_QUANTIZES:
+        return Blocks(quants.quantize(w, GGMLQuantizationType[kind]), kind, k)
+    if kind in ENCODES:
+        return Blocks(encode_blocks(w, kind), kind, k)
+    return random_blocks(kind, n, k, seed)
 
 
 def exact_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
