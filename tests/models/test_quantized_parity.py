@@ -80,6 +80,33 @@ def test_gemma3_270m_agrees_with_transformers(gemma3_gguf_path, gemma3_hf_model)
     assert agreement(llm, gemma3_hf_model) >= MIN_AGREEMENT
 
 
+@pytest.fixture(scope="module")
+def requantized_smollm2(default_gguf_path, tmp_path_factory):
+    """The embedded SmolLM2 written again by scripts/requantize_gguf.py in its `rotate` mix: ffn_down
+    (1536-value rows) of layer i in Q2_K, Q3_K, IQ4_XS or IQ4_NL by i % 4, every 576-value matrix in
+    IQ4_NL (llama.cpp's fallback for those types), the Q8_0 embedding/head as it was."""
+    path = str(tmp_path_factory.mktemp("requantized") / "smollm2-rotate.gguf")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "requantize_gguf.py")
+    subprocess.run([sys.executable, script, default_gguf_path, path, "--mix", "rotate"], check=True, timeout=600,
+                   capture_output=True)
+    return path
+
+
+@pytest.mark.real_model
+def test_a_model_in_the_k_and_iq4_types_agrees_with_transformers(requantized_smollm2):
+    """Every matrix in Q2_K, Q3_K, IQ4_XS or IQ4_NL, kept in its blocks (no type dequantized at load),
+    against transformers loading the same file (its GGUF loader dequantizes through `gguf`)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(requantized_smollm2, max_model_len=512, kv_cache_memory="128MiB")
+    assert_quantized(llm)
+    kinds = {w.kind for m in llm.engine.runner.model.modules() for w in getattr(m, "qweights", ())}
+    assert {"Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"} <= kinds, kinds
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(requantized_smollm2), dtype=torch.float32,
+                                              gguf_file=os.path.basename(requantized_smollm2)).eval()
+    assert agreement(llm, hf) >= MIN_AGREEMENT
+
+
 _MEMORY_SCRIPT = """
 import json, sys
 from deepinfer import LLM
