@@ -20,6 +20,7 @@ import urllib.parse
 CKPT_REPO, GGUF_REPO = "tiny-org/tiny-llama", "tiny-org/tiny-gguf"
 CKPT_COMMIT, GGUF_COMMIT = "c" * 40, "d" * 40
 GGUF_FILE = "tiny.Q8_0.gguf"
+SPLIT_REPO, SPLIT_COMMIT = "tiny-org/split-gguf", "e" * 40  # a Q4_K_M split set, a Q8_0 file, a projector
 LFS_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
 
@@ -38,6 +39,8 @@ def _repos() -> dict:
                                   "model.safetensors": _safetensors_bytes(), "pytorch_model.bin": b"x" * 300,
                                   "README.md": b"# tiny"}),
         GGUF_REPO: (GGUF_COMMIT, {GGUF_FILE: gguf, "other.Q4_0.gguf": gguf[:1000], "README.md": b"# gguf"}),
+        SPLIT_REPO: (SPLIT_COMMIT, {f"Q4_K_M/m-Q4_K_M-0000{i}-of-00002.gguf": gguf[1000 * i:1000 * i + 900]
+                                    for i in (1, 2)} | {"m-Q8_0.gguf": gguf[:700], "mmproj-m-F16.gguf": gguf[:300]}),
     }
 
 

@@ -11,7 +11,7 @@ import os
 import re
 
 import pytest
-from fake_hub import CKPT_COMMIT, CKPT_REPO, GGUF_FILE, GGUF_REPO, serve_fake_hub
+from fake_hub import CKPT_COMMIT, CKPT_REPO, GGUF_FILE, GGUF_REPO, SPLIT_REPO, serve_fake_hub
 
 from deepinfer.entrypoints import cli
 from deepinfer.model_executor.loader.default_model import DEFAULT_MODEL_NAME, GEMMA3_MODEL_NAME
@@ -120,9 +120,24 @@ def test_an_interrupted_download_resumes_with_a_range_request(hub, tmp_path, cap
     assert not [p for p in partial[0].parent.iterdir() if p.name.endswith(".incomplete")]
 
 
+def test_pull_by_quant_tag_takes_the_file_or_every_part_of_a_split_set(hub, capsys, tmp_path):
+    assert cli.main(["pull", f"{GGUF_REPO}:q8_0"]) == 0  # tags match case-insensitively
+    assert GGUF_FILE in capsys.readouterr().out
+    assert cli.main(["pull", SPLIT_REPO]) == 0  # no tag: Q4_K_M, here two parts
+    out = capsys.readouterr().out
+    assert "2 file(s)" in out and "m-Q4_K_M-00001-of-00002.gguf" in out and "m-Q4_K_M-00002-of-00002.gguf" in out
+    snapshot = resolve_hub_model(f"{SPLIT_REPO}:Q4_K_M")  # what `deepinfer serve org/name:Q4_K_M` opens
+    assert snapshot.endswith("Q4_K_M/m-Q4_K_M-00001-of-00002.gguf")
+    assert os.path.isfile(snapshot.replace("00001-of", "00002-of"))  # its sibling part, beside it
+    assert cli.main(["pull", f"{SPLIT_REPO}:Q8_0", "--models-dir", str(tmp_path / "mine")]) == 0
+    assert (tmp_path / "mine" / "m-Q8_0.gguf").stat().st_size == 700
+
+
 def test_pull_refusals(hub, capsys):
-    assert cli.main(["pull", GGUF_REPO]) == 2  # a GGUF repository: name one file
-    assert f"e.g. {GGUF_REPO}/" in capsys.readouterr().err
+    assert cli.main(["pull", GGUF_REPO]) == 2  # two GGUF models, neither Q4_K_M: name one
+    assert f"name one as {GGUF_REPO}:TAG (tags: Q4_0, Q8_0)" in capsys.readouterr().err
+    assert cli.main(["pull", f"{GGUF_REPO}:Q5_K_M"]) == 2
+    assert "no GGUF file with quant tag 'Q5_K_M' (tags: Q4_0, Q8_0)" in capsys.readouterr().err
     assert cli.main(["pull", "tiny-org/missing"]) == 1
     assert "tiny-org/missing" in capsys.readouterr().err
     assert cli.main(["pull", "not a name"]) == 2

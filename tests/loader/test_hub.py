@@ -127,7 +127,12 @@ def test_gguf_file_of_a_repository(hub, tiny_gguf):
     add_snapshot(cache, "tiny-org/tiny-GGUF", COMMIT_A, str(folder), refs=["main"])
     source = load_model_source("tiny-org/tiny-GGUF/tiny-llama.gguf")
     assert source.format == "gguf" and source.identity == load_model_source(os.path.abspath(path)).identity
-    with pytest.raises(ValueError, match=r"GGUF repository: name one file, e\.g\. tiny-org/tiny-GGUF/tiny-llama\.gguf"):
+    # named alone, a GGUF repository opens its Q4_K_M, else its only model; a tag picks by name
+    assert load_model_source("tiny-org/tiny-GGUF").identity == source.identity
+    shutil.copy(path, cache / "models--tiny-org--tiny-GGUF" / "snapshots" / COMMIT_A / "tiny-llama-Q8_0.gguf")
+    assert load_model_source("tiny-org/tiny-GGUF:q8_0").path.endswith("tiny-llama-Q8_0.gguf")
+    with pytest.raises(ValueError, match=r"holds 2 GGUF models and none is Q4_K_M: name one as tiny-org/tiny-GGUF:TAG "
+                                         r"\(tags: Q8_0\)"):
         load_model_source("tiny-org/tiny-GGUF")
     with pytest.raises(FileNotFoundError, match="`hf download tiny-org/tiny-GGUF other.gguf`"):
         load_model_source("tiny-org/tiny-GGUF/other.gguf")

@@ -2,6 +2,7 @@
 
     deepinfer pull org/name [--revision R]          an HF checkpoint into the Hugging Face cache
     deepinfer pull org/name/file.gguf [--models-dir DIR]    one GGUF (also org/name:file.gguf)
+    deepinfer pull org/name:Q4_K_M [--models-dir DIR]       a GGUF by quant tag (a split set: all parts)
     deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, MODIFIED of offline models; an
                                                     entry it cannot read is skipped and named on stderr
     deepinfer rm NAME [--models-dir DIR]            a Hub-cache model or a GGUF of the models dir
@@ -29,7 +30,8 @@ _MODELS_DIR_HELP = ("directory of GGUF files (default: $DEEPINFER_MODELS_DIR, el
 def add_model_commands(sub) -> None:
     """Register `pull`, `list` and `rm` on the `deepinfer` subparsers `sub`."""
     pull = sub.add_parser("pull", help="download a model from the Hugging Face Hub (resumable, hash-checked)")
-    pull.add_argument("name", help="org/name (an HF checkpoint) or org/name/file.gguf (one GGUF file)")
+    pull.add_argument("name", help="org/name (an HF checkpoint; a GGUF repository: its Q4_K_M), org/name/file.gguf "
+                                   "(one GGUF file) or org/name:TAG (a GGUF file or split set by quant tag)")
     pull.add_argument("--revision", default=None, help="branch, tag or commit to pull (default: main)")
     pull.add_argument("--models-dir", default=None, metavar="DIR",
                       help="put a GGUF file into DIR instead of the Hugging Face cache (default: the cache)")

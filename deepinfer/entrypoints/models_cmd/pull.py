@@ -6,6 +6,9 @@ Two forms of name, as `deepinfer serve` reads them (`model_executor/loader/hub.p
                               patterns: config, tokenizer, *.safetensors, ...), never *.bin, *.pth,
                               *.onnx, *.h5 or *.msgpack
     org/name/file.gguf        one GGUF file (also written org/name:file.gguf)
+    org/name:Q4_K_M           a GGUF repository's file by its quant tag, or every part of a split
+                              set (`loader/gguf_tags.py`); a GGUF repository named alone: its
+                              Q4_K_M, else its only model
 
 Files land where huggingface_hub puts them, so `deepinfer serve org/name` finds them offline:
 
@@ -89,33 +92,38 @@ def hub_endpoint() -> str:
 
 
 def parse_pull_name(name: str) -> tuple[str, str | None]:
-    """`(repo_id, gguf filename or None)` for `org/name`, `org/name/file.gguf` or `org/name:file.gguf`."""
+    """`(repo_id, gguf filename or None)` for `org/name`, `org/name/file.gguf`, `org/name:file.gguf`
+    or `org/name:TAG` (the tag: `gguf_tags.split_tag`)."""
+    from deepinfer.model_executor.loader.gguf_tags import split_tag
     from deepinfer.model_executor.loader.hub import parse_hub_name
 
-    text = name.replace(":", "/", 1) if ":" in name else name
+    base, tag = split_tag(name)
+    text = base if tag is not None else name.replace(":", "/", 1) if ":" in name else name
     parsed = parse_hub_name(text)
     if parsed is None:
         raise ValueError(f"model name {name!r}: expected org/name, org/name/file.gguf or org/name:file.gguf")
     return parsed
 
 
-def select_checkpoint_files(repo_id: str, files: list[RemoteFile]) -> list[RemoteFile]:
-    """The files of a whole-repository pull: those the engine's HF loader reads.
+def select_checkpoint_files(repo_id: str, files: list[RemoteFile], tag: str | None = None) -> list[RemoteFile]:
+    """The files of a whole-repository pull: those the engine's HF loader reads; for a GGUF repository
+    (or a quant `tag`), the file or split set the tag picks (`gguf_tags.pick_gguf`: no tag, Q4_K_M or
+    the only model).
 
-    Raises ValueError for a GGUF repository (naming its files: pull one of them) and for a
-    repository without safetensors weights.
+    Raises ValueError for a tag that picks nothing or several, and for a repository without
+    safetensors weights or GGUF files.
     """
     from huggingface_hub.utils import filter_repo_objects
 
+    from deepinfer.model_executor.loader.gguf_tags import pick_gguf
     from deepinfer.model_executor.loader.hub import HF_CHECKPOINT_PATTERNS
 
     chosen = list(filter_repo_objects(files, allow_patterns=HF_CHECKPOINT_PATTERNS, key=lambda f: f.path))
-    if any(f.path.endswith(".safetensors") for f in chosen):
+    if tag is None and any(f.path.endswith(".safetensors") for f in chosen):
         return chosen
-    gguf = sorted(f.path for f in files if f.path.endswith(".gguf"))
-    if gguf:
-        raise ValueError(f"model {repo_id!r} is a GGUF repository: pull one file, e.g. {repo_id}/{gguf[0]} "
-                         f"(files: {', '.join(gguf[:8])})")
+    if tag is not None or any(f.path.endswith(".gguf") for f in files):
+        by_path = {f.path: f for f in files}
+        return [by_path[p] for p in pick_gguf(repo_id, by_path, tag)]
     raise ValueError(f"model {repo_id!r} has no *.safetensors weights (the engine does not load "
                      f"*.bin/*.pth/*.onnx/*.h5/*.msgpack checkpoints)")
 
@@ -343,17 +351,22 @@ def pull(name: str, revision: str | None = None, models_dir: str | None = None) 
     """
     from deepinfer.model_executor.loader.hub import DEFAULT_REVISION, hub_offline
 
+    from deepinfer.model_executor.loader.gguf_tags import split_tag
+
     repo_id, filename = parse_pull_name(name)
+    tag = split_tag(name)[1]
     revision = safe_names.check_revision(revision or DEFAULT_REVISION)
     if hub_offline():
         raise ValueError(f"cannot pull {name!r}: HF_HUB_OFFLINE is set")
     if models_dir is not None:
-        if filename is None:
-            raise ValueError(f"--models-dir {models_dir!r} takes one GGUF file (org/name/file.gguf), not the "
-                             f"repository {name!r} (a repository goes into the Hugging Face cache)")
-        return revision, pull_to_dir(repo_id, filename, revision, models_dir)
+        if filename is None and tag is None:
+            raise ValueError(f"--models-dir {models_dir!r} takes one GGUF model (org/name/file.gguf or "
+                             f"org/name:TAG), not the repository {name!r} (a repository goes into the Hugging Face cache)")
+        parts = [filename] if filename else [f.path for f in select_checkpoint_files(repo_id, list_repo_files(
+            repo_id, revision)[1], tag)]
+        return revision, [got for part in parts for got in pull_to_dir(repo_id, part, revision, models_dir)]
     if filename is not None:
         commit = head_file(repo_id, filename, revision).commit
         return commit, pull_to_cache(repo_id, [describe_file(repo_id, commit, filename)], commit, revision)
     commit, files = list_repo_files(repo_id, revision)
-    return commit, pull_to_cache(repo_id, select_checkpoint_files(repo_id, files), commit, revision)
+    return commit, pull_to_cache(repo_id, select_checkpoint_files(repo_id, files, tag), commit, revision)

@@ -5,6 +5,9 @@ Two forms of name (only when no local path of that name exists, so a directory a
     org/name                  an HF checkpoint: config, tokenizer, *.safetensors, generation_config
     org/name/file.gguf        one GGUF file of a repository (GGUF repositories hold many quants;
                               the name says which one). A file in a folder: org/name/dir/file.gguf
+    org/name:Q4_K_M           a GGUF repository's file (or split set) by its quant tag
+                              (`gguf_tags.py`); a GGUF repository named alone: its Q4_K_M, else
+                              its only model
 
 Files come from the Hub cache (`HF_HUB_CACHE`, else `$HF_HOME/hub`, else
 ~/.cache/huggingface/hub), laid out as huggingface_hub lays it out:
@@ -23,8 +26,11 @@ The environment is read at each call (huggingface_hub reads it once, at import).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+
+from deepinfer.model_executor.loader.gguf_tags import pick_gguf, split_tag
 
 HF_CHECKPOINT_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -38,10 +44,15 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 def parse_hub_name(model: str) -> tuple[str, str | None] | None:
-    """`(repo_id, gguf filename or None)` for a name of either form, None for anything else.
+    """`(repo_id, gguf filename or None)` for a name of any form (a quant tag is dropped), None for
+    anything else.
 
     `org/file.gguf` is not a repository id: it reads as a local path (a missing one).
     """
+    base, tag = split_tag(model)
+    if tag is not None:
+        parsed = parse_hub_name(base)
+        return parsed if parsed is not None and parsed[1] is None else None
     match = _HUB_NAME.fullmatch(model)
     if match is None or (match["file"] is None and model.endswith(".gguf")) or ".." in model:
         return None
@@ -71,12 +82,15 @@ def resolve_hub_model(model: str, revision: str | None = None) -> str:
     """
     parsed = parse_hub_name(model)
     if parsed is None:
-        raise ValueError(f"model {model!r} is not a Hugging Face name (org/name or org/name/file.gguf)")
+        raise ValueError(f"model {model!r} is not a Hugging Face name (org/name, org/name/file.gguf or org/name:TAG)")
     repo_id, filename = parsed
+    tag = split_tag(model)[1]
     revision = revision or DEFAULT_REVISION
     try:
         if filename is not None:
             return _download_file(repo_id, filename, revision)
+        if tag is not None:
+            return _download_tagged(repo_id, revision, tag, None)
         return _check_checkpoint(repo_id, revision, _download_snapshot(repo_id, revision))
     except ValueError:  # ours (a GGUF repository named without a file) or a malformed name
         raise
@@ -99,27 +113,46 @@ def _download_file(repo_id: str, filename: str, revision: str) -> str:
 
 
 def _check_checkpoint(repo_id: str, revision: str, folder: str) -> str:
-    """`folder` when it holds an HF checkpoint; for a GGUF repository, a ValueError naming its files."""
+    """`folder` when it holds an HF checkpoint; for a GGUF repository, its default model's file
+    (Q4_K_M, else its only one: `gguf_tags.pick_gguf`)."""
     if os.path.isfile(os.path.join(folder, "config.json")):
         return folder
-    gguf_files = _gguf_files(repo_id, revision, folder)
-    if not gguf_files:
+    if not _gguf_files(repo_id, revision, folder):
         raise ValueError(f"model {repo_id!r} (revision {revision!r}) has no config.json: it is not an HF checkpoint")
-    raise ValueError(f"model {repo_id!r} is a GGUF repository: name one file, e.g. {repo_id}/{gguf_files[0]} "
-                     f"(files: {', '.join(gguf_files[:8])})")
+    return _download_tagged(repo_id, revision, None, folder)
 
 
-def _gguf_files(repo_id: str, revision: str, folder: str) -> list[str]:
+def _download_tagged(repo_id: str, revision: str, tag: str | None, folder: str | None) -> str:
+    """The first file of the model `tag` picks (every part of a split set is fetched beside it)."""
+    folder = folder or _cached_snapshot(repo_id, revision)  # what is cached, if the Hub cannot list it
+    parts = pick_gguf(repo_id, _gguf_files(repo_id, revision, folder), tag)
+    return [_download_file(repo_id, part, revision) for part in parts][0]
+
+
+def _cached_snapshot(repo_id: str, revision: str) -> str | None:
+    """The cache's snapshot folder of `revision` (a branch or tag through refs/, or a commit)."""
+    root = os.path.join(hub_cache_dir(), "models--" + repo_id.replace("/", "--"))
+    commit = revision
+    with contextlib.suppress(OSError):
+        with open(os.path.join(root, "refs", revision)) as f:
+            commit = f.read().strip()
+    folder = os.path.join(root, "snapshots", commit)
+    return folder if re.fullmatch(r"[0-9a-f]{40}", commit) and os.path.isdir(folder) else None
+
+
+def _gguf_files(repo_id: str, revision: str, folder: str | None) -> list[str]:
     """The repository's .gguf files: listed by the Hub when online, else those already cached."""
     if not hub_offline():
         try:
             from huggingface_hub import HfApi
 
-            return sorted(f for f in HfApi().list_repo_files(repo_id, revision=revision) if f.endswith(".gguf"))
+            endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None  # as it is now, not at import
+            info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision)
+            return sorted(s.rfilename for s in info.siblings or () if s.rfilename.endswith(".gguf"))
         except Exception:  # no network: fall back to what the cache holds
             pass
     cached = []
-    for root, _, names in os.walk(folder):
+    for root, _, names in os.walk(folder or os.devnull):
         cached += [os.path.relpath(os.path.join(root, n), folder) for n in names if n.endswith(".gguf")]
     return sorted(cached)
 
