@@ -40,7 +40,8 @@ def test_tags_pick_one_file_a_whole_split_set_in_order_and_never_a_projector():
 def test_refusals_name_the_tags_there_are():
     with pytest.raises(ValueError, match=r"no GGUF file with quant tag 'Q5_K_M' \(tags: IQ4_XS, Q3_K_M"):
         pick_gguf("o/r", REPO, "Q5_K_M")
-    with pytest.raises(ValueError, match=r"holds 2 GGUF models and none is Q4_K_M: name one as o/r:TAG \(tags: Q4_0, Q8_0\)"):
+    with pytest.raises(ValueError, match=r"holds 2 GGUF models and none is Q4_K_M: name one as o/r:TAG "
+                                         r"\(tags: Q4_0, Q8_0\)"):
         pick_gguf("o/r", ["a-Q8_0.gguf", "a-Q4_0.gguf"], None)
     with pytest.raises(ValueError, match=r"quant tag 'Q8_0' matches 2 files \(a-Q8_0.gguf, b-Q8_0.gguf\)"):
         pick_gguf("o/r", ["a-Q8_0.gguf", "b-Q8_0.gguf"], "Q8_0")

@@ -349,9 +349,8 @@ def pull(name: str, revision: str | None = None, models_dir: str | None = None) 
     `models_dir` with a whole repository; huggingface_hub's errors, OSError (ChecksumError
     included) and UnsafeNameError (an answer that fails its check) for a failed download.
     """
-    from deepinfer.model_executor.loader.hub import DEFAULT_REVISION, hub_offline
-
     from deepinfer.model_executor.loader.gguf_tags import split_tag
+    from deepinfer.model_executor.loader.hub import DEFAULT_REVISION, hub_offline
 
     repo_id, filename = parse_pull_name(name)
     tag = split_tag(name)[1]
@@ -361,9 +360,10 @@ def pull(name: str, revision: str | None = None, models_dir: str | None = None) 
     if models_dir is not None:
         if filename is None and tag is None:
             raise ValueError(f"--models-dir {models_dir!r} takes one GGUF model (org/name/file.gguf or "
-                             f"org/name:TAG), not the repository {name!r} (a repository goes into the Hugging Face cache)")
-        parts = [filename] if filename else [f.path for f in select_checkpoint_files(repo_id, list_repo_files(
-            repo_id, revision)[1], tag)]
+                             f"org/name:TAG), not the repository {name!r} (a repository goes into the Hugging "
+                             f"Face cache)")
+        listing = [] if filename else list_repo_files(repo_id, revision)[1]
+        parts = [filename] if filename else [f.path for f in select_checkpoint_files(repo_id, listing, tag)]
         return revision, [got for part in parts for got in pull_to_dir(repo_id, part, revision, models_dir)]
     if filename is not None:
         commit = head_file(repo_id, filename, revision).commit

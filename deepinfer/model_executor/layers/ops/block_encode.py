@@ -151,7 +151,7 @@ def _q2_fit(sub: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             q = np.clip(np.rint((sub + m[..., None]) / np.where(a == 0, 1, a)[..., None]), 0, 3)
             err = ((q * a[..., None] - m[..., None] - sub) ** 2).sum(-1)
             better = err < best[0]
-            best = tuple(np.where(better, new, old) for new, old in zip((err, a, m), best))
+            best = tuple(np.where(better, new, old) for new, old in zip((err, a, m), best, strict=True))
     return best[1], best[2]
 
 

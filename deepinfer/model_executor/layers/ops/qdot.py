@@ -16,11 +16,12 @@ integer work, take up to twice as long. Which layers take which is the caller's 
 
 The weight `w` is read, never converted: `w.data` uint8 [N, row_bytes] holds each row's ggml
 blocks (bytes as in the GGUF file), `w.kind` the ggml type name and `w.shape` (N, K). Every weight
-block is split into units (sub-blocks) of U values, so that each unit's value is w = A * (code - offset) + B: an unsigned code, a kind's constant offset
-(Q4_0 8, Q5_0 16, Q3_K 4, Q6_K 32, else 0; Q8_0's codes are signed bytes, IQ4_NL's and IQ4_XS's
-4-bit codes index the signed values IQ4_VALUES), a scale A and, for Q4_1, Q5_1, Q2_K, Q4_K and
-Q5_K, a min B (A = d * sc, B = -dmin * m for the K-quants; both exact in fp32). U = 16 for Q2_K,
-Q3_K and Q6_K, 32 for every other kind.
+block is split into units (sub-blocks) of U values, so that each unit's value is
+w = A * (code - offset) + B: an unsigned code, a kind's constant offset (Q4_0 8, Q5_0 16, Q3_K 4,
+Q6_K 32, else 0; Q8_0's codes are signed bytes, IQ4_NL's and IQ4_XS's 4-bit codes index the signed
+values IQ4_VALUES), a scale A and, for Q4_1, Q5_1, Q2_K, Q4_K and Q5_K, a min B (A = d * sc,
+B = -dmin * m for the K-quants; both exact in fp32). U = 16 for Q2_K, Q3_K and Q6_K, 32 for every
+other kind.
 
 Per output (m, n) the units are combined in ascending order, each in fp32, in exactly this order:
 
