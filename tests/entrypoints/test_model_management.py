@@ -133,6 +133,17 @@ def test_pull_by_quant_tag_takes_the_file_or_every_part_of_a_split_set(hub, caps
     assert (tmp_path / "mine" / "m-Q8_0.gguf").stat().st_size == 700
 
 
+def test_a_cached_file_cut_short_is_fetched_again(hub, capsys):
+    assert cli.main(["pull", f"{GGUF_REPO}/{GGUF_FILE}"]) == 0
+    path = _list_json(capsys)[f"{GGUF_REPO}/{GGUF_FILE}"]["path"]
+    with open(os.path.realpath(path), "r+b") as f:  # the blob, cut as a failing disk or copy would leave it
+        f.truncate(1000)
+    assert cli.main(["pull", f"{GGUF_REPO}/{GGUF_FILE}"]) == 0
+    assert "downloaded" in capsys.readouterr().out
+    with open(path, "rb") as f:
+        assert f.read() == hub.repos[GGUF_REPO][1][GGUF_FILE]
+
+
 def test_pull_refusals(hub, capsys):
     assert cli.main(["pull", GGUF_REPO]) == 2  # two GGUF models, neither Q4_K_M: name one
     assert f"name one as {GGUF_REPO}:TAG (tags: Q4_0, Q8_0)" in capsys.readouterr().err

@@ -283,11 +283,22 @@ def pull_to_cache(repo_id: str, files: list[RemoteFile], commit: str, revision: 
 def _plan_one(repo_id: str, remote: RemoteFile, commit: str, cache: str, folder: str) -> _CachePlan:
     pointer = safe_names.path_inside(cache, folder, "snapshots", commit, *remote.path.split("/"))
     if os.path.exists(pointer):
-        return _CachePlan(remote, pointer, None, None)
+        if remote.size is None or os.path.getsize(pointer) == remote.size:
+            return _CachePlan(remote, pointer, None, None)
+        _drop_cut_file(cache, pointer)  # not the size the Hub lists (a cut or damaged copy): fetched again
     head = head_file(repo_id, remote.path, commit)
     blob = safe_names.path_inside(cache, folder, "blobs", head.etag)
     safe_names.path_inside(cache, folder, "blobs", head.etag + ".incomplete")
     return _CachePlan(with_etag(remote, head.etag), pointer, blob, head)
+
+
+def _drop_cut_file(cache: str, pointer: str) -> None:
+    """Remove a cached file and its blob (both inside the cache) so that the pull downloads it again."""
+    blob = os.path.realpath(pointer)
+    if not safe_names.inside(cache, blob):
+        raise safe_names.UnsafeNameError(f"{pointer} points outside the cache ({blob}); not removing it")
+    os.remove(blob)
+    os.remove(pointer)
 
 
 def _pull_one(plan: _CachePlan) -> PulledFile:

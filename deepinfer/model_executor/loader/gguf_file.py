@@ -124,6 +124,7 @@ def _read_part(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     while len(_HEADERS) > _MAX_HEADERS:
         del _HEADERS[next(iter(_HEADERS))]
     metadata, entries, data_start = header
+    check_tensor_table(path, blob.size, data_start, entries)
     return metadata, [_tensor_view(blob, data_start, entry, path) for entry in entries]
 
 
@@ -280,23 +281,66 @@ def _read_tensor_table(blob: np.ndarray, pos: int, n_tensors: int, path: str) ->
     return entries, pos
 
 
-def _tensor_view(blob: np.ndarray, data_start: int, entry: tuple, path: str) -> GGUFTensor:
-    """The tensor's bytes as the array `gguf.quants.dequantize` takes ([..., bytes per row] for blocks)."""
+def _span(entry: tuple, path: str) -> tuple[Any, int, int]:
+    """(ggml type, row bytes, bytes) of a tensor table entry; ValueError for an unknown type or a row
+    that is not whole blocks."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    name, shape, type_id, offset = entry
+    name, shape, type_id, _ = entry
     try:
         tensor_type = GGMLQuantizationType(type_id)
     except ValueError:
-        raise ValueError(f"{path!r}: tensor {name!r} has unknown ggml type {type_id}") from None
+        from importlib.metadata import version
+
+        newest = max(t.value for t in GGMLQuantizationType)
+        raise ValueError(f"{path!r}: tensor {name!r} has ggml type {type_id}, which the installed gguf package "
+                         f"({version('gguf')}) does not know (its types end at {newest}): a file from a newer "
+                         f"llama.cpp? `pip install -U gguf` may read it") from None
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     if shape[-1] % block_size:
-        raise ValueError(f"{path!r}: tensor {name!r} row of {shape[-1]} is not a multiple of {block_size}")
+        raise ValueError(f"{path!r}: tensor {name!r} ({tensor_type.name}) has rows of {shape[-1]} values, not a "
+                         f"multiple of the type's {block_size}-value blocks")
     row_bytes = shape[-1] // block_size * type_size
-    num_bytes = math.prod(shape[:-1]) * row_bytes  # Python ints: a hostile shape cannot overflow
+    return tensor_type, row_bytes, math.prod(shape[:-1]) * row_bytes  # Python ints: a hostile shape cannot overflow
+
+
+def check_tensor_table(path: str, file_size: int, data_start: int, entries: list[tuple]) -> None:
+    """Every tensor's bytes inside the file and apart from the others, before any is mapped or read;
+    ValueError (one line naming the file, the tensor and both sizes) otherwise. A file shorter than
+    its table says is a partial download or a cut copy: the line says how to fetch it again."""
+    spans = []
+    for entry in entries:
+        tensor_type, _, num_bytes = _span(entry, path)
+        spans.append((data_start + entry[3], num_bytes, entry[0], tensor_type.name, entry[1]))
+    spans.sort()
+    for (start, size, name, kind, shape), (nxt, _, other, _, _) in zip(spans, spans[1:], strict=False):
+        if start + size > nxt:
+            raise ValueError(f"{path!r}: tensor {name!r} ({kind} {list(shape)}: {size:,} bytes at {start:,}) runs "
+                             f"into tensor {other!r} at byte {nxt:,}: its bytes do not match its type and shape")
+    end = max((start + size for start, size, *_ in spans), default=data_start)
+    if end > file_size:
+        start, size, name, kind, shape = max(spans, key=lambda s: s[0] + s[1])
+        raise ValueError(f"{path!r} is {file_size:,} bytes but its tensor table needs {end:,} (tensor {name!r}, "
+                         f"{kind} {list(shape)}, ends at byte {end:,}): a partial download or a cut copy; "
+                         f"{_fetch_again(path)}")
+
+
+def _fetch_again(path: str) -> str:
+    """How to get the file whole: the `deepinfer pull` of a Hugging Face cache path, else a new copy."""
+    match = re.search(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]{40}/(.+\.gguf)$", path.replace(os.sep, "/"))
+    if match is None:
+        return "download or copy it again"
+    return f"fetch it again with `deepinfer pull {match[1]}/{match[2]}/{match[3]}`"
+
+
+def _tensor_view(blob: np.ndarray, data_start: int, entry: tuple, path: str) -> GGUFTensor:
+    """The tensor's bytes as the array `gguf.quants.dequantize` takes ([..., bytes per row] for blocks)
+    (`check_tensor_table` has checked they lie inside the file)."""
+    from gguf import GGMLQuantizationType
+
+    name, shape, _, offset = entry
+    tensor_type, row_bytes, num_bytes = _span(entry, path)
     start = data_start + offset
-    if start + num_bytes > blob.size:
-        raise ValueError(f"{path!r}: tensor {name!r} ends at byte {start + num_bytes}, past the file's end")
     raw = blob[start : start + num_bytes]
     if tensor_type == GGMLQuantizationType.F32:
         return GGUFTensor(name, tensor_type, shape, raw.view(np.float32).reshape(shape))
