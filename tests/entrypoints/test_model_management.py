@@ -12,6 +12,7 @@ import re
 
 import pytest
 from fake_hub import CKPT_COMMIT, CKPT_REPO, GGUF_FILE, GGUF_REPO, SPLIT_REPO, serve_fake_hub
+from gguf import GGMLQuantizationType
 
 from deepinfer.entrypoints import cli
 from deepinfer.model_executor.loader.default_model import DEFAULT_MODEL_NAME, GEMMA3_MODEL_NAME
@@ -64,7 +65,7 @@ def test_pull_one_gguf_into_the_cache_and_into_a_models_dir_then_list_and_rm(hub
     assert (in_dir["source"], in_dir["size"]) == ("models-dir", len(gguf))
     assert cli.main(["list"]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["NAME", "SOURCE", "SIZE", "MODIFIED"]
+    assert table[0].split() == ["NAME", "SOURCE", "SIZE", "TYPES", "MODIFIED"]
     assert any(line.split()[:4] == [f"{GGUF_REPO}/{GGUF_FILE}", "hf-cache", "204", "kB"] for line in table)
     assert cli.main(["pull", f"{GGUF_REPO}/other.Q4_0.gguf"]) == 0
     assert cli.main(["rm", f"{GGUF_REPO}/{GGUF_FILE}"]) == 0  # one file of two: the other stays
@@ -131,6 +132,23 @@ def test_pull_by_quant_tag_takes_the_file_or_every_part_of_a_split_set(hub, caps
     assert os.path.isfile(snapshot.replace("00001-of", "00002-of"))  # its sibling part, beside it
     assert cli.main(["pull", f"{SPLIT_REPO}:Q8_0", "--models-dir", str(tmp_path / "mine")]) == 0
     assert (tmp_path / "mine" / "m-Q8_0.gguf").stat().st_size == 700
+
+
+def test_list_shows_a_ggufs_type_mix(hub, tmp_path, capsys, monkeypatch):
+    from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
+
+    from deepinfer.entrypoints.models_cmd import format_types
+
+    config = tiny_hf_config("llama")
+    models = tmp_path / "mine"
+    models.mkdir()
+    weights = random_hf_model(config).state_dict()
+    write_gguf(models / "t.gguf", "llama", config, weights, qtype=GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("DEEPINFER_MODELS_DIR", str(models))
+    types = _list_json(capsys)[str(models / "t.gguf")]["types"]
+    assert list(types)[0] == "Q8_0" and types["Q8_0"] > 0
+    assert format_types({"Q3_K": 58, "IQ4_XS": 31, "Q6_K": 10, "F32": 1}) == "Q3_K 58%, IQ4_XS 31%, Q6_K 10%, +1"
+    assert format_types({}) == "-"
 
 
 def test_a_cached_file_cut_short_is_fetched_again(hub, capsys):

@@ -3,7 +3,8 @@
     deepinfer pull org/name [--revision R]          an HF checkpoint into the Hugging Face cache
     deepinfer pull org/name/file.gguf [--models-dir DIR]    one GGUF (also org/name:file.gguf)
     deepinfer pull org/name:Q4_K_M [--models-dir DIR]       a GGUF by quant tag (a split set: all parts)
-    deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, MODIFIED of offline models; an
+    deepinfer list [--json] [--models-dir DIR]      NAME, SOURCE, SIZE, TYPES, MODIFIED of offline models
+                                                    (TYPES: a GGUF's matrix bytes per ggml type); an
                                                     entry it cannot read is skipped and named on stderr
     deepinfer rm NAME [--models-dir DIR]            a Hub-cache model or a GGUF of the models dir
 
@@ -91,22 +92,51 @@ def cmd_rm(args) -> int:
 
 
 def entry_json(entry: ModelEntry) -> dict:
-    """One row of `list --json`'s "models": name, source, size (bytes), modified (ISO 8601, UTC), path."""
+    """One row of `list --json`'s "models": name, source, size (bytes), types (a GGUF's matrix bytes
+    per ggml type, else {}), modified (ISO 8601, UTC), path."""
     modified = datetime.datetime.fromtimestamp(entry.modified, datetime.UTC)
-    return {"name": entry.name, "source": entry.source, "size": entry.size,
+    return {"name": entry.name, "source": entry.source, "size": entry.size, "types": type_mix(entry.path),
             "modified": modified.isoformat(timespec="seconds"), "path": entry.path}
 
 
+def type_mix(path: str) -> dict[str, int]:
+    """Bytes of a GGUF's matrices per ggml type, largest first (a split set's first part: every
+    part's; any other file, or one that cannot be read: {})."""
+    from deepinfer.model_executor.loader.gguf_file import read_gguf_file
+
+    if not path.lower().endswith(".gguf"):
+        return {}
+    try:
+        tensors = read_gguf_file(path).tensors
+    except (OSError, ValueError):
+        return {}
+    mix: dict[str, int] = {}
+    for t in tensors:
+        if len(t.shape) >= 2:
+            mix[t.tensor_type.name] = mix.get(t.tensor_type.name, 0) + t.data.nbytes
+    return dict(sorted(mix.items(), key=lambda kv: -kv[1]))
+
+
+def format_types(mix: dict[str, int]) -> str:
+    """"Q3_K 58%, IQ4_XS 31%, Q6_K 11%": the three largest shares, then "+N" more types."""
+    total = sum(mix.values())
+    if not total:
+        return "-"
+    shown = [f"{kind} {round(100 * size / total)}%" for kind, size in list(mix.items())[:3]]
+    return ", ".join(shown) + (f", +{len(mix) - 3}" if len(mix) > 3 else "")
+
+
 def format_table(entries: list[ModelEntry], now: float) -> str:
-    """Left-aligned columns NAME, SOURCE, SIZE, MODIFIED (a models-dir path shortened with ~; control
-    characters in a name escaped)."""
+    """Left-aligned columns NAME, SOURCE, SIZE, TYPES, MODIFIED (a models-dir path shortened with ~;
+    control characters in a name escaped)."""
     home = os.path.expanduser("~")
-    rows = [("NAME", "SOURCE", "SIZE", "MODIFIED")]
+    rows = [("NAME", "SOURCE", "SIZE", "TYPES", "MODIFIED")]
     for e in entries:
         name = "~" + e.name[len(home):] if e.source == "models-dir" and e.name.startswith(home + os.sep) else e.name
-        rows.append((printable(name), e.source, format_size(e.size), format_age(now - e.modified)))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ("    ".join([*(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)), r[3]]) for r in rows)
+        rows.append((printable(name), e.source, format_size(e.size), format_types(type_mix(e.path)),
+                     format_age(now - e.modified)))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ("    ".join([*(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)), r[4]]) for r in rows)
     return "\n".join(lines)
 
 
