@@ -27,9 +27,9 @@
 // it (register blocking: MR rows share each code vector; the panels' activations are packed so
 // that one pointer walks them). Signed codes use unsigned codes and start the sum at
 // -offset * s (signed bytes, Q8_0's and the IQ4 tables' values, with VNNI: w ^ 0x80, offset 128;
-// with AVX2 the sign trick |w| * (sign(w) x) instead, as maddubs saturates int16). The float steps run with lanes across the tile's rows,
-// so each output's order of operations is the same whatever M, the row's position, the thread
-// count or the instruction set.
+// with AVX2 the sign trick |w| * (sign(w) x) instead, as maddubs saturates int16). The float steps
+// run with lanes across the tile's rows, so each output's order of operations is the same whatever
+// M, the row's position, the thread count or the instruction set.
 //
 // The same body is compiled three times (AVX512-VNNI, AVX-VNNI, AVX2) by including this file
 // into itself under `#pragma GCC target` (GCC 11 or newer: AVX-VNNI); `isa` picks one per call:
@@ -86,7 +86,8 @@ constexpr Kind kKinds[] = {
 // IQ4_NL's and IQ4_XS's 16 values (a code indexes them), and the same plus 128 as unsigned bytes.
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
-alignas(16) constexpr uint8_t kIQ4Biased[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+alignas(16) constexpr uint8_t kIQ4Biased[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                129, 141, 153, 166, 181, 197, 217, 241};
 
 // Kinds whose values are signed bytes (Q8_0's, and the IQ4 kinds' after the table): no code offset.
 constexpr bool signed_kind(int64_t id) { return id == 8 || id == 20 || id == 23; }
@@ -250,14 +251,18 @@ void decode_row(const Kind& kd, const uint8_t* row, int64_t K, int16_t* vals, fl
         }
         break;
       }
-      case 20: case 23: {
-        const int64_t subs = kd.id == 20 ? 1 : 8;
-        const uint8_t* qs = p + (kd.id == 20 ? 2 : 8);
+      case 20: case 23: {  // IQ4_NL: d, 16 bytes of codes; IQ4_XS: d, scales_h (2 B), scales_l (4 B), 128 B
+        const bool xs = kd.id == 23;
+        const int64_t subs = xs ? 8 : 1;
+        const uint8_t* qs = p + (xs ? 8 : 2);
         const float d = half_to_float(p);
-        const int high = p[2] | (p[3] << 8);
         for (int64_t ib = 0; ib < subs; ++ib) {
-          const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((high >> (2 * ib)) & 3) << 4);
-          A[u0 + ib] = kd.id == 20 ? d : d * static_cast<float>(ls - 32);
+          if (xs) {
+            const int high = (p[2] | (p[3] << 8)) >> (2 * ib) & 3, low = (p[4 + ib / 2] >> (4 * (ib % 2))) & 0xF;
+            A[u0 + ib] = d * static_cast<float>((low | (high << 4)) - 32);
+          } else {
+            A[u0 + ib] = d;
+          }
           for (int j = 0; j < 16; ++j) {
             v[32 * ib + j] = kIQ4Values[qs[16 * ib + j] & 0xF];
             v[32 * ib + 16 + j] = kIQ4Values[qs[16 * ib + j] >> 4];
