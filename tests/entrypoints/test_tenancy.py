@@ -176,7 +176,10 @@ def test_the_dashboard_shows_a_client_its_own_requests_only(server, monkeypatch)
     with httpx.Client(base_url=server.listen(), timeout=HANG_S) as http, \
             http.stream("POST", CMPL, json=long, headers=bearer(KEY_A)) as stream:
         assert stream.status_code == 200
-        first = next(line for line in stream.iter_lines() if line.startswith("data: {"))
+        # The iterator is kept: a generator expression over a temporary `iter_lines()` closes it when
+        # it is collected, which closes the connection, and the server aborts the stream it serves.
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
         mine = json.loads(first[6:])["id"]
         owner = _dashboard(server, KEY_A, until=lambda view: mine in _running_ids(view))
         chosen = _dashboard(server, KEY_A, mine, until=lambda view: view["request"] is not None)
