@@ -21,6 +21,12 @@ def test_split_tag(name, parsed):
     assert split_tag(name) == parsed
 
 
+def test_a_hostile_tag_is_no_tag_and_matches_literally():
+    assert split_tag("org/repo:" + "Q" * 65) == ("org/repo:" + "Q" * 65, None)  # bounded: not a tag
+    assert split_tag("org/repo:../x")[1] is None and split_tag("org/repo:.*")[1] is None
+    assert not has_tag("m-Q4_K_M.gguf", "Q4.K.M")  # regex characters are literal
+
+
 def test_a_tag_matches_whole_tokens_only():
     assert has_tag("m-Q4_K_M.gguf", "q4_k_m") and has_tag("Q4_K_M/m-Q4_K_M-00001-of-00002.gguf", "Q4_K_M")
     assert not has_tag("m-Q4_K_M.gguf", "Q4_K") and not has_tag("m-IQ4_XS.gguf", "Q4_XS")

@@ -119,12 +119,14 @@ def _read_part(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """One file's metadata and tensors (views of its mapping); the parsed header cached by stat."""
     blob, stat = _map(path)
     key = (os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-    header = _HEADERS.pop(key, None) or _parse_header(blob, path)
+    header = _HEADERS.pop(key, None)
+    if header is None:  # parsed and checked once per file as stat sees it (its size is in the key)
+        header = _parse_header(blob, path)
+        check_tensor_table(path, blob.size, header[2], header[1])
     _HEADERS[key] = header  # most recent last
     while len(_HEADERS) > _MAX_HEADERS:
         del _HEADERS[next(iter(_HEADERS))]
     metadata, entries, data_start = header
-    check_tensor_table(path, blob.size, data_start, entries)
     return metadata, [_tensor_view(blob, data_start, entry, path) for entry in entries]
 
 
