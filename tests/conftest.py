@@ -72,6 +72,22 @@ def _scheduling_units() -> dict[str, str]:
     return unit
 
 
+# The modules that take minutes go to the workers first: units are handed out in collection order as
+# workers free up, so a long module collected last would leave the other worker idle at the end.
+LONG_MODULES = ("tests/ops/test_kernel_build.py", "tests/test_gpu_check_script.py",
+                "tests/entrypoints/test_server_fuzz.py", "tests/models/test_quantized_parity.py",
+                "tests/loader/test_gemma3_real.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long modules first (a stable sort: everything else keeps its order)."""
+    def rank(item) -> int:
+        module = os.path.relpath(str(item.path), os.path.dirname(os.path.dirname(__file__))).replace(os.sep, "/")
+        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadfile, with the modules of one SHARED_SESSION_FIXTURES group scheduled as one unit."""
     if config.getoption("dist", None) != "loadfile":
