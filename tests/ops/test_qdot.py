@@ -38,9 +38,23 @@ class Blocks:
 
 
 def _fp16_fields(kind: str) -> list[int]:
-    """Byte offsets of a block's fp16 scales (d, m, dmin)."""
+    """Byte offsets of a block's fp16 scales (d, m, dmin); IQ1_M's d is spread (`_put_scale`)."""
     return {"Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82],
-            "Q3_K": [108]}.get(kind, [0])
+            "Q3_K": [108], "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": [-1]}.get(kind, [0])
+
+
+def _put_scale(blocks: np.ndarray, kind: str, at: int, scale: np.ndarray) -> None:
+    """Write fp16 `scale` [N, nb, 1] at byte `at` of every block (IQ1_M: into the top nibbles of
+    its four scale words)."""
+    half = scale.astype(np.float16)
+    if kind != "IQ1_M":
+        blocks[..., at:at + 2] = half.view(np.uint8)
+        return
+    bits = half.view(np.uint16)[..., 0]  # [N, nb]
+    words = blocks[..., 48:56].copy().view(np.uint16)  # [N, nb, 4]
+    for i in range(4):
+        words[..., i] = (words[..., i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+    blocks[..., 48:56] = words.view(np.uint8)
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
@@ -50,8 +64,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
     data = rng.integers(0, 256, (n, k // spec.block_values * spec.block_bytes), dtype=np.uint8)
     blocks = data.reshape(n, -1, spec.block_bytes)
     for at in _fp16_fields(kind):
-        scale = (rng.random((n, blocks.shape[1], 1)) - 0.3) * 0.02
-        blocks[..., at:at + 2] = scale.astype(np.float16).view(np.uint8)
+        _put_scale(blocks, kind, at, (rng.random((n, blocks.shape[1], 1)) - 0.3) * 0.02)
     return Blocks(data, kind, k)
 
 
@@ -75,8 +88,7 @@ def exact_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
     blocks = w.data.numpy().reshape(n, -1, spec.block_bytes)
     for at in _fp16_fields(kind):
         sign = rng.choice([-1.0, 1.0], (n, blocks.shape[1], 1)) if at == 2 and kind in ("Q4_1", "Q5_1") else 1.0
-        scale = sign * 2.0 ** -rng.integers(6, 8, (n, blocks.shape[1], 1))
-        blocks[..., at:at + 2] = scale.astype(np.float16).view(np.uint8)
+        _put_scale(blocks, kind, at, sign * 2.0 ** -rng.integers(6, 8, (n, blocks.shape[1], 1)))
     if kind in ("Q4_K", "Q5_K"):  # 6-bit scales and mins 0..3: the upper bits of all 12 bytes clear
         blocks[..., 4:16] &= np.uint8(0x03)
     if kind == "Q6_K":
@@ -92,7 +104,24 @@ def exact_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
         blocks[..., 2:4] = 0xAA
         low = rng.choice(np.array([0, 1], dtype=np.uint8), (n, blocks.shape[1], 8))
         blocks[..., 4:8] = low[..., 0::2] | (low[..., 1::2] << 4)
+    for start, stop, keep in _SMALL_GRID_SCALES.get(kind, ()):  # 4-bit scales 0 or 1, 3-bit ones 0 or 1
+        blocks[..., start:stop] &= np.uint8(keep)
+    if kind == "IQ1_M":
+        words = blocks[..., 48:56].copy().view(np.uint16)
+        words &= np.uint16(0xF249)  # each 3-bit scale 0 or 1, d kept
+        blocks[..., 48:56] = words.view(np.uint8)
     return w
+
+
+# The grid kinds' sub-block scale bytes (start, stop, mask): masks that leave each scale 0 or 1.
+_SMALL_GRID_SCALES = {
+    "IQ2_XXS": [(2 + 8 * ib + 7, 2 + 8 * ib + 8, 0x1F) for ib in range(8)],  # ls: the top nibble of a word
+    "IQ2_XS": [(66, 74, 0x11)],
+    "IQ2_S": [(74, 82, 0x11)],
+    "IQ3_XXS": [(66 + 4 * ib + 3, 66 + 4 * ib + 4, 0x1F) for ib in range(8)],
+    "IQ3_S": [(106, 110, 0x11)],
+    "IQ1_S": [(35 + 2 * ib, 36 + 2 * ib, 0x9F) for ib in range(8)],  # bits 12..14 of each qh word
+}
 
 
 def activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -228,6 +257,8 @@ def test_the_largest_codes_times_the_largest_activations_do_not_overflow(kind):
     for at in _fp16_fields(kind):
         fields[at:at + 2] = True
     blocks[..., ~fields] = 0x80 if kind == "Q8_0" else 0xFF  # Q6_K: int8 scales -1, codes 63
+    if kind == "IQ1_M":  # every field at its largest, d (in the scale words' top nibbles) kept finite
+        _put_scale(blocks, kind, -1, np.full((5, blocks.shape[1], 1), 0.01))
     if kind == "Q6_K":
         blocks[..., 192:208] = 0x80  # int8 scales -128
     if kind in ("IQ4_NL", "IQ4_XS"):  # code 0: the value -127

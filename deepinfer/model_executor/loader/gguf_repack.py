@@ -17,6 +17,8 @@ HF order, a tensor-parallel rank's columns, a padded vocabulary).
     Q3_K   256 / 110                  32 B high 1 | 64 B low 2 | 12 sc | d   d (sc_j - 32) (q - 4), j per 16
     IQ4_NL 32 / 18                    d | 16 B nibbles                       d kv[q] (kv: 16 int8 values)
     IQ4_XS 256 / 136                  d | 2 B sc high | 4 B sc low | 128 B   d (sc_j - 32) kv[q], j per 32
+    IQ2_XXS 66, IQ2_XS 74, IQ2_S 82, IQ3_XXS 98, IQ3_S 110, IQ1_S 50, IQ1_M 56, TQ1_0 54, TQ2_0 66 bytes
+           per 256 values: grid rows and signs, or ternary digits (layers/ops/iq_blocks.py)
 
 (d, m, dmin: fp16; q the block's unsigned integer code; sc_j, mn_j the sub-block's 6- or 8-bit
 scale and min.) Any other type returns None: the caller dequantizes it and logs the type once.

@@ -19,8 +19,9 @@ blocks (bytes as in the GGUF file), `w.kind` the ggml type name and `w.shape` (N
 block is split into units (sub-blocks) of U values, so that each unit's value is
 w = A * (code - offset) + B: an unsigned code, a kind's constant offset (Q4_0 8, Q5_0 16, Q3_K 4,
 Q6_K 32, else 0; Q8_0's codes are signed bytes, IQ4_NL's and IQ4_XS's 4-bit codes index the signed
-values IQ4_VALUES), a scale A and, for Q4_1, Q5_1, Q2_K, Q4_K and Q5_K, a min B (A = d * sc,
-B = -dmin * m for the K-quants; both exact in fp32). U = 16 for Q2_K, Q3_K and Q6_K, 32 for every
+values IQ4_VALUES, the grid i-quants' and ternary kinds' values are signed bytes read by iq_blocks.py),
+a scale A and, for Q4_1, Q5_1, Q2_K, Q4_K and Q5_K, a min B (A = d * sc, B = -dmin * m for the
+K-quants; both exact in fp32). U = 16 for Q2_K, Q3_K, Q6_K, IQ2_XS, IQ2_S and IQ1_M, 32 for every
 other kind.
 
 Per output (m, n) the units are combined in ascending order, each in fp32, in exactly this order:
@@ -50,11 +51,13 @@ and prefill of the same token give the same bits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
+from deepinfer.model_executor.layers.ops import iq_blocks
 from deepinfer.model_executor.layers.ops.cpu_kernels import qdot_level, qdot_levels
 from deepinfer.model_executor.layers.ops.few_rows import FEW_ROWS, few_row_level
 
@@ -90,10 +93,21 @@ KINDS = {
     "Q3_K": Kind(11, 256, 110, 16, 4, False),
     "IQ4_NL": Kind(20, 32, 18, 32, 0, False),
     "IQ4_XS": Kind(23, 256, 136, 32, 0, False),
+    "IQ2_XXS": Kind(16, 256, 66, 32, 0, False),
+    "IQ2_XS": Kind(17, 256, 74, 16, 0, False),
+    "IQ2_S": Kind(22, 256, 82, 16, 0, False),
+    "IQ3_XXS": Kind(18, 256, 98, 32, 0, False),
+    "IQ3_S": Kind(21, 256, 110, 32, 0, False),
+    "IQ1_S": Kind(19, 256, 50, 32, 0, False),
+    "IQ1_M": Kind(29, 256, 56, 16, 0, False),
+    "TQ1_0": Kind(34, 256, 54, 32, 0, False),
+    "TQ2_0": Kind(35, 256, 66, 32, 0, False),
 }
 # The 4-bit non-linear kinds' 16 values (ggml's kvalues_iq4nl): a code is an index into them.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-SIGNED = {"Q8_0", "IQ4_NL", "IQ4_XS"}  # kinds whose values are signed bytes (no offset)
+GRID_KINDS = frozenset(iq_blocks.DECODERS)  # the grid i-quants and ternary kinds (iq_blocks.py)
+_GRID_IDS = frozenset(KINDS[name].ggml_id for name in GRID_KINDS)
+SIGNED = {"Q8_0", "IQ4_NL", "IQ4_XS", *GRID_KINDS}  # kinds whose values are signed bytes (no offset)
 ALIASES = {"int8": "Q8_0", "int4": "Q4_1"}  # weights quantized at load arrive as these blocks
 
 
@@ -189,9 +203,17 @@ def qdot(acts: QuantActs, w: BlockWeight, *, isa: str | None = None) -> torch.Te
         raise ValueError(f"qdot: activations have K={acts.q.shape[1]}, the weight K={w.shape[1]}")
     level = _resolve(isa, acts.q.shape[0])
     if level and w.data.device.type == "cpu":
+        if kind.ggml_id in _GRID_IDS:
+            _hand_over_grids()
         return torch.ops.deepinfer_cpu.qdot.default(acts.q, acts.d, acts.sums, w.data, kind.ggml_id, w.shape[1],
                                                     level, acts.levels)  # [M, N]: level 1 + level 2
     return qdot_ref(acts, w)
+
+
+@functools.cache
+def _hand_over_grids() -> None:
+    """The kernel library's copy of the grid kinds' tables (once per process)."""
+    torch.ops.deepinfer_cpu.iq_tables.default(iq_blocks.grid_tables())
 
 
 def _sum_levels(y: torch.Tensor, levels: int) -> torch.Tensor:
@@ -215,6 +237,8 @@ def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: 
     level = _resolve(isa, x2.shape[0] * levels)
     if level and x.is_cpu and w.data.is_cpu:
         x2 = x2 if x2.dtype is torch.float32 else x2.float()
+        if kind.ggml_id in _GRID_IDS:
+            _hand_over_grids()
         y = torch.ops.deepinfer_cpu.qlinear.default(x2, w.data, kind.ggml_id, k, level, levels)  # [M, N]
     else:
         y = qdot_ref(quantize_acts_ref(x2.float(), levels), w)
@@ -415,4 +439,4 @@ def _iq4_xs(blocks):
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
              "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k, "Q3_K": _q3_k,
-             "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+             "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, **iq_blocks.DECODERS}

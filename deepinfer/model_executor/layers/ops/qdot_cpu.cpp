@@ -58,6 +58,14 @@ namespace deepinfer_pool {
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 }
 
+// The grid i-quants and ternary kinds (iq_grid_cpu.cpp): a block's 256 signed values and unit scales.
+namespace deepinfer_iq {
+bool tables_ready();
+void decode_block(int64_t id, const uint8_t* p, int8_t* v, float* A);
+const int8_t* grid_table(int i);  // IQ2_XXS 0, IQ2_XS 1, IQ2_S 2, IQ3_XXS 3, IQ3_S 4, IQ1_S 5
+const int8_t* iq1_table();        // IQ1's grid times 8
+}
+
 namespace deepinfer_qdot {
 
 #define INLINE inline __attribute__((always_inline))
@@ -81,6 +89,15 @@ constexpr Kind kKinds[] = {
     {11, 256, 110, 16, 4, false},   // Q3_K: 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of scales, d
     {20, 32, 18, 32, 0, false},     // IQ4_NL: d, 16 bytes of nibbles indexing kIQ4Values
     {23, 256, 136, 32, 0, false},   // IQ4_XS: d, 6-bit scales (2 high bytes, 4 low), 128 bytes of nibbles
+    {16, 256, 66, 32, 0, false},    // IQ2_XXS  (the grid kinds: iq_grid_cpu.cpp reads them)
+    {17, 256, 74, 16, 0, false},    // IQ2_XS
+    {22, 256, 82, 16, 0, false},    // IQ2_S
+    {18, 256, 98, 32, 0, false},    // IQ3_XXS
+    {21, 256, 110, 32, 0, false},   // IQ3_S
+    {19, 256, 50, 32, 0, false},    // IQ1_S
+    {29, 256, 56, 16, 0, false},    // IQ1_M
+    {34, 256, 54, 32, 0, false},    // TQ1_0
+    {35, 256, 66, 32, 0, false},    // TQ2_0
 };
 
 // IQ4_NL's and IQ4_XS's 16 values (a code indexes them), and the same plus 128 as unsigned bytes.
@@ -89,14 +106,25 @@ alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -
 alignas(16) constexpr uint8_t kIQ4Biased[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                                 129, 141, 153, 166, 181, 197, 217, 241};
 
-// Kinds whose values are signed bytes (Q8_0's, and the IQ4 kinds' after the table): no code offset.
-constexpr bool signed_kind(int64_t id) { return id == 8 || id == 20 || id == 23; }
+// The kinds iq_grid_cpu.cpp decodes to signed bytes, block by block (IQ1-3 grids, TQ1_0, TQ2_0). The
+// SIMD variants compile one body for all of them per unit size (the kind read at run time):
+// kGrid16 and kGrid32 stand for them there.
+constexpr int kGrid16 = 1016, kGrid32 = 1032;
+constexpr bool grid_kind(int64_t id) {
+  return id == 16 || id == 17 || id == 18 || id == 19 || id == 21 || id == 22 || id == 29 || id == 34 || id == 35 ||
+         id == kGrid16 || id == kGrid32;
+}
+
+// Kinds whose values are signed bytes (Q8_0's, the IQ4 kinds' after the table, the grid kinds'): no
+// code offset.
+constexpr bool signed_kind(int64_t id) { return id == 8 || id == 20 || id == 23 || grid_kind(id); }
 
 const Kind& kind_of(int64_t id) {
   for (const Kind& k : kKinds)
     if (k.id == id) return k;
   TORCH_CHECK(false, "qdot: no kernel for ggml type ", id, " (have Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, ",
-              "Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
+              "Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, ",
+              "IQ4_NL 20, IQ3_S 21, IQ2_S 22, IQ4_XS 23, IQ1_M 29, TQ1_0 34, TQ2_0 35)");
 }
 
 // A value the compiler cannot see into: a product passed through it is never fused with a later add.
@@ -180,6 +208,12 @@ void decode_row(const Kind& kd, const uint8_t* row, int64_t K, int16_t* vals, fl
     const uint8_t* p = row + b * kd.block_bytes;
     int16_t* v = vals + b * kd.block_values;
     const int64_t u0 = b * kd.block_values / kd.unit;
+    if (grid_kind(kd.id)) {
+      int8_t bytes[256];
+      deepinfer_iq::decode_block(kd.id, p, bytes, A + u0);
+      for (int j = 0; j < 256; ++j) v[j] = bytes[j];
+      continue;
+    }
     switch (kd.id) {
       case 2: case 3: case 6: case 7: {
         const int64_t qs_at = kd.id == 2 ? 2 : kd.id == 3 ? 4 : kd.id == 6 ? 6 : 8;
@@ -356,6 +390,20 @@ struct V {
     return p;
   }
   static INLINE I abs8(I v) { return _mm512_abs_epi8(v); }
+  static INLINE I add8(I a, I b) { return _mm512_add_epi8(a, b); }
+  static INLINE I sub8(I a, I b) { return _mm512_sub_epi8(a, b); }
+  // Each lane's dword at base + S * idx (S: 1, 2, 4 or 8 bytes).
+  template <int S>
+  static INLINE I gather(const void* base, I idx) { return _mm512_i32gather_epi32(idx, base, S); }
+  // The low 4 bits of each lane -> 0xFF in its bytes 0..3 whose bit is set, 0 in the others.
+  static INLINE I mask_ff(I v) {
+    const I table = _mm512_setr_epi32(0x0, 0xFF, 0xFF00, 0xFFFF, 0xFF0000, 0xFF00FF, 0xFFFF00, 0xFFFFFF,
+                                      static_cast<int32_t>(0xFF000000u), static_cast<int32_t>(0xFF0000FFu),
+                                      static_cast<int32_t>(0xFF00FF00u), static_cast<int32_t>(0xFF00FFFFu),
+                                      static_cast<int32_t>(0xFFFF0000u), static_cast<int32_t>(0xFFFF00FFu),
+                                      static_cast<int32_t>(0xFFFFFF00u), -1);
+    return _mm512_permutexvar_epi32(v, table);
+  }
   // Each byte (0..15) replaced by its entry in the 16-byte table t.
   static INLINE I lut(const void* t, I idx) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t))), idx);
@@ -450,6 +498,19 @@ struct V {
       return p;                                                                                                      \
     }                                                                                                                \
     static INLINE I abs8(I v) { return _mm256_abs_epi8(v); }                                                         \
+    static INLINE I add8(I a, I b) { return _mm256_add_epi8(a, b); }                                                 \
+    static INLINE I sub8(I a, I b) { return _mm256_sub_epi8(a, b); }                                                 \
+    template <int S>                                                                                                 \
+    static INLINE I gather(const void* base, I idx) {                                                                \
+      return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, S);                                     \
+    }                                                                                                                \
+    /* The low 4 bits of each lane -> 0xFF in its bytes 0..3 whose bit is set: byte 0 copied to all 4, a test */     \
+    static INLINE I mask_ff(I v) {                                                                                   \
+      const I copy = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0,   \
+                                                             0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));      \
+      const I bits = set1(0x08040201);                                                                               \
+      return _mm256_cmpeq_epi8(and_(copy, bits), bits);                                                              \
+    }                                                                                                                \
     static INLINE I lut(const void* t, I idx) {                                                                      \
       return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t))),  \
                                  idx);                                                                               \
@@ -628,6 +689,8 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   check_isa(isa);
   TORCH_CHECK(levels == 1 || levels == 2, "qdot: levels must be 1 or 2, got ", levels);
   const Kind kd = kind_of(kind);
+  TORCH_CHECK(!grid_kind(kd.id) || deepinfer_iq::tables_ready(),
+              "qdot: the grid tables of type ", kind, " are not loaded (qdot.py hands them over: iq_tables)");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) == K, "qdot: q must be int8 [M, K=", K, "]");
   const int64_t M = q.size(0), N = w.size(0);
   TORCH_CHECK(M % levels == 0, "qdot: ", M, " activation rows do not hold ", levels, " levels");
@@ -967,18 +1030,318 @@ INLINE void decode_iq4xs(const uint8_t* p, int64_t stride, Sink& sink, int64_t u
   }
 }
 
+// A grid kind's super-block of the R rows: each row decoded alone (iq_grid_cpu.cpp) into signed bytes,
+// then read across rows with the transposed loads and taken as Q8_0's bytes are. Units of U values
+// (16 or 32): units u0 .. u0 + 256 / U - 1.
+template <int U, class Sink>
+INLINE void decode_grid(int64_t id, const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  constexpr int NU = 256 / U;
+  alignas(64) int8_t vals[R * 256];
+  alignas(64) float A[NU * R];
+  float row_scales[NU];
+  for (int r = 0; r < R; ++r) {
+    deepinfer_iq::decode_block(id, p + r * stride, vals + r * 256, row_scales);
+    for (int u = 0; u < NU; ++u) A[u * R + r] = row_scales[u];
+  }
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(vals);
+  for (int u = 0; u < NU; ++u) {
+    sink.scale(u0 + u, V::loadf(A + u * R));
+    I w[U / 4], codes[U / 4];
+    for (int h = 0; h < U / 16; ++h) V::load_t4(bytes + u * U + 16 * h, 256, w + 4 * h);
+    if constexpr (V::kSignTrick) {
+      for (int g = 0; g < U / 4; ++g) codes[g] = V::abs8(w[g]);
+      sink.unit_sign(u0 + u, codes, w);
+    } else {
+      for (int g = 0; g < U / 4; ++g) codes[g] = V::xor_(w[g], V::set1(static_cast<int32_t>(0x80808080u)));
+      sink.unit(u0 + u, codes);
+    }
+  }
+}
+
+// ---- the grid kinds, decoded in registers: grid rows gathered per lane (row), signs as byte masks ----
+
+// A unit of G signed-byte vectors w (|w| in mag) into the sink, as Q8_0's bytes are taken.
+template <int G, class Sink>
+INLINE void grid_unit(Sink& sink, int64_t u, I* w, I* mag) {
+  if constexpr (V::kSignTrick) {
+    sink.unit_sign(u, mag, w);
+  } else {
+    for (int g = 0; g < G; ++g) w[g] = V::xor_(w[g], V::set1(static_cast<int32_t>(0x80808080u)));
+    sink.unit(u, w);
+  }
+}
+
+// 7 sign bits -> the 8 with even parity (ggml's ksigns table, computed).
+INLINE I with_parity(I s7) {
+  I t = V::xor_(s7, V::srl(s7, 4));
+  t = V::xor_(t, V::srl(t, 2));
+  t = V::xor_(t, V::srl(t, 1));
+  return V::or_(s7, V::sll(V::and_(t, V::set1(1)), 7));
+}
+
+// The 8 grid bytes of row gi (two dwords: values 0..3, 4..7) with the bytes whose bit is set in
+// s8 negated ((g ^ 0xFF) + 1: a grid byte is never 0); mag gets the grid bytes.
+INLINE void signed_row8(const int8_t* grid, I gi, I s8, I* w, I* mag) {
+  mag[0] = V::gather<8>(grid, gi);
+  mag[1] = V::gather<8>(grid + 4, gi);
+  const I lo = V::mask_ff(V::and_(s8, V::set1(15))), hi = V::mask_ff(V::srl(s8, 4));
+  w[0] = V::sub8(V::xor_(mag[0], lo), lo);
+  w[1] = V::sub8(V::xor_(mag[1], hi), hi);
+}
+
+// IQ3's two rows of 4 (gi, gj) with the sign byte s8.
+INLINE void signed_rows4(const int8_t* grid, I gi, I gj, I s8, I* w, I* mag) {
+  mag[0] = V::gather<4>(grid, gi);
+  mag[1] = V::gather<4>(grid, gj);
+  const I lo = V::mask_ff(V::and_(s8, V::set1(15))), hi = V::mask_ff(V::srl(s8, 4));
+  w[0] = V::sub8(V::xor_(mag[0], lo), lo);
+  w[1] = V::sub8(V::xor_(mag[1], hi), hi);
+}
+
+INLINE I byte_at(I v, int b) { return V::and_(V::srl(v, 8 * b), V::set1(0xFF)); }
+
+// d (0.5 + ls) * f, in the scalar decoder's order of operations.
+INLINE F half_step(F d, I ls, float f) { return V::mul(V::mul(d, V::add(V::cvt(ls), V::set1f(0.5f))), V::set1f(f)); }
+
+template <class Sink>
+INLINE void decode_iq2xxs(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* grid = deepinfer_iq::grid_table(0);
+  I h[4];
+  V::load_t4(p, stride, h);
+  const F d = V::half_lo(h[0]);
+  for (int k = 0; k < 4; ++k) {
+    I q[4];
+    V::load_t4(p + 2 + 16 * k, stride, q);  // per 32 values: 4 grid indices, then 4 x 7 sign bits | ls
+    for (int half = 0; half < 2; ++half) {
+      const I idx = q[2 * half], aux = q[2 * half + 1];
+      sink.scale(u0 + 2 * k + half, half_step(d, V::srl(aux, 28), 0.25f));
+      I w[8], mag[8];
+      for (int l = 0; l < 4; ++l)
+        signed_row8(grid, byte_at(idx, l), with_parity(V::and_(V::srl(aux, 7 * l), V::set1(127))), w + 2 * l,
+                    mag + 2 * l);
+      grid_unit<8>(sink, u0 + 2 * k + half, w, mag);
+    }
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq2xs(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* grid = deepinfer_iq::grid_table(1);
+  I h[4], sc[4];
+  V::load_t4(p, stride, h);
+  V::load_t4(p + 58, stride, sc);  // sc[2], sc[3]: the scale bytes 66..73
+  const F d = V::half_lo(h[0]);
+  for (int k = 0; k < 4; ++k) {
+    I q[4];
+    V::load_t4(p + 2 + 16 * k, stride, q);  // uint16 per 8 values: 9-bit index | 7 sign bits
+    for (int j = 0; j < 4; ++j) {
+      const int u = 4 * k + j;
+      const I ls = V::and_(V::srl(sc[2 + u / 8], 8 * ((u / 2) % 4) + 4 * (u % 2)), V::set1(15));
+      sink.scale(u0 + u, half_step(d, ls, 0.25f));
+      I w[4], mag[4];
+      for (int t = 0; t < 2; ++t) {
+        const I qv = V::and_(V::srl(q[j], 16 * t), V::set1(0xFFFF));
+        signed_row8(grid, V::and_(qv, V::set1(511)), with_parity(V::srl(qv, 9)), w + 2 * t, mag + 2 * t);
+      }
+      grid_unit<4>(sink, u0 + u, w, mag);
+    }
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq2s(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* grid = deepinfer_iq::grid_table(2);
+  I h[4], qa[8], sg[8], t[4];
+  V::load_t4(p, stride, h);
+  V::load_t4(p + 2, stride, qa);  // low index bytes, one per 8 values
+  V::load_t4(p + 18, stride, qa + 4);
+  V::load_t4(p + 34, stride, sg);  // sign bytes
+  V::load_t4(p + 50, stride, sg + 4);
+  V::load_t4(p + 66, stride, t);  // t[0..1]: 2 high index bits per 8 values, t[2..3]: scales
+  const F d = V::half_lo(h[0]);
+  for (int u = 0; u < 16; ++u) {
+    const I ls = V::and_(V::srl(t[2 + u / 8], 8 * ((u / 2) % 4) + 4 * (u % 2)), V::set1(15));
+    sink.scale(u0 + u, half_step(d, ls, 0.25f));
+    I w[4], mag[4];
+    for (int e = 0; e < 2; ++e) {
+      const int g = 2 * u + e;
+      const I high = V::and_(V::srl(t[g / 16], 8 * ((g / 4) % 4) + 2 * (g % 4)), V::set1(3));
+      signed_row8(grid, V::or_(byte_at(qa[g / 4], g % 4), V::sll(high, 8)), byte_at(sg[g / 4], g % 4), w + 2 * e,
+                  mag + 2 * e);
+    }
+    grid_unit<4>(sink, u0 + u, w, mag);
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq3xxs(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* grid = deepinfer_iq::grid_table(3);
+  I h[4], qd[16], ax[8];
+  V::load_t4(p, stride, h);
+  for (int k = 0; k < 4; ++k) V::load_t4(p + 2 + 16 * k, stride, qd + 4 * k);  // one grid index per 4 values
+  V::load_t4(p + 66, stride, ax);  // per 32 values: 4 x 7 sign bits | ls
+  V::load_t4(p + 82, stride, ax + 4);
+  const F d = V::half_lo(h[0]);
+  for (int ib = 0; ib < 8; ++ib) {
+    sink.scale(u0 + ib, half_step(d, V::srl(ax[ib], 28), 0.5f));
+    I w[8], mag[8];
+    for (int l = 0; l < 4; ++l) {
+      const I idx = qd[2 * ib + l / 2];
+      signed_rows4(grid, byte_at(idx, 2 * (l % 2)), byte_at(idx, 2 * (l % 2) + 1),
+                   with_parity(V::and_(V::srl(ax[ib], 7 * l), V::set1(127))), w + 2 * l, mag + 2 * l);
+    }
+    grid_unit<8>(sink, u0 + ib, w, mag);
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq3s(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* grid = deepinfer_iq::grid_table(4);
+  I h[4], qd[16], a[4], b[4], c[4];
+  V::load_t4(p, stride, h);
+  for (int k = 0; k < 4; ++k) V::load_t4(p + 2 + 16 * k, stride, qd + 4 * k);  // low index bytes, one per 4 values
+  V::load_t4(p + 66, stride, a);  // a[0..1]: the ninth index bits, a[2..3]: sign bytes 0..7
+  V::load_t4(p + 82, stride, b);  // sign bytes 8..23
+  V::load_t4(p + 94, stride, c);  // c[1..2]: sign bytes 24..31, c[3]: the scales
+  const I sg[8] = {a[2], a[3], b[0], b[1], b[2], b[3], c[1], c[2]};
+  const F d = V::half_lo(h[0]);
+  for (int ib = 0; ib < 8; ++ib) {
+    const I ls = V::and_(V::srl(c[3], 8 * (ib / 2) + 4 * (ib % 2)), V::set1(15));
+    sink.scale(u0 + ib, V::mul(d, V::cvt(V::addi(V::sll(ls, 1), V::set1(1)))));
+    I w[8], mag[8];
+    for (int l = 0; l < 4; ++l) {
+      const int g = 4 * ib + l;  // 8 values: grid rows 2g, 2g + 1
+      const I hb = V::srl(a[g / 16], 8 * ((g / 4) % 4) + 2 * (g % 4));
+      const I gi = V::or_(byte_at(qd[g / 2], 2 * (g % 2)), V::sll(V::and_(hb, V::set1(1)), 8));
+      const I gj = V::or_(byte_at(qd[g / 2], 2 * (g % 2) + 1), V::sll(V::and_(V::srl(hb, 1), V::set1(1)), 8));
+      signed_rows4(grid, gi, gj, byte_at(sg[g / 4], g % 4), w + 2 * l, mag + 2 * l);
+    }
+    grid_unit<8>(sink, u0 + ib, w, mag);
+  }
+}
+
+// IQ1: 8 grid values (times 8, gathered) plus delta (+-1 per byte: all bytes 1, or all 0xFF where
+// the lane's `minus` is -1).
+INLINE void iq1_row8(const int8_t* tab, I gi, I minus, I* w, I* mag) {
+  const I delta = V::xor_(V::set1(0x01010101), V::and_(minus, V::set1(static_cast<int32_t>(0xFEFEFEFEu))));
+  for (int e = 0; e < 2; ++e) {
+    w[e] = V::add8(V::gather<8>(tab + 4 * e, gi), delta);
+    mag[e] = V::abs8(w[e]);
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq1s(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* tab = deepinfer_iq::iq1_table();
+  I h[4], qa[8], qh[4];
+  V::load_t4(p, stride, h);
+  V::load_t4(p + 2, stride, qa);  // low index bytes, one per 8 values
+  V::load_t4(p + 18, stride, qa + 4);
+  V::load_t4(p + 34, stride, qh);  // uint16 per 32 values: 4 x 3 high index bits, ls, delta sign
+  const F d = V::half_lo(h[0]);
+  for (int ib = 0; ib < 8; ++ib) {
+    const I q = V::and_(V::srl(qh[ib / 2], 16 * (ib % 2)), V::set1(0xFFFF));
+    const I ls = V::and_(V::srl(q, 12), V::set1(7));
+    sink.scale(u0 + ib, V::mul(V::mul(d, V::cvt(V::addi(V::sll(ls, 1), V::set1(1)))), V::set1f(0.125f)));
+    const I minus = V::sra(V::sll(q, 16), 31);
+    I w[8], mag[8];
+    for (int l = 0; l < 4; ++l) {
+      const int g = 4 * ib + l;
+      const I gi = V::or_(byte_at(qa[g / 4], g % 4), V::sll(V::and_(V::srl(q, 3 * l), V::set1(7)), 8));
+      iq1_row8(tab, gi, minus, w + 2 * l, mag + 2 * l);
+    }
+    grid_unit<8>(sink, u0 + ib, w, mag);
+  }
+}
+
+template <class Sink>
+INLINE void decode_iq1m(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  const int8_t* tab = deepinfer_iq::iq1_table();
+  I qa[8], qh[4], s[4];
+  V::load_t4(p, stride, qa);  // low index bytes, one per 8 values
+  V::load_t4(p + 16, stride, qa + 4);
+  V::load_t4(p + 32, stride, qh);  // a nibble per 8 values: 3 high index bits | delta sign
+  V::load_t4(p + 40, stride, s);  // s[2..3]: the 4 scale words (3-bit scales, d's nibbles on top)
+  const I m16 = V::set1(0xFFFF);
+  const I word[4] = {V::and_(s[2], m16), V::srl(s[2], 16), V::and_(s[3], m16), V::srl(s[3], 16)};
+  const I bits = V::or_(V::or_(V::srl(word[0], 12), V::and_(V::srl(word[1], 8), V::set1(0xF0))),
+                        V::or_(V::and_(V::srl(word[2], 4), V::set1(0xF00)), V::and_(word[3], V::set1(0xF000))));
+  const F d = V::half_lo(bits);
+  for (int u = 0; u < 16; ++u) {
+    const I ls = V::and_(V::srl(word[u / 4], 3 * (u % 4)), V::set1(7));
+    sink.scale(u0 + u, V::mul(V::mul(d, V::cvt(V::addi(V::sll(ls, 1), V::set1(1)))), V::set1f(0.125f)));
+    I w[4], mag[4];
+    for (int e = 0; e < 2; ++e) {
+      const int g = 2 * u + e;
+      const I nib = V::and_(V::srl(qh[g / 8], 8 * ((g / 2) % 4) + 4 * (g % 2)), V::set1(15));
+      const I gi = V::or_(byte_at(qa[g / 4], g % 4), V::sll(V::and_(nib, V::set1(7)), 8));
+      iq1_row8(tab, gi, V::sra(V::sll(nib, 28), 31), w + 2 * e, mag + 2 * e);
+    }
+    grid_unit<4>(sink, u0 + u, w, mag);
+  }
+}
+
+// TQ2_0: 2-bit codes in Q2_K's planes (value 128h + 32j + l: bits 2j of byte 32h + l), value code - 1.
+template <class Sink>
+INLINE void decode_tq2(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  I t[4];
+  V::load_t4(p + 50, stride, t);  // d: the upper half of the last dword
+  const F d = V::half_lo(V::srl(t[3], 16));
+  for (int h = 0; h < 2; ++h) {
+    I qs[8];
+    V::load_t4(p + 32 * h, stride, qs);
+    V::load_t4(p + 32 * h + 16, stride, qs + 4);
+    for (int j = 0; j < 4; ++j) {
+      I w[8], mag[8];
+      for (int g = 0; g < 8; ++g) {
+        w[g] = V::sub8(V::and_(V::srl(qs[g], 2 * j), V::set1(0x03030303)), V::set1(0x01010101));
+        mag[g] = V::abs8(w[g]);
+      }
+      sink.scale(u0 + 4 * h + j, d);
+      grid_unit<8>(sink, u0 + 4 * h + j, w, mag);
+    }
+  }
+}
+
+// A grid kind's block (the kind read at run time; TQ1_0's base-3 digits go row by row).
+template <int U, class Sink>
+INLINE void decode_grid_kind(int64_t id, const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  if constexpr (U == 16) {
+    if (id == 17) return decode_iq2xs(p, stride, sink, u0);
+    if (id == 22) return decode_iq2s(p, stride, sink, u0);
+    if (id == 29) return decode_iq1m(p, stride, sink, u0);
+  } else {
+    if (id == 16) return decode_iq2xxs(p, stride, sink, u0);
+    if (id == 18) return decode_iq3xxs(p, stride, sink, u0);
+    if (id == 21) return decode_iq3s(p, stride, sink, u0);
+    if (id == 19) return decode_iq1s(p, stride, sink, u0);
+    if (id == 35) return decode_tq2(p, stride, sink, u0);
+  }
+  decode_grid<U>(id, p, stride, sink, u0);
+}
+
 template <int KIND>
 constexpr int64_t block_bytes() {
-  return KIND == 12 ? 144 : KIND == 13 ? 176 : KIND == 14 ? 210 : KIND == 2 ? 18 : KIND == 3 ? 20 : KIND == 6 ? 22
-         : KIND == 7 ? 24 : KIND == 10 ? 84 : KIND == 11 ? 110 : KIND == 20 ? 18 : KIND == 23 ? 136 : 34;
+  for (const Kind& k : kKinds)
+    if (k.id == KIND) return k.block_bytes;
+  return 0;
+}
+
+template <int KIND>
+constexpr int unit_of() {
+  if (KIND == kGrid16 || KIND == kGrid32) return KIND == kGrid16 ? 16 : 32;
+  for (const Kind& k : kKinds)
+    if (k.id == KIND) return static_cast<int>(k.unit);
+  return 0;
 }
 
 // Decode blocks [b0, b1) of the R rows at w (stride row_bytes) into the sink (units from 0), and
 // prefetch the `ahead_rows` rows at `ahead` (the next tile's) in step: the same share of them.
 template <int KIND, class Sink>
-INLINE void decode(const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, Sink& sink, const uint8_t* ahead,
-                   int64_t ahead_rows) {
-  constexpr int64_t BB = block_bytes<KIND>();
+INLINE void decode(const Kind& kd, const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, Sink& sink,
+                   const uint8_t* ahead, int64_t ahead_rows) {
+  constexpr int NU = 256 / unit_of<KIND>();  // units per 256-value block
+  const int64_t BB = grid_kind(KIND) ? kd.block_bytes : block_bytes<KIND>();
   const int64_t nb = row_bytes / BB, lines = ahead_rows * row_bytes / 64, per_block = (lines + nb - 1) / nb;
   for (int64_t b = b0; b < b1; ++b) {
     if (lines)
@@ -989,6 +1352,7 @@ INLINE void decode(const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, 
     else if constexpr (KIND == 10 || KIND == 11) decode_q23k<KIND>(p, row_bytes, sink, (b - b0) * 16);
     else if constexpr (KIND == 12 || KIND == 13) decode_k45<KIND>(p, row_bytes, sink, (b - b0) * 8);
     else if constexpr (KIND == 23) decode_iq4xs(p, row_bytes, sink, (b - b0) * 8);
+    else if constexpr (grid_kind(KIND)) decode_grid_kind<unit_of<KIND>()>(kd.id, p, row_bytes, sink, (b - b0) * NU);
     else decode32<KIND>(p, row_bytes, sink, b - b0);
   }
 }
@@ -1122,7 +1486,7 @@ void rows_pass(const Problem& pb, const Tile& t, int64_t units, int64_t gu0, flo
 template <int KIND>
 struct Traits {
   static constexpr bool MIN = KIND == 3 || KIND == 7 || KIND == 10 || KIND == 12 || KIND == 13;
-  static constexpr int U = KIND == 10 || KIND == 11 || KIND == 14 ? 16 : 32;
+  static constexpr int U = unit_of<KIND>();
   static constexpr int BV = KIND >= 10 && KIND != 20 ? 256 : 32;  // values per block
   static constexpr bool SIGN = signed_kind(KIND) && V::kSignTrick;
   static constexpr bool INIT = KIND == 2 || KIND == 6 || KIND == 11 || KIND == 14 || (signed_kind(KIND) && !SIGN);
@@ -1187,7 +1551,7 @@ void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
     std::fill(yt.begin(), yt.end(), 0.0f);
     for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
       const int64_t b1 = std::min(b0 + bpc, nb);
-      decode<KIND>(rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
+      decode<KIND>(pb.kind, rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
       rows_pass<T::U, T::L, T::MIN, T::INIT, T::SIGN>(pb, t, (b1 - b0) * T::BV / T::U, b0 * T::BV / T::U, yt.data());
     }
     store_tile(pb, yt.data(), tile, rows.valid);
@@ -1202,7 +1566,7 @@ void tiles_fused(const Problem& pb, int64_t t0, int64_t t1) {
   for (int64_t tile = t0; tile < t1; ++tile) {
     const Rows rows = tile_rows(pb, tile, pad);
     Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0]);
-    decode<KIND>(rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
+    decode<KIND>(pb.kind, rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
     alignas(64) float yt[MR * R];
     for (int i = 0; i < MR; ++i) V::storef(yt + i * R, sink.acc[i]);
     store_tile(pb, yt, tile, rows.valid);
@@ -1240,6 +1604,8 @@ void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1) {
     case 11: tiles_of<11>(pb, t0, t1); break;
     case 20: tiles_of<20>(pb, t0, t1); break;
     case 23: tiles_of<23>(pb, t0, t1); break;
+    case 17: case 22: case 29: tiles_of<kGrid16>(pb, t0, t1); break;  // IQ2_XS, IQ2_S, IQ1_M
+    case 16: case 18: case 19: case 21: case 34: case 35: tiles_of<kGrid32>(pb, t0, t1); break;
   }
 }
 

@@ -31,6 +31,8 @@ formulas:
     Q3_K  32 B high 1 | 64 B low 2 | 12 sc | d  d (sc_j - 32) (q - 4) per 16 values, q 0..7
     IQ4_NL d | 16 B nibbles                     d kv[q]               kv: 16 int8 values
     IQ4_XS d | 2 B sc high | 4 B sc low | 128   d (sc_j - 32) kv[q]   per 32 values, sc 6 bits
+    IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S (grids of 4 or 8 values and their signs),
+    TQ1_0, TQ2_0 (ternary): 256-value blocks, see iq_blocks.py
 
 (d, m, dmin: fp16. Q4_0..Q5_1: byte j's low nibble is value j, its high nibble value 16 + j; a
 high-bit word's bit j belongs to value j. Q4_K/Q5_K: per 32 bytes of nibbles, the low nibbles are
@@ -51,9 +53,7 @@ import torch.nn.functional as F
 from deepinfer.model_executor.layers.ops import qdot
 
 # ggml type -> (values per block, bytes per block)
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "Q2_K": (256, 84), "Q3_K": (256, 110),
-          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+BLOCKS = {name: (kind.block_values, kind.block_bytes) for name, kind in qdot.KINDS.items()}
 QUANTIZE_SCHEMES = {"int8": "Q8_0", "int4": "Q4_1"}  # quantization at load -> the ggml type written
 
 
