@@ -11,29 +11,36 @@ search; the sub-block scales of a super-block are then coded relative to its fp1
     Q3_K    x ~ d (s - 32) (c - 4)    c 0..7, s 6 bits, per 16 values
     IQ4_NL  x ~ d kv[c]               c 0..15 indexes qdot.IQ4_VALUES, per 32 values
     IQ4_XS  x ~ d (s - 32) kv[c]      s 6 bits, per 32 values of a 256-value super-block
+
+The grid i-quants (IQ1_S .. IQ3_S) and the ternary TQ1_0/TQ2_0 are encoded by `iq_encode.py`;
+`encode_blocks` is the one entry point for all of them, and encodes `_CHUNK` blocks at a time.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
-from deepinfer.model_executor.layers.ops.qdot import IQ4_VALUES, KINDS
+from deepinfer.model_executor.layers.ops.iq_encode import ENCODERS as _GRID_ENCODERS
+from deepinfer.model_executor.layers.ops.qdot import IQ4_VALUES
 
 _KV = np.array(IQ4_VALUES, dtype=np.float32)
 _TRIES = np.linspace(0.88, 1.12, 9, dtype=np.float32)  # candidate scales, relative to the extreme's
+_CHUNK = 2048  # blocks encoded at a time: bounds the working memory of the searches
 
 
 def encode_blocks(x: np.ndarray, kind: str) -> np.ndarray:
     """x float [N, K] (K a multiple of the kind's block) -> uint8 [N, row bytes]."""
     if kind not in _ENCODERS:
         raise ValueError(f"encode_blocks: no encoder for {kind!r}; have {', '.join(_ENCODERS)}")
-    spec = KINDS[kind]
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
     x = np.asarray(x, dtype=np.float32)
     n, k = x.shape
-    if k % spec.block_values:
-        raise ValueError(f"encode_blocks: K={k} is not a multiple of {kind}'s {spec.block_values}-value blocks")
-    blocks = _ENCODERS[kind](x.reshape(-1, spec.block_values))  # [blocks, bytes]
-    return blocks.reshape(n, -1)
+    if k % block:
+        raise ValueError(f"encode_blocks: K={k} is not a multiple of {kind}'s {block}-value blocks")
+    blocks = x.reshape(-1, block)
+    parts = [_ENCODERS[kind](blocks[i:i + _CHUNK]) for i in range(0, len(blocks), _CHUNK)]  # [chunk, bytes]
+    return np.concatenate(parts).reshape(n, -1)
 
 
 # ---- choosing scales and codes ---------------------------------------------------------------
@@ -169,4 +176,5 @@ def _q2_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([sc | (m << 4), _pack_two_bits(q), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
 
 
-_ENCODERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+_ENCODERS = {"Q2_K": _q2_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, **_GRID_ENCODERS}
+ENCODED_KINDS = tuple(_ENCODERS)  # the kinds encode_blocks writes
