@@ -6,13 +6,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
+from gguf_blocks import finite_scales
 
 from deepinfer.model_executor.layers.ops.qmatmul import BLOCKS, dequantize, dequantize_ref
 from deepinfer.model_executor.loader.gguf_repack import PACKED_TYPES, packed_gguf
-
-# byte offsets of the fp16 fields (d, m, dmin) in each block: random bytes there could be inf/NaN
-_HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -20,9 +17,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
-    for offset in _HALF_FIELDS[kind]:
-        halves = rng.uniform(-0.05, 0.05, size=data.shape[0]).astype(np.float16)
-        data[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+    finite_scales(data, kind, rng, -0.05, 0.05)
     return data.reshape(n, -1)
 
 
@@ -53,7 +48,7 @@ def test_packed_bytes_are_the_files(kind):
     assert w.data.data_ptr() == data.ctypes.data  # a view of the caller's buffer (the file's mapping), no copy
 
 
-@pytest.mark.parametrize("kind", ["F16", "IQ2_XXS", "TQ2_0"])
+@pytest.mark.parametrize("kind", ["F16", "NVFP4", "Q8_1"])
 def test_types_without_layout_return_none(kind):
     assert packed_gguf(kind, np.zeros((2, 64), np.uint8), (2, 64)) is None
 
@@ -63,22 +58,21 @@ def test_vectors_stay_dequantized():
 
 
 def test_a_type_without_kernel_is_dequantized_with_one_log_line(caplog):
-    """IQ2_XXS has no kernel: the loader dequantizes it (the same values as gguf's) and says so once."""
+    """NVFP4 has no kernel: the loader dequantizes it (the same values as gguf's) and says so once."""
     from deepinfer.model_executor.loader import gguf as gguf_loader
     from deepinfer.model_executor.loader.gguf_file import GGUFTensor
 
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS]
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.NVFP4]
     data = np.random.default_rng(0).integers(0, 256, size=(4, size), dtype=np.uint8)
-    data[:, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)  # d: finite
-    tensor = GGUFTensor("blk.0.ffn_up.weight", GGMLQuantizationType.IQ2_XXS, (4, block), data)
-    gguf_loader._UNPACKED_LOGGED.discard("IQ2_XXS")
+    tensor = GGUFTensor("blk.0.ffn_up.weight", GGMLQuantizationType.NVFP4, (4, block), data)
+    gguf_loader._UNPACKED_LOGGED.discard("NVFP4")
     with caplog.at_level("WARNING", logger="deepinfer.loader"):
         first = gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
         gguf_loader.to_hf_tensor(tensor, "qwen2", None, torch.float32, keep_quantized=True)
     assert isinstance(first, torch.Tensor)
-    torch.testing.assert_close(first, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.IQ2_XXS)))
+    torch.testing.assert_close(first, torch.from_numpy(quants.dequantize(data, GGMLQuantizationType.NVFP4)))
     assert [r.getMessage() for r in caplog.records].count(
-        "GGUF type IQ2_XXS has no quantized kernel: its tensors (e.g. blk.0.ffn_up.weight) are dequantized") == 1
+        "GGUF type NVFP4 has no quantized kernel: its tensors (e.g. blk.0.ffn_up.weight) are dequantized") == 1
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q6_K"])

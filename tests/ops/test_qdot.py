@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from gguf_blocks import half_fields, put_scale
 
 from deepinfer.model_executor.layers.ops import cpu_kernels
 from deepinfer.model_executor.layers.ops import qdot as qd
-from deepinfer.model_executor.layers.ops.block_encode import encode_blocks
+from deepinfer.model_executor.layers.ops.block_encode import ENCODED_KINDS, encode_blocks
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa, qdot_level, qdot_levels
 
 VARIANTS = [qd.ISA_NAMES[level] for level in qdot_levels()]  # every variant this CPU runs
 KINDS = list(qd.KINDS)
 GGUF_QUANTIZES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # the gguf package quantizes these
-ENCODES = {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}  # block_encode.py does these
+ENCODES = set(ENCODED_KINDS)  # block_encode.py does these
 # Shapes covering N in {1, 3, 17, 67}, M in {1, 2, 3, 4, 5, 8, 33, 130} (up to 4 rows: the fused
 # path; more: panels of 8 and 4, 2, 1), three K each.
 SHAPES = [(1, 1, 0), (2, 3, 1), (3, 67, 2), (4, 17, 0), (5, 17, 2), (8, 67, 0), (33, 17, 1), (130, 3, 2)]
@@ -37,34 +38,14 @@ class Blocks:
         return torch.from_numpy(values.reshape(self.shape)).double()
 
 
-def _fp16_fields(kind: str) -> list[int]:
-    """Byte offsets of a block's fp16 scales (d, m, dmin); IQ1_M's d is spread (`_put_scale`)."""
-    return {"Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82],
-            "Q3_K": [108], "TQ1_0": [52], "TQ2_0": [64], "IQ1_M": [-1]}.get(kind, [0])
-
-
-def _put_scale(blocks: np.ndarray, kind: str, at: int, scale: np.ndarray) -> None:
-    """Write fp16 `scale` [N, nb, 1] at byte `at` of every block (IQ1_M: into the top nibbles of
-    its four scale words)."""
-    half = scale.astype(np.float16)
-    if kind != "IQ1_M":
-        blocks[..., at:at + 2] = half.view(np.uint8)
-        return
-    bits = half.view(np.uint16)[..., 0]  # [N, nb]
-    words = blocks[..., 48:56].copy().view(np.uint16)  # [N, nb, 4]
-    for i in range(4):
-        words[..., i] = (words[..., i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
-    blocks[..., 48:56] = words.view(np.uint8)
-
-
 def random_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
     """Random bytes (every code and 6-bit scale, Q8_0's -128 too) with finite fp16 scales."""
     rng = np.random.default_rng(seed)
     spec = qd.KINDS[kind]
     data = rng.integers(0, 256, (n, k // spec.block_values * spec.block_bytes), dtype=np.uint8)
     blocks = data.reshape(n, -1, spec.block_bytes)
-    for at in _fp16_fields(kind):
-        _put_scale(blocks, kind, at, (rng.random((n, blocks.shape[1], 1)) - 0.3) * 0.02)
+    for at in half_fields(kind):
+        put_scale(blocks, kind, at, (rng.random((n, blocks.shape[1], 1)) - 0.3) * 0.02)
     return Blocks(data, kind, k)
 
 
@@ -86,9 +67,9 @@ def exact_blocks(kind: str, n: int, k: int, seed: int) -> Blocks:
     rng = np.random.default_rng(seed + 1)
     spec = qd.KINDS[kind]
     blocks = w.data.numpy().reshape(n, -1, spec.block_bytes)
-    for at in _fp16_fields(kind):
+    for at in half_fields(kind):
         sign = rng.choice([-1.0, 1.0], (n, blocks.shape[1], 1)) if at == 2 and kind in ("Q4_1", "Q5_1") else 1.0
-        _put_scale(blocks, kind, at, sign * 2.0 ** -rng.integers(6, 8, (n, blocks.shape[1], 1)))
+        put_scale(blocks, kind, at, sign * 2.0 ** -rng.integers(6, 8, (n, blocks.shape[1], 1)))
     if kind in ("Q4_K", "Q5_K"):  # 6-bit scales and mins 0..3: the upper bits of all 12 bytes clear
         blocks[..., 4:16] &= np.uint8(0x03)
     if kind == "Q6_K":
@@ -254,11 +235,11 @@ def test_the_largest_codes_times_the_largest_activations_do_not_overflow(kind):
     w = random_blocks(kind, 5, k, seed=7)
     blocks = w.data.numpy().reshape(5, -1, spec.block_bytes)
     fields = np.zeros(spec.block_bytes, dtype=bool)
-    for at in _fp16_fields(kind):
+    for at in half_fields(kind):
         fields[at:at + 2] = True
     blocks[..., ~fields] = 0x80 if kind == "Q8_0" else 0xFF  # Q6_K: int8 scales -1, codes 63
     if kind == "IQ1_M":  # every field at its largest, d (in the scale words' top nibbles) kept finite
-        _put_scale(blocks, kind, -1, np.full((5, blocks.shape[1], 1), 0.01))
+        put_scale(blocks, kind, -1, np.full((5, blocks.shape[1], 1), 0.01))
     if kind == "Q6_K":
         blocks[..., 192:208] = 0x80  # int8 scales -128
     if kind in ("IQ4_NL", "IQ4_XS"):  # code 0: the value -127

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from gguf_blocks import finite_scales
 
 from deepinfer.model_executor.layers.ops.cpu_kernels import kernel_isa
 from deepinfer.model_executor.layers.ops.qmatmul import (
@@ -21,16 +22,14 @@ from deepinfer.model_executor.layers.ops.qmatmul import (
 
 def random_weight(kind: str, n: int, k: int, seed: int = 0) -> QuantWeight:
     """Valid random blocks: a known weight quantized where gguf has a quantizer, else random bytes
-    with small finite fp16 fields (d, dmin at 0/2; Q6_K's d at 208, Q2_K's d, dmin at 80/82, Q3_K's d
-    at 108)."""
+    with small finite fp16 fields (gguf_blocks.py)."""
     rng = np.random.default_rng(seed)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         values = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return QuantWeight(torch.from_numpy(quants.quantize(values, GGMLQuantizationType[kind])), kind)
     block, size = BLOCKS[kind]
     data = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
-    for offset in {"Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,)}.get(kind, (0, 2)):
-        data[:, offset:offset + 2] = rng.uniform(0.0005, 0.002, (data.shape[0], 1)).astype(np.float16).view(np.uint8)
+    finite_scales(data, kind, rng, 0.0005, 0.002)
     return QuantWeight(torch.from_numpy(data.reshape(n, -1)), kind)
 
 
@@ -115,8 +114,8 @@ def test_cuts_and_padding_stay_packed(kind):
 
 
 def test_layout_errors_name_the_field():
-    with pytest.raises(ValueError, match="no block layout for ggml type 'IQ3_XXS'"):
-        QuantWeight(torch.zeros(2, 98, dtype=torch.uint8), "IQ3_XXS")
+    with pytest.raises(ValueError, match="no block layout for ggml type 'NVFP4'"):
+        QuantWeight(torch.zeros(2, 36, dtype=torch.uint8), "NVFP4")
     with pytest.raises(ValueError, match="19 bytes per row"):
         QuantWeight(torch.zeros(2, 19, dtype=torch.uint8), "Q4_0")
     with pytest.raises(ValueError, match="contiguous 2-D uint8"):
