@@ -23,6 +23,9 @@ eighth" is ffn_down of layers below n_layer / 8):
     rotate   ffn_down of layer i in Q2_K, Q3_K, IQ4_XS, IQ4_NL by i % 4; every other matrix IQ4_NL
     rotate2  ffn_down of layer i in IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0,
              TQ2_0 by i % 9; every other matrix as the source has it
+    rotate_all  ffn_down of layers 0..12 in the 13 types of rotate and rotate2, one each; every other
+             matrix as the source has it (one 2- or 1-bit matrix per type: the model stays sharp
+             enough that its tokens test the arithmetic, not the quantization)
     Q2_K, Q3_K, IQ4_NL, IQ4_XS, IQ1_S, .. TQ2_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: that type everywhere
 
 A matrix whose rows are not a multiple of its type's 256-value block takes llama.cpp's fallback:
@@ -50,6 +53,7 @@ GGUF_QUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 KEEP = ("token_embd.weight", "output.weight")
 ROTATE = ("Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL")
 ROTATE2 = (*GRID_TYPES, "TQ1_0", "TQ2_0")
+ROTATE_ALL = (*ROTATE, *ROTATE2)
 # mix -> (type of most matrices, {matrix: type}, type of the first eighth of ffn_down or None)
 IQ_MIXES = {
     "iq2_xxs": ("IQ2_XXS", {"attn_v": "Q2_K"}, "Q2_K"),
@@ -58,7 +62,7 @@ IQ_MIXES = {
     "iq1_s": ("IQ1_S", {"attn_v": "Q2_K", "attn_output": "IQ2_XXS"}, "Q2_K"),
     "iq1_m": ("IQ1_M", {"attn_v": "Q2_K", "attn_output": "IQ2_XXS"}, "Q2_K"),
 }
-MIXES = ("q3_k_m", "q2_k", "iq4_xs", "iq4_nl", "tq1_0", "tq2_0", "rotate", "rotate2", *IQ_MIXES)
+MIXES = ("q3_k_m", "q2_k", "iq4_xs", "iq4_nl", "tq1_0", "tq2_0", "rotate", "rotate2", "rotate_all", *IQ_MIXES)
 TYPES = (*ENCODED_KINDS, *GGUF_QUANTIZED)
 
 
@@ -81,6 +85,8 @@ def mix_type(mix: str, name: str, n_layer: int = 0) -> str | None:
         return ROTATE[layer % 4] if part == "ffn_down" else "IQ4_NL"
     if mix == "rotate2":
         return ROTATE2[layer % 9] if part == "ffn_down" else None
+    if mix == "rotate_all":
+        return ROTATE_ALL[layer] if part == "ffn_down" and 0 <= layer < len(ROTATE_ALL) else None
     if mix in IQ_MIXES:
         base, by_part, first = IQ_MIXES[mix]
         if part == "ffn_down" and first is not None and layer < n_layer // 8:

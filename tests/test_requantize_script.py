@@ -82,3 +82,9 @@ def test_a_gguf_written_again_in_rotate2_decodes_near_its_values(tmp_path):
             assert np.sqrt(((decoded - value) ** 2).mean() / (value**2).mean()) < 0.6
         else:
             assert t.tensor_type == gguf.GGMLQuantizationType.F32 and np.array_equal(decoded, value)
+
+
+def test_rotate_all_puts_each_of_thirteen_types_in_one_ffn_down_and_keeps_the_rest():
+    kinds = [rq.mix_type("rotate_all", f"blk.{i}.ffn_down.weight", 30) for i in range(30)]
+    assert kinds[:13] == list(rq.ROTATE_ALL) and len(set(rq.ROTATE_ALL)) == 13 and set(kinds[13:]) == {None}
+    assert rq.mix_type("rotate_all", "blk.3.attn_q.weight", 30) is None
