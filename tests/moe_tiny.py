@@ -26,6 +26,8 @@ import torch
 from llamacpp_writer import llama_cpp_permute
 from tiny_models import VOCAB
 
+from deepinfer.model_executor.layers.ops.block_encode import ENCODED_KINDS, encode_blocks
+
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -140,8 +142,12 @@ _K_SCALES = {"Q4_K": ((0, 2e-4), (2, 1e-3)), "Q5_K": ((0, 1e-4), (2, 1e-3)), "Q6
 
 def packed_matrix(kind: str, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """`values` [..., K] in ggml type `kind` as uint8 blocks [..., row bytes]: quantized by the gguf
-    package, or for a K-quant random blocks with bounded scales (the values are then the blocks')."""
+    package or block_encode.py, or for Q4_K..Q6_K random blocks with bounded scales (the values are
+    then the blocks')."""
     qtype = gguf.GGMLQuantizationType[kind]
+    if kind in ENCODED_KINDS:  # the i-quants, Q2_K/Q3_K: our encoders (checked against gguf's decoding)
+        flat = values.reshape(-1, values.shape[-1]).astype(np.float32)
+        return encode_blocks(flat, kind).reshape(*values.shape[:-1], -1)
     if kind not in _K_SCALES:
         return gguf.quants.quantize(values.astype(np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]

@@ -48,6 +48,8 @@ GGUF_CASES = {  # GGUF name fragment -> ggml type; F32 routers, 1-D tensors and 
     "mixtral-Q4_1": ("mixtral", {}, {"_exps": "Q4_1", "default": "Q8_0"}),
     "qwen3_moe-K": ("qwen3_moe", WIDE, {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q5_K", "ffn_down_exps": "Q6_K",
                                         "default": "Q8_0"}),
+    "qwen3_moe-IQ": ("qwen3_moe", WIDE, {"ffn_gate_exps": "IQ2_XXS", "ffn_up_exps": "IQ3_S", "ffn_down_exps": "IQ1_M",
+                                         "default": "Q8_0"}),
 }
 
 
@@ -165,7 +167,9 @@ def _packed(kind: str, rows: int, cols: int, rng: np.random.Generator) -> QuantW
 
 @pytest.mark.parametrize("kinds, hidden, inter", [(("Q8_0", "Q8_0", "Q8_0"), 96, 64),
                                                   (("Q5_1", "Q4_0", "Q4_1"), 96, 160),
-                                                  (("Q4_K", "Q5_K", "Q6_K"), 256, 256)])
+                                                  (("Q4_K", "Q5_K", "Q6_K"), 256, 256),
+                                                  (("IQ2_XXS", "IQ3_S", "IQ1_M"), 256, 256),
+                                                  (("TQ2_0", "IQ2_S", "Q2_K"), 256, 256)])
 def test_quant_grouped_experts_equal_dequantized_matmul(kinds, hidden, inter):
     """13 tokens, top-3 of 6 experts (one unused), gate and up of different types in two parts: within
     2e-4 of the output's largest value of float64 matmuls of the dequantized experts (measured <= 6e-5:
