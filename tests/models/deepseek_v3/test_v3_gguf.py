@@ -8,6 +8,7 @@ Tiny random HF models (v3_tiny.py) are written as llama.cpp's converter lays the
               group keys (older converters)
     v3_kquant v3 of hidden 256 and experts of 256 (K-quant rows): experts in Q4_K / Q5_K / Q6_K (quantized
               files only)
+    v3_iquant the same shape, experts in IQ2_XXS / IQ3_XXS / IQ2_S, attn_kv_a_mqa IQ3_S
 
 - the config read back equals the HF model's fields that shape the computation, and its softmax scale HF's;
 - an F32 file yields HF's tensors exactly, and through the engine (13-token prefill chunks) every greedy
@@ -43,6 +44,8 @@ pytestmark = [pytest.mark.parity]
 
 QTYPES = {"ffn_down_exps": "Q4_0", "ffn_up_exps": "Q5_1", "default": "Q8_0"}  # GGUF name fragment -> ggml type
 K_QTYPES = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q5_K", "ffn_down_exps": "Q6_K", "default": "Q8_0"}
+IQ_QTYPES = {"ffn_gate_exps": "IQ2_XXS", "ffn_up_exps": "IQ3_XXS", "ffn_down_exps": "IQ2_S", "attn_kv_a_mqa": "IQ3_S",
+             "default": "Q8_0"}
 CASES = {  # model type, config overrides, writer options, types of the quantized file
     "v3_yarn": ("deepseek_v3", {"q_lora_rank": 64, "rope_scaling": {**YARN, "mscale": 0.707,
                                                                      "original_max_position_embeddings": 128}},
@@ -51,6 +54,8 @@ CASES = {  # model type, config overrides, writer options, types of the quantize
                 {"split_kv_b": False, "gating": False}, QTYPES),
     "v3_kquant": ("deepseek_v3", {"hidden_size": 256, "moe_intermediate_size": 256, "q_lora_rank": 64},
                   {"split_kv_b": True, "gating": True}, K_QTYPES),
+    "v3_iquant": ("deepseek_v3", {"hidden_size": 256, "moe_intermediate_size": 256, "q_lora_rank": 64},
+                  {"split_kv_b": True, "gating": True}, IQ_QTYPES),
 }
 PARITY_CASES = ("v3_yarn", "v2_lite")
 CONFIG_FIELDS = ("model_type", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
