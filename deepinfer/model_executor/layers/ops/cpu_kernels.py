@@ -1,6 +1,6 @@
-"""The CPU kernel library (`fused_cpu.cpp`, `qdot_cpu.cpp`, `iq_grid_cpu.cpp`, `invariant_cpu.cpp`,
-`mxfp4_cpu.cpp`, `lora_cpu.cpp`): built once per content with `torch.utils.cpp_extension` (the system's
-C++ compiler and ninja) and loaded on first use.
+"""The CPU kernel library (`fused_cpu.cpp`, `qdot_cpu.cpp` and `qdot_avx2_cpu.cpp`, `iq_grid_cpu.cpp`,
+`invariant_cpu.cpp`, `mxfp4_cpu.cpp`, `lora_cpu.cpp`): built once per content with
+`torch.utils.cpp_extension` (the system's C++ compiler and ninja) and loaded on first use.
 
 `make run` / `make test` build it at install time (`python -m deepinfer.model_executor.layers.ops.cpu_kernels`);
 a process that finds no build builds it then (tens of seconds). Where it cannot be built (no
@@ -57,8 +57,8 @@ import torch
 logger = logging.getLogger("deepinfer.kernels")
 
 _SOURCES = [os.path.join(os.path.dirname(__file__), name)
-            for name in ("fused_cpu.cpp", "qdot_cpu.cpp", "invariant_cpu.cpp", "mxfp4_cpu.cpp", "lora_cpu.cpp",
-                         "work_pool.cpp", "iq_grid_cpu.cpp")]
+            for name in ("qdot_cpu.cpp", "qdot_avx2_cpu.cpp", "fused_cpu.cpp", "invariant_cpu.cpp", "mxfp4_cpu.cpp",
+                         "lora_cpu.cpp", "work_pool.cpp", "iq_grid_cpu.cpp")]  # the two longest compiles first
 _LIB_NAME = "deepinfer_cpu"
 _ISA_NAMES = {0: "none", 1: "avx2", 2: "avx512"}
 _QDOT_NAMES = {0: "none", 1: "plain", 2: "avx2", 3: "avx_vnni", 4: "avx512_vnni"}

@@ -34,7 +34,8 @@
 // The same body is compiled three times (AVX512-VNNI, AVX-VNNI, AVX2) by including this file
 // into itself under `#pragma GCC target` (GCC 11 or newer: AVX-VNNI); `isa` picks one per call:
 // 4 AVX512-VNNI, 3 AVX-VNNI, 2 AVX2, 1 portable C++ (one weight row at a time, the same integers
-// and floats).
+// and floats). The two 256-bit variants are their own compilation unit (qdot_avx2_cpu.cpp includes
+// this file with DEEPINFER_QDOT_256), so that the build compiles them beside the AVX-512 one.
 
 #ifndef DEEPINFER_QDOT_BODY
 
@@ -119,6 +120,7 @@ constexpr bool grid_kind(int64_t id) {
 // code offset.
 constexpr bool signed_kind(int64_t id) { return id == 8 || id == 20 || id == 23 || grid_kind(id); }
 
+#ifndef DEEPINFER_QDOT_256
 const Kind& kind_of(int64_t id) {
   for (const Kind& k : kKinds)
     if (k.id == id) return k;
@@ -126,6 +128,7 @@ const Kind& kind_of(int64_t id) {
               "Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, ",
               "IQ4_NL 20, IQ3_S 21, IQ2_S 22, IQ4_XS 23, IQ1_M 29, TQ1_0 34, TQ2_0 35)");
 }
+#endif
 
 // A value the compiler cannot see into: a product passed through it is never fused with a later add.
 INLINE float opaque(float v) {
@@ -199,6 +202,18 @@ struct Problem {
   int64_t num_panels;
 };
 
+// The 256-bit variants' lanes and panel rows, and their entry points (qdot_avx2_cpu.cpp).
+constexpr int kR256 = 8, kMR256 = 4;
+namespace vnni256 {
+void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1);
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums);
+}  // namespace vnni256
+namespace avx2 {
+void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1);
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* sums);
+}  // namespace avx2
+
+#ifndef DEEPINFER_QDOT_256
 // ---- portable C++ (isa 1): one weight row at a time ------------------------------------------
 
 // Row `n`'s values (code - offset) and unit scales/mins, read from its blocks.
@@ -352,11 +367,15 @@ void quantize_plain(const float* x, int64_t K, int8_t* q, float* d, int32_t* sum
   }
 }
 
+#endif  // DEEPINFER_QDOT_256
+
 }  // namespace deepinfer_qdot
 
 // ---- the SIMD variants: this file's body below, once per instruction set --------------------
 
 #define DEEPINFER_QDOT_BODY 1
+
+#ifndef DEEPINFER_QDOT_256
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c")
@@ -481,6 +500,8 @@ struct V {
 
 }  // namespace deepinfer_qdot::v512
 #pragma GCC pop_options
+
+#else  // DEEPINFER_QDOT_256: the AVX2 and AVX-VNNI variants
 
 // AVX2 (+ AVX-VNNI): 8 lanes. VNNI selects vpdpbusd (VEX); without it maddubs + madd.
 #define DEEPINFER_QDOT_V256(NAME, VNNI)                                                                              \
@@ -640,7 +661,16 @@ DEEPINFER_QDOT_V256(V, false)
 }  // namespace deepinfer_qdot::avx2
 #pragma GCC pop_options
 
+namespace deepinfer_qdot {
+static_assert(avx2::V::R == kR256 && avx2::V::MR == kMR256 && vnni256::V::R == kR256 && vnni256::V::MR == kMR256,
+              "qdot: the 256-bit variants' lanes and panel rows, as the dispatch takes them");
+}  // namespace deepinfer_qdot
+
+#endif  // DEEPINFER_QDOT_256
+
 #undef DEEPINFER_QDOT_BODY
+
+#ifndef DEEPINFER_QDOT_256
 
 // ---- dispatch and the ops -------------------------------------------------------------------
 
@@ -746,7 +776,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   for (int64_t m = 0; !sf.empty() && m < M; ++m)
     for (int64_t u = 0; u < units; ++u) sf[m * units + u] = static_cast<float>(unit_sum(m, u));
   // The SIMD variants' panels: all rows (up to kFusedRows), else MR rows at a time, then 4, 2, 1.
-  const int64_t mr = isa == 4 ? v512::V::MR : isa == 3 ? vnni256::V::MR : isa == 2 ? avx2::V::MR : 0;
+  const int64_t mr = isa == 4 ? v512::V::MR : isa >= 2 ? kMR256 : 0;
   std::vector<Panel> panels;
   if (mr && M <= kFusedRows) panels.push_back(Panel{0, M, nullptr, nullptr, nullptr, nullptr});
   for (int64_t m0 = 0, w = mr; mr && M > kFusedRows && m0 < M; w /= 2)
@@ -776,7 +806,7 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
   });
   const Problem pb{qp, dp, sf.empty() ? nullptr : sf.data(), wc.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K,
                    wc.size(1), levels, kd, panels.data(), static_cast<int64_t>(panels.size())};
-  const int64_t rows = isa == 4 ? v512::V::R : isa == 3 ? vnni256::V::R : isa == 2 ? avx2::V::R : 1;
+  const int64_t rows = isa == 4 ? v512::V::R : isa >= 2 ? kR256 : 1;
   const int64_t tiles = (N + rows - 1) / rows;
   // Tasks of at least ~64 K (weight bytes x activation rows): small calls stay on one thread.
   const int64_t work = rows * pb.row_bytes * std::max<int64_t>(M, 1);
@@ -817,6 +847,8 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("qdot", deepinfer_qdot::qdot);
   m.impl("qlinear", deepinfer_qdot::qlinear);
 }
+
+#endif  // DEEPINFER_QDOT_256
 
 #else  // DEEPINFER_QDOT_BODY: the body, compiled once per instruction set with its `V`
 
