@@ -53,19 +53,21 @@ def grid_tables() -> torch.Tensor:
     return torch.cat([*parts, ksigns()])
 
 
+@functools.cache
+def hand_over_tables() -> None:
+    """The kernel library's copy of grid_tables() (once per process; before its first grid-kind call)."""
+    torch.ops.deepinfer_cpu.iq_tables.default(grid_tables())
+
+
 def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0].float()
 
 
-def _u16(blocks: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """count little-endian uint16 from byte `start`, as int32 [..., count]."""
-    return blocks[..., start:start + 2 * count].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def _u32(blocks: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """count little-endian uint32 from byte `start`, as int64 [..., count]."""
-    b = blocks[..., start:start + 4 * count].to(torch.int64).reshape(*blocks.shape[:-1], count, 4)
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+def _words(blocks: torch.Tensor, start: int, count: int, size: int) -> torch.Tensor:
+    """count little-endian unsigned words of `size` bytes (2 or 4) from byte `start`, as int64
+    [..., count] (assembled from the bytes: a view would need the offset aligned)."""
+    b = blocks[..., start:start + size * count].to(torch.int64).reshape(*blocks.shape[:-1], count, size)
+    return sum(b[..., i] << (8 * i) for i in range(size))
 
 
 def _sign_bits(byte: torch.Tensor) -> torch.Tensor:
@@ -93,7 +95,7 @@ def _nibble_scales(s: torch.Tensor) -> torch.Tensor:
 
 def _iq2_xxs(blocks):
     lead = blocks.shape[:-1]
-    words = _u32(blocks, 2, 16).reshape(*lead, 8, 2)  # per 32 values: 4 grid indices, then signs | ls
+    words = _words(blocks, 2, 16, 4).reshape(*lead, 8, 2)  # per 32 values: 4 grid indices, then signs | ls
     index = words[..., 0:1] >> torch.tensor([0, 8, 16, 24]) & 0xFF  # [N, nb, 8, 4]
     signs = ksigns()[(words[..., 1:2] >> torch.tensor([0, 7, 14, 21]) & 0x7F)]  # [N, nb, 8, 4]
     values = _signed_grid("IQ2_XXS", index, signs)  # [N, nb, 8, 4, 8]
@@ -102,7 +104,7 @@ def _iq2_xxs(blocks):
 
 def _iq2_xs(blocks):
     lead = blocks.shape[:-1]
-    qs = _u16(blocks, 2, 32)  # [N, nb, 32]: 9-bit index | 7-bit signs
+    qs = _words(blocks, 2, 32, 2)  # [N, nb, 32]: 9-bit index | 7-bit signs
     values = _signed_grid("IQ2_XS", qs & 511, ksigns()[qs >> 9])
     return values.reshape(*lead, 256), _iq2_scales(_f16(blocks, 0), _nibble_scales(blocks[..., 66:74])), None
 
@@ -118,7 +120,7 @@ def _iq2_s(blocks):
 
 def _iq3_xxs(blocks):
     lead = blocks.shape[:-1]
-    aux = _u32(blocks, 66, 8)  # [N, nb, 8]: per 32 values, 4 x 7 sign bits | ls
+    aux = _words(blocks, 66, 8, 4)  # [N, nb, 8]: per 32 values, 4 x 7 sign bits | ls
     signs = ksigns()[(aux[..., None] >> torch.tensor([0, 7, 14, 21]) & 0x7F)]  # [N, nb, 8, 4]
     values = _signed_grid("IQ3_XXS", blocks[..., 2:66].reshape(*lead, 8, 8), signs)  # [N, nb, 8, 8, 4]
     return values.reshape(*lead, 256), _iq2_scales(_f16(blocks, 0), aux >> 28, quarter=False), None
@@ -142,7 +144,7 @@ def _iq1_values(index: torch.Tensor, minus: torch.Tensor) -> torch.Tensor:
 
 def _iq1_s(blocks):
     lead = blocks.shape[:-1]
-    qh = _u16(blocks, 34, 8)  # [N, nb, 8]: per 32 values 4 x 3 high index bits, ls, delta sign
+    qh = _words(blocks, 34, 8, 2)  # [N, nb, 8]: per 32 values 4 x 3 high index bits, ls, delta sign
     high = (qh[..., None] >> torch.tensor([0, 3, 6, 9], dtype=torch.int32) & 7).reshape(*lead, 32)
     index = blocks[..., 2:34].to(torch.int32) | (high << 8)
     minus = ((qh >> 15) & 1).repeat_interleave(4, dim=-1)  # [N, nb, 32]
@@ -152,7 +154,7 @@ def _iq1_s(blocks):
 
 def _iq1_m(blocks):
     lead = blocks.shape[:-1]
-    sc = _u16(blocks, 48, 4)  # [N, nb, 4]: 4 x 3-bit scales each, and a nibble of d on top
+    sc = _words(blocks, 48, 4, 2)  # [N, nb, 4]: 4 x 3-bit scales each, and a nibble of d on top
     d_bits = (sc[..., 0] >> 12) | ((sc[..., 1] >> 8) & 0xF0) | ((sc[..., 2] >> 4) & 0xF00) | (sc[..., 3] & 0xF000)
     d = d_bits.to(torch.int16).view(torch.float16).float()  # [N, nb]
     ls = (sc[..., None] >> torch.tensor([0, 3, 6, 9], dtype=torch.int32) & 7).reshape(*lead, 16)

@@ -51,7 +51,6 @@ and prefill of the same token give the same bits.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -204,16 +203,10 @@ def qdot(acts: QuantActs, w: BlockWeight, *, isa: str | None = None) -> torch.Te
     level = _resolve(isa, acts.q.shape[0])
     if level and w.data.device.type == "cpu":
         if kind.ggml_id in _GRID_IDS:
-            _hand_over_grids()
+            iq_blocks.hand_over_tables()
         return torch.ops.deepinfer_cpu.qdot.default(acts.q, acts.d, acts.sums, w.data, kind.ggml_id, w.shape[1],
                                                     level, acts.levels)  # [M, N]: level 1 + level 2
     return qdot_ref(acts, w)
-
-
-@functools.cache
-def _hand_over_grids() -> None:
-    """The kernel library's copy of the grid kinds' tables (once per process)."""
-    torch.ops.deepinfer_cpu.iq_tables.default(iq_blocks.grid_tables())
 
 
 def _sum_levels(y: torch.Tensor, levels: int) -> torch.Tensor:
@@ -238,7 +231,7 @@ def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: 
     if level and x.is_cpu and w.data.is_cpu:
         x2 = x2 if x2.dtype is torch.float32 else x2.float()
         if kind.ggml_id in _GRID_IDS:
-            _hand_over_grids()
+            iq_blocks.hand_over_tables()
         y = torch.ops.deepinfer_cpu.qlinear.default(x2, w.data, kind.ggml_id, k, level, levels)  # [M, N]
     else:
         y = qdot_ref(quantize_acts_ref(x2.float(), levels), w)
