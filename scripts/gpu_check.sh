@@ -25,10 +25,10 @@ FAILED=()
 if [ $MODE = cpu ]; then
     BENCH_FLAGS=(--cpu); export GPU_CHECK_CPU=1
     LIMIT_TESTS=400; LIMIT_NANO=300; LIMIT_DECODE=300; LIMIT_V4=300; LIMIT_MXFP4=120; LIMIT_V3=300; LIMIT_OPTIONS=120; LIMIT_LORA=120
-    LIMIT_MOE=120
-else  # sums to 560 s: the whole check stays within 10 minutes even when a step hits its limit
-    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=135; LIMIT_DECODE=100; LIMIT_V4=120; LIMIT_MXFP4=40; LIMIT_V3=25; LIMIT_OPTIONS=20; LIMIT_LORA=20
-    LIMIT_MOE=25
+    LIMIT_MOE=120; LIMIT_GGUF=120
+else  # sums to 590 s: the whole check stays within 10 minutes even when a step hits its limit
+    BENCH_FLAGS=(); LIMIT_TESTS=75; LIMIT_NANO=130; LIMIT_DECODE=100; LIMIT_V4=115; LIMIT_MXFP4=40; LIMIT_V3=25; LIMIT_OPTIONS=20; LIMIT_LORA=20
+    LIMIT_MOE=25; LIMIT_GGUF=40
 fi
 
 run_step() {  # run_step NAME LIMIT_S COMMAND...: runs it under `timeout`, logs it, records a failure
@@ -91,6 +91,10 @@ run_step "mxfp4 experts" $LIMIT_MXFP4 "$PYTHON" -m pytest -m cuda tests/ops/test
 run_step "lora kernels" $LIMIT_LORA "$PYTHON" -m pytest -m cuda tests/ops/test_lora_kernels.py -q -s -p no:cacheprovider
 # the Triton grouped expert GEMM (bf16 and fp32) against the CPU torch loop: compiled here, interpreted with --cpu
 run_step "triton moe" $LIMIT_MOE "$PYTHON" -m pytest -m cuda tests/ops/triton/test_moe.py -q -rA -p no:cacheprovider
+# GGUF block weights multiplied in their blocks: every type against dequantize + F.linear, then a 4096 x 4096
+# Q4_K and Q6_K timed at M = 1 and 512 beside dequantize + F.linear (`result gguf ...` lines, GB/s)
+run_step "triton gguf" $LIMIT_GGUF "$PYTHON" -m pytest -m cuda tests/ops/triton/test_gguf_matmul.py -q -s \
+    -p no:cacheprovider
 run_step "pytest -m cuda" $LIMIT_TESTS "$PYTHON" -m pytest -m cuda tests/cuda -q -p no:cacheprovider
 # the Triton decode kernel with attention soft-cap and sinks, against the formula (on CUDA where there is one)
 run_step "triton attention options" $LIMIT_OPTIONS "$PYTHON" -m pytest tests/ops/test_attention_options.py -k triton \

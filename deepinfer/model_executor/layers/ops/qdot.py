@@ -325,7 +325,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """Little-endian bit planes: bytes [..., count/8] -> bit j at [..., j] (0 or 1)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = iq_blocks.shifts(1, 8, torch.uint8, qh.device)
     return ((qh[..., :, None] >> shifts) & 1).reshape(*qh.shape[:-1], count)
 
 
@@ -370,7 +370,7 @@ def _q4_k(blocks):
 
 def _q5_k(blocks):
     qh = blocks[..., 16:48]  # [N, nb, 32]: bit u of byte l is the high bit of value 32u + l
-    high = (qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [N, nb, 8, 32]
+    high = (qh[..., None, :] >> iq_blocks.shifts(1, 8, torch.uint8, qh.device)[:, None]) & 1  # [N, nb, 8, 32]
     return (_k_nibbles(blocks[..., 48:176]) | (high.reshape(*qh.shape[:-1], 256) << 4), *_k_scales(blocks))
 
 
@@ -379,7 +379,7 @@ def _q6_k(blocks):
     ql = blocks[..., 0:128].reshape(*lead, 2, 64)  # per half of 128 values
     qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
     low = torch.cat([ql & 0xF, ql >> 4], dim=-1)  # [N, nb, 2, 128]
-    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [N, nb, 2, 4, 32]
+    high = (qh >> iq_blocks.shifts(2, 4, torch.uint8, qh.device)[:, None]) & 3  # [N, nb, 2, 4, 32]
     codes = (low | (high.reshape(*lead, 2, 128) << 4)).reshape(*lead, 256)
     scales = blocks[..., 192:208].view(torch.int8).float()  # [N, nb, 16]
     return codes, _f16(blocks, 208)[..., None] * scales, None
@@ -389,7 +389,7 @@ def _two_bit_planes(qs: torch.Tensor) -> torch.Tensor:
     """Q2_K/Q3_K qs [N, nb, 64]: per half of 128 values 32 bytes, whose bits 2j..2j+1 hold values
     32j .. 32j + 31 of the half -> codes 0..3 [N, nb, 256]."""
     lead = qs.shape[:-1]
-    planes = qs.reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]  # [.., 2, 4, 32]
+    planes = qs.reshape(*lead, 2, 1, 32) >> iq_blocks.shifts(2, 4, torch.uint8, qs.device)[:, None]  # [.., 2, 4, 32]
     return (planes & 3).reshape(*lead, 256)
 
 
@@ -402,17 +402,17 @@ def _q2_k(blocks):
 def _q3_k(blocks):
     lead = blocks.shape[:-1]
     hmask = blocks[..., 0:32]  # bit b of byte l: the high bit of value 32b + l
-    high = (hmask[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [N, nb, 8, 32]
+    high = (hmask[..., None, :] >> iq_blocks.shifts(1, 8, torch.uint8, hmask.device)[:, None]) & 1  # [N, nb, 8, 32]
     codes = _two_bit_planes(blocks[..., 32:96]) | (high.reshape(*lead, 256) << 2)
     s = blocks[..., 96:108]  # 16 six-bit scales: low nibbles in bytes 0..7, high pairs in 8..11
     low = torch.cat([s[..., 0:8] & 0xF, s[..., 0:8] >> 4], dim=-1)  # [N, nb, 16]
-    pairs = (s[..., None, 8:12] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3  # [N, nb, 4, 4]
+    pairs = (s[..., None, 8:12] >> iq_blocks.shifts(2, 4, torch.uint8, s.device)[:, None]) & 3  # [N, nb, 4, 4]
     scales = (low | (pairs.reshape(*lead, 16) << 4)).float() - 32.0
     return codes, _f16(blocks, 108)[..., None] * scales, None
 
 
 def _iq4_lookup(nibbles: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(IQ4_VALUES, dtype=torch.int16)[nibbles.long()]
+    return iq_blocks.constant(IQ4_VALUES, torch.int16, nibbles.device)[nibbles.long()]
 
 
 def _iq4_nl(blocks):
@@ -422,7 +422,7 @@ def _iq4_nl(blocks):
 def _iq4_xs(blocks):
     lead = blocks.shape[:-1]
     high = blocks[..., 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # [N, nb, 1]
-    high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [N, nb, 8]
+    high = (high >> iq_blocks.shifts(2, 8, torch.int32, high.device)) & 3  # [N, nb, 8]
     sl = blocks[..., 4:8].to(torch.int32)  # [N, nb, 4]: sub-blocks 2i (low nibble) and 2i + 1
     low = torch.stack([sl & 0xF, sl >> 4], dim=-1).reshape(*lead, 8)
     scales = (low | (high << 4)).float() - 32.0

@@ -1,7 +1,9 @@
 """Quantized weights and their matmul: `QuantWeight` keeps a matrix in ggml's own blocks, byte for
 byte as a GGUF file stores them, and `qmatmul(x, w)` multiplies it with the integer kernels
 (`qdot.py`: activations quantized to int8 per 32 values, integer dot products per block) on the
-CPU, or dequantizes it for torch's F.linear elsewhere.
+CPU, with the Triton kernels that decode the blocks in-kernel on CUDA (`ops/triton/gguf_matmul.py`:
+every type here, fp16/bf16/fp32 activations), or dequantizes it for torch's F.linear elsewhere
+(`matmul_route` says which).
 
     data  uint8 [N, row_bytes]   row n: the K / block ggml blocks of weight row n, in order
     kind  the ggml type name     block (values, bytes) in BLOCKS
@@ -42,6 +44,7 @@ sub-block 2c, the high ones 2c + 1.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,15 +157,57 @@ def dequantize_ref(w: QuantWeight) -> torch.Tensor:
 def qmatmul(x: torch.Tensor, w: QuantWeight | Sequence[QuantWeight], levels: int = qdot.ACT_LEVELS) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype. `w` may be the parts of a merged weight stacked on
     the output axis (each its own type): on the CPU the activations are quantized once for all of
-    them, in `levels` levels (qdot.py); elsewhere every part is dequantized and torch multiplies."""
+    them, in `levels` levels (qdot.py); elsewhere each part is multiplied as `matmul_route` says
+    (`levels` is the CPU's: the Triton kernels and F.linear take x as it is)."""
     parts = (w,) if isinstance(w, QuantWeight) else tuple(w)
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.device.type == "cpu":
         y = _integer_matmul(x2.float(), parts, levels)  # [M, N] fp32
     else:
-        weight = torch.cat([dequantize(p, x.dtype) for p in parts])  # [N, K]
-        y = F.linear(x2, weight)  # [M, N]
+        y = device_matmul(x2, parts)  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+
+def matmul_route(device: torch.device, kind: str, dtype: torch.dtype) -> str:
+    """How `qmatmul` multiplies a weight of ggml type `kind` by `dtype` activations on `device`:
+    "integer" on the CPU (qdot.py); "triton" on CUDA for the types and dtypes the Triton kernels take
+    (ops/triton/gguf_matmul.py, where triton imports); else "dequantize" (dequantize_ref, F.linear)."""
+    if device.type == "cpu":
+        return "integer"
+    kernels = _triton_gguf() if device.type == "cuda" else None
+    if kernels is not None and kind in kernels.COVERED and dtype in kernels.DTYPES:
+        return "triton"
+    return "dequantize"
+
+
+@functools.cache
+def _triton_gguf():
+    """The module ops/triton/gguf_matmul.py, or None where triton is missing (imported on first use)."""
+    from deepinfer.model_executor.layers.ops.triton import triton_available
+
+    if not triton_available():
+        return None
+    from deepinfer.model_executor.layers.ops.triton import gguf_matmul
+
+    return gguf_matmul
+
+
+def device_matmul(x: torch.Tensor, parts: Sequence[QuantWeight]) -> torch.Tensor:
+    """x [M, K] (off the CPU) times each part the way `matmul_route` names, outputs side by side:
+    [M, N] in x's dtype."""
+    ys = [_DEVICE_MATMULS[matmul_route(x.device, p.kind, x.dtype)](x, p) for p in parts]  # [M, N_i] each
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
+def _triton_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return _triton_gguf().gguf_matmul(x, w)  # [M, N]: the blocks decoded in-kernel
+
+
+def _dequantize_matmul(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    return F.linear(x, dequantize(w, x.dtype))  # [M, N]: the whole weight widened first
+
+
+_DEVICE_MATMULS = {"triton": _triton_matmul, "dequantize": _dequantize_matmul}
 
 
 def _integer_matmul(x: torch.Tensor, parts: tuple[QuantWeight, ...], levels: int) -> torch.Tensor:
