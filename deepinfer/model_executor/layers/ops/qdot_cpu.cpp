@@ -967,10 +967,12 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
     V::load_t4(p + 32, stride, qh + 4);
   }
   const I nib = V::set1(0x0F0F0F0F), bit = V::set1(0x01010101);
+  #pragma GCC unroll 8
   for (int pair = 0; pair < 4; ++pair) {
     I qs[8], lo[8], hi[8];
     V::load_t4(p + qs_at + 32 * pair, stride, qs);
     V::load_t4(p + qs_at + 32 * pair + 16, stride, qs + 4);
+    #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
       lo[g] = V::and_(qs[g], nib);
       hi[g] = V::and_(V::srl(qs[g], 4), nib);
@@ -997,27 +999,35 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
     const I v = V::sra(V::sll(sc[s / 4], 24 - 8 * (s % 4)), 24);  // int8 scale, sign-extended
     sink.scale(u0 + s, V::mul(d, V::cvt(v)));
   };
-  const I nib = V::set1(0x0F0F0F0F), two = V::set1(0x03030303);
+  // Unrolled in full: the qh vectors, the waiting sums and the scales stay in registers (as loops, with
+  // indexes known only at run time, they went through the stack).
+  const I nib = V::set1(0x0F0F0F0F), m30 = V::set1(0x30303030);
+  #pragma GCC unroll 8
   for (int h = 0; h < 2; ++h) {
     I qh[8];
     V::load_t4(p + 128 + 32 * h, stride, qh);
     V::load_t4(p + 128 + 32 * h + 16, stride, qh + 4);
     // A 16-byte column of ql holds unit 8h + quarter (low nibbles) and unit 8h + 4 + quarter (high):
     // the low units are taken in order as they come, the high ones' sums wait and are settled after.
+    #pragma GCC unroll 8
     for (int quarter = 0; quarter < 4; ++quarter) {  // ql bytes 64h + 16 quarter .. + 15
       I ql[4], lo[4], hi[4];
       V::load_t4(p + 64 * h + 16 * quarter, stride, ql);
+      #pragma GCC unroll 8
       for (int j = 0; j < 4; ++j) {
         const int r = 16 * quarter + 4 * j;  // values 128h + r (low nibbles) and 128h + r + 64 (high)
-        const I qh_lo = V::and_(V::srl(qh[(r % 32) / 4], 2 * (r / 32)), two);
-        const I qh_hi = V::and_(V::srl(qh[(r % 32) / 4], 2 * (r / 32 + 2)), two);
-        lo[j] = V::or_(V::and_(ql[j], nib), V::sll(qh_lo, 4));
-        hi[j] = V::or_(V::and_(V::srl(ql[j], 4), nib), V::sll(qh_hi, 4));
+        // the high bit pairs (bits 2 (r / 32) and 2 (r / 32) + 4 of qh) moved straight to bits 4..5
+        const I q = qh[(r % 32) / 4];
+        const I qh_lo = V::and_(r / 32 ? V::sll(q, 2) : V::sll(q, 4), m30);
+        const I qh_hi = V::and_(r / 32 ? V::srl(q, 2) : q, m30);
+        lo[j] = V::or_(V::and_(ql[j], nib), qh_lo);
+        hi[j] = V::or_(V::and_(V::srl(ql[j], 4), nib), qh_hi);
       }
       scale(8 * h + quarter);
       sink.unit(u0 + 8 * h + quarter, lo);  // values 128h + 16 quarter ..
       sink.later(u0 + 8 * h + 4 + quarter, hi);  // values 128h + 64 + 16 quarter ..
     }
+    #pragma GCC unroll 8
     for (int quarter = 0; quarter < 4; ++quarter) {
       scale(8 * h + 4 + quarter);
       sink.settle(u0 + 8 * h + 4 + quarter);
@@ -1364,7 +1374,53 @@ INLINE void decode_tq2(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   }
 }
 
-// A grid kind's block (the kind read at run time; TQ1_0's base-3 digits go row by row).
+// TQ1_0's base-3 digits of 4 bytes a lane: digit n of byte x is floor(3 * (x * 3^n mod 256) / 256).
+// With y = x * 3^n mod 256, 3y = (2y mod 256) + y + 256 * (y's top bit), so the digit is y's top bit
+// plus the carry out of the byte sum (2y mod 256) + y, and that sum is the next digit's y.
+INLINE I tq1_digit(I& y) {
+  const I top = V::set1(static_cast<int32_t>(0x80808080u));
+  const I twice = V::add8(y, y);
+  const I next = V::add8(twice, y);
+  // a byte sum's carry out: the top bit of (a & b) | ((a | b) & ~(a + b))
+  const I carry = V::or_(V::and_(twice, y), V::and_(V::or_(twice, y), V::xor_(next, V::set1(-1))));
+  const I digit = V::add8(V::srl(V::and_(y, top), 7), V::srl(V::and_(carry, top), 7));
+  y = next;
+  return V::sub8(digit, V::set1(0x01010101));
+}
+
+// TQ1_0 (54 bytes: 48 of five digits, 4 of four, the f16 d): value n * 32 + b is digit n of byte b
+// (values 0-159), 160 + n * 16 + b of byte 32 + b, 240 + n * 4 + b of byte 48 + b; one scale d.
+template <class Sink>
+INLINE void decode_tq1(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
+  I lo[8], mid[4], t[4];
+  V::load_t4(p, stride, lo);
+  V::load_t4(p + 16, stride, lo + 4);
+  V::load_t4(p + 32, stride, mid);
+  V::load_t4(p + 38, stride, t);  // bytes 38-53: t[2] = 46-49, t[3] = 50-53
+  const F d = V::half_lo(V::srl(t[3], 16));
+  I high = V::or_(V::srl(t[2], 16), V::sll(t[3], 16));  // bytes 48-51
+  I w[8], mag[8];
+  auto emit = [&](int u) {
+    for (int g = 0; g < 8; ++g) mag[g] = V::abs8(w[g]);
+    sink.scale(u0 + u, d);
+    grid_unit<8>(sink, u0 + u, w, mag);
+  };
+  for (int n = 0; n < 5; ++n) {  // units 0-4: digit n of bytes 0-31
+    for (int g = 0; g < 8; ++g) w[g] = tq1_digit(lo[g]);
+    emit(n);
+  }
+  for (int u = 5; u < 8; ++u) {  // units 5-7: two digits of bytes 32-47 (the last unit: one, then bytes 48-51)
+    for (int g = 0; g < 4; ++g) w[g] = tq1_digit(mid[g]);
+    if (u < 7) {
+      for (int g = 0; g < 4; ++g) w[4 + g] = tq1_digit(mid[g]);
+    } else {
+      for (int g = 0; g < 4; ++g) w[4 + g] = tq1_digit(high);
+    }
+    emit(u);
+  }
+}
+
+// A grid kind's block (the kind read at run time).
 template <int U, class Sink>
 INLINE void decode_grid_kind(int64_t id, const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
   if constexpr (U == 16) {
@@ -1377,6 +1433,7 @@ INLINE void decode_grid_kind(int64_t id, const uint8_t* p, int64_t stride, Sink&
     if (id == 21) return decode_iq3s(p, stride, sink, u0);
     if (id == 19) return decode_iq1s(p, stride, sink, u0);
     if (id == 35) return decode_tq2(p, stride, sink, u0);
+    if (id == 34) return decode_tq1(p, stride, sink, u0);
   }
   decode_grid<U>(id, p, stride, sink, u0);
 }
@@ -1420,14 +1477,14 @@ INLINE void decode(const Kind& kd, const uint8_t* w, int64_t row_bytes, int64_t 
 
 // One unit's integer sums for MR activation rows: isum[i] = init[i] + sum over its G groups of
 // code(g) . a[g * MR + i] (4 byte products each). VNNI: one vpdpbusd per group and row, in C
-// independent chains for few rows. AVX2: maddubs gives int16 pair sums, L of them are added in
+// independent chains (two for 4 to 7 rows, else one). AVX2: maddubs gives int16 pair sums, L of them are added in
 // int16 (exact: L is the most that cannot overflow for the kind's largest code) before one madd
 // widens them to int32. SIGN (signed bytes on AVX2): code(g) = |w|, raw(g) = w.
-template <int MR, int G, int L, bool SIGN, class Code, class Raw>
+template <int MR, int G, int L, bool SIGN, bool INIT, class Code, class Raw>
 INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code, Raw raw) {
   if constexpr (V::kInt16) {
     I s16[MR];
-    for (int i = 0; i < MR; ++i) isum[i] = init ? V::set1(init[i]) : V::set1(0);
+    for (int i = 0; i < MR; ++i) isum[i] = INIT ? V::set1(init[i]) : V::set1(0);
     for (int g = 0; g < G; ++g) {
       const I w = code(g);
       const I r = SIGN ? raw(g) : w;
@@ -1439,10 +1496,10 @@ INLINE void unit_sums(I* isum, const int32_t* a, const int32_t* init, Code code,
         for (int i = 0; i < MR; ++i) isum[i] = V::widen(isum[i], s16[i]);
     }
   } else {
-    constexpr int C = MR >= 8 ? 1 : MR >= 4 ? 2 : 4;
+    constexpr int C = MR >= 4 && MR < 8 ? 2 : 1;  // one row: one chain (the out-of-order core overlaps units)
     I part[MR][C];
     for (int i = 0; i < MR; ++i) {
-      part[i][0] = init ? V::set1(init[i]) : V::set1(0);
+      part[i][0] = INIT ? V::set1(init[i]) : V::set1(0);
       for (int c = 1; c < C; ++c) part[i][c] = V::set1(0);
     }
     for (int g = 0; g < G; ++g) {
@@ -1491,7 +1548,7 @@ struct Fused {
   }
   template <class Code, class Raw>
   INLINE void sums(int64_t u, I* isum, Code code, Raw raw) {
-    unit_sums<MR, G, L, SIGN>(isum, p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
+    unit_sums<MR, G, L, SIGN, INIT>(isum, p.q + u * G * MR, INIT ? p.init + u * MR : nullptr, code, raw);
   }
   INLINE void unit(int64_t u, const I* v) {
     I isum[MR];
@@ -1524,9 +1581,9 @@ INLINE void micro(const Panel& p, const Tile& t, int64_t units, int64_t gu0, flo
     I isum[MR];
     const uint8_t* codes = t.codes + u * G * R * 4;
     const uint8_t* raw = t.raw + u * G * R * 4;
-    unit_sums<MR, G, L, SIGN>(isum, qa + u * G * MR, INIT ? init + u * MR : nullptr,
-                              [&](int g) { return V::load(codes + g * R * 4); },
-                              [&](int g) { return V::load(raw + g * R * 4); });
+    unit_sums<MR, G, L, SIGN, INIT>(isum, qa + u * G * MR, INIT ? init + u * MR : nullptr,
+                                    [&](int g) { return V::load(codes + g * R * 4); },
+                                    [&](int g) { return V::load(raw + g * R * 4); });
     const F sb = MIN ? V::loadf(t.B + u * R) : V::zerof();
     float_step<MR, MIN>(acc, V::loadf(t.A + u * R), sb, da + u * MR, MIN ? sf + u * MR : nullptr, isum);
   }
