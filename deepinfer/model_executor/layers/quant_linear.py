@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce
-from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS
+from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS, KernelWeight, kernel_weight, qlinear_checked
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
 from deepinfer.model_executor.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -90,10 +90,26 @@ class QuantLinear(nn.Module, PackedModule):
             raise ValueError(f"QuantLinear parts have different input sizes: {[w.shape for w in self.qweights]}")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.shard_sizes = None if shard_sizes is None else list(shard_sizes)
+        self._checked: tuple[torch.Tensor, KernelWeight | None] | None = None  # (the part's bytes, checked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
+        checked = self._checked_weight(x)
+        if checked is not None:  # a step's usual call: one kernel call, checked once per load
+            y = qlinear_checked(x, checked, self.act_levels)  # [M, out]
+        else:
+            y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _checked_weight(self, x: torch.Tensor) -> KernelWeight | None:
+        """The one part checked for the CPU kernels when x is fp32 [M, K] on the CPU (kept until the
+        part's bytes are replaced, e.g. moved to another device); else None (qmatmul's general path)."""
+        if len(self.qweights) != 1 or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        data = self.qweights[0].data
+        cached = self._checked
+        if cached is None or cached[0] is not data:
+            cached = self._checked = (data, kernel_weight(self.qweights[0]))
+        return cached[1]
 
     def extra_repr(self) -> str:
         kinds = "+".join(f"{w.kind}[{w.shape[0]}]" for w in self.qweights)

@@ -238,6 +238,32 @@ def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: 
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 
+class KernelWeight(NamedTuple):
+    """A CPU weight checked once (`kernel_weight`): what each `qlinear_checked` call hands the kernel."""
+
+    data: torch.Tensor  # uint8 [N, bytes per row]
+    ggml_id: int
+    k: int
+
+
+def kernel_weight(w: BlockWeight) -> KernelWeight | None:
+    """w checked as `qlinear` checks it on every call, or None where the kernels cannot take it
+    (no library, or not on the CPU): a layer that calls once per step checks once per load."""
+    if not w.data.is_cpu or not qdot_level():
+        return None
+    kind = check_weight(w)
+    if kind.ggml_id in _GRID_IDS:
+        iq_blocks.hand_over_tables()
+    return KernelWeight(w.data, kind.ggml_id, w.shape[1])
+
+
+def qlinear_checked(x: torch.Tensor, w: KernelWeight, levels: int) -> torch.Tensor:
+    """qlinear for fp32 x [M, K] on the CPU and a checked weight: the same kernel call, the same
+    bits, without the per-call checks (a few microseconds each, per layer and step)."""
+    return torch.ops.deepinfer_cpu.qlinear.default(x, w.data, w.ggml_id, w.k, _resolve(None, x.shape[0] * levels),
+                                                   levels)  # [M, N]
+
+
 # ---- the torch reference ------------------------------------------------------------------
 
 
