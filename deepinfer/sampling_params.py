@@ -44,7 +44,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; n >= 0: the sampled token's logprob + top n
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # special tokens are not shown in the text
+    spaces_between_special_tokens: bool = True  # vLLM's; the tokenizer's decode takes it (fast ones ignore it)
     n: int = 1  # samples returned per prompt, [1, MAX_SAMPLES]
     best_of: int | None = None  # samples drawn (None: n); the n of highest cumulative logprob are returned
     min_tokens: int = 0  # EOS / stop_token_ids masked and stop strings unchecked until this many outputs
@@ -165,6 +166,7 @@ class SamplingParams:
                              f"got {short_repr(self.stop_token_ids)}")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         self._validate_parity_fields()
         self.structured_output = StructuredOutputsParams.from_value(self.structured_output)
         if self.structured_output is not None and self.min_tokens:

@@ -166,13 +166,17 @@ def _write_phi3_metadata(writer: gguf.GGUFWriter, config) -> None:
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
-    """A tiny byte-level BPE vocabulary: specials, 'a', 'b', the merge 'ab', then fillers."""
+def _write_tokenizer(writer: gguf.GGUFWriter, vocab_size: int, control: dict[int, str] | None = None) -> None:
+    """A tiny byte-level BPE vocabulary: specials, 'a', 'b', the merge 'ab', then fillers; `control`
+    renames fillers (id -> text) into more control tokens."""
     tokens = SPECIAL_TOKENS + ["a", "b", "ab"] + [f"t{i}" for i in range(vocab_size - 6)]
+    types = [3, 3, 3] + [1] * (vocab_size - 3)
+    for token_id, text in (control or {}).items():
+        tokens[token_id], types[token_id] = text, 3
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (vocab_size - 3))
+    writer.add_token_types(types)
     writer.add_token_merges(["a b"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
@@ -189,14 +193,14 @@ def _encode(array: np.ndarray, qtype) -> tuple[np.ndarray, object]:
 
 
 def write_gguf(path, arch: str, config, state_dict: dict, qtype=None, extra=None, tokenizer=True,
-               split_max_tensors: int = 0) -> str:
+               split_max_tensors: int = 0, control_tokens: dict[int, str] | None = None) -> str:
     """Write `state_dict` (HF names) as llama.cpp would; 2-D weights in `qtype` (None: F32). With
     `split_max_tensors`, a split set as gguf-split writes it (NAME-00001-of-0000N.gguf ...): the first
-    part's path is returned."""
+    part's path is returned. `control_tokens` (id -> text) names some fillers as control tokens."""
     writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     _write_metadata(writer, arch, config)
     if tokenizer:
-        _write_tokenizer(writer, config.vocab_size)
+        _write_tokenizer(writer, config.vocab_size, control_tokens)
     for key, value in (extra or {}).items():
         writer.add_key_value(key, *value)
     for hf_name, tensor in state_dict.items():

@@ -30,7 +30,8 @@ NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded with the first output token
 
 
 class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...,
+               spaces_between_special_tokens: bool = ...) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -43,9 +44,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         context = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # the prompt ends inside a character: decode the output on its own
@@ -87,7 +89,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 class NoTextDetokenizer:

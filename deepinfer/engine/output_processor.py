@@ -56,7 +56,8 @@ class OutputProcessor:
         if p.structured_output is not None and self.grammars is not None:
             self.grammars.prepare(p.structured_output, p.first_banned_token_ids())  # StructuredOutputError
         detok = NoTextDetokenizer() if self.tokenizer is None else \
-            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                   p.spaces_between_special_tokens)
         completion = CompletionOutput(index=0, logprobs=[] if p.logprobs is not None else None)
         self._states[req.request_id] = _State(prompt, detok, StopChecker(p.stop), completion, p)
 

@@ -16,13 +16,15 @@ suffix + fim_mid + middle (text the user already typed at the cursor, llama.cpp'
 Extra context (llama.cpp's `input_extra` chunks) goes before fim_pre: per chunk, the file
 separator token (`<|file_sep|>`, `<file_sep>` or the GGUF fim_sep_token_id) + "filename\\n" +
 text, or, for a model without one, "\\n\\n--- snippet ---\\n\\n" + text, as llama.cpp does.
+The answer ends at the model's end-of-generation tokens (`end_of_generation_ids`: Qwen2.5-Coder's
+<|endoftext|>, the FIM pad and file-separator tokens), whose text is not shown.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.contracts.hf_config import HFConfigFields
+from deepinfer.contracts.hf_config import HFConfigFields, vocabulary_id
 from deepinfer.serving.errors import bad_request
 
 _VOCAB_SETS = (
@@ -53,21 +55,13 @@ def find_fim_tokens(tokenizer, hf_config) -> FimTokens | None:
     ids = [fields.fim_pre_token_id, fields.fim_suf_token_id, fields.fim_mid_token_id]
     separator = fields.fim_sep_token_id
     if tokenizer is not None and not all(isinstance(i, int) and i >= 0 for i in ids):
-        ids = next((found for names in _VOCAB_SETS if None not in (found := [_token_id(tokenizer, n) for n in names])),
-                   [None])
+        ids = next((found for names in _VOCAB_SETS
+                    if None not in (found := [vocabulary_id(tokenizer, n) for n in names])), [None])
     if not all(isinstance(i, int) and i >= 0 for i in ids):
         return None
     if tokenizer is not None and separator is None:
-        separator = next((i for i in (_token_id(tokenizer, n) for n in _SEPARATORS) if i is not None), None)
+        separator = next((i for i in (vocabulary_id(tokenizer, n) for n in _SEPARATORS) if i is not None), None)
     return FimTokens(*ids, separator=separator, leading=_leading_ids(tokenizer))
-
-
-def _token_id(tokenizer, token: str) -> int | None:
-    """The id of `token` when it is one entry of the vocabulary (an unknown token maps to unk)."""
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(token_id, int) or token_id < 0:
-        return None
-    return token_id if tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 def _leading_ids(tokenizer) -> tuple[int, ...]:

@@ -83,7 +83,7 @@ def prepared_params(tokenizer, ctx, body, prompt_ids: list[int], path: str,
     try:
         if chat is not None:  # checked again with the chat's grammar (min_tokens cannot go with one)
             params.structured_output = chat.structured_output or params.structured_output
-            params.skip_special_tokens = not chat.keep_special_tokens
+            params.skip_special_tokens = params.skip_special_tokens and not chat.keep_special_tokens
             params.validate()
         params.set_bad_words_tokens(tokenizer)
     except ValueError as exc:

@@ -11,11 +11,12 @@ vLLM) reach the chat template (e.g. `{"enable_thinking": false}`).
 `cache_salt` (an extension, as in vLLM) keeps a request's prefix
 cache apart from requests with another salt; `priority` (vLLM's extension: lower is served first)
 needs `--scheduling-policy priority` unless it is 0. vLLM's sampling extensions `min_tokens`,
-`include_stop_str_in_output`, `bad_words` and `prompt_logprobs` (a top-level list in the
-response) are accepted beside OpenAI's `logit_bias`. Fields that would change the meaning of a request but that the
-server does not implement (echo, the legacy `functions`, ...) are parsed loosely and refused by
-`check_supported()` with a 400 that names them, so a client never gets a silently different
-answer.
+`include_stop_str_in_output`, `skip_special_tokens` (default true; false shows special tokens in the
+text, though never the one that ended the generation), `spaces_between_special_tokens`, `bad_words` and
+`prompt_logprobs` (a top-level list in the response) are accepted beside OpenAI's `logit_bias`.
+Fields that would change the meaning of a request but that the server does not implement (echo,
+the legacy `functions`, ...) are parsed loosely and refused by `check_supported()` with a 400 that
+names them, so a client never gets a silently different answer.
 
 Types are strict, as in OpenAI's API: a boolean is not an integer (`max_tokens: true` is a 400),
 a string is not a boolean or a number (`stream: "yes"`, `temperature: "0.5"`), a float is not
@@ -79,6 +80,8 @@ class _GenerationRequest(BaseModel):
     # extensions (as in vLLM); SamplingParams checks their values
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # default true: special tokens are not shown in the text
+    spaces_between_special_tokens: bool | None = None
     bad_words: Items[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # Structured output: OpenAI's response_format ({"type": "text" | "json_object" | "json_schema"}),
@@ -121,6 +124,8 @@ class _GenerationRequest(BaseModel):
                       stop=[self.stop] if isinstance(self.stop, str) else self.stop,
                       structured_output=structured_output_of(self), logit_bias=self.logit_bias,
                       min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens,
+                      spaces_between_special_tokens=self.spaces_between_special_tokens,
                       bad_words=self.bad_words, prompt_logprobs=self.prompt_logprobs)
         values.update(self.sample_counts())
         return {k: v for k, v in values.items() if v is not None}  # None: SamplingParams' default

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from deepinfer.contracts.hf_config import eos_token_ids
+from deepinfer.contracts.hf_config import end_of_generation_ids
 from deepinfer.structured_output import StructuredOutputError, first_lines, grammar_engine, grammar_limits
 
 if TYPE_CHECKING:
@@ -59,8 +59,8 @@ class _Tracked:
 
 
 def eos_ids_of(source) -> list[int]:
-    """The model's EOS ids (its config's and its tokenizer's): what the grammar ends with."""
-    return sorted(eos_token_ids(source.hf_config, source.tokenizer))
+    """The model's end-of-generation ids (the engine's set): what the grammar ends with."""
+    return sorted(end_of_generation_ids(source.hf_config, source.tokenizer, source.generation_config))
 
 
 class StructuredOutputs:

@@ -2,7 +2,8 @@
 process. A tiny llama whose tokenizer has `<|fim_prefix|>`/`<|fim_suffix|>`/`<|fim_middle|>` added
 tokens, and a tiny GGUF whose FIM tokens are only in its metadata: the prompt ids the engine gets
 are exactly [BOS] + pre + prefix + suf + suffix + mid (by id), and the greedy answer equals a plain
-completion of those ids. A model without FIM tokens is a 400 naming suffix / input_suffix."""
+completion of those ids. A model without FIM tokens is a 400 naming suffix / input_suffix. The GGUF's
+<|endoftext|>, a control token distinct from its chat EOS (<|im_end|>), ends a middle and is never shown."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from llamacpp_writer import random_hf_model, tiny_hf_config, write_gguf
 
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 GGUF_FIM_IDS = (10, 11, 12)  # fillers of the tiny GGUF vocabulary, named FIM tokens only by the metadata
+GGUF_CONTROL = {13: "<|endoftext|>", 14: "<|im_end|>"}  # the end of a middle, the chat EOS
+ENDOFTEXT, IM_END = 13, 14
 PREFIX, SUFFIX = "def add(a, b):\n    return", "\n\nprint(add(1, 2))\n"
 
 
@@ -44,7 +47,9 @@ def gguf_server(tmp_path_factory):
     keys = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.suffix_token_id", "tokenizer.ggml.fim_mid_token_id")
     extra = {key: (i, gguf.GGUFValueType.UINT32) for key, i in zip(keys, GGUF_FIM_IDS, strict=True)}
     extra["tokenizer.ggml.prefix_token_id"] = (GGUF_FIM_IDS[1], gguf.GGUFValueType.UINT32)  # the newer key wins
-    path = write_gguf(tmp_path_factory.mktemp("fim-gguf") / "tiny.gguf", "llama", config, state, extra=extra)
+    extra["tokenizer.ggml.eos_token_id"] = (IM_END, gguf.GGUFValueType.UINT32)  # replaces the writer's
+    path = write_gguf(tmp_path_factory.mktemp("fim-gguf") / "tiny.gguf", "llama", config, state, extra=extra,
+                      control_tokens=GGUF_CONTROL)
     with AppServer("--model", path, "--max-model-len", "128") as server:
         yield server
 
@@ -124,6 +129,30 @@ def test_gguf_metadata_fim_ids(gguf_server, monkeypatch):
                                             "temperature": 0, "ignore_eos": True})
     assert seen == [expected] * 3
     assert fim["choices"][0]["text"] == plain["choices"][0]["text"] == infill["content"]
+
+
+def test_a_middle_ends_at_endoftext_which_is_not_shown(gguf_server):
+    engine = gguf_server.app.state.server.engine
+    assert engine.source.hf_config.eos_token_id == IM_END and {ENDOFTEXT, IM_END} <= engine.eos_token_ids
+    body = {"prompt": "ab", "suffix": "ba", "max_tokens": 12, "temperature": 0, "logit_bias": {str(ENDOFTEXT): 100}}
+    middle = _post(gguf_server, "/v1/completions", {**body, "min_tokens": 2})  # two tokens, then <|endoftext|>
+    choice = middle["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"], middle["usage"]["completion_tokens"]) == ("stop", None, 3)
+    assert "<|endoftext|>" not in choice["text"]
+    pushed = {**body, "ignore_eos": True, "max_tokens": 2}  # ignore_eos goes on past it
+    shown = _post(gguf_server, "/v1/completions", {**pushed, "skip_special_tokens": False})["choices"][0]
+    assert (shown["text"], shown["finish_reason"]) == ("<|endoftext|>" * 2, "length")
+    hidden = _post(gguf_server, "/v1/completions", {**pushed, "spaces_between_special_tokens": False})["choices"][0]
+    assert (hidden["text"], hidden["finish_reason"]) == ("", "length")
+    chat = {"messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(ENDOFTEXT): 100}, "skip_special_tokens": False}
+    assert _post(gguf_server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"] == "<|endoftext|>" * 2
+    for field, value in (("skip_special_tokens", "no"), ("skip_special_tokens", 0),
+                         ("spaces_between_special_tokens", 1.5), ("spaces_between_special_tokens", [True])):
+        for path, extra in (("/v1/completions", {"prompt": "ab"}),
+                            ("/v1/chat/completions", {"messages": chat["messages"]})):
+            error = _post(gguf_server, path, {**extra, field: value}, status=400)["error"]
+            assert error["param"] == field, (path, field, value, error)
 
 
 @pytest.mark.slow

@@ -46,15 +46,20 @@ _SHAPE_KEYS = {
     "attention.head_count_kv": "num_key_value_heads",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
 }
-_TOKEN_ID_KEYS = {
+_TOKEN_ID_KEYS = {  # eos, eot and eom end a generation (contracts/hf_config.py end_of_generation_ids)
     "tokenizer.ggml.bos_token_id": "bos_token_id",
     "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.eot_token_id": "eot_token_id",
+    "tokenizer.ggml.eom_token_id": "eom_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
-_FIM_TOKEN_KEYS = {  # fill-in-the-middle tokens (serving/fim.py): llama.cpp's keys, then the older ones
+_FIM_TOKEN_KEYS = {  # fill-in-the-middle tokens (serving/fim.py): llama.cpp's keys, then the older ones;
+    # pad, repo and file separator also end a generation, as in llama.cpp
     "fim_pre_token_id": ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
     "fim_suf_token_id": ("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
     "fim_mid_token_id": ("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+    "fim_pad_token_id": ("tokenizer.ggml.fim_pad_token_id",),
+    "fim_rep_token_id": ("tokenizer.ggml.fim_rep_token_id",),
     "fim_sep_token_id": ("tokenizer.ggml.fim_sep_token_id",),
 }
 
