@@ -170,8 +170,9 @@ class LLM:
 
         Prompts take the forms `generate` takes. Each is computed like a prefill (chunked as the
         token budget says, batched with whatever else runs) and pooled as the model declares
-        (`self.engine.pooling`: a sentence-transformers checkpoint's Pooling and Normalize modules,
-        else the last token, L2-normalised; `LLM(..., pooling=...)` overrides the type).
+        (`self.engine.pooling`: a sentence-transformers checkpoint's Pooling and Normalize modules, or a
+        GGUF file's pooling_type; `LLM(..., pooling=...)` names or overrides the type). A model that
+        declares none (a generative one) embeds only with `pooling=`: else ValueError saying so.
         `pooling_params` may ask for `dimensions` (Matryoshka models) and `normalize`;
         `truncate_prompt_tokens` keeps each prompt's last k tokens (-1: max_model_len).
 

@@ -67,10 +67,13 @@ class LLMEngine:
                                          prefix=prefix_settings(config, runner), unit=config.cache.block_size)
         lora_slots = AdapterSlotTable(config.lora.max_loras) if config.lora.enable_lora else None
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, config.max_model_len, lora_slots)
-        self.eos_token_ids = eos_token_ids(source.hf_config, source.tokenizer)
+        # every token that ends a generation (EOS, EOT, EOM, the FIM pad/separator, ...): one set for
+        # the stop check, min_tokens and structured output
+        self.eos_token_ids = end_of_generation_ids(source.hf_config, source.tokenizer, source.generation_config)
         self.outputs = OutputProcessor(self.tokenizer, source.hf_config.vocab_size, self.eos_token_ids)
         # how embedding requests pool (the checkpoint's declaration, or config.pooling's override)
         self.pooling = pooling.pooling_config(source.path, source.hf_config, config.pooling)
+        logger.info("%s", self.pooling.summary())
         # close() once: explicitly, when the engine is collected, or at exit (never holding the engine)
         self._finalizer = weakref.finalize(self, close_engine, self.kv_manager, runner)
         self._ids = itertools.count()

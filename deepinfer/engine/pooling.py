@@ -3,13 +3,15 @@ checkpoint), and an embedding request's admission. Pure Python.
 
 Where the pooling comes from, in order:
 
-    --pooling last|mean|cls        overrides the type (normalisation stays as declared)
+    --pooling last|mean|cls        overrides the type (normalisation stays as declared, else L2)
     modules.json (sentence-transformers):
         Transformer -> Pooling -> [Normalize]   the Pooling module's mode (`pooling_mode`, or the
                                                 older `pooling_mode_*_token` flags): mean, cls or
                                                 lasttoken; Normalize present: L2-normalised
-    otherwise                      last token, L2-normalised: the default vLLM gives decoder
-                                   embedding models (e.g. Qwen3-Embedding)
+    GGUF `{arch}.pooling_type`     llama.cpp's 1 mean, 2 cls, 3 last (loader/gguf_config.py), L2-normalised
+    otherwise                      none: a generative model serves no embeddings, rerank or score (all
+                                   refused alike, naming --pooling), as vLLM serves a generative
+                                   model's embeddings only when told how to pool
 
 A checkpoint whose modules change the vector in ways not computed here (a Dense projection, max or
 weighted-mean pooling, several modes concatenated) still serves generation; its embedding requests
@@ -28,6 +30,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from deepinfer.config import POOLING_TYPES
 from deepinfer.contracts.hf_config import HFConfigFields
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine.request import Request
@@ -37,7 +40,11 @@ _ST_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}  # sentence-tran
 _ST_FLAGS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max", "pooling_mode_mean_tokens": "mean",
              "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
              "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
-DEFAULT_SOURCE = "default for decoder models: last token, L2-normalised"
+NO_POOLING = ("this model declares no pooling (no sentence-transformers modules.json, no GGUF pooling_type), so it "
+              "serves no embeddings, rerank or score; start it with --pooling last|mean|cls (LLM(..., pooling=...)) "
+              "to pool its final hidden states")
+UNDECLARED = "none declared"
+_REFUSED = "this model's embeddings are not supported"
 
 
 @dataclass(frozen=True)
@@ -49,14 +56,29 @@ class PoolingConfig:
     hidden_size: int
     matryoshka: bool = False  # `dimensions` may shorten the vector
     matryoshka_dimensions: tuple[int, ...] | None = None  # the only lengths allowed, when declared
-    source: str = DEFAULT_SOURCE  # where the choice came from (shown at start-up and in errors)
-    unsupported: str | None = None  # why this checkpoint's embeddings cannot be computed here
+    source: str = UNDECLARED  # where the choice came from (shown at start-up and in errors)
+    unsupported: str | None = NO_POOLING  # why this model serves no embeddings (None: it does)
+
+    @property
+    def serves(self) -> bool:
+        """Embeddings, rerank and score are served (the model or --pooling names a pooling)."""
+        return self.unsupported is None
+
+    def summary(self) -> str:
+        """The start-up line: how embeddings pool and why, or why none are served."""
+        if self.unsupported == NO_POOLING:
+            return ("embeddings, rerank and score: off (the model declares no pooling; "
+                    "--pooling last|mean|cls serves them)")
+        if not self.serves:
+            return f"embeddings: refused ({self.unsupported})"
+        norm = "L2-normalised" if self.normalize else "not normalised"
+        return f"embeddings: {self.pooling_type} pooling, {norm} ({self.source})"
 
     def resolve(self, params: PoolingParams) -> PoolingParams:
         """A copy of `params` with the pooling type and normalisation filled in; ValueError naming
-        `dimensions` (or the checkpoint's unsupported module) when the request cannot be served."""
+        `dimensions`, or saying why the model serves no embeddings, when the request cannot be served."""
         if self.unsupported is not None:
-            raise ValueError(f"this model's embeddings are not supported: {self.unsupported}")
+            raise ValueError(self.unsupported)
         params = dataclasses.replace(params)  # validates, and the caller's object stays as it was
         self._check_dimensions(params.dimensions)
         normalize = self.normalize if params.normalize is None else params.normalize
@@ -79,24 +101,39 @@ class PoolingConfig:
 
 def pooling_config(path: str | None, hf_config, choice: str = "auto") -> PoolingConfig:
     """The model's pooling: `choice` ("auto" or a type that overrides), the checkpoint directory's
-    sentence-transformers modules (when `path` is a directory holding modules.json), the default."""
-    kind, normalize, source, problem = "last", True, DEFAULT_SOURCE, None
-    modules = _read_json(path, "modules.json") if path and os.path.isdir(path) else None
-    if isinstance(modules, list):
-        mode, normalize, others = _st_modules(path, modules)
-        kind = _ST_MODES.get(mode)
-        source = f"sentence-transformers modules.json of {os.path.basename(os.path.normpath(path))}"
-        if others:
-            problem = f"its sentence-transformers module(s) {', '.join(others)} are not computed here"
-        elif kind is None and choice == "auto":
-            problem = f"its sentence-transformers pooling {mode!r} is not computed here (mean, cls, lasttoken are)"
-    if choice != "auto":
-        kind, source = choice, f"--pooling {choice}"
+    sentence-transformers modules (when `path` is a directory holding modules.json), a GGUF file's
+    pooling_type; without any of them, none (`unsupported` says so and names --pooling)."""
     fields = HFConfigFields.of(hf_config)
+    kind, normalize, source, problem, no_kind = _declared(path, fields)
+    if choice != "auto":
+        source = f"--pooling {choice}" + ("" if kind or source != UNDECLARED else ": the model declares none")
+        kind = choice
+    elif kind is None:
+        problem = problem or no_kind
     dims = fields.matryoshka_dimensions
     return PoolingConfig(kind or "last", normalize, int(fields.hidden_size or 0),
                          bool(fields.is_matryoshka or dims), tuple(dims) if dims else None,
                          source, problem)
+
+
+def _declared(path: str | None, fields: HFConfigFields) -> tuple[str | None, bool, str, str | None, str]:
+    """What the checkpoint declares: (pooling type or None, normalised, where from, why its embeddings
+    cannot be computed whatever the pooling (modules), why there is no type (--pooling gives one))."""
+    modules = _read_json(path, "modules.json") if path and os.path.isdir(path) else None
+    if isinstance(modules, list):
+        mode, normalize, others = _st_modules(path, modules)
+        source = f"sentence-transformers modules.json of {os.path.basename(os.path.normpath(path))}"
+        problem = f"{_REFUSED}: its sentence-transformers module(s) {', '.join(others)} are not computed here" \
+            if others else None
+        no_kind = f"{_REFUSED}: its sentence-transformers pooling {mode!r} is not computed here " \
+                  f"(mean, cls, lasttoken are)"
+        return _ST_MODES.get(mode), normalize, source, problem, no_kind
+    if fields.pooling_type is not None:
+        kind = fields.pooling_type if fields.pooling_type in POOLING_TYPES else None
+        no_kind = f"{_REFUSED}: its GGUF pooling_type {fields.pooling_type!r} is not computed here " \
+                  f"({', '.join(POOLING_TYPES)} are)"
+        return kind, True, f"GGUF pooling_type {fields.pooling_type}", None, no_kind
+    return None, True, UNDECLARED, None, NO_POOLING
 
 
 def _st_modules(path: str, modules: list) -> tuple[str | None, bool, list[str]]:

@@ -19,7 +19,7 @@ import asyncio
 import time
 
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.engine.pooling import DEFAULT_SOURCE, truncated
+from deepinfer.engine.pooling import truncated
 from deepinfer.outputs import EmbeddingRequestOutput
 from deepinfer.serving.admission import ClientSeats
 from deepinfer.serving.engine_loop import EngineClosedError
@@ -33,19 +33,13 @@ _PARAMS = ("dimensions", "normalize", "truncate_prompt_tokens")
 
 
 def resolve_pooling(ctx, params: PoolingParams) -> PoolingParams:
-    """`params` completed as the model pools; a 400 naming the field (else `model`) when refused."""
+    """`params` completed as the model pools; a 400 naming the field (else `model`) when refused. One
+    rule for every route that embeds: a model that declares no pooling, served without --pooling, is
+    the same 400 naming `model` (and --pooling) on each of them (engine/pooling.py)."""
     try:
         return ctx.engine.pooling.resolve(params)
     except ValueError as exc:
         raise pooling_error(exc) from None
-
-
-def require_pooling(ctx, what: str) -> None:
-    """A 400 naming `model` when the model declares no pooling (rerank and score need an embedding model)."""
-    if ctx.engine.pooling.source == DEFAULT_SOURCE:
-        raise bad_request(f"{ctx.settings.model_name!r} is not an embedding model: it declares no pooling (no "
-                          f"sentence-transformers modules.json); {what} need an embedding model (serve one, or "
-                          f"pass --pooling mean|cls|last)", "model")
 
 
 def pooling_error(exc: ValueError) -> ServingError:

@@ -138,4 +138,4 @@ def test_a_generative_model_without_pooling_is_refused_naming_model(tiny_checkpo
         for path, body in (("/v1/rerank", {"query": "a", "documents": ["b"]}),
                            ("/v1/score", {"text_1": "a", "text_2": "b"})):
             error = _post(generative, path, body, status=400)["error"]
-            assert error["param"] == "model" and "not an embedding model" in error["message"], error
+            assert error["param"] == "model" and "declares no pooling" in error["message"], error

@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.contracts.plan import ScheduledRequest
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.engine.pooling import DEFAULT_SOURCE, pooling_config
+from deepinfer.engine.pooling import NO_POOLING, UNDECLARED, pooling_config
 from deepinfer.worker.pooling import Pooler
 
 H = 8
@@ -104,9 +104,16 @@ def test_sentence_transformers_declarations_new_and_legacy(tmp_path, pooling, ki
     assert "modules.json" in config.source
 
 
-def test_default_override_and_refused_modules(tmp_path):
-    default = pooling_config(str(tmp_path), _Config())
-    assert (default.pooling_type, default.normalize, default.source) == ("last", True, DEFAULT_SOURCE)
+def test_none_declared_override_and_refused_modules(tmp_path):
+    undeclared = pooling_config(str(tmp_path), _Config())
+    assert (undeclared.serves, undeclared.source, undeclared.unsupported) == (False, UNDECLARED, NO_POOLING)
+    with pytest.raises(ValueError, match="declares no pooling .* start it with --pooling last|mean|cls"):
+        undeclared.resolve(PoolingParams())
+    assert undeclared.summary() == ("embeddings, rerank and score: off (the model declares no pooling; "
+                                    "--pooling last|mean|cls serves them)")
+    named = pooling_config(str(tmp_path), _Config(), "last")
+    assert (named.serves, named.pooling_type, named.normalize) == (True, "last", True)
+    assert named.summary() == "embeddings: last pooling, L2-normalised (--pooling last: the model declares none)"
     plain = _st_dir(tmp_path / "plain", [(ST + "Transformer", ""), (ST + "Pooling", "1_Pooling")],
                     {"pooling_mode": "mean"})
     assert pooling_config(plain, _Config()).normalize is False  # no Normalize module: as sentence-transformers
@@ -122,14 +129,30 @@ def test_default_override_and_refused_modules(tmp_path):
     assert pooling_config(max_pool, _Config(), "mean").resolve(PoolingParams()).pooling_type == "mean"
 
 
+def test_gguf_pooling_type_declares_a_pooling():
+    class Gguf(_Config):
+        pooling_type = "mean"
+
+    class Rank(_Config):
+        pooling_type = "rank"
+
+    declared = pooling_config(None, Gguf())
+    assert (declared.serves, declared.pooling_type, declared.source) == (True, "mean", "GGUF pooling_type mean")
+    with pytest.raises(ValueError, match="GGUF pooling_type 'rank' is not computed here"):
+        pooling_config(None, Rank()).resolve(PoolingParams())
+    assert pooling_config(None, Rank(), "cls").resolve(PoolingParams()).pooling_type == "cls"
+
+
 def test_dimensions_only_where_the_config_declares_matryoshka():
     with pytest.raises(ValueError, match=r"^dimensions=16: this model does not declare Matryoshka"):
-        pooling_config(None, _Config()).resolve(PoolingParams(dimensions=16))
+        pooling_config(None, _Config(), "last").resolve(PoolingParams(dimensions=16))
 
     class Matryoshka(_Config):
+        pooling_type = "last"
         is_matryoshka = True
 
     class Listed(_Config):
+        pooling_type = "last"
         matryoshka_dimensions = [16, 32]
 
     assert pooling_config(None, Matryoshka()).resolve(PoolingParams(dimensions=5)).dimensions == 5

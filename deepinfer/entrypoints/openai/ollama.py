@@ -27,7 +27,6 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.contracts.pooling import PoolingParams
-from deepinfer.engine.pooling import DEFAULT_SOURCE
 from deepinfer.entrypoints.openai.auth import api_key_dependency, tenant_of
 from deepinfer.entrypoints.openai.body import in_pool, read_body
 from deepinfer.entrypoints.openai.embeddings import embed, prepared_inputs
@@ -139,8 +138,8 @@ def _show(state, card: dict) -> dict:
     template = (tokenizer.chat_template if tokenizer is not None else None) or ""
     capabilities = ["completion"] + (["tools"] if setup.tool_parser is not None else []) + (
         ["thinking"] if setup.reasoning is not None else [])
-    if state.engine.pooling.source != DEFAULT_SOURCE:
-        capabilities.append("embedding")  # a sentence-transformers checkpoint
+    if state.engine.pooling.serves:
+        capabilities.append("embedding")  # it declares a pooling, or --pooling names one
     family = card["details"]["family"]
     model_info = {"general.architecture": family, "general.parameter_count": card["details"]["parameter_size"],
                   f"{family}.context_length": state.max_model_len, "general.vocab_size": state.vocab_size}

@@ -4,8 +4,9 @@ over the embedding path of embeddings.py.
 The model is a bi-encoder: every text is embedded on its own (tokenized with the same limits,
 admitted a window at a time, as /v1/embeddings does) and the score of a pair is the cosine
 similarity of the two vectors. A model that declares no pooling (a generative checkpoint without a
-sentence-transformers modules.json, served without --pooling) is refused with a 400 naming `model`,
-as is one whose embeddings cannot be computed here.
+sentence-transformers modules.json or GGUF pooling_type, served without --pooling) is refused with the
+400 naming `model` that /v1/embeddings and /api/embed give it, as is one whose embeddings cannot be
+computed here.
 
 Rerank (Jina/Cohere shape):
 
@@ -34,7 +35,7 @@ from pydantic import BaseModel, Field
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.entrypoints.openai.body import in_pool
 from deepinfer.entrypoints.openai.embeddings import embed
-from deepinfer.serving.embeddings import MAX_INPUTS, checked_inputs, input_ids, require_pooling, resolve_pooling
+from deepinfer.serving.embeddings import MAX_INPUTS, checked_inputs, input_ids, resolve_pooling
 from deepinfer.serving.errors import Path, bad_request
 from deepinfer.serving.parse import STRICT, Items, parse_body
 
@@ -130,7 +131,6 @@ def _prepare_score(tokenizer, state, raw: bytes):
 def _embedding_params(state, model: str | None) -> PoolingParams:
     """The pooling every text of the request gets; a 400 naming `model` when it cannot embed."""
     state.base_model_only(model, "scores")
-    require_pooling(state, "rerank and score")
     return resolve_pooling(state, PoolingParams())
 
 

@@ -33,6 +33,8 @@ _ARCHITECTURE_CLASS = {
     "phi3": "Phi3ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
 }
+# llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type) -> ours (engine/pooling.py); 0 is none
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 # llama.cpp's routing renormalises the top-k weights for these unless `{arch}.expert_weights_norm` says
 MOE_RENORMALIZES = {"qwen2moe": False, "qwen3moe": True}
 
@@ -97,6 +99,10 @@ def gguf_config_dict(
         found = [key for key in keys if key in metadata]
         if found:
             config[field] = int(metadata[found[0]])
+    config["eog_from_token_texts"] = True  # llama.cpp also ends a generation on tokens by their text
+    pooling = int(metadata.get(f"{arch}.pooling_type", 0))
+    if pooling:  # an embedding model's declaration
+        config["pooling_type"] = _POOLING_TYPES.get(pooling, str(pooling))
     if arch in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_shapes
     if arch == "llama":
