@@ -37,10 +37,6 @@ TRICKY = '{"text": "a </tool_call> [TOOL_CALLS] } ] \\" \\\\", "n": [1, {"x": nu
 
 
 BROKEN = '<tool_call>\n{"name": "f", "arguments": {"x": 1}\n</tool_call>'
-# A stream cannot take back a call it sent: when the call's header went out before the text broke (it
-# depends on where the pieces were cut), the stream ends with that call and what it sent of its arguments.
-STREAMED_DIFFERENTLY = {BROKEN: lambda content, calls: content == "" and len(calls) == 1 and calls[0][0] == "f"
-                        and '{"x": 1}'.startswith(calls[0][1])}
 
 
 def _ds(name: str, arguments: str) -> str:
@@ -55,7 +51,7 @@ ANSWERS = {
          f'{{"arguments": {{}}, "name": "b"}}\n</tool_call>\n', "Let me see.", [("a", TRICKY), ("b", "{}")]),
         (f'<tool_call>{{"name": "f", "arguments": {W}}}', None, [("f", W)]),  # closing tag left out
         ("The <tool_ is a tag; <tool_call> too.", "The <tool_ is a tag; <tool_call> too.", []),
-        (BROKEN, None, []),  # the object never closes: all content (but see STREAMED_DIFFERENTLY)
+        (BROKEN, None, []),  # the object never closes: all content (streamed too: no call was complete)
         ("plain words", "plain words", []),
     ],
     "llama3_json": [
@@ -116,19 +112,18 @@ def test_streams_split_at_every_boundary_add_up_to_the_whole(name, text, content
     expected = text if not calls else (content or "")
     for pieces in [list(text), *([text[:k], text[k:]] for k in range(len(text) + 1))]:
         got_content, got_calls = _streamed(parser, pieces)
-        if text in STREAMED_DIFFERENTLY and STREAMED_DIFFERENTLY[text](got_content, got_calls):
-            continue
         assert got_calls == calls, pieces
         assert got_content.strip() == expected.strip() if calls else got_content == expected, pieces
 
 
-def test_a_call_is_streamed_while_it_is_written():
+def test_a_call_is_streamed_whole_once_it_is_complete():
     stream = ToolCallStream(TOOL_PARSERS["hermes"]())
     assert stream.feed('Hi <tool_call>\n{"name": "get_wea') == ("Hi", [])
-    content, deltas = stream.feed('ther", "arguments": {"city": "Pa')
+    assert stream.feed('ther", "arguments": {"city": "Pa') == ("", [])  # its arguments do not parse yet
+    assert stream.feed('ris"}}\n</tool_') == ("", [])
+    content, deltas = stream.feed('call>')
     assert content == "" and deltas == [{"index": 0, "id": deltas[0]["id"], "type": "function",
-                                         "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]
-    assert stream.feed('ris"}}\n</tool_call>') == ("", [{"index": 0, "function": {"arguments": 'ris"}'}}])
+                                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
 
 
 def test_parsers_are_detected_from_chat_templates(tokenizer_dir):
@@ -197,6 +192,7 @@ def tool_server(request, tiny_checkpoint, tmp_path_factory):
 
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+EOS = 2  # the tokenizer's <|im_end|>
 
 
 def _validate(call, tools) -> None:
@@ -254,14 +250,19 @@ def test_named_function_and_parallel_calls(tool_server):
     assert [c.function.name for c in named.message.tool_calls] == ["add"], named
     _validate(named.message.tool_calls[0], tools)
     counts = []
-    for seed in range(8):  # one or more calls, each valid, ended by the model (EOS is allowed after each)
+    # one or more calls, each valid, ended by the model (EOS is allowed after each); in the second half
+    # EOS is discouraged where it is not the only choice, so that the random model goes on into parallel calls
+    for seed, bias in [(seed, {}) for seed in range(8)] + [(seed, {str(EOS): -100}) for seed in range(8)]:
         answer = client.chat.completions.create(model="tiny", messages=QUESTION, tools=tools, temperature=1.0,
-                                                seed=seed, tool_choice="required", max_tokens=400).choices[0]
+                                                seed=seed, tool_choice="required", max_tokens=400,
+                                                logit_bias=bias).choices[0]
         assert answer.finish_reason == "tool_calls", answer
         for call in answer.message.tool_calls:
             _validate(call, tools)
         counts.append(len(answer.message.tool_calls))
-    assert max(counts) > 1, counts
+    # DeepSeek's section closes with a marker, not EOS: this random model always closes it after one call
+    # (test_forced_call_endings.py walks its grammar into parallel calls)
+    assert max(counts) > 1 or tool_server.parser == "deepseek_v3", counts
 
 
 def test_twenty_random_schemas_give_valid_arguments(tool_server):

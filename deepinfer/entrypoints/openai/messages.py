@@ -54,7 +54,7 @@ def messages_routes(state) -> APIRouter:
             return StreamingResponse(run.stream(state, handle, events), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
         out = await run.whole(state, handle, request.is_disconnected)
-        return JSONResponse(ctx.message(prepared.chat.plan.parse(out.outputs[0].text), out))
+        return JSONResponse(ctx.message(prepared.chat.plan.read(out.outputs[0]), out))
 
     @router.post("/messages/count_tokens")
     async def count_tokens(request: Request) -> dict:

@@ -109,7 +109,7 @@ class MessageEvents:
     def step(self, out: RequestOutput) -> list[dict]:
         """The events of one step; the closing ones too once the request finished."""
         c = out.outputs[0]
-        parts = self.stream.feed(c.delta_text, c.finished)
+        parts = self.stream.read(c)
         events = []
         if parts.reasoning_content:
             events += self._ensure("thinking") + self._delta("thinking_delta", "thinking", parts.reasoning_content)

@@ -24,7 +24,7 @@ import os
 import time
 from datetime import UTC, datetime
 
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.serving.chat.output import ChatOutputPlan, ParsedMessage
 
 OLLAMA_VERSION = "0.6.3"  # the Ollama API version these routes follow (GET /api/version)
@@ -58,7 +58,7 @@ class OllamaReply:
         """The reply of a finished request."""
         self._mark()
         c = out.outputs[0]
-        parsed = ParsedMessage(None, c.text) if self.plan is None else self.plan.parse(c.text)
+        parsed = ParsedMessage(None, c.text) if self.plan is None else self.plan.read(c)
         calls = [(call.id, call.function.name, call.function.arguments) for call in parsed.tool_calls]
         body = self._body(parsed.content or "", parsed.reasoning_content, calls)
         return body | self._done(out)
@@ -68,7 +68,7 @@ class OllamaReply:
         self._mark()
         c = out.outputs[0]
         lines = []
-        thinking, content = self._feed(c.delta_text, c.finished)
+        thinking, content = self._feed(c)
         if thinking or content:
             lines.append(self._body(content, thinking or None, []))
         if c.finished:
@@ -78,10 +78,10 @@ class OllamaReply:
             lines.append(self._body("", None, []) | self._done(out))
         return lines
 
-    def _feed(self, delta: str, finished: bool) -> tuple[str, str]:
+    def _feed(self, c: CompletionOutput) -> tuple[str, str]:
         if self._stream is None:
-            return "", delta
-        parts = self._stream.feed(delta, finished)
+            return "", c.delta_text
+        parts = self._stream.read(c)
         for call in parts.tool_calls:
             entry = self._calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
             entry["id"] = call.get("id", entry["id"])

@@ -189,7 +189,7 @@ class ChatFormatter(_Formatter):
         if self.plan is None:
             return ({"content": c.delta_text} if c.delta_text or not c.finished else {}), c.finish_reason
         stream = self._streams.setdefault(c.index, self.plan.stream())
-        parts = stream.feed(c.delta_text, c.finished)
+        parts = stream.read(c)
         delta = {"reasoning_content": parts.reasoning_content, "content": parts.content,
                  "tool_calls": parts.tool_calls}
         return {key: value for key, value in delta.items() if value}, tool_finish_reason(c.finish_reason,
@@ -200,7 +200,7 @@ class ChatFormatter(_Formatter):
         message: dict = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
         if self.plan is not None:
-            parsed = self.plan.parse(c.text)
+            parsed = self.plan.read(c)
             message["content"] = parsed.content
             if self.plan.reasoning is not None:
                 message["reasoning_content"] = parsed.reasoning_content

@@ -66,7 +66,7 @@ def responses_routes(state) -> APIRouter:
             return StreamingResponse(run.stream(state, handle, run.EventStream(events, _sse, _error_event(events))),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         out = await run.whole(state, handle, request.is_disconnected)
-        items = output_items(prepared.chat.plan.parse(out.outputs[0].text), status_of(out))
+        items = output_items(prepared.chat.plan.read(out.outputs[0]), status_of(out))
         response = ctx.envelope(status_of(out), items, usage(out, _count(state, reasoning_text(items))))
         keep(response)
         return JSONResponse(response)

@@ -2,8 +2,9 @@
 one.
 
 Output items, in the order the answer writes them: `reasoning` (with a reasoning parser),
-`message` (its text as one `output_text` part), `function_call` (one per call, `call_id` the
-parser's id). A whole answer has a message item when it has content, or nothing else.
+`message` (its text as one `output_text` part), `function_call` (one per complete call, `call_id`
+the parser's id; `completed`, in an `incomplete` response too: a call max_output_tokens cut is
+dropped). A whole answer has a message item when it has content, or nothing else.
 
 A stream (`ResponseEvents`) sends `response.created` and `response.in_progress`, then per item
 `response.output_item.added`, its deltas (`response.reasoning_text.delta`, `response.content_part.added`
@@ -95,8 +96,8 @@ def output_items(parsed: ParsedMessage, status: str) -> list[dict]:
         items.append(reasoning_item(new_id("rs"), parsed.reasoning_content, status))
     if parsed.content or not items and not parsed.tool_calls:
         items.append(message_item(new_id("msg"), parsed.content or "", status))
-    items += [call_item(new_id("fc"), call.id, call.function.name, call.function.arguments, status)
-              for call in parsed.tool_calls]
+    items += [call_item(new_id("fc"), call.id, call.function.name, call.function.arguments, "completed")
+              for call in parsed.tool_calls]  # only complete calls are parsed, in a cut answer too
     return items
 
 
@@ -141,7 +142,7 @@ class ResponseEvents:
 
     def step(self, out: RequestOutput) -> list[dict]:
         c = out.outputs[0]
-        parts: MessageDelta = self.stream.feed(c.delta_text, c.finished)
+        parts: MessageDelta = self.stream.read(c)
         events = []
         if parts.reasoning_content:
             events += self._ensure("reasoning") + self._text_delta("response.reasoning_text.delta",
@@ -205,7 +206,7 @@ class ResponseEvents:
             return []
         self._open = False
         item, where = self.output[-1], self._where()
-        item["status"] = status
+        item["status"] = "completed" if item["type"] == "function_call" else status  # a call is sent complete
         if item["type"] == "function_call":
             events = [self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=where["output_index"], name=item["name"], arguments=item["arguments"])]

@@ -7,14 +7,15 @@
 inside the reasoning section); each choice of the answer gets its own `ChoiceStream`. A whole
 answer goes through `parse` (a text that is not a well-formed call section is all content);
 a streamed one through `ChoiceStream.feed`, whose pieces add up to the same message (see
-`ToolCallStream` for the one way they may differ).
+`ToolCallStream` for the one way they may differ). `read` does either for a `CompletionOutput`: an
+answer max_tokens cut keeps its complete calls (the call left unfinished at the end is dropped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.outputs import ToolCall
+from deepinfer.outputs import CompletionOutput, ToolCall
 from deepinfer.serving.chat.reasoning import ReasoningParser, ReasoningStream
 from deepinfer.serving.chat.tool_parsers import ToolCallStream, ToolParser
 
@@ -50,12 +51,17 @@ class ChatOutputPlan:
     def parses(self) -> bool:
         return self.tool_parser is not None or self.reasoning is not None
 
-    def parse(self, text: str) -> ParsedMessage:
+    def parse(self, text: str, cut: bool = False) -> ParsedMessage:
+        """`cut`: max_tokens ended the answer (its complete calls are kept, see `ToolParser.parse`)."""
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.split(text, self.inside)
         if self.tool_parser is None or content is None:
             return ParsedMessage(reasoning, content)
-        parsed = self.tool_parser.parse(content)
+        parsed = self.tool_parser.parse(content, cut)
         return ParsedMessage(reasoning, parsed.content, parsed.tool_calls)
+
+    def read(self, output: CompletionOutput) -> ParsedMessage:
+        """A finished completion's message."""
+        return self.parse(output.text, cut=is_cut(output))
 
     def stream(self) -> ChoiceStream:
         return ChoiceStream(self)
@@ -73,9 +79,19 @@ class ChoiceStream:
     def num_calls(self) -> int:
         return 0 if self._tools is None else self._tools.num_calls
 
-    def feed(self, delta: str, finished: bool = False) -> MessageDelta:
+    def feed(self, delta: str, finished: bool = False, cut: bool = False) -> MessageDelta:
+        """`cut`: max_tokens ended the answer (with `finished`)."""
         reasoning, content = ("", delta) if self._reasoning is None else self._reasoning.feed(delta, finished)
         if self._tools is None:
             return MessageDelta(reasoning, content)
-        content, calls = self._tools.feed(content, final=finished)
+        content, calls = self._tools.feed(content, final=finished, cut=cut)
         return MessageDelta(reasoning, content, calls)
+
+    def read(self, output: CompletionOutput) -> MessageDelta:
+        """One step's pieces of a streamed completion."""
+        return self.feed(output.delta_text, output.finished, is_cut(output))
+
+
+def is_cut(output: CompletionOutput) -> bool:
+    """Whether max_tokens (or the context) ended the answer."""
+    return output.finish_reason == "length"

@@ -13,6 +13,12 @@ section). It does three things with it:
 - `call_grammar(functions, parallel)`: the Lark grammar (llguidance) of a forced call in this format,
   with each function's arguments constrained by its JSON schema (`%json`).
 
+A forced answer may end after every complete call, spelled as the chat template writes it, and
+before its end of turn one or two blank characters are allowed (`END_BLANKS`): a model that
+writes `\n` and then EOS after its call ends there. Between parallel calls comes only what the
+template writes between them, and it commits to nothing: after `</tool_call>\n` the grammar
+still allows EOS, so a newline the model likes to write is never read as "another call".
+
 Markers that are one added token of the tokenizer (`special_ids`; special or not, as Qwen's
 `<tool_call>` in a GGUF) are written `<[id]>` in grammars: llguidance lexes added tokens as
 special tokens, which a string literal never matches. The server keeps special tokens in the
@@ -94,13 +100,15 @@ class ToolParser(abc.ABC):
     def new_call_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
 
-    def parse(self, text: str) -> ParsedToolCalls:
+    def parse(self, text: str, cut: bool = False) -> ParsedToolCalls:
+        """`cut`: max_tokens ended the answer. Its complete calls are kept and a call left unfinished
+        at the end is dropped; an answer that is not a well-formed call section otherwise is all content."""
         scan = self.scan(text, final=True)
-        calls = scan.calls
-        if not calls or scan.failed_at is not None or not all(c.done and c.name and _is_object(c.arguments)
-                                                              for c in calls):
+        complete = complete_calls(scan.calls)
+        whole = scan.failed_at is None and len(complete) == len(scan.calls)
+        if not complete or not (whole or cut):
             return ParsedToolCalls(text, [])
-        tool_calls = [ToolCall(self.new_call_id(), FunctionCall(c.name, c.arguments)) for c in calls]
+        tool_calls = [ToolCall(self.new_call_id(), FunctionCall(c.name, c.arguments)) for c in complete]
         return ParsedToolCalls(scan.content.strip() or None, tool_calls)
 
     # -- grammar pieces -------------------------------------------------------------------------
@@ -111,11 +119,36 @@ class ToolParser(abc.ABC):
         return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
 
     @staticmethod
-    def start_rule(call_rule: str, separator: str, parallel: bool) -> str:
-        return f"start: {call_rule} ({separator} {call_rule})*" if parallel else f"start: {call_rule}"
+    def calls_rule(call_rule: str, separator: str, parallel: bool) -> str:
+        """One call, or (`parallel`) one or more with `separator` (Lark; "" for none) between them."""
+        if not parallel:
+            return call_rule
+        return f"{call_rule} ({separator} {call_rule})*" if separator else f"{call_rule}+"
+
+    @classmethod
+    def start_rule(cls, call_rule: str, separator: str, parallel: bool) -> str:
+        """`start:` the calls, then the answer may end (after END_BLANKS); the END_BLANKS terminal too."""
+        return f"start: {cls.calls_rule(call_rule, separator, parallel)} END_BLANKS?\n{END_BLANKS_RULE}"
 
 
-def _is_object(arguments: str) -> bool:
+# blank characters a forced answer may write before its end of turn (a model trained on
+# `</tool_call><|im_end|>` may still put `\n` first); bounded, so they never run on
+END_BLANKS_RULE = r"END_BLANKS: /[ \t\r\n]{1,2}/"
+
+
+def complete_calls(calls: list[CallScan]) -> list[CallScan]:
+    """The calls up to the first one that is not complete (its name and arguments written whole, the
+    arguments a JSON object)."""
+    complete = []
+    for call in calls:
+        if not (call.done and call.name and is_object(call.arguments)):
+            break
+        complete.append(call)
+    return complete
+
+
+def is_object(arguments: str) -> bool:
+    """Whether `arguments` is the JSON text of an object."""
     try:
         return isinstance(json.loads(arguments), dict)
     except (ValueError, RecursionError):  # the model's text: RecursionError when it nests ~1000 deep

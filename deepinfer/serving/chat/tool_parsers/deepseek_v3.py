@@ -86,8 +86,10 @@ class DeepSeekV3ToolParser(ToolParser):
 
     def call_grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         lit = self.literal
-        lines = ["%llguidance {}", f"start: {lit(CALLS_BEGIN)} calls {lit(CALLS_END)}",
-                 self.start_rule("call", '"\\n"', parallel).replace("start:", "calls:", 1),
+        # blanks may come before the closing marker: a newline after a call need not start another
+        section = f"{lit(CALLS_BEGIN)} calls END_BLANKS? {lit(CALLS_END)}"
+        lines = ["%llguidance {}", self.start_rule(section, "", False),
+                 "calls: " + self.calls_rule("call", '"\\n"', parallel),
                  f"call: {' | '.join(f'fn_{i}' for i in range(len(functions)))}"]
         for i, fn in enumerate(functions):
             lines.append(f'fn_{i}: {lit(CALL_BEGIN)} "function" {lit(SEP)} {json.dumps(fn.name)} '

@@ -96,13 +96,12 @@ class MistralToolParser(ToolParser):
         marker = self.literal(self.TOOL_CALLS)
         alternatives = " | ".join(f"fn_{i}" for i in range(len(functions)))
         if self.ARGS in self.chat_template:
-            lines = ["%llguidance {}", "start: call+" if parallel else "start: call",
-                     f"call: {marker} ({alternatives})"]
+            lines = ["%llguidance {}", self.start_rule("call", "", parallel), f"call: {marker} ({alternatives})"]
             lines += [f"fn_{i}: {json.dumps(fn.name)} {self.literal(self.ARGS)} args_{i}"
                       for i, fn in enumerate(functions)]
             lines += [f"args_{i}: {json_rule(styled(fn.parameters))}" for i, fn in enumerate(functions)]
             return "\n".join(lines)
-        lines = ["%llguidance {}", f'start: {marker} "[" calls "]"',
-                 self.start_rule("call", '", "', parallel).replace("start:", "calls:", 1), f"call: {alternatives}"]
+        lines = ["%llguidance {}", self.start_rule(f'{marker} "[" calls "]"', "", False),
+                 "calls: " + self.calls_rule("call", '", "', parallel), f"call: {alternatives}"]
         lines += [f"fn_{i}: {json_rule(call_object_schema(fn, 'arguments'))}" for i, fn in enumerate(functions)]
         return "\n".join(lines)
