@@ -60,7 +60,16 @@ class ModelCapabilities:
         row-independent as it is, so DEEPINFER_BATCH_INVARIANT needs no BatchInvariantMode around it
         and is on by default there (`layers/batch_invariant.native_path`);
     quantize_at_load: its linear layers (and routed experts) may be quantized after loading
-        (`quantization` "int8" / "int4", `model_loader.build_model`).
+        (`quantization` "int8" / "int4", `model_loader.build_model`);
+    pictures: it has a vision encoder (a `PictureModel`): `encode_pictures(pictures)` gives each
+        picture's rows [length, hidden], and `forward(input_ids, positions, picture_rows=None)`
+        puts `picture_rows`' embeds in place of those packed rows of the (scaled) token embeddings;
+    whole_picture_runs: a picture's placeholder run attends to itself whole in the prefill (Gemma 3),
+        so no prefill chunk may end inside a run it begins (the scheduler keeps runs whole);
+    rope_positions: its RoPE reads positions of its own (M-RoPE: [3, T], from a request's pictures):
+        the runner asks `model.rope_positions(pictures, start, count)` for each scheduled request and
+        passes the packed [3, T] as `forward(..., rope_positions=)` (`worker/rope_positions.py`);
+        `positions` [T] still address the cache.
     """
 
     graph_safe_decode: bool = False
@@ -70,6 +79,9 @@ class ModelCapabilities:
     drafting_streams: bool = False
     native_batch_invariant: bool = False
     quantize_at_load: bool = False
+    pictures: bool = False
+    whole_picture_runs: bool = False
+    rope_positions: bool = False
 
 
 @runtime_checkable
@@ -130,6 +142,20 @@ class DraftingModel(CachedModel, Protocol):
         next-n layers."""
 
 
+class PictureModel(CachedModel, Protocol):
+    """A `CachedModel` whose capabilities say `pictures`: the members the worker's picture
+    gathering (`worker/picture_rows.py`) and forward use."""
+
+    def encode_pictures(self, pictures: list) -> list[Any]:
+        """The encoder output of each `PictureInput` (one batch where shapes allow): a tensor
+        [p.length, hidden] per picture, row i the embedding of placeholder token offset + i."""
+
+    def forward(self, input_ids: Any, positions: Any, picture_rows: Any = None) -> Any:
+        """As `CachedModel.forward`; `picture_rows` (rows: LongTensor [P] packed-row indices,
+        embeds: [P, hidden]) replace those rows of the token embeddings (after any embedding
+        scale: picture rows are not scaled). None: a step without picture rows."""
+
+
 @runtime_checkable
 class StepRunner(Protocol):
     """What the engine needs of the worker: the cache layout to manage, the step itself, its
@@ -140,6 +166,8 @@ class StepRunner(Protocol):
     num_state_slots: int
     num_snapshot_slots: int  # prefix-cache snapshots of ring rows and per-request state
     cache_identity: str  # everything that changes K/V (weights, config, dtype, row format, layout)
+    pictures: bool  # its model takes pictures (`ModelCapabilities.pictures`)
+    whole_picture_runs: bool  # a prefill chunk holds a picture's run whole (`ModelCapabilities`)
 
     def execute(self, plan: StepPlan) -> ModelOutput:
         """Run one step's model call and sampling. A step that raises a fault that is not fatal

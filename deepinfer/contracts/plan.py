@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer.contracts.lora import LoRAAdapter
+from deepinfer.contracts.multimodal import PictureInput
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
@@ -81,6 +82,9 @@ class ScheduledRequest:
     # the adapter into the slot before the forward when the slot holds other content
     lora: LoRAAdapter | None = None
     lora_slot: int = -1
+    # Pictures: ALL of the request's pictures (a reference, on every step, decodes too); the worker
+    # fills the rows of those whose placeholder run overlaps this chunk from their encoder output
+    pictures: tuple[PictureInput, ...] = ()
 
     @property
     def num_tokens(self) -> int:

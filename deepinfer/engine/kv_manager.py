@@ -45,6 +45,7 @@ from deepinfer.engine.prefix_cache import (
     SnapshotPool,
     chain_hash,
     chain_root,
+    picture_key,
     snapshot_boundaries,
 )
 
@@ -103,12 +104,14 @@ class KVCacheManager(KVAllocator):
 
     # ---- prefix lookup ------------------------------------------------------------------
     def block_hashes(self, req) -> list[bytes]:
-        """The request's unit hashes over its full units so far (kept on the request)."""
+        """The request's unit hashes over its full units so far (kept on the request); a unit
+        holding (part of) a picture's run keys that picture too (`picture_key`)."""
         hashes, u = req.block_hashes, self.unit
         adapter = req.lora.cache_key if req.lora is not None else None
         parent = hashes[-1] if hashes else chain_root(self.prefix.identity, req.cache_salt, adapter)
         for i in range(len(hashes), req.num_tokens // u):
-            parent = chain_hash(parent, req.token_ids[i * u:(i + 1) * u])
+            extra = picture_key(req.pictures, i * u, (i + 1) * u) if req.pictures else b""
+            parent = chain_hash(parent, req.token_ids[i * u:(i + 1) * u], extra)
             hashes.append(parent)
         return hashes
 

@@ -31,9 +31,10 @@ import logging
 import weakref
 
 from deepinfer.config import EngineConfig
-from deepinfer.contracts.hf_config import eos_token_ids
+from deepinfer.contracts.hf_config import end_of_generation_ids
 from deepinfer.contracts.lora import AdapterResolver, LoRAAdapter, LoRARequest
 from deepinfer.contracts.model import StepRunner
+from deepinfer.contracts.multimodal import PictureInput, check_pictures
 from deepinfer.contracts.plan import StepPlan, describe_fault, is_fatal_fault
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.engine import pooling
@@ -89,7 +90,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None, priority: int = 0, client_id: str | None = None) -> str:
+                    lora_request: LoRARequest | None = None, priority: int = 0, client_id: str | None = None,
+                    pictures: tuple[PictureInput, ...] = ()) -> str:
         """Queue one request; raises ValueError (naming the field and value) if it is invalid.
         `priority` (lower first; non-zero needs scheduling_policy "priority") and `client_id` (whose
         request, for the fair share between clients) order it in the waiting queue (engine/request_queue.py).
@@ -99,8 +101,13 @@ class LLMEngine:
         With `params.n` / `best_of` > 1 its samples run as sibling requests sharing the prompt's
         blocks (`parallel_sampling`); its outputs come under `request_id`, one completion each.
         With `PoolingParams` it is an embedding request: its final output is an
-        `EmbeddingRequestOutput` (engine/pooling.py)."""
+        `EmbeddingRequestOutput` (engine/pooling.py).
+        `pictures`: the prompt's pictures (`PictureInput`, processed for the model, each at its run
+        of placeholder tokens in the prompt); ValueError for a model without a vision encoder or a
+        run that does not fit the prompt."""
         if isinstance(params, PoolingParams):
+            if pictures:
+                raise ValueError("pictures are not supported for embedding requests (PoolingParams)")
             return self._add_embedding(prompt, params, request_id, cache_salt)
         params = checked_params(params)
         check_token_ids_in_vocab(params, self.source.hf_config.vocab_size)
@@ -108,10 +115,12 @@ class LLMEngine:
         request_id = self._new_request_id(request_id, cache_salt)
         text, ids = self._tokenize(prompt)
         self._validate_prompt(ids, params.max_tokens)
+        pictures = self._checked_pictures(pictures, len(ids))
 
         def make(rid: str, p: SamplingParams) -> Request:
             return Request(rid, ids, p, eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                           cache_salt=cache_salt, lora=adapter, priority=priority, client_id=client_id)
+                           cache_salt=cache_salt, lora=adapter, priority=priority, client_id=client_id,
+                           pictures=pictures, whole_picture_runs=bool(pictures) and self.runner.whole_picture_runs)
 
         if params.num_samples == 1:
             self._admit(make(request_id, params), text)
@@ -125,6 +134,27 @@ class LLMEngine:
             self.samples.forget(parent)
             raise
         return request_id
+
+    def _checked_pictures(self, pictures, prompt_len: int) -> tuple[PictureInput, ...]:
+        """`pictures` as a tuple of `PictureInput`s whose runs fit the prompt; ValueError naming
+        `pictures` for a model without a vision encoder or a malformed one."""
+        pictures = tuple(pictures or ())
+        if not pictures:
+            return ()
+        if not self.runner.pictures:
+            raise ValueError(f"pictures: model_type {self.source.hf_config.model_type!r} takes no pictures "
+                             f"(it has no vision encoder); got {len(pictures)}")
+        for i, p in enumerate(pictures):
+            if not isinstance(p, PictureInput):
+                raise ValueError(f"pictures[{i}] must be a PictureInput, got {type(p).__name__}")
+        check_pictures(pictures, prompt_len)
+        budget = self.config.scheduler.max_num_batched_tokens
+        longest = max(p.length for p in pictures)
+        if self.runner.whole_picture_runs and longest > budget:
+            raise ValueError(f"pictures: a picture of {longest} placeholder tokens must fit one prefill chunk "
+                             f"for model_type {self.source.hf_config.model_type!r} (its pictures attend to "
+                             f"themselves whole); max_num_batched_tokens={budget} is smaller")
+        return pictures
 
     def resolve_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The checked adapter of `lora_request` (None for None); ValueError naming it when it cannot

@@ -8,7 +8,14 @@ cache layout) and the request's `cache_salt`:
 
     root = blake2b(identity ‖ salt ‖ adapter)      adapter: the LoRA adapter's content key, if any
     h_1  = blake2b(root ‖ tokens[0 : u])           u = the hash unit in tokens
-    h_i  = blake2b(h_{i-1} ‖ tokens[(i-1)u : iu])  a paged block ending at token iu is keyed (group, h_i)
+    h_i  = blake2b(h_{i-1} ‖ tokens[(i-1)u : iu] ‖ pictures_i)
+                                                   a paged block ending at token iu is keyed (group, h_i)
+
+`pictures_i` names every picture whose placeholder run shares a position with unit i: its content
+hash and its run's offset (`picture_key`; empty for a unit of text). The placeholder tokens of two
+pictures are the same ids, so without it two different pictures would share blocks; with it the
+same picture at the same place in a later request does. Every key derived from the chain (paged
+blocks, snapshots, the saved files of the cache directory) follows.
 
 A hit at boundary b needs, per cache group:
 - paged (full attention, V4 compressed rows and index keys): every full block below b, shared;
@@ -43,9 +50,18 @@ def chain_root(identity: str, cache_salt: str | None, adapter_key: str | None = 
     return hashlib.blake2b(b"deepinfer-prefix\0" + identity.encode() + salt + adapter, digest_size=_DIGEST).digest()
 
 
-def chain_hash(parent: bytes, token_ids) -> bytes:
-    """The key of the unit `token_ids` following the prefix keyed `parent`."""
-    return hashlib.blake2b(parent + struct.pack(f"<{len(token_ids)}I", *token_ids), digest_size=_DIGEST).digest()
+def chain_hash(parent: bytes, token_ids, extra: bytes = b"") -> bytes:
+    """The key of the unit `token_ids` following the prefix keyed `parent`; `extra` is what else
+    the unit's rows depend on (its pictures, `picture_key`)."""
+    packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.blake2b(parent + packed + extra, digest_size=_DIGEST).digest()
+
+
+def picture_key(pictures, start: int, stop: int) -> bytes:
+    """What unit [start, stop) adds to its key for the pictures whose run overlaps it: each one's
+    content hash and run offset (b"" when none does, so a text unit's key is unchanged)."""
+    return b"".join(b"\x03pic\0" + p.content_hash.encode() + struct.pack("<q", p.offset)
+                    for p in pictures if p.overlaps(start, stop))
 
 
 @dataclass(eq=False)
@@ -225,4 +241,4 @@ class PrefixHit:
 
 
 __all__ = ["SNAPSHOT", "DiskIndex", "KnownPrefixes", "PrefixCacheStats", "PrefixHit", "PrefixSettings", "Snapshot",
-           "SnapshotPool", "chain_hash", "chain_root", "snapshot_boundaries"]
+           "SnapshotPool", "chain_hash", "chain_root", "picture_key", "snapshot_boundaries"]

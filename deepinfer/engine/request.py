@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from deepinfer.contracts.lora import LoRAAdapter
+from deepinfer.contracts.multimodal import PictureInput
 from deepinfer.contracts.pooling import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 
@@ -59,6 +60,9 @@ class Request:
     lora: LoRAAdapter | None = None  # its LoRA adapter (its content keys the request's prefix chain)
     priority: int = 0  # lower is served first under the priority policy (engine/request_queue.py)
     client_id: str | None = None  # whose request (fair share between clients); None: the anonymous client
+    # its pictures, their placeholder runs in the prompt (their content keys the units holding them)
+    pictures: tuple[PictureInput, ...] = ()
+    whole_picture_runs: bool = False  # its model reads a run whole: no prefill chunk ends inside a run it begins
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -127,7 +131,27 @@ def chunk(req: Request, start: int, budget: int) -> int:
     snapshot boundary."""
     end = min(req.num_tokens, start + budget)
     end = min([end] + [b for b in req.snapshot_at if b > start])
-    return end - start
+    return (_around_runs(req, start, end, budget) if req.whole_picture_runs else end) - start
+
+
+def _around_runs(req: Request, start: int, end: int, budget: int) -> int:
+    """`end` moved off a picture's run it would cut: back to the run's start when the chunk begins
+    before the run, else (the chunk begins at or inside it) on to the run's end if the budget allows
+    (`start`, nothing this step, if not)."""
+    for p in req.pictures:
+        if p.offset < end < p.end:
+            if p.offset > start:
+                return p.offset
+            return p.end if p.end - start <= budget else start
+    return end
+
+
+def outside_runs(req: Request, boundaries: list[int]) -> list[int]:
+    """The snapshot `boundaries` a request may stop its prefill at: for a model that reads runs
+    whole, none inside a picture's run."""
+    if not req.whole_picture_runs:
+        return boundaries
+    return [b for b in boundaries if not any(p.offset < b < p.end for p in req.pictures)]
 
 
 def drafts_to_verify(req: Request, limit: int, budget: int) -> list[int]:

@@ -64,6 +64,7 @@ from deepinfer.engine.request import (
     chunk,
     drafts_to_verify,
     length_limit,
+    outside_runs,
     stop_of,
 )
 from deepinfer.engine.request_queue import make_request_queue
@@ -199,6 +200,9 @@ class Scheduler:
             req = self.running[i]
             num_new = chunk(req, req.num_computed_tokens, budget)
             drafts = drafts_to_verify(req, self.length_limit(req), budget)
+            if not num_new and not drafts:  # a picture's run that must come whole waits for a fuller budget
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, num_new + len(drafts), preempted):
                 break  # req preempted itself: it was the worst, nothing runs after it
             scheduled.append(self._scheduled_request(req, num_new, drafts))
@@ -235,9 +239,9 @@ class Scheduler:
             if id(req) in preempted:
                 break  # preempted in this step: back in a later one
             hit = self._find_prefix(req)
-            req.snapshot_at = self.kv_manager.snapshot_boundaries(req, hit.num_tokens)
+            req.snapshot_at = outside_runs(req, self.kv_manager.snapshot_boundaries(req, hit.num_tokens))
             num_new = chunk(req, hit.num_tokens, budget)
-            if not self._adapter_fits(req) or not self.kv_manager.allocate_slots(
+            if not num_new or not self._adapter_fits(req) or not self.kv_manager.allocate_slots(
                     req.request_id, hit.num_tokens + num_new, hit):
                 break  # nobody overtakes the head of the queue
             if req.lora is not None:
@@ -288,6 +292,7 @@ class Scheduler:
             verify=bool(drafts),
             prompt_logprobs=req.sampling_params.prompt_logprobs if not req.num_output_tokens else None,
             pooling=req.pooling_params,
+            pictures=req.pictures,
             loads=loads,
             restore_from=restore_from,
             capture_to=capture_to,

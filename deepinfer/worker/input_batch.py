@@ -55,6 +55,8 @@ class StepInputs:
     sample_index: torch.Tensor  # [M] packed rows whose logits are computed (M >= len(sample_rows))
     spans: list  # (ScheduledRequest, first packed row) of every request, in packed order
     lora_slots: torch.Tensor | None = None  # [T] each row's LoRA slot (-1: none); None: no adapter this step
+    # a picture model's step: (rows [P], embeds [P, hidden]) taking pictures' encoder output (worker/picture_rows.py)
+    picture_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def num_logits_rows(s) -> int:

@@ -61,6 +61,8 @@ class ModelRunner:
     num_state_slots: int
     num_snapshot_slots: int
     cache_identity: str
+    pictures: bool  # the model takes pictures (ModelCapabilities.pictures)
+    whole_picture_runs: bool  # a prefill chunk holds a picture's run whole (ModelCapabilities)
 
     def __init__(self, source, config: EngineConfig):
         self.device = resolve_device(config.device)
@@ -78,6 +80,8 @@ class ModelRunner:
                                               config.speculative.method, self.numerics.quantization,
                                               config.expert_parallel_size, config.activation_levels)
         self.num_few_row_linear = self._settle_linears()
+        self.pictures = self.model.capabilities.pictures
+        self.whole_picture_runs = self.model.capabilities.whole_picture_runs
         self.draft: DraftModel | None = None if draft_source is None else load_draft(
             config, draft_source, self.numerics, self.dtype, self.device)
         # LoRA adapter slots beside the target layers (`lora_base`: what adapters may target, for admission)

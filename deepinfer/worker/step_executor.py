@@ -38,8 +38,10 @@ from deepinfer.worker.cuda_graphs import build_decode_graphs
 from deepinfer.worker.drafting import make_drafter
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, num_logits_rows
 from deepinfer.worker.lora_slots import LoRASlots
+from deepinfer.worker.picture_rows import PictureRows
 from deepinfer.worker.pooling import Pooler
 from deepinfer.worker.prompt_logprobs import PromptLogprobs
+from deepinfer.worker.rope_positions import rope_kwargs
 from deepinfer.worker.sampling_inputs import build_sampling_metadata
 from deepinfer.worker.structured import StructuredOutputs, eos_ids_of
 
@@ -84,6 +86,8 @@ class StepExecutor:
         self.structured = StructuredOutputs(source.tokenizer, eos_ids_of(source))  # grammar masks
         self.graphs = build_decode_graphs(model, caches.groups, backend_name, self.device, config,
                                           emulate=emulate_graphs)  # the cache is bound: its addresses hold
+        # a picture model's encoder outputs (by content hash) and each step's picture rows
+        self.pictures = PictureRows(model, self.device) if model.capabilities.pictures else None
 
     def release(self, request_ids) -> None:
         """Drop per-request state (sampler generators, draft distributions) of finished or
@@ -152,8 +156,11 @@ class StepExecutor:
         if self.lora is not None:
             self.lora.prepare(plan)  # adapters into the slots the plan names
         step.inputs = inputs = build_step_inputs(plan, self.caches.addressing, self.device)
+        if self.pictures is not None:
+            inputs.picture_rows = self.pictures.build(inputs.spans)  # rows of pictures' encoder output
         pooled: dict[str, list[float]] = {}  # embeddings this step completes (rank 0)
-        if self.graphs is not None and inputs.lora_slots is None and self.graphs.accepts(inputs):  # a CUDA graph
+        if (self.graphs is not None and inputs.lora_slots is None and inputs.picture_rows is None
+                and self.graphs.accepts(inputs)):  # a CUDA graph
             logits = self.graphs.run(inputs)  # [N, V]
         else:
             logits = self._forward(inputs, None if sample else PromptLogprobs(), pooled if sample else None)  # [M, V]
@@ -195,8 +202,10 @@ class StepExecutor:
         """The eager forward: prompt logprobs gathered (into `prompt_logprobs`, default the
         runner's), embedding chunks pooled (completed vectors into `pooled`; None: not pooled),
         then logits [M, V] of the rows that sample (None when none does)."""
+        extra = {} if self.pictures is None else {"picture_rows": inputs.picture_rows}
         with forward_context(inputs.attn_metadata), self._lora_rows(inputs):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+            extra.update(rope_kwargs(self.model, inputs.spans, inputs.positions.device))
+            hidden = self.model(inputs.input_ids, inputs.positions, **extra)  # [T, hidden]
         if pooled is not None and any(s.pooling is not None for s, _ in inputs.spans):
             pooled.update(self.pooler.collect(inputs.spans, hidden))
         if any(s.prompt_logprobs is not None for s, _ in inputs.spans):

@@ -53,7 +53,7 @@ class KernelSet:
     # (cache, q [N, H, D], index [N, L], scale, lens [N] | None, softcap | None, sinks [H] | None) -> [N, H, D]
     decode_attention: Callable
     # (q [n, H, D], k, v [n, H_kv, D], loaded [n_old, 2, H_kv, D], q_pos [n], loaded_pos [n_old], scale,
-    #  window, softcap | None, sinks [H] | None) -> [n, H, D]
+    #  window, softcap | None, sinks [H] | None, horizons [n] | None) -> [n, H, D]
     prefill_attention: Callable
     # (q [N, H, D], cache, index [N, L], scale, sink [H], extra cache | None, extra index [N, L2] | None)
     #  -> [N, H, D]: K = V latent rows, one softmax over both row sets and the sink

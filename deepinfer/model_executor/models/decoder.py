@@ -1,6 +1,7 @@
 """The decoder body every family but DeepSeek-V4 shares: one body, one layer, one constructor path.
 
     h      = embed_tokens(ids)                  * sqrt(hidden) with `embed_scale` (in the compute dtype)
+    h[rows] = picture embeds                    a picture model's `picture_rows`, after the scale (as HF)
     layer  : a = self_attn(positions, input_layernorm(h))                           [T, hidden]
              h = h + a                          sandwich: h + post_attention_layernorm(a)
              m = mlp(post_attention_layernorm(h))          sandwich: mlp(pre_feedforward_layernorm(h))
@@ -120,10 +121,15 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         self.scaled = spec.embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, picture_rows=None) -> torch.Tensor:
+        """`picture_rows` (rows [P], embeds [P, hidden]): those packed rows take the pictures'
+        encoder output instead of the (scaled) token embedding; picture rows are not scaled."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         if self.scaled:
             h = h * self.embed_scale.to(h.dtype)  # [T, hidden]
+        if picture_rows is not None:
+            rows, embeds = picture_rows
+            h = h.index_copy(0, rows, embeds.to(h.dtype))  # [T, hidden]
         for layer in self.layers:
             h = layer(positions, h)
         return self.norm(h)  # [T, hidden]
@@ -153,8 +159,9 @@ class DecoderLM(NoRequestState, nn.Module):
         """The family's spec for `cfg` (a ValueError naming the field for a config it cannot run)."""
         raise NotImplementedError(f"{cls.__name__} declares no decoder_spec")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [T, hidden]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, picture_rows=None) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, hidden]; `picture_rows` as `DecoderModel.forward`."""
+        return self.model(input_ids, positions, picture_rows)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, V] on every rank (with several ranks, a collective)."""

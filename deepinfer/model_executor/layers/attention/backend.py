@@ -14,6 +14,12 @@ No backend applies a causal mask of its own to a cache read: an index row lists 
 slots a query may see, and -1 marks padding. Metadata comes per cache group, since a paged
 group and a ring group address the same token differently.
 
+Pictures seen whole (Gemma 3): `AttentionMetadata.horizons` [T], when set, is the last position
+each query sees (its own for a text token, the run's last for a token of a picture's placeholder
+run), so a run attends to itself bidirectionally in the prefill. Keys past a query's own position
+are never cache reads: they are rows of the same chunk, so the run must lie in one chunk. Prefill
+then takes the plain torch path on every backend (the batch-invariant blocks assume causality).
+
 A layer's options reach every step that attends (attention/layer.py): `softcap` (None, or the
 cap of s = cap * tanh(s / cap) on the scaled logits) and `sinks` (None, or [H] logits that join
 each query's softmax denominator and add no value).
@@ -143,6 +149,9 @@ class AttentionMetadata:
     groups: list[GroupMetadata | CompressedGroupMetadata]
     spans: list[RequestSpan] = field(default_factory=list)  # packed order
     num_decode_spans: int = 0  # the first spans, one decode token each, batched (0: none or not all)
+    # [T] the last position each query sees (>= its own; None: every query causal): ops/addressing.py
+    # `run_horizons`, set for a step with pictures seen whole; read by the prefill only
+    horizons: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -150,13 +159,13 @@ class AttentionMetadata:
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor of the step's metadata, in a fixed order (`with_tensors` reads them back)."""
-        return [self.positions] + [t for g in self.groups for t in g.tensors()]
+        return [self.positions, self.horizons] + [t for g in self.groups for t in g.tensors()]
 
     def with_tensors(self, tensors) -> AttentionMetadata:
         """The same metadata with its tensors taken, in `tensors()` order, from the iterator `tensors`."""
-        positions = next(tensors)
+        positions, horizons = next(tensors), next(tensors)
         return AttentionMetadata(positions, self.num_decode_tokens, [g.with_tensors(tensors) for g in self.groups],
-                                 self.spans, self.num_decode_spans)
+                                 self.spans, self.num_decode_spans, horizons)
 
     def to(self, device) -> AttentionMetadata:
         """The metadata on `device`: all its tensors through one copy (views of one buffer)."""
@@ -222,8 +231,9 @@ class AttentionBackend:
         """Segment i: q [n, H, D], k, v [n, H_kv, D] over [loaded [n_old, 2, H_kv, D] | chunk] -> [n, H, D]."""
         seg = group.prefills[i]
         q_pos = metadata.positions[seg.token_start:seg.token_end]  # [n]
+        top = None if metadata.horizons is None else metadata.horizons[seg.token_start:seg.token_end]  # [n]
         return self.kernels.prefill_attention(q, k, v, loaded, q_pos, seg.load_positions, scale, group.window,
-                                              softcap, sinks)
+                                              softcap, sinks, top)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -252,7 +262,7 @@ class TorchAttentionBackend(AttentionBackend):
         return invariant_decode(cache, q, self.layouts.decode(metadata, group), scale, softcap, sinks)  # [N, H, D]
 
     def prefill(self, cache, q, k, v, loaded, metadata, group, i, scale, softcap=None, sinks=None):
-        if not self.batch_invariant:
+        if not self.batch_invariant or metadata.horizons is not None:  # pictures seen whole: the plain path
             return super().prefill(cache, q, k, v, loaded, metadata, group, i, scale, softcap, sinks)
         if self.cpu_invariant:
             seg = group.prefills[i]

@@ -109,3 +109,29 @@ def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
 
     width = max(1, max((len(t) for t in tables), default=0))
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)  # [n, B]
+
+
+def run_horizons(positions: torch.Tensor, rows: torch.Tensor, breaks: torch.Tensor | None = None) -> torch.Tensor:
+    """[T] the last position each packed row's query sees: its own, or, for a row of a run, the
+    run's last position (a picture's placeholder run seen whole, as Gemma 3 reads it).
+
+    positions [T]; rows [P]: the packed rows that belong to runs; a run is a maximal stretch of
+    consecutive packed rows of `rows` that does not cross a row of `breaks` (the first packed row
+    of each request: two requests' runs never join). A run cut by a prefill chunk boundary is seen
+    whole only within its chunk: the scheduler keeps a run in one chunk.
+    """
+    import torch
+
+    horizons = positions.clone()  # [T]
+    if rows.numel() == 0:
+        return horizons
+    rows = rows.sort().values  # [P]
+    starts = torch.ones_like(rows, dtype=torch.bool)  # [P] True where a run begins
+    starts[1:] = rows[1:] != rows[:-1] + 1
+    if breaks is not None:
+        starts |= torch.isin(rows, breaks)
+    ends = torch.ones_like(starts)  # [P] True where a run ends
+    ends[:-1] = starts[1:]
+    run = starts.cumsum(0) - 1  # [P] which run each row is in
+    horizons[rows] = positions[rows[ends]][run]  # [P]: the position of its run's last row
+    return horizons

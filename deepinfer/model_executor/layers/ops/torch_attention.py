@@ -69,26 +69,30 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return (probs.to(v.dtype) @ v).nan_to_num_(0.0)  # [B, H, M, D]
 
 
-def visibility(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[n, L] True where key position k is visible to query position p: p-W < k <= p."""
-    mask = key_pos[None, :] <= q_pos[:, None]  # [n, L]
+def visibility(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None,
+               horizons: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, L] True where key position k is visible to query position p: p-W < k <= h, where h = p
+    (causal) or, with `horizons` [n], the query's own horizon h >= p (a picture's run, seen whole)."""
+    top = q_pos if horizons is None else horizons  # [n]
+    mask = key_pos[None, :] <= top[:, None]  # [n, L]
     if window is not None:
         mask &= key_pos[None, :] > q_pos[:, None] - window
     return mask
 
 
-def prefill_attention(q, k, v, loaded, q_pos, loaded_pos, scale, window, softcap=None, sinks=None):
-    """One segment: q [n, H, D] over [loaded rows | chunk rows] -> [n, H, D]."""
+def prefill_attention(q, k, v, loaded, q_pos, loaded_pos, scale, window, softcap=None, sinks=None, horizons=None):
+    """One segment: q [n, H, D] over [loaded rows | chunk rows] -> [n, H, D]. `horizons` [n] (None:
+    causal): the last position each query sees, >= its own; keys past it must be in the chunk."""
     k_all = torch.cat((loaded[:, 0].to(q.dtype), k), dim=0).transpose(0, 1)  # [H_kv, L, D]
     v_all = torch.cat((loaded[:, 1].to(q.dtype), v), dim=0).transpose(0, 1)  # [H_kv, L, D]
     qh = q.transpose(0, 1)  # [H, n, D]
     if softcap is not None or sinks is not None:
-        mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window)  # [n, L]
+        mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window, horizons)  # [n, L]
         out = softmax_attention(qh[None], k_all[None], v_all[None], mask[None, None], scale, softcap, sinks)
         return out[0].transpose(0, 1)  # [n, H, D]
-    if loaded.shape[0] == 0 and (window is None or window >= q.shape[0]):
+    if horizons is None and loaded.shape[0] == 0 and (window is None or window >= q.shape[0]):
         out = F.scaled_dot_product_attention(qh, k_all, v_all, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window)  # [n, L]
+        mask = visibility(q_pos, torch.cat((loaded_pos, q_pos)), window, horizons)  # [n, L]
         out = F.scaled_dot_product_attention(qh, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)  # [n, H, D]
