@@ -81,6 +81,7 @@ _ARCH_BLOCK_NAMES = {
     "gpt-oss": {**_BLOCK_NAMES, **_GPT_OSS_NAMES},
     "llama": {**_BLOCK_NAMES, **_MOE_NAMES},  # with experts: Mixtral
     "qwen2": _BLOCK_NAMES,
+    "qwen2vl": _BLOCK_NAMES,
     "qwen3": {**_BLOCK_NAMES, **_QK_NORM_NAMES},
     "qwen2moe": {**_BLOCK_NAMES, **_MOE_NAMES},
     "qwen3moe": {**_BLOCK_NAMES, **_QK_NORM_NAMES, **_MOE_NAMES},

@@ -15,16 +15,17 @@ from deepinfer.model_executor.loader.gguf_deepseek2 import deepseek2_config_fiel
 from deepinfer.model_executor.loader.gguf_gpt_oss import experts_are_mxfp4
 from deepinfer.model_executor.loader.gguf_rope import required, rope_parameters
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gemma2", "phi3",
-                               "gpt-oss", "deepseek2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen2vl", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gemma2",
+                               "phi3", "gpt-oss", "deepseek2")
 
-_MODEL_TYPE = {"gpt-oss": "gpt_oss", "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-               "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2", "phi3": "phi3",
-               "deepseek2": "deepseek_v3"}  # deepseek2: v2 or v3 by its gating function (gguf_deepseek2.py)
+_MODEL_TYPE = {"gpt-oss": "gpt_oss", "llama": "llama", "qwen2": "qwen2", "qwen2vl": "qwen2", "qwen3": "qwen3",
+               "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+               "phi3": "phi3", "deepseek2": "deepseek_v3"}  # deepseek2: v2 or v3 by its gating (gguf_deepseek2.py)
 _ARCHITECTURE_CLASS = {
     "gpt-oss": "GptOssForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2vl": "Qwen2ForCausalLM",  # Qwen2-VL / 2.5-VL's language part: its M-RoPE is plain RoPE for text
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
@@ -122,6 +123,9 @@ def gguf_config_dict(
         config["rope_parameters"] = rope_parameters(
             arch, metadata, rope_theta, config["head_dim"], rope_freqs
         )
+        if arch == "qwen2vl":  # M-RoPE's (t, h, w) frequency sections: rope_parameters' once pictures come
+            sections = [int(v) for v in required(metadata, "qwen2vl.rope.dimension_sections")]
+            config["mrope_section"] = sections[:3]  # the converter pads to 4 with 0 (loader/mmproj_source.py)
     if arch == "gemma2":
         config.update(_gemma2_fields(metadata, config))
     return config

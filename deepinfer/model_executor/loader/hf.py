@@ -30,7 +30,7 @@ def load_hf_source(path: str) -> ModelSource:
             f"directory {path!r} has no config.json, so it is not a model{hint}; expected {EXPECTED_LAYOUT}"
         )
     shard_files = safetensors_files(path)
-    config = AutoConfig.from_pretrained(path)
+    config = lift_text_config(AutoConfig.from_pretrained(path))
     quantization = HFConfigFields.of(config).quantization_config
     if quantization and not _dequantized_on_load(config, quantization):
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
@@ -49,6 +49,24 @@ def load_hf_source(path: str) -> ModelSource:
         _weight_slices=lambda dtype: renamed(iter_safetensors_slices(shard_files, dtype)),
         generation_config=load_generation_config(path),
     )
+
+
+def lift_text_config(config):
+    """A composite config (a vision-language model: `text_config` beside `vision_config`) with its
+    language model's fields also at the top, where the engine reads them (`vocab_size`,
+    `max_position_embeddings`, `eos_token_id`, ...); a field the top sets itself stays. Any other
+    config is returned as it is."""
+    text = getattr(config, "text_config", None)
+    if text is None or text is config or not hasattr(text, "to_dict"):
+        return config
+    for key, value in text.to_dict().items():
+        if key not in _NOT_LIFTED and not hasattr(config, key):
+            setattr(config, key, getattr(text, key, value))
+    return config
+
+
+_NOT_LIFTED = frozenset({"model_type", "architectures", "transformers_version", "_name_or_path", "dtype",
+                         "torch_dtype", "auto_map"})
 
 
 def load_generation_config(path: str) -> dict:
