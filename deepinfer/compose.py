@@ -39,12 +39,21 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         if job.rank > 0:
             run_follower(config.device, job)
             raise SystemExit(0)
-    source = load_source(config)
+    source = with_mmproj(load_source(config), config.mmproj)
     runner = _build_runner(source, config, job)
     config = runner.config  # max_model_len resolved before the model was built (worker/context_length.py)
     engine = LLMEngine(config, source, runner, adapters=_adapter_checker(config, runner))
     logger.info("%s", startup_summary(engine.runner, engine.max_model_len, time.perf_counter() - start, source))
     return engine
+
+
+def with_mmproj(source, mmproj: str | None):
+    """The source with llama.cpp's vision file attached (`--mmproj`), or as it is without one."""
+    if mmproj is None:
+        return source
+    from deepinfer.model_executor.loader.mmproj_source import attach_mmproj
+
+    return attach_mmproj(source, mmproj)
 
 
 def _adapter_checker(config: EngineConfig, runner):

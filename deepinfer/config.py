@@ -233,6 +233,8 @@ class EngineConfig:
     load_format: str = "auto"  # one of LOAD_FORMATS
     pooling: str = "auto"  # embeddings: one of POOLING_CHOICES (auto: the checkpoint's declaration)
     revision: str | None = None  # a hub model's branch, tag or commit (None: the default branch)
+    # llama.cpp's vision file for a .gguf language model (`--mmproj`, loader/mmproj_source.py); None: none
+    mmproj: str | None = None
     allow_long_max_model_len: bool = False  # accept max_model_len beyond the model's context (also the env knob)
     tensor_parallel_size: int = 1  # ranks (processes, one device each) splitting every layer; 1: no processes
     expert_parallel_size: int = 1  # ranks splitting MoE experts (DeepSeek-V4): 1 <= ep <= tp, tp % ep == 0
@@ -285,6 +287,9 @@ class EngineConfig:
         _positive("expert_parallel_size", ep)
         if ep > tp or tp % ep:
             raise ValueError(f"expert_parallel_size={ep} must divide tensor_parallel_size={tp} (1 <= ep <= tp)")
+        if tp > 1 and self.mmproj is not None:
+            raise ValueError(f"mmproj={self.mmproj!r}: a vision tower is not split over ranks; "
+                             f"tensor_parallel_size must be 1, got {tp}")
         if tp == 1:
             return
 

@@ -82,6 +82,10 @@ class EngineArgs:
         "weights, one for o, gate/up, down and the LM head", choices=ACTIVATION_LEVELS)
     revision: str | None = _option(
         EngineConfig, "revision", "branch, tag or commit of a Hugging Face model name (default: its default branch)")
+    mmproj: str | None = _option(
+        EngineConfig, "mmproj", "llama.cpp's vision file (an mmproj .gguf: Gemma 3, Qwen2-VL / Qwen2.5-VL or "
+        "LLaVA-1.5 projector) for a .gguf language model, which then reads pictures (as llama-server's --mmproj)",
+        metavar="FILE")
     device: str | None = _option(EngineConfig, "device", "cpu, cuda, cuda:N (default: cuda if available)")
     tensor_parallel_size: int = _option(
         EngineConfig, "tensor_parallel_size", "split every layer over N ranks, one process and one device each "

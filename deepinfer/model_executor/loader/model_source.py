@@ -42,6 +42,9 @@ class ModelSource:
     # the checkpoint's generation_config.json, the fields that differ from transformers' defaults
     # (e.g. {"temperature": 0.6, "top_p": 0.9}); empty when it ships none (GGUF files never do)
     generation_config: dict = field(default_factory=dict)
+    # a GGUF language model with llama.cpp's vision file (`--mmproj`, loader/mmproj_source.py): plain data
+    # for the picture preprocessing (model_type, projector, picture sizes / mean / std, placeholder ids); None
+    vision: dict | None = None
 
     def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, tensor)` in HF layout, each tensor converted to `dtype` once.
