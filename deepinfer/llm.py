@@ -13,10 +13,12 @@ from deepinfer.llm_options import init_signature, llm_engine_args
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.sampling_params import SamplingParams, model_sampling_defaults, short_repr
 
-# a prompt: text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, with an optional "cache_salt"
+# a prompt: text, token ids, or a dict {"prompt": text} / {"prompt_token_ids": ids}, with an optional
+# "cache_salt" and "pictures" (PictureInputs, processed for the model, at their runs in the prompt)
 Prompt = str | list[int] | Mapping
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
-_DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt"}
+_DICT_KEYS = frozenset(_PROMPT_KEYS) | {"cache_salt", "pictures"}
+ParsedPrompt = tuple  # (text or token ids, cache_salt, pictures)
 
 
 class LLM:
@@ -131,7 +133,8 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict: `{"prompt": str}` or
         `{"prompt_token_ids": [int, ...]}`, either with an optional `"cache_salt": str` (only
-        requests with the same salt share cached prefixes).
+        requests with the same salt share cached prefixes) and, for a model that takes pictures,
+        `"pictures"`: `PictureInput`s (contracts/multimodal.py) whose placeholder runs the prompt holds.
 
         `sampling_params=None` takes the model's defaults (`get_default_sampling_params`), as `chat`,
         the CLI and the server do.
@@ -154,6 +157,10 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         loras = _as_lora_list(lora_request, len(prompts))
         priorities = _as_params_list(0 if priority is None else priority, len(prompts), "priority")
+        return self._generate_parsed(prompts, params, loras, priorities, use_tqdm)
+
+    def _generate_parsed(self, prompts, params, loras, priorities, use_tqdm) -> list[RequestOutput]:
+        """Run parsed prompts (text or ids, cache_salt, pictures) to completion, in order."""
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         try:
@@ -223,23 +230,38 @@ class LLM:
         {"type": "function", "function": {"name": ...}} forces a call whose arguments match the
         function's schema. `reasoning_parser` (deepseek_r1, qwen3) puts a <think> section into
         `reasoning_content`. `text` stays the whole answer. As the server's chat route does.
-        `lora_request` as in `generate`: one, or one per conversation."""
+        `lora_request` as in `generate`: one, or one per conversation.
+        A vision model reads pictures in a message's content parts: `{"type": "image", "image": PIL
+        image | path}`, `{"type": "image_url", "image_url": {"url": data URL | path}}` (docs/pictures.md)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        if tools is None and tool_choice is None and reasoning_parser is None and chat_template_kwargs is None:
+        from deepinfer.serving.offline_chat import attach_parsed, prepare_offline_chat, with_pictures
+
+        pictured = with_pictures(conversations)
+        if not pictured and tools is None and tool_choice is None and reasoning_parser is None \
+                and chat_template_kwargs is None:
             prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
             return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        from deepinfer.serving.offline_chat import attach_parsed, prepare_offline_chat
-
         params = _as_params_list(sampling_params if sampling_params is not None
                                  else self.get_default_sampling_params(), len(conversations))
-        prompts, params, plans = prepare_offline_chat(
+        prompts, params, plans, pictures = prepare_offline_chat(
             self.engine.tokenizer, conversations, params, tools=tools, tool_choice=tool_choice,
             parallel_tool_calls=parallel_tool_calls, tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser, chat_template_kwargs=chat_template_kwargs,
-            add_generation_prompt=add_generation_prompt)
-        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+            add_generation_prompt=add_generation_prompt, vision=self._vision() if pictured else None)
+        pictures = pictures or [()] * len(prompts)
+        parsed = [(p, None, tuple(pics or ())) for p, pics in zip(prompts, pictures, strict=True)]
+        outputs = self._generate_parsed(parsed, params, _as_lora_list(lora_request, len(prompts)), [0] * len(prompts),
+                                        use_tqdm)
         attach_parsed(outputs, plans)
         return outputs
+
+    def _vision(self):
+        """The model's picture preprocessing (`serving/vision.py`), loaded once; None for a text model."""
+        if not hasattr(self, "_vision_processor"):
+            from deepinfer.serving.context import vision_processor
+
+            self._vision_processor = vision_processor(self.engine.source, self.engine.tokenizer)
+        return self._vision_processor
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         tok = self.engine.tokenizer
@@ -254,10 +276,10 @@ class LLM:
         """Yield one request's outputs step by step (`outputs[0].delta_text` is the new text).
         `prompt` is one prompt in any form `generate` takes. With `n` > 1, `outputs` holds every
         sample (`index` 0..n-1), each with its own delta; with `best_of` > n, one final output."""
-        inputs, cache_salt = parse_prompt(prompt)
+        inputs, cache_salt, pictures = parse_prompt(prompt)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         request_id = self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request,
-                                             priority=priority)
+                                             priority=priority, pictures=pictures)
         try:
             while True:
                 for out in self.engine.step():
@@ -269,9 +291,11 @@ class LLM:
             self.engine.abort_request(request_id)
 
     def _add(self, index: int, prompt, params, lora_request: LoRARequest | None = None, **scheduling) -> str:
-        """Queue one parsed prompt (text or ids, cache_salt); ValueError `prompts[index]: ...` when the
-        engine refuses it (the caller aborts what it queued before)."""
-        inputs, cache_salt = prompt
+        """Queue one parsed prompt (text or ids, cache_salt, pictures); ValueError `prompts[index]: ...`
+        when the engine refuses it (the caller aborts what it queued before)."""
+        inputs, cache_salt, pictures = prompt
+        if pictures:
+            scheduling["pictures"] = pictures
         try:
             return self.engine.add_request(inputs, params, cache_salt=cache_salt, lora_request=lora_request,
                                            **scheduling)
@@ -281,8 +305,8 @@ class LLM:
 
 LLM.__init__.__signature__ = init_signature(LLM.__init__)  # inspect and help() list every keyword
 
-def parse_prompts(prompts) -> list[tuple[str | list[int], str | None]]:
-    """(text or token ids, cache_salt) of each prompt: one prompt (a string, a list of token ids
+def parse_prompts(prompts) -> list[ParsedPrompt]:
+    """(text or token ids, cache_salt, pictures) of each prompt: one prompt (a string, a list of token ids
     or a dict) or a list of them. ValueError naming the index, the field and the value of the
     first malformed one."""
     prompts = _as_prompt_list(prompts)
@@ -295,18 +319,19 @@ def parse_prompts(prompts) -> list[tuple[str | list[int], str | None]]:
     return parsed
 
 
-def parse_prompt(prompt) -> tuple[str | list[int], str | None]:
-    """(text or token ids, cache_salt) of one prompt: a string, a list of ints, or a dict with
-    exactly one of "prompt" (a string) and "prompt_token_ids" (a list of ints), and optionally
-    "cache_salt". ValueError naming the field and the value otherwise (the engine checks the
-    salt's type, the length and the ids' range)."""
+def parse_prompt(prompt) -> ParsedPrompt:
+    """(text or token ids, cache_salt, pictures) of one prompt: a string, a list of ints, or a dict
+    with exactly one of "prompt" (a string) and "prompt_token_ids" (a list of ints), and optionally
+    "cache_salt" and "pictures" (a sequence of PictureInput). ValueError naming the field and the
+    value otherwise (the engine checks the salt's type, the length, the ids' range and the pictures'
+    runs)."""
     if not isinstance(prompt, Mapping):
-        return _checked_input("prompt", prompt), None
+        return _checked_input("prompt", prompt), None, ()
     unknown = sorted(map(str, set(prompt) - _DICT_KEYS))
     if unknown:
         raise ValueError(f"prompt dict has unknown key{'s' if len(unknown) > 1 else ''} "
                          f"{', '.join(map(repr, unknown))}; allowed: 'prompt' or 'prompt_token_ids', "
-                         f"and 'cache_salt'")
+                         f"'cache_salt' and 'pictures'")
     given = [key for key in _PROMPT_KEYS if key in prompt]
     if len(given) != 1:
         what = "neither" if not given else "both"
@@ -318,7 +343,10 @@ def parse_prompt(prompt) -> tuple[str | list[int], str | None]:
         raise ValueError(f"prompt must be a string, got {short_repr(value)}")
     if key == "prompt_token_ids" and not _is_id_list(value):
         raise ValueError(f"prompt_token_ids must be a list of token ids (ints), got {short_repr(value)}")
-    return (value if key == "prompt" else list(value)), prompt.get("cache_salt")
+    pictures = prompt.get("pictures") or ()
+    if not isinstance(pictures, (list, tuple)):
+        raise ValueError(f"pictures must be a list of PictureInput, got {short_repr(pictures)}")
+    return (value if key == "prompt" else list(value)), prompt.get("cache_salt"), tuple(pictures)
 
 
 def _checked_input(field: str, value) -> str | list[int]:

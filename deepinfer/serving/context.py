@@ -8,6 +8,7 @@ lifecycle's steps (parse, prepare, admit, run) take it as their first argument.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,9 +22,16 @@ from deepinfer.serving.engine_loop import EngineLoop
 from deepinfer.serving.errors import ServingError, service_unavailable, too_busy
 from deepinfer.serving.metrics import ServerMetrics
 from deepinfer.serving.models import ServedAdapters, model_not_found
+from deepinfer.serving.pictures import (
+    MAX_PICTURE_PIXELS,
+    MAX_PICTURES_PER_REQUEST,
+    MediaPolicy,
+    set_decoder_guard,
+)
 from deepinfer.serving.pool import TokenizerPool
 from deepinfer.serving.store import ResponseStore
 from deepinfer.serving.tenancy import Credentials
+from deepinfer.serving.vision import VisionProcessor
 from deepinfer.structured_output import GrammarCompiler
 
 
@@ -47,6 +55,14 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = False  # the load / unload adapter routes
     lora_dirs: tuple[str, ...] = ()  # the only directories the load route reads adapters from
     data_parallel_secret: str | None = None  # a replica's cluster secret: believe x-deepinfer-client beside it
+    allowed_media_dir: str | None = None  # file:// pictures are read only below it (None: refused)
+    allow_remote_media: bool = False  # http(s) pictures are fetched (off: a server reaching its own network)
+    max_picture_pixels: int = MAX_PICTURE_PIXELS  # width * height of one picture, checked before decoding
+    max_pictures_per_request: int = MAX_PICTURES_PER_REQUEST
+
+    def media_policy(self) -> MediaPolicy:
+        return MediaPolicy(self.allowed_media_dir, self.allow_remote_media, self.max_picture_pixels,
+                           self.max_pictures_per_request)
 
 
 class ServingContext:
@@ -70,8 +86,10 @@ class ServingContext:
         self.grammars = GrammarCompiler(copy.deepcopy(engine.tokenizer), self.vocab_size, engine.eos_token_ids)
         self.sampling_defaults = sampling_defaults(engine.source)
         self.created = int(time.time())
+        set_decoder_guard(settings.max_picture_pixels)
         self.chat_setup = ChatSetup(make_tool_parser(settings.tool_call_parser, self.tokenizer),
-                                    make_reasoning_parser(settings.reasoning_parser, self.tokenizer))
+                                    make_reasoning_parser(settings.reasoning_parser, self.tokenizer),
+                                    vision_processor(engine.source, self.tokenizer), settings.media_policy())
         self.adapters = ServedAdapters(settings.model_name, engine.adapters, settings.lora_dirs)
         for name, path in settings.lora_modules:  # a bad adapter stops the start-up, naming it
             self.adapters.add(name, path)
@@ -119,3 +137,14 @@ def sampling_defaults(source) -> dict:
     except ValueError as exc:
         raise ValueError(f"generation config of {source.path!r}: {exc}") from None
     return defaults
+
+
+def vision_processor(source, tokenizer) -> VisionProcessor | None:
+    """The model's picture preprocessing (None: a text model, or a checkpoint that is not a folder); a GGUF
+    language model with `--mmproj` has it from the vision file's keys."""
+    if getattr(source, "vision", None) is not None:
+        return VisionProcessor.from_mmproj(source.vision)
+    path = getattr(source, "path", None)
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    return VisionProcessor.load(path, tokenizer)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deepinfer.contracts.multimodal import PictureInput
 from deepinfer.sampling_params import SamplingParams, check_token_ids_in_vocab
 from deepinfer.serving.chat.diagnostics import forced_call_error
 from deepinfer.serving.chat.prompt import ChatPrompt
@@ -43,6 +44,11 @@ class Prepared:
     @classmethod
     def of(cls, body, prompt_ids: list[int], params: SamplingParams, chat: ChatPrompt | None = None) -> Prepared:
         return cls(prompt_ids, params, body.model, body.cache_salt, body.priority, body.user, chat)
+
+    @property
+    def pictures(self) -> tuple[PictureInput, ...]:
+        """The prompt's pictures (their placeholder runs in `prompt_ids`), for the engine."""
+        return self.chat.pictures if self.chat is not None else ()
 
 
 def prepare_completion(tokenizer, ctx, body: CompletionRequest) -> Prepared:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from deepinfer.serving.chat.diagnostics import forced_call_refused
 from deepinfer.serving.chat.prompt import ChatPrompt, ChatSetup, TemplateRefused, prepare_chat
 from deepinfer.serving.chat.tools import FieldError, ToolPlan, tool_plan
-from deepinfer.serving.errors import ServingError, bad_request, from_field_error, short_repr
-from deepinfer.serving.parse import STRICT, Entries, Items
+from deepinfer.serving.errors import ServingError, bad_request, from_field_error, same_names, short_repr
+from deepinfer.serving.parse import STRICT, Entries, Items, validate
+from deepinfer.serving.pictures import PictureError
 from deepinfer.structured_output import StructuredOutputsParams
 
 # torch.Generator.manual_seed takes any 64-bit seed, signed or unsigned; top_k becomes an int64
@@ -177,10 +178,17 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    # a part of another type (image_url, ...) carries other fields: refused by its type, with a clear message
+    """A content part: text, or a picture (`image_url`: `{"url": data URL | http(s) URL | file:// URL,
+    "detail"?}` or the URL string; `detail` is ignored); a part of another type is refused by its type."""
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
+    image_url: str | Entries[str, Any] | None = None
+
+    def template_part(self) -> dict:
+        if self.type == "image_url":
+            return {"type": "image_url", "image_url": self.image_url}
+        return {"type": "text", "text": self.text}
 
 
 class ChatMessage(BaseModel):
@@ -189,17 +197,34 @@ class ChatMessage(BaseModel):
     content: str | Items[TextPart] | None = None
 
     def template_dict(self) -> dict:
-        """The message as the chat template wants it: content as one string."""
+        """The message as the chat template wants it: content as one string, or (with pictures) a
+        list of text and image_url parts (`pictures.picture_parts` turns them into the template's)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             for part in self.content:
-                _refuse_if(part.type != "text" or part.text is None, "messages",
-                           f"content part of type {part.type!r} is not supported; only text",
+                _refuse_if(not (part.type == "text" and part.text is not None)
+                           and not (part.type == "image_url" and part.image_url is not None), "messages",
+                           f"content part of type {part.type!r} is not supported; only text and image_url",
                            code="unsupported_content")
-            message["content"] = "".join(part.text for part in self.content)
+            if any(part.type == "image_url" for part in self.content):
+                message["content"] = [part.template_part() for part in self.content]
+            else:
+                message["content"] = "".join(part.text for part in self.content)
         elif self.content is None:
             message["content"] = ""
         return message
+
+
+PICTURE_PATHS = "__picture_paths__"  # a converted body's key: its pictures' paths in the client's names
+
+
+def chat_request(body: dict) -> ChatCompletionRequest:
+    """A chat request from a body another API was converted into (Anthropic, Responses, Ollama): its
+    pictures keep the paths of the client's body (`PICTURE_PATHS`, taken out before validation)."""
+    paths = body.pop(PICTURE_PATHS, None)
+    request = validate(ChatCompletionRequest, body)
+    request._picture_paths = paths
+    return request
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -221,6 +246,7 @@ class ChatCompletionRequest(_GenerationRequest):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: Entries[str, Any] | None = None
+    _picture_paths: list | None = PrivateAttr(None)  # set by chat_request (another API's names)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -256,7 +282,11 @@ class ChatCompletionRequest(_GenerationRequest):
         structured = structured_output_of(self) if setup.reasoning is not None else None
         try:
             return prepare_chat(tokenizer, setup, self.template_messages(), tools, structured,
-                                template_kwargs=self.chat_template_kwargs)
+                                template_kwargs=self.chat_template_kwargs, picture_paths=self._picture_paths)
+        except PictureError as exc:  # its path is in the client's own names already
+            error = from_field_error(exc)
+            error.names = same_names
+            raise error from None
         except FieldError as exc:
             raise from_field_error(exc) from None
         except TemplateRefused as exc:

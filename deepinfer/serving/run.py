@@ -78,10 +78,12 @@ class EventStream:
 async def admit(ctx, request_id: str, prepared: Prepared, tenant: Tenant) -> RequestHandle:
     """Hand a prepared request to the engine loop: its handle. The adapter is looked up again (404
     when unloaded meanwhile), the priority checked against the range the client may use, the fair
-    share's client and the cache salt set (`cache_salt`); the engine's refusal is a 400, a stopped engine a 503."""
+    share's client and the cache salt set (`cache_salt`), the pictures handed over (`pictures=`, only
+    when there are any); the engine's refusal is a 400, a stopped engine a 503."""
     lora = ctx.lora_request(prepared.model)
     ctx.settings.priority_range.check(prepared.priority, tenant)
-    scheduling = {"priority": prepared.priority, "client_id": fair_share_client(tenant, prepared.user)}
+    scheduling = {"priority": prepared.priority, "client_id": fair_share_client(tenant, prepared.user),
+                  "pictures": prepared.pictures}
     salt = cache_salt(ctx, tenant, prepared.cache_salt)
     try:
         return await ctx.engine_loop.add(request_id, prepared.prompt_ids, prepared.params, time.monotonic(),

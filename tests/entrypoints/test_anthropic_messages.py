@@ -184,7 +184,7 @@ BAD = [  # (body fields, what the message must name)
     ({"model": None}, "model"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
      "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},

@@ -100,6 +100,35 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
                         "that resolves outside every --lora-dir is refused (without one, every runtime load is)")
 
 
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    from deepinfer.serving.pictures import MAX_PICTURE_PIXELS, MAX_PICTURES_PER_REQUEST
+
+    g = p.add_argument_group("pictures (vision models)")
+    g.add_argument("--allowed-media-dir", default=None, metavar="DIR",
+                   help="file:// picture URLs are read from inside DIR only (a path that resolves outside it, "
+                        "through `..` or a symlink, is refused); without it every file:// picture is")
+    g.add_argument("--allow-remote-media", action="store_true",
+                   help="fetch http(s) picture URLs (no redirects, size-capped, 10 s timeout); off by default: "
+                        "a server that fetches URLs for its clients can be made to reach its own network")
+    g.add_argument("--max-picture-pixels", type=int, default=MAX_PICTURE_PIXELS, metavar="N",
+                   help="width * height above which a picture is refused, read from its header before any "
+                        f"pixel is decoded (default {MAX_PICTURE_PIXELS}: 4096 x 4096)")
+    g.add_argument("--max-pictures-per-request", type=int, default=MAX_PICTURES_PER_REQUEST, metavar="N",
+                   help=f"pictures one request may carry (default {MAX_PICTURES_PER_REQUEST})")
+
+
+def media_settings(args) -> dict:
+    """The picture flags as ServerSettings fields; ValueError naming a bad one."""
+    for flag, value in (("--max-picture-pixels", args.max_picture_pixels),
+                        ("--max-pictures-per-request", args.max_pictures_per_request)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+    if args.allowed_media_dir is not None and not os.path.isdir(args.allowed_media_dir):
+        raise ValueError(f"--allowed-media-dir {args.allowed_media_dir!r} is not a directory")
+    return {"allowed_media_dir": args.allowed_media_dir, "allow_remote_media": args.allow_remote_media,
+            "max_picture_pixels": args.max_picture_pixels, "max_pictures_per_request": args.max_pictures_per_request}
+
+
 def server_settings(args):
     """The ServerSettings of `deepinfer serve`'s flags; ValueError naming a bad flag (before the model loads)."""
     from deepinfer.entrypoints.data_parallel.launch import replica_secret
@@ -113,7 +142,7 @@ def server_settings(args):
                           priority_range=PriorityRange.parse(args.priority_range) if args.priority_range
                           else PriorityRange(), shared_prefix_cache=args.shared_prefix_cache,
                           data_parallel_secret=replica_secret(args),
-                          reasoning_parser=args.reasoning_parser, **lora_settings(args))
+                          reasoning_parser=args.reasoning_parser, **lora_settings(args), **media_settings(args))
 
 
 def served_model_name(args) -> str:

@@ -27,9 +27,10 @@ from deepinfer.entrypoints.openai.messages_output import MessageContext, Message
 from deepinfer.entrypoints.openai.messages_protocol import CountTokensRequest, MessagesRequest, messages_names
 from deepinfer.serving import run
 from deepinfer.serving.errors import named_by, same_names
-from deepinfer.serving.parse import parse_body, validate
+from deepinfer.serving.parse import parse_body
 from deepinfer.serving.prepare import Prepared, prepare_chat
 from deepinfer.serving.protocol import ChatCompletionRequest
+from deepinfer.serving.protocol import chat_request as chat_request_of
 
 PREFIX = "/v1/messages"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -83,7 +84,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request a Messages body is; its own refusals keep the Messages API's names."""
     with named_by(same_names):  # already in the Messages API's names
         chat_body = body.chat_body()
-    return validate(ChatCompletionRequest, chat_body)
+    return chat_request_of(chat_body)
 
 
 # -- on the event loop --------------------------------------------------------------------------------

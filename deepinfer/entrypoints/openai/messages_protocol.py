@@ -7,11 +7,13 @@
 `system` is a string or a list of text blocks. A message's `role` is "user" or "assistant"; its
 `content` a string or a list of blocks:
 
-    user       text, tool_result {tool_use_id, content: string | text blocks, is_error?}
+    user       text, image {source: {type: base64, media_type, data} | {type: url, url}},
+               tool_result {tool_use_id, content: string | text blocks, is_error?}
     assistant  text, tool_use {id, name, input: object}; thinking / redacted_thinking are skipped
                (the model's own notes are not sent back to it, as with /v1/responses' reasoning items)
 
-Text blocks of one message are joined with "\\n". A user message's tool_result blocks become
+Text blocks of one message are joined with "\\n" (with images, they stay parts, in order; a url
+source needs the server's --allow-remote-media). A user message's tool_result blocks become
 `tool` messages (in order) before its text. A conversation must end with a user message (an
 assistant prefill is refused). `tools` are custom tools `{name, description?, input_schema}`;
 `tool_choice` `{type: auto | any | tool | none, name?, disable_parallel_tool_use?}` maps to the chat
@@ -34,8 +36,10 @@ from pydantic import BaseModel, Field
 from deepinfer.sampling_params import INT64_MAX, short_repr
 from deepinfer.serving.errors import FieldError, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
+from deepinfer.serving.pictures import take_picture_paths
+from deepinfer.serving.protocol import PICTURE_PATHS
 
-_USER_BLOCKS = ("text", "tool_result")
+_USER_BLOCKS = ("text", "image", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
 _TOOL_FIELDS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -78,7 +82,8 @@ class CountTokensRequest(BaseModel):
 
     def chat_body(self) -> dict:
         """The chat completion request (a dict for ChatCompletionRequest); FieldError naming the field."""
-        body = {"model": self.model, "messages": chat_messages(self.system, self.messages),
+        messages = chat_messages(self.system, self.messages)
+        body = {"model": self.model, "messages": messages, PICTURE_PATHS: take_picture_paths(messages),
                 "tools": chat_tools(self.tools), "chat_template_kwargs": thinking_kwargs(self.thinking),
                 "response_format": chat_response_format(self.output_config),
                 **chat_tool_choice(self.tool_choice, bool(self.tools))}
@@ -147,7 +152,40 @@ def _user_messages(i: int, content) -> list[dict]:
                 "content": _text(block.get("content", ""), ("messages", i, "content", j, "content"))}
                for j, block in enumerate(blocks) if block["type"] == "tool_result"]
     texts = [b for b in blocks if b["type"] == "text"]
+    if any(b["type"] == "image" for b in blocks):
+        return results + [{"role": "user", "content": _parts(i, blocks)}]
     return results + ([{"role": "user", "content": _text(texts, ("messages", i, "content"))}] if texts else [])
+
+
+def _parts(i: int, blocks: list[dict]) -> list[dict]:
+    """A user message's text and image blocks as chat parts, in order (images as image_url parts
+    whose path, `messages[i].content[j]`, `picture_paths` lists)."""
+    parts = []
+    for j, block in enumerate(blocks):
+        if block["type"] == "text":
+            parts.append({"type": "text", "text": _text([block], ("messages", i, "content"))})
+        elif block["type"] == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(block, ("messages", i, "content", j))},
+                          "path": ["messages", i, "content", j]})
+    return parts
+
+
+def _image_url(block: dict, where: Path) -> str:
+    """An image block's source as a URL: base64 data as a data URL, a url source as itself."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise FieldError((*where, "source", "media_type"), f"must be an image type (image/png, image/jpeg, "
+                             f"image/gif, image/webp), got {short_repr(media_type)}")
+        if not isinstance(data, str) or not data:
+            raise FieldError((*where, "source", "data"), f"must be base64 text, got {short_repr(data)}")
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise FieldError((*where, "source"), "must be {\"type\": \"base64\", \"media_type\", \"data\"} or "
+                     "{\"type\": \"url\", \"url\"}")
 
 
 def _assistant_message(i: int, content) -> dict:

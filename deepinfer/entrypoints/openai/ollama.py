@@ -54,7 +54,7 @@ from deepinfer.serving.embeddings import input_ids, resolve_pooling
 from deepinfer.serving.errors import named_by, not_found, same_names
 from deepinfer.serving.parse import parse_body, validate
 from deepinfer.serving.prepare import Prepared, prepare_chat, prepare_completion
-from deepinfer.serving.protocol import ChatCompletionRequest, CompletionRequest
+from deepinfer.serving.protocol import CompletionRequest, chat_request
 
 PREFIX = "/api"
 NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -158,7 +158,7 @@ def _prepare_chat(tokenizer, state, raw: bytes) -> tuple[ChatBody, str, Prepared
         chat_body = body.chat_body(model, state.chat_setup.reasoning is not None) if body.messages else None
     if chat_body is None:
         return body, model, None
-    return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
+    return body, model, prepare_chat(tokenizer, state, chat_request(chat_body))
 
 
 def _prepare_generate(tokenizer, state, raw: bytes) -> tuple[GenerateBody, str, Prepared | None]:
@@ -172,7 +172,7 @@ def _prepare_generate(tokenizer, state, raw: bytes) -> tuple[GenerateBody, str, 
     if body.templated:
         with named_by(same_names):
             chat_body = body.chat_body(model, state.chat_setup.reasoning is not None)
-        return body, model, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
+        return body, model, prepare_chat(tokenizer, state, chat_request(chat_body))
     with named_by(same_names):
         completion = body.completion_body(model)
     prepared = prepare_completion(tokenizer, state, validate(CompletionRequest, completion))

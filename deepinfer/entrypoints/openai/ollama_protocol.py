@@ -33,6 +33,7 @@ from deepinfer.sampling_params import short_repr
 from deepinfer.serving.embeddings import MAX_INPUTS
 from deepinfer.serving.errors import FieldError, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
+from deepinfer.serving.protocol import PICTURE_PATHS
 
 # Ollama option -> chat request field
 _SAMPLING_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -88,8 +89,11 @@ class ChatBody(_Body):
 
     def chat_body(self, model: str, thinking: bool) -> dict:
         """The chat completion request (a dict for ChatCompletionRequest)."""
-        body = {"model": model, "messages": chat_messages(self.messages), **self.sampling_fields(thinking)}
-        return body | ({"tools": self.tools} if self.tools else {})
+        messages = chat_messages(self.messages)
+        body = {"model": model, "messages": messages, **self.sampling_fields(thinking)}
+        paths = [("messages", i, "images", k) for i, m in enumerate(self.messages)
+                 for k in range(len(m.get("images") or ()))]
+        return body | ({"tools": self.tools} if self.tools else {}) | ({PICTURE_PATHS: paths} if paths else {})
 
 
 class GenerateBody(_Body):
@@ -114,10 +118,11 @@ class GenerateBody(_Body):
         if self.context:
             raise FieldError("context", "the tokens of an earlier answer are not supported; send the "
                              "conversation to /api/chat")
-        for name, value in (("images", self.images), ("width", self.width), ("height", self.height),
-                            ("steps", self.steps)):
+        for name, value in (("width", self.width), ("height", self.height), ("steps", self.steps)):
             if value:
                 raise FieldError(name, "is not supported: this server serves a text model")
+        if self.images and not self.templated:
+            raise FieldError("images", "need the chat template; they cannot go with raw or suffix")
 
     @property
     def templated(self) -> bool:
@@ -125,9 +130,11 @@ class GenerateBody(_Body):
         return not self.raw and not self.suffix
 
     def chat_body(self, model: str, thinking: bool) -> dict:
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
-            {"role": "user", "content": self.prompt or ""}]
-        return {"model": model, "messages": messages, **self.sampling_fields(thinking)}
+        user = {"role": "user", "content": _with_images(self.prompt or "", self.images, ("images",))}
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [user]
+        paths = [("images", k) for k in range(len(self.images or ()))]
+        return {"model": model, "messages": messages, **self.sampling_fields(thinking)} | (
+            {PICTURE_PATHS: paths} if paths else {})
 
     def completion_body(self, model: str) -> dict:
         """The completion request of a raw (or suffix) prompt; `system` and `think` need the template."""
@@ -243,15 +250,31 @@ def chat_messages(messages: list) -> list[dict]:
         unknown = sorted(set(message) - _MESSAGE_FIELDS)
         if unknown:
             raise FieldError(("messages", i), f"has unknown field {short_repr(unknown[0])}")
-        if message.get("images"):
-            raise FieldError(("messages", i, "images"), "images are not supported by this text model")
         role, content = message.get("role"), message.get("content") or ""
         if role not in _ROLES:
             raise FieldError(("messages", i, "role"), f"must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
         if not isinstance(content, str):
             raise FieldError(("messages", i, "content"), f"must be a string, got {short_repr(content)}")
         converted.append(_message(i, role, content, message, pending))
+        if message.get("images"):
+            if role != "user":
+                raise FieldError(("messages", i, "images"), f"only a user message may carry images, not {role}")
+            converted[-1]["content"] = _with_images(content, message["images"], ("messages", i, "images"))
     return converted
+
+
+def _with_images(text: str, images, where: tuple) -> str | list[dict]:
+    """A message's content with its images (base64 strings) as image_url parts before the text."""
+    if not images:
+        return text
+    if not isinstance(images, list):
+        raise FieldError(where, f"must be a list of base64 strings, got {short_repr(images)}")
+    parts = []
+    for k, image in enumerate(images):
+        if not isinstance(image, str) or not image:
+            raise FieldError((*where, k), f"must be a base64 string, got {short_repr(image)}")
+        parts.append({"type": "image_url", "image_url": {"url": "data:;base64," + image}})
+    return parts + ([{"type": "text", "text": text}] if text else [])
 
 
 class PendingCalls:

@@ -40,9 +40,9 @@ from deepinfer.entrypoints.openai.responses_output import (
 from deepinfer.entrypoints.openai.responses_protocol import ResponsesRequest, responses_names
 from deepinfer.serving import run
 from deepinfer.serving.errors import ServingError, named_by, not_found, same_names
-from deepinfer.serving.parse import parse_body, validate
+from deepinfer.serving.parse import parse_body
 from deepinfer.serving.prepare import Prepared, prepare_chat
-from deepinfer.serving.protocol import ChatCompletionRequest
+from deepinfer.serving.protocol import chat_request
 from deepinfer.serving.store import StoredResponse
 from deepinfer.serving.tenancy import Tenant
 
@@ -123,7 +123,7 @@ def _prepare(tokenizer, state, raw: bytes, tenant: Tenant) -> tuple[ResponsesReq
         history = _history(state, tenant, body.previous_response_id)
         chat_body = body.chat_body(history)
     with named_by(responses_names((1 if body.instructions else 0) + len(history))):
-        return body, history, prepare_chat(tokenizer, state, validate(ChatCompletionRequest, chat_body))
+        return body, history, prepare_chat(tokenizer, state, chat_request(chat_body))
 
 
 def _history(state, tenant: Tenant, previous_response_id: str | None) -> list[dict]:

@@ -22,6 +22,8 @@ from deepinfer.json_bounds import check_json_depth
 from deepinfer.sampling_params import short_repr
 from deepinfer.serving.errors import FieldError, FieldNames, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
+from deepinfer.serving.pictures import take_picture_paths
+from deepinfer.serving.protocol import PICTURE_PATHS
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -98,6 +100,7 @@ class ResponsesRequest(BaseModel):
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) + \
             list(history) + input_messages(self.input)
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
+                PICTURE_PATHS: take_picture_paths(messages, ("previous_response_id",)),
                 "temperature": self.temperature, "top_p": self.top_p, "tools": chat_tools(self.tools),
                 "tool_choice": chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": chat_response_format(self.text)}
@@ -105,7 +108,9 @@ class ResponsesRequest(BaseModel):
 
     def conversation_messages(self, history: list[dict]) -> list[dict]:
         """What a later response continues from: the history and this input (no instructions)."""
-        return list(history) + input_messages(self.input)
+        messages = list(history) + input_messages(self.input)
+        take_picture_paths(messages)  # a picture's path is this request's, not a later one's
+        return messages
 
 
 def input_messages(value: str | list[dict]) -> list[dict]:
@@ -133,7 +138,26 @@ def _message(i: int, item: dict) -> dict:
     role = item.get("role")
     if not isinstance(role, str) or role not in _ROLES:
         raise FieldError(("input", i, "role"), f"must be one of {', '.join(_ROLES)}, got {short_repr(role)}")
-    return {"role": _ROLES[role], "content": _text(i, item.get("content"), "content")}
+    content = item.get("content")
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return {"role": _ROLES[role], "content": _parts(i, content)}
+    return {"role": _ROLES[role], "content": _text(i, content, "content")}
+
+
+def _parts(i: int, content: list) -> list[dict]:
+    """A message's text and input_image parts, in order (`image_url`: a data URL or a URL; `file_id`
+    is refused: this server keeps no files)."""
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise FieldError(("input", i, "content", j, "image_url"), "must be a data URL or a URL "
+                                 f"(file_id is not supported: this server keeps no files), got {short_repr(url)}")
+            parts.append({"type": "image_url", "image_url": {"url": url}, "path": ("input", i, "content", j)})
+        else:
+            parts.append({"type": "text", "text": _text(i, [part], "content")})
+    return parts
 
 
 def _text(i: int, content, field: str) -> str:

@@ -23,10 +23,11 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from deepinfer.entrypoints.openai.body import in_pool
-from deepinfer.serving.chat.prompt import TemplateRefused, render_chat
+from deepinfer.serving.chat.prompt import TemplateRefused, load_checked, prompt_ids, render_chat
 from deepinfer.serving.chat.tools import tool_plan
 from deepinfer.serving.errors import FieldError, bad_request, from_field_error
 from deepinfer.serving.parse import STRICT, Entries, Items, parse_body
+from deepinfer.serving.pictures import picture_parts
 from deepinfer.serving.protocol import ChatMessage
 
 
@@ -88,8 +89,10 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         state.bounds.check_text(body.prompt, "prompt")
         return list(tokenizer(body.prompt, add_special_tokens=special)["input_ids"])
+    messages, refs = picture_parts([m.template_dict() for m in body.messages])
     try:
-        text = render_chat(tokenizer, [m.template_dict() for m in body.messages], tool_plan(body.tools, None),
+        pictures = load_checked(state.chat_setup, refs)
+        text = render_chat(tokenizer, messages, tool_plan(body.tools, None),
                            template_kwargs=body.chat_template_kwargs,
                            add_generation_prompt=body.add_generation_prompt)
     except FieldError as exc:
@@ -98,7 +101,10 @@ def _token_ids(tokenizer, state, body: TokenizeRequest) -> list[int]:
         raise bad_request("the model's chat template refused the messages (check their roles, order and "
                           "content)", "messages") from None
     state.bounds.check_text(text, "messages")
-    return list(tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"])
+    try:  # with pictures: the ids with their placeholders expanded, as the model reads them
+        return prompt_ids(tokenizer, state.chat_setup, text, pictures, bool(body.add_special_tokens))[0]
+    except FieldError as exc:
+        raise from_field_error(exc) from None
 
 
 def _detokenize(tokenizer, state, raw: bytes) -> str:

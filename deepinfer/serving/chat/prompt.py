@@ -13,8 +13,9 @@ call of one of the tools counts as a call (`tool_parsers/lenient.py`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from deepinfer.contracts.multimodal import PictureInput
 from deepinfer.sampling_params import short_repr
 from deepinfer.serving.chat.constraints import constrained, forced_call
 from deepinfer.serving.chat.output import ChatOutputPlan
@@ -28,6 +29,14 @@ from deepinfer.serving.chat.tools import (
     with_text_arguments,
 )
 from deepinfer.serving.errors import FieldError
+from deepinfer.serving.pictures import (
+    MediaPolicy,
+    Picture,
+    PictureError,
+    PictureRef,
+    load_pictures,
+    picture_parts,
+)
 from deepinfer.structured_output import StructuredOutputsParams
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them
@@ -48,6 +57,8 @@ class ChatSetup:
 
     tool_parser: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    vision: object = None  # a VisionProcessor (`serving/vision.py`); None: a text model
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where pictures may come from, how large
 
 
 @dataclass
@@ -59,18 +70,23 @@ class ChatPrompt:
     forced_call: bool  # the grammar is a forced tool call
     keep_special_tokens: bool
     tools: ToolPlan | None = None  # the request's checked tools
+    pictures: tuple[PictureInput, ...] = ()  # the prompt's pictures, their placeholder runs expanded
 
 
 def prepare_chat(tokenizer, setup: ChatSetup, messages: list[dict], tools: ToolPlan | None,
                  structured_output: StructuredOutputsParams | None = None, *,
-                 template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> ChatPrompt:
+                 template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                 picture_paths: list | None = None) -> ChatPrompt:
     """The prompt, grammar and reading plan of one chat request. FieldError for bad tools or
-    messages, TemplateRefused when the chat template raises, ValueError (`structured_output...`)
-    when the grammar is refused."""
+    messages (PictureError for a bad picture), TemplateRefused when the chat template raises,
+    ValueError (`structured_output...`) when the grammar is refused. Picture parts (`pictures.py`)
+    are loaded and their placeholders expanded by the model's processor (`setup.vision`)."""
     parser = _tool_parser(setup, tools)
+    messages, refs = picture_parts(messages, picture_paths)
+    loaded = load_checked(setup, refs)  # a bad picture is refused before the template runs
     text = render_chat(tokenizer, messages, tools, template_kwargs=template_kwargs,
                        add_generation_prompt=add_generation_prompt)
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids, pictures = prompt_ids(tokenizer, setup, text, loaded)
     reasoning = setup.reasoning
     inside = reasoning is not None and reasoning.inside_at_start(text)
     forced = tools is not None and tools.forced
@@ -85,7 +101,23 @@ def prepare_chat(tokenizer, setup: ChatSetup, messages: list[dict], tools: ToolP
     marker_ids = [*(parser.special_ids.values() if parser is not None else ()),
                   *((reasoning.special_ids or {}).values() if reasoning is not None else ())]
     keep = skipped_when_decoded(tokenizer, marker_ids)  # the parsers must see their markers
-    return ChatPrompt(text, ids, plan, structured_output, forced, keep, tools)
+    return ChatPrompt(text, ids, plan, structured_output, forced, keep, tools, pictures)
+
+
+def load_checked(setup: ChatSetup, refs: list[PictureRef]) -> list[Picture]:
+    """The pictures loaded and checked (`pictures.py`); PictureError naming the first bad one, or the
+    first of any when the model reads text only."""
+    if refs and setup.vision is None:
+        raise PictureError(refs[0].path, "this model has no vision encoder: it reads text only; send no pictures")
+    return load_pictures(refs, setup.media) if refs else []
+
+
+def prompt_ids(tokenizer, setup: ChatSetup, text: str, pictures: list[Picture],
+               add_special_tokens: bool = False) -> tuple[list[int], tuple[PictureInput, ...]]:
+    """A rendered chat's ids and its pictures' PictureInputs (their placeholder runs expanded)."""
+    if not pictures:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), ()
+    return setup.vision.process(tokenizer, text, pictures, add_special_tokens)
 
 
 def _tool_parser(setup: ChatSetup, tools: ToolPlan | None) -> ToolParser | None:

@@ -2,6 +2,8 @@
 // (relative URLs, so the page also works behind a path prefix): GET v1/models for the model name,
 // POST v1/chat/completions with `stream: true` for the answers, read as server-sent events.
 // Everything the model or the user writes is shown as text (textContent), never parsed as HTML.
+// A picture pasted or dropped onto the page goes with the next message as an image_url part (a data
+// URL; the server needs a vision model) and shows as a thumbnail in the history.
 "use strict";
 
 
@@ -10,8 +12,11 @@ const $ = (id) => document.getElementById(id);
 const chat = {
   history: [],      // the conversation sent with each request: {role, content}, oldest first
   controller: null, // the AbortController of the answer being streamed, if any
-  model: null,      // the id GET v1/models reported
+  model: null,      // the id picked among those GET v1/models reported (the first by default)
+  pictures: [],     // data URLs of the pictures pasted or dropped for the next message
 };
+
+const MAX_PICTURE_BYTES = 8 << 20; // a larger file would not fit the server's body limit
 
 /** An HTTP failure: the status and the server's own message. */
 class HttpError extends Error {
@@ -85,6 +90,41 @@ function addMessage(role, text) {
   $("messages").appendChild(bubble);
   scrollToEnd();
   return bubble;
+}
+
+/** Thumbnails of `urls` (data URLs) appended to `parent`. */
+function addThumbnails(parent, urls) {
+  for (const url of urls) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.alt = "picture";
+    img.src = url;
+    parent.appendChild(img);
+  }
+}
+
+/** Read the picture files among `files` as data URLs for the next message. */
+function takePictures(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    if (file.size > MAX_PICTURE_BYTES) {
+      showError(`${file.name || "the picture"} is over ${MAX_PICTURE_BYTES >> 20} MB`);
+      continue;
+    }
+    const reader = new FileReader();
+    reader.onload = () => {
+      chat.pictures.push(reader.result);
+      showPending();
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
+function showPending() {
+  const box = $("attachments");
+  box.replaceChildren();
+  addThumbnails(box, chat.pictures);
+  box.hidden = chat.pictures.length === 0;
 }
 
 function scrollToEnd() {
@@ -178,13 +218,26 @@ function setBusy(controller) {
   $("stop").disabled = controller === null;
 }
 
-/** Send `text` as the next user turn and stream the answer. */
+/** Send `text` (and the pending pictures) as the next user turn and stream the answer. */
 async function send(text) {
   showError("");
   $("stats").textContent = "";
   const history = chat.history; // a New chat during the stream replaces chat.history, not this array
-  history.push({ role: "user", content: text });
+  const pictures = chat.pictures;
+  chat.pictures = [];
+  showPending();
+  const content = pictures.length === 0 ? text : [
+    { type: "text", text },
+    ...pictures.map((url) => ({ type: "image_url", image_url: { url } })),
+  ];
+  history.push({ role: "user", content });
   const userBubble = addMessage("user", text);
+  if (pictures.length) {
+    const row = document.createElement("div");
+    row.className = "thumbs";
+    addThumbnails(row, pictures);
+    userBubble.appendChild(row);
+  }
   const bubble = addMessage("assistant", "");
   const controller = new AbortController();
   setBusy(controller);
@@ -206,6 +259,10 @@ async function send(text) {
       userBubble.classList.add("failed");
       bubble.classList.add("failed");
       if (!$("prompt").value) $("prompt").value = text;
+      if (pictures.length && chat.history === history) {
+        chat.pictures = pictures.concat(chat.pictures); // sent again with the retried text
+        showPending();
+      }
       showError(describeError(err));
       if (err.status === 401) askForKey(true);
     }
@@ -218,6 +275,8 @@ async function send(text) {
 function newChat() {
   if (chat.controller) chat.controller.abort();
   chat.history = [];
+  chat.pictures = [];
+  showPending();
   $("messages").replaceChildren();
   $("stats").textContent = "";
   showError("");
@@ -246,8 +305,15 @@ function init() {
   loadStoredKey();
   $("composer").addEventListener("submit", onSubmit);
   $("prompt").addEventListener("keydown", onPromptKey);
+  $("prompt").addEventListener("paste", (event) => takePictures(event.clipboardData.files));
+  document.addEventListener("dragover", (event) => event.preventDefault());
+  document.addEventListener("drop", (event) => {
+    event.preventDefault();
+    takePictures(event.dataTransfer.files);
+  });
   $("stop").addEventListener("click", () => chat.controller && chat.controller.abort());
   $("new-chat").addEventListener("click", newChat);
+  $("model").addEventListener("change", () => { chat.model = $("model").value; });
   $("api-key").addEventListener("change", () => {
     storeKey();
     loadModel();
