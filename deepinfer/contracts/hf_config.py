@@ -27,6 +27,7 @@ class HFConfigFields:
     max_position_embeddings: int = 4096  # the model's context (4096 when the config names none)
     eos_token_id: int | list[int] | None = None  # one id or several
     hidden_size: int = 0  # 0: unknown (a bare PretrainedConfig)
+    vocab_size: int | None = None  # None: unknown (a bare PretrainedConfig; every model's config has one)
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None  # None: as many KV heads as heads
     # RoPE: transformers >= 5 keeps theta inside rope_parameters; older configs (and GGUF's) a field

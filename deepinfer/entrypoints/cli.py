@@ -1,4 +1,4 @@
-"""The `deepinfer` command: generate, chat, bench, info, serve; pull, list, rm (each with --help)."""
+"""The `deepinfer` command: generate, chat, run, bench, info, serve; pull, list, rm (each with --help)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,22 @@ def cmd_chat(args) -> int:
     history_file = default_history_file() if args.history_file is None else args.history_file or None
     with make_llm(args) as llm:
         return run_chat(llm, chat_params(args, llm), system=args.system, history_file=history_file)
+
+
+def cmd_run(args) -> int:
+    """`deepinfer run MODEL [PROMPT]`: the model resolved (pulled if need be), then a chat or one answer."""
+    from deepinfer.entrypoints.models_cmd.pull import download_errors
+    from deepinfer.entrypoints.run_cmd import resolve_run_model
+
+    try:
+        args.model = resolve_run_model(args.run_model)
+    except download_errors() as exc:
+        print(f"deepinfer: error: pull {args.run_model}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    if args.prompt is None:
+        return cmd_chat(args)
+    args.raw = False
+    return cmd_generate(args)
 
 
 def cmd_info(args) -> int:
@@ -126,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where a terminal session keeps the lines typed, for Up-arrow and Ctrl-R "
                            "(default: ~/.cache/deepinfer/chat_history, or chat_history in $DEEPINFER_CACHE_DIR; "
                            "'' keeps none)")
+    from deepinfer.entrypoints.run_cmd import add_run_args
+
+    run = sub.add_parser("run", help="chat with MODEL (pulled first if it is not here), or answer PROMPT "
+                                     "(as `ollama run`)")
+    add_run_args(run)
     info = sub.add_parser("info", help="architecture, layers, KV bytes per token, cache capacity "
                           "(and the saved cache in --kv-cache-dir)")
     bench = sub.add_parser("bench", help="throughput benchmark (cpu32 and batch-1 decode workloads)")
@@ -139,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.entrypoints.openai.args import add_serve_args
 
     add_serve_args(serve)
-    for p, fn in ((gen, cmd_generate), (chat, cmd_chat), (info, cmd_info), (bench, cmd_bench),
+    for p, fn in ((gen, cmd_generate), (chat, cmd_chat), (run, cmd_run), (info, cmd_info), (bench, cmd_bench),
                   (serve, cmd_serve)):
         add_engine_args(p)
         if p is not info and p is not serve:
@@ -151,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     # generate and chat: sampling flags left unset mean the model's defaults, as in the server and LLM.generate
     use_model_defaults(gen, 128, "most tokens generated")
     use_model_defaults(chat, CHAT_MAX_TOKENS, "cap on each reply, which also stops at the end of the context")
+    use_model_defaults(run, CHAT_MAX_TOKENS, "cap on each reply, which also stops at the end of the context")
+    for one_user in (gen, chat, run):  # one request at a time: the KV cache is sized for one, not a server's batch
+        next(a for a in one_user._actions if a.dest == "max_num_seqs").default = 1
     bench.set_defaults(max_tokens=None)  # bench: --max-tokens caps the workload's output lengths (None: as drawn)
     from deepinfer.entrypoints.models_cmd import add_model_commands
 

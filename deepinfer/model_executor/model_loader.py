@@ -316,15 +316,21 @@ def check_expert_parallel(model_cls, model_type: str, expert_parallel_size: int)
                          f"gpt_oss); model_type {model_type!r} does not (use 1)")
 
 
+WEIGHT_PROGRESS_DELAY_S = 0.5  # the bar appears only when loading lasts longer
+
+
 def weight_progress(weights):
     """`weights` ((name, tensor) pairs) counted by a progress bar on stderr, shown only when
-    stderr is a terminal (tqdm's disable=None), so logs and test output stay clean; tqdm is imported
-    only then."""
+    stderr is a terminal, so logs and test output stay clean; tqdm is imported only then.
+
+    The bar is first drawn after WEIGHT_PROGRESS_DELAY_S, with the count reached: drawn at once, its
+    one frame said "0 tensors" whenever the loading took less than tqdm's 0.1 s between frames (a
+    GGUF file whose matrices stay packed hands over its tensors in milliseconds)."""
     if not sys.stderr.isatty():
         return weights
     from tqdm.auto import tqdm
 
-    return tqdm(weights, desc="loading weights", unit=" tensors", leave=False)
+    return tqdm(weights, desc="loading weights", unit=" tensors", leave=False, delay=WEIGHT_PROGRESS_DELAY_S)
 
 
 def release_free_memory() -> None:

@@ -15,7 +15,8 @@ def test_help_shows_defaults(sub, capsys):
         cli.main([*sub, "--help"])
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
-    assert "requests running at once (default: 64)" in out
+    one_user = sub[0] in ("generate", "chat")  # one request at a time: the cache is sized for one
+    assert f"requests running at once (default: {1 if one_user else 64})" in out
     assert "tokens per paged block (default: 16)" in out
     assert "(default: auto)" in out and "(default: 0.9)" in out
     assert "default: the model's context where the KV cache can hold one request that long" in out

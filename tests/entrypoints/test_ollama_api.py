@@ -60,6 +60,8 @@ def test_version_tags_and_show(server, client):
         assert shown.template == HERMES and shown.details.family == "llama"
         assert set(shown.capabilities) == {"completion", "tools"}
         assert shown.modelinfo["llama.context_length"] == server.llm.engine.max_model_len
+    (loaded,) = client.ps().models  # the one model, loaded for as long as the server runs
+    assert loaded.model == "tiny:latest" and loaded.size > 0 and loaded.expires_at.year > 2300
 
 
 def test_chat_answers_as_the_chat_route_whole_and_streamed(server, client):

@@ -26,9 +26,11 @@ import os
 
 from deepinfer.serving.tenancy import CLIENT_HEADER, SECRET_HEADER, same_secret
 
-__all__ = ["CLIENT_HEADER", "SECRET_ENV", "SECRET_HEADER", "check_secret", "cluster_secret", "same_secret"]
+__all__ = ["CLIENT_HEADER", "HOST_SECRET_ENV", "SECRET_ENV", "SECRET_HEADER", "check_secret", "cluster_secret",
+           "same_secret"]
 
 SECRET_ENV = "DEEPINFER_DP_SECRET"  # a local child's secret, from its front end
+HOST_SECRET_ENV = "DEEPINFER_HOST_SECRET"  # a model host's child's secret (model_host/launch.py)
 MIN_SECRET_CHARS = 16
 MAX_SECRET_CHARS = 4096
 

@@ -26,7 +26,7 @@ import threading
 import urllib.error
 import urllib.request
 
-from deepinfer.entrypoints.data_parallel.identity import SECRET_ENV, SECRET_HEADER, cluster_secret
+from deepinfer.entrypoints.data_parallel.identity import HOST_SECRET_ENV, SECRET_ENV, SECRET_HEADER, cluster_secret
 from deepinfer.entrypoints.data_parallel.replicas import HEARTBEAT_S, ReplicaSet, start_local_replica
 
 logger = logging.getLogger("deepinfer.server")
@@ -86,7 +86,7 @@ def replica_secret(args) -> str | None:
     else the one its front end put into its environment; None for a server that joins none. The
     replica trusts `x-deepinfer-client` only beside it."""
     if args.data_parallel_address is None:
-        return None
+        return os.environ.get(HOST_SECRET_ENV) or None  # a model host's child
     return cluster_secret(args) or os.environ.get(SECRET_ENV) or None
 
 

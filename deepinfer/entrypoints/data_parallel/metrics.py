@@ -57,9 +57,9 @@ class Rejected(ValueError):
         self.reason = reason
 
 
-def relabeled(text: str, rank: int) -> list[Metric]:
-    """A replica's Prometheus text as metric families whose samples carry replica="rank" (see the
-    module docstring). Rejected when the text is not acceptable."""
+def relabeled(text: str, rank: int | str, label: str = "replica") -> list[Metric]:
+    """A replica's Prometheus text as metric families whose samples carry replica="rank" (a model host's
+    children: model="name"; see the module docstring). Rejected when the text is not acceptable."""
     families, num_samples = [], 0
     try:
         for family in text_string_to_metric_families(text):
@@ -69,7 +69,7 @@ def relabeled(text: str, rank: int) -> list[Metric]:
             if family.name.startswith(OWN_PREFIX):
                 continue  # the front end's own names are its own
             copy = Metric(family.name, family.documentation, family.type, family.unit)
-            copy.samples = [Sample(s.name, {**s.labels, "replica": str(rank)}, s.value, s.timestamp, s.exemplar)
+            copy.samples = [Sample(s.name, {**s.labels, label: str(rank)}, s.value, s.timestamp, s.exemplar)
                             for s in family.samples]
             families.append(copy)
         generate_latest(_registry(families))  # what cannot be written out again is refused here
@@ -80,14 +80,14 @@ def relabeled(text: str, rank: int) -> list[Metric]:
     return families
 
 
-def replica_families(replica_texts: dict[int, str]) -> tuple[list[Metric], dict[int, Rejected]]:
+def replica_families(replica_texts: dict, label: str = "replica") -> tuple[list[Metric], dict]:
     """The replicas' families merged by name (rank order), and the replicas whose text was left out,
     with why."""
     by_name: dict[str, Metric] = {}
     rejected: dict[int, Rejected] = {}
     for rank in sorted(replica_texts):
         try:
-            families = relabeled(replica_texts[rank], rank)
+            families = relabeled(replica_texts[rank], rank, label)
         except Rejected as exc:
             rejected[rank] = exc
             continue

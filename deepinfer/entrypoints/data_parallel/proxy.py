@@ -46,7 +46,7 @@ ALLOWED_ROUTES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("/v1/messages", _POST), ("/v1/messages/count_tokens", _POST),
     ("/v1/rerank", _POST), ("/rerank", _POST), ("/v2/rerank", _POST), ("/v1/score", _POST), ("/score", _POST),
     ("/tokenize", _POST), ("/detokenize", _POST), ("/infill", _POST),
-    ("/api/version", _GET), ("/api/tags", _GET), ("/api/show", _POST), ("/api/chat", _POST),
+    ("/api/version", _GET), ("/api/tags", _GET), ("/api/ps", _GET), ("/api/show", _POST), ("/api/chat", _POST),
     ("/api/generate", _POST), ("/api/embed", _POST), ("/api/embeddings", _POST),
 )
 NOT_FORWARDED = {
@@ -114,7 +114,7 @@ async def forward(frontend, request: Request, raw: bytes, hashes: list[bytes], p
         down = frontend.down_event(replica.rank)
         replica.in_flight += 1
         try:
-            answer = await _send(frontend, request, upstream, down)
+            answer = await send_unless_gone(frontend.client, request, upstream, down)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached it: nothing was done there
             replica.in_flight -= 1
             frontend.went_down(replica.rank, f"connect failed ({exc!r})")
@@ -126,11 +126,13 @@ async def forward(frontend, request: Request, raw: bytes, hashes: list[bytes], p
     return _error(503, "no data-parallel replica is up: try again later", request.url.path)
 
 
-async def _send(frontend, request: Request, upstream: httpx.Request, down: asyncio.Event) -> httpx.Response:
-    """The replica's answer (its head; the body streams), unless the client leaves (ClientLeft) or the
-    replica goes down (ReplicaWentDown) first: then the request to the replica is closed, and the
-    replica's own disconnect watcher aborts it there."""
-    send = asyncio.ensure_future(frontend.client.send(upstream, stream=True))
+async def send_unless_gone(client: httpx.AsyncClient, request: Request, upstream: httpx.Request,
+                           down: asyncio.Event) -> httpx.Response:
+    """The server's answer to `upstream` (its head; the body streams), unless the client of `request`
+    leaves (ClientLeft) or the server goes down (`down` set: ReplicaWentDown) first: then the request
+    to the server is closed, and the server's own disconnect watcher aborts it there. The
+    data-parallel front end and the model host (`model_host/relay.py`) both send through it."""
+    send = asyncio.ensure_future(client.send(upstream, stream=True))
     left = asyncio.ensure_future(_client_left(request))
     gone = asyncio.ensure_future(down.wait())
     try:

@@ -52,9 +52,33 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "waiting requests, KV cache usage) logged while the server is busy")
     g.add_argument("--disable-log-stats", action="store_true", help="log no throughput lines")
     add_agent_args(p)
+    add_model_host_args(p)
     add_data_parallel_args(p)
     add_lora_args(p)
+    add_media_args(p)
     add_connection_args(p)
+
+
+def add_model_host_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("several models on demand (as Ollama: each loaded on its first request)")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every GGUF file (by its stem; a split set once) and HF folder (by its name) in DIR, "
+                        "each loaded on its first request; --model may repeat to add models, --all-models adds "
+                        "what `deepinfer list` shows")
+    g.add_argument("--all-models", action="store_true",
+                   help="serve every model `deepinfer list` shows (pip-shipped, Hugging Face cache, models dir), "
+                        "each loaded on its first request")
+    g.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
+                   help="models loaded at once; a request for another unloads the least recently used idle one "
+                        "(never one with requests in flight)")
+    g.add_argument("--models-memory", default="auto", metavar="SIZE",
+                   help="memory the loaded models may take together (e.g. 12GiB; auto: 90%% of what is free at "
+                        "start-up; none: no budget); the least recently used idle models make room")
+    g.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                   help="how long a model stays loaded after its last request (Ollama's keep_alive: 30s, 5m, 1h; "
+                        "0 unloads after each answer; negative keeps it); a request's own keep_alive wins")
+    g.add_argument("--load-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long a request waits for its model to load (or for room to load it) before a 503")
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser) -> None:

@@ -28,6 +28,11 @@ _PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-s
              "img-src 'self' data:; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 
 
+def page_headers() -> dict[str, str]:
+    """The headers of the chat page and the dashboard page: their policy, and no stale copy."""
+    return {"Content-Security-Policy": _PAGE_CSP, "Cache-Control": "no-cache"}
+
+
 def dashboard_routes(state, key_dependency) -> APIRouter:
     """The page (public) and its JSON route (behind `key_dependency`); hooks a `DashboardFeed`
     into the server's engine loop."""
@@ -38,7 +43,7 @@ def dashboard_routes(state, key_dependency) -> APIRouter:
 
     @router.get("/dashboard", include_in_schema=False)
     async def dashboard_page() -> Response:
-        return FileResponse(page, headers={"Content-Security-Policy": _PAGE_CSP, "Cache-Control": "no-cache"})
+        return FileResponse(page, headers=page_headers())
 
     @router.get("/dashboard/state", dependencies=[Depends(key_dependency)])
     async def dashboard_state(request: Request, request_id: str | None = None) -> dict:

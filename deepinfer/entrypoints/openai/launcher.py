@@ -58,6 +58,11 @@ def run_server(args) -> int:
 
     _check_args(args)
     _setup_logging(args.log_level)
+    from deepinfer.entrypoints.model_host.launch import hosts_models, run_model_host
+    from deepinfer.entrypoints.model_host.load_priority import restore_after_load
+
+    if hosts_models(args):
+        return run_model_host(args)
     frontend_status = serve_data_parallel(args)
     if frontend_status is not None:
         return frontend_status
@@ -75,6 +80,7 @@ def run_server(args) -> int:
     print(f"deepinfer: serving {settings.model_name} (max_model_len {engine.max_model_len}) "
           f"on http://{args.host}:{args.port}/v1", flush=True)
     fatal.server = GracefulServer(config, app.state.server.engine_loop, args.shutdown_grace)
+    restore_after_load()  # a model host's child: back under SCHED_OTHER once loaded
     if args.data_parallel_address is not None:
         start_joining(args, args.port)
     fatal.server.run()
@@ -143,6 +149,14 @@ class GracefulServer(uvicorn.Server):
     async def serve(self, sockets=None) -> None:
         self._event_loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: where the pages are (the port bound, when --port 0 chose one)
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
+            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+            print(f"deepinfer: chat page http://{host}:{port}/\ndeepinfer: dashboard http://{host}:{port}/dashboard",
+                  flush=True)
 
     def stop_soon(self) -> None:
         """From any thread: refuse new requests and shut down now (no drain: the engine is gone)."""

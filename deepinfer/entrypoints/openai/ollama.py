@@ -2,6 +2,7 @@
 
     GET  /api/version       {"version"}
     GET  /api/tags          the served model and its LoRA adapters (name:latest, size, digest, details)
+    GET  /api/ps            the served model, loaded for good (its process's resident memory)
     POST /api/show          a model's details, parameters, chat template and capabilities
     POST /api/chat          chat through the model's chat template, tools and format included
     POST /api/generate      a prompt through the chat template, or raw (and with a suffix: FIM, if served)
@@ -80,6 +81,13 @@ def ollama_routes(state) -> APIRouter:
     async def tags() -> dict:
         return {"models": [model_entry(card["name"], card) for card in cards()]}
 
+    @router.get("/ps")
+    async def ps() -> dict:
+        """The served model, loaded for as long as the server runs (Ollama's "never" expiry)."""
+        entry = model_entry(base["name"], base) | {"size": _resident_bytes(), "size_vram": 0,
+                                                  "expires_at": NEVER_EXPIRES, "context_length": state.max_model_len}
+        return {"models": [entry]}
+
     @router.post("/show")
     async def show(request: Request) -> dict:
         body = await state.pool.parse(await read_body(request), NameBody)
@@ -119,6 +127,18 @@ def ollama_routes(state) -> APIRouter:
         return {"embedding": outputs[0].outputs.embedding}
 
     return router
+
+
+NEVER_EXPIRES = "2318-08-22T00:00:00Z"  # what Ollama reports for a model kept loaded (keep_alive -1)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (the model's weights, KV cache and runtime), 0 when unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+    except OSError:
+        return 0
 
 
 def resolve_model(state, name: str) -> str:

@@ -153,7 +153,7 @@ def base_card(engine, name: str) -> dict:
     family = source.hf_config.model_type or ""
     level = quantization.upper() if quantization != "none" else _DTYPE_LEVELS.get(dtype, dtype)
     details = {"parent_model": "", "format": "gguf" if source.format == "gguf" else "safetensors",
-               "family": family, "families": [family], "parameter_size": _parameter_size(runner),
+               "family": family, "families": [family], "parameter_size": _parameter_size(source.path, runner),
                "quantization_level": level}
     return {"name": name, "size": sum(os.path.getsize(f) for f in files), "digest": source.identity,
             "modified_at": datetime.fromtimestamp(mtime, UTC).isoformat().replace("+00:00", "Z"),
@@ -174,10 +174,14 @@ def _weight_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith((".safetensors", ".gguf"))]
 
 
-def _parameter_size(runner) -> str:
-    """The parameter count as Ollama writes it ("494.03M", "7.6B")."""
-    count = sum(p.numel() for p in runner.model.parameters())
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return str(count)
+def _parameter_size(path: str, runner) -> str:
+    """The parameter count as Ollama writes it ("494.03M", "7.62B"): the values in the checkpoint's files
+    (a quantized matrix is a buffer of blocks, not a parameter, so the module cannot count it), else
+    the module's parameters (dummy weights)."""
+    from deepinfer.entrypoints.model_host.catalog import parameter_size, read_facts
+
+    try:
+        count = read_facts(path).parameter_count
+    except (OSError, ValueError, KeyError, TypeError):
+        count = None
+    return parameter_size(count or sum(p.numel() for p in runner.model.parameters()))

@@ -69,15 +69,28 @@ async function loadModel() {
     const response = await fetch("v1/models", { headers: authHeaders() });
     if (!response.ok) throw await errorFromResponse(response);
     const body = await response.json();
-    chat.model = body.data[0].id;
-    $("model").textContent = chat.model;
+    const ids = body.data.map((card) => card.id);
+    chat.model = ids.includes(chat.model) ? chat.model : ids[0];
+    showModels(ids);
     showError("");
   } catch (err) {
     chat.model = null;
-    $("model").textContent = "model unknown";
+    showModels([]);
     showError(describeError(err));
     if (err.status === 401) askForKey(false);
   }
+}
+
+/** The model picker's options: one per id (its text set as text), the current model selected. */
+function showModels(ids) {
+  const picker = $("model");
+  picker.replaceChildren(...(ids.length ? ids : ["model unknown"]).map((id) => {
+    const option = document.createElement("option");
+    option.value = option.textContent = id;
+    return option;
+  }));
+  picker.disabled = !ids.length;
+  if (chat.model) picker.value = chat.model;
 }
 
 // -- messages -------------------------------------------------------------------------------------

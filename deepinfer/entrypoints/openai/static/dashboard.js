@@ -18,6 +18,7 @@ const dash = {
   history: [], // {t (s), running, waiting, genRate, promptRate, hitRate, blocks: {group: used}, rings: {group: used}}
   previous: null, // the last reading: {t, gen, prompt}, for the rates
   refreshes: 0,
+  sourceKey: "replica", // the label whose value `replica` holds: "replica" or "model"
 };
 
 function showError(text) {
@@ -42,17 +43,37 @@ function parsePrometheus(text) {
   return samples;
 }
 
-/** Behind a data-parallel front end every replica's samples carry `replica`: keep one replica's
- * (`?replica=R` in the page's address, else the lowest rank seen), without that label. */
+/** Behind a data-parallel front end every replica's samples carry `replica`, behind a model host every
+ * loaded model's carry `model`: keep one's (`?replica=R` or `?model=NAME` in the page's address, else the
+ * first seen), without that label; the picker offers the others. */
 function oneReplica(samples) {
-  const ranks = [...new Set(samples.filter((s) => "replica" in s.labels).map((s) => s.labels.replica))];
-  if (!ranks.length) return samples;
-  const wanted = new URLSearchParams(location.search).get("replica");
-  dash.replica = ranks.includes(wanted) ? wanted : ranks.sort((a, b) => Number(a) - Number(b))[0];
-  return samples.filter((s) => s.labels.replica === dash.replica).map((s) => {
-    const { replica, ...labels } = s.labels;
+  const key = samples.some((s) => "model" in s.labels) ? "model" : "replica";
+  const byRank = (a, b) => (key === "replica" ? Number(a) - Number(b) : a.localeCompare(b));
+  const values = [...new Set(samples.filter((s) => key in s.labels).map((s) => s.labels[key]))].sort(byRank);
+  if (!values.length) return samples;
+  const wanted = new URLSearchParams(location.search).get(key);
+  dash.sourceKey = key;
+  dash.replica = values.includes(wanted) ? wanted : values[0];
+  showSources(values);
+  return samples.filter((s) => s.labels[key] === dash.replica).map((s) => {
+    const { [key]: _, ...labels } = s.labels;
     return { ...s, labels };
   });
+}
+
+/** The picker of models (or replicas): choosing one reloads the page with it in the address. */
+function showSources(values) {
+  const picker = $("source");
+  if (picker.dataset.values !== values.join("\n")) {
+    picker.dataset.values = values.join("\n");
+    picker.replaceChildren(...values.map((value) => {
+      const option = document.createElement("option");
+      option.value = option.textContent = value;
+      return option;
+    }));
+  }
+  picker.value = dash.replica;
+  picker.hidden = false;
 }
 
 /** The one unlabelled sample named `name` (null if absent). */
@@ -262,7 +283,7 @@ async function fetchState() {
   const id = $("request").value;
   const query = new URLSearchParams();
   if (id) query.set("request_id", id);
-  if (dash.replica !== undefined) query.set("replica", dash.replica); // the front end sends it there
+  if (dash.replica !== undefined) query.set(dash.sourceKey, dash.replica); // the front end sends it there
   const url = "dashboard/state" + (query.size ? `?${query}` : "");
   const response = await fetch(url, { headers: authHeaders(), cache: "no-store" });
   if (response.status === 401) {
@@ -318,3 +339,8 @@ loadStoredKey();
 $("api-key").addEventListener("change", storeKey);
 $("request").addEventListener("change", refresh);
 loop();
+$("source").addEventListener("change", () => {
+  const query = new URLSearchParams(location.search);
+  query.set(dash.sourceKey, $("source").value);
+  location.search = query.toString();
+});
