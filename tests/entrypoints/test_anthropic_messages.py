@@ -198,6 +198,8 @@ BAD = [  # (body fields, what the message must name)
     ({"system": [{"type": "image"}]}, "system[0]"),
     ({"temperature": 1.5}, "temperature"),
     ({"top_k": -1}, "top_k"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": "7"}, "seed"),
     ({"stop_sequences": "x"}, "stop_sequences"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),

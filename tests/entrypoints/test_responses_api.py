@@ -172,6 +172,18 @@ def test_a_json_schema_output(client):
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
+def test_a_seed_repeats_the_sample_the_chat_route_draws(client):
+    """`seed` (in extra_body) is the chat route's: the same seed, the same tokens, at temperature 1."""
+    def sample(seed: int) -> str:
+        return client.responses.create(model="tiny", input=QUESTION, temperature=1.0, max_output_tokens=12,
+                                       store=False, extra_body={"seed": seed}).output_text
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=1.0, max_tokens=12, seed=5).choices[0].message.content
+    assert sample(5) == sample(5) == chat
+    assert len({sample(seed) for seed in range(4)}) > 1  # the seed is read: other seeds, other samples
+
+
 def test_the_store_is_an_lru_bounded_in_count_and_characters():
     store = ResponseStore(max_responses=3, max_chars=380)  # a small entry: ~50 characters, the big one ~350
     for i in range(4):
@@ -196,6 +208,8 @@ BAD = [  # (body fields, param)
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "nothing"}}}}, "text"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "seed": 2**64}, "seed"),
+    ({"input": "x", "seed": 1.5}, "seed"),
     ({"input": "x", "max_output_tokens": 10**6}, "input"),  # context_length_exceeded, as the chat route names it
     ({"input": "x", "frequency": 1}, "frequency"),
     ({"input": "x", "model": "other"}, "model"),

@@ -21,7 +21,8 @@ forms "auto", "required", a named function and "none". `thinking` `{type: enable
 disabled}` reaches the chat template as `enable_thinking` (budget_tokens is accepted and ignored;
 the --reasoning-parser reads the section). `output_config.format` (`{type: json_schema, schema}`)
 constrains the answer as the chat route's response_format does. `temperature`, `top_p` and `top_k`
-are read (the newest client no longer declares them: send them in `extra_body`). `metadata`,
+are read (the newest client no longer declares them: send them in `extra_body`), and `seed` (not
+Anthropic's: the chat route's, for a repeatable sample). `metadata`,
 `service_tier`, `cache_control` (the prefix cache is automatic) and `output_config.effort` are
 accepted and ignored; any other field is a 400 naming it. `cache_control` and `citations` on blocks are ignored.
 """
@@ -37,7 +38,7 @@ from deepinfer.sampling_params import INT64_MAX, short_repr
 from deepinfer.serving.errors import FieldError, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
 from deepinfer.serving.pictures import take_picture_paths
-from deepinfer.serving.protocol import PICTURE_PATHS
+from deepinfer.serving.protocol import PICTURE_PATHS, SEED_MAX, SEED_MIN
 
 _USER_BLOCKS = ("text", "image", "tool_result")
 _ASSISTANT_BLOCKS = ("text", "tool_use", "thinking", "redacted_thinking")
@@ -97,6 +98,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop_sequences: Items[str] | None = None
     stream: bool | None = False
     # accepted and ignored
@@ -106,7 +108,7 @@ class MessagesRequest(CountTokensRequest):
     def chat_body(self) -> dict:
         body = super().chat_body()
         sampling = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                    "top_k": self.top_k, "stop": self.stop_sequences}
+                    "top_k": self.top_k, "seed": self.seed, "stop": self.stop_sequences}
         return body | {key: value for key, value in sampling.items() if value is not None}
 
 

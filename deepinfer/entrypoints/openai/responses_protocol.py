@@ -5,7 +5,8 @@ message items and of `function_call` / `function_call_output` items; `reasoning`
 skipped), `instructions` (a system message; not carried over from a previous response, as in
 OpenAI's API), function `tools` and `tool_choice`, `text.format` (text, json_object,
 json_schema), `max_output_tokens`, `temperature`, `top_p`, `previous_response_id`, `store`,
-`stream`. Fields that change nothing here are accepted and ignored (`include`, `reasoning`,
+`stream`, and `seed` (not OpenAI's: the chat route's, for a repeatable sample; send it in
+`extra_body`). Fields that change nothing here are accepted and ignored (`include`, `reasoning`,
 `truncation`, `user`, `metadata` (returned as given), `service_tier`, ...); fields whose meaning
 the server does not implement (`background`, `conversation`, `prompt`, `max_tool_calls`) are a
 400 naming them. Items are read loosely (an item's unknown fields are ignored: clients send back
@@ -23,7 +24,7 @@ from deepinfer.sampling_params import short_repr
 from deepinfer.serving.errors import FieldError, FieldNames, Path
 from deepinfer.serving.parse import STRICT, Entries, Items
 from deepinfer.serving.pictures import take_picture_paths
-from deepinfer.serving.protocol import PICTURE_PATHS
+from deepinfer.serving.protocol import PICTURE_PATHS, SEED_MAX, SEED_MIN
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -61,6 +62,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool | None = False
     tools: Items[Any] | None = None
     tool_choice: str | Entries[str, Any] | None = None
@@ -101,7 +103,8 @@ class ResponsesRequest(BaseModel):
             list(history) + input_messages(self.input)
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens,
                 PICTURE_PATHS: take_picture_paths(messages, ("previous_response_id",)),
-                "temperature": self.temperature, "top_p": self.top_p, "tools": chat_tools(self.tools),
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "tools": chat_tools(self.tools),
                 "tool_choice": chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
                 "response_format": chat_response_format(self.text)}
         return {key: value for key, value in body.items() if value is not None}
