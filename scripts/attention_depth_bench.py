@@ -72,7 +72,10 @@ def baseline_kernel(source: str, isa: int):
     path = os.path.join(folder, "invariant_baseline.cpp")
     with open(source) as f, open(path, "w") as out:
         out.write(f.read().replace("deepinfer_cpu", "deepinfer_cpu_baseline"))
-    load_library("invariant_baseline", [path], _CFLAGS)
+    pool = os.path.join(folder, "work_pool_baseline.cpp")  # the kernels' thread pool: a copy of its own
+    with open(os.path.join(os.path.dirname(fused.__file__), "work_pool.cpp")) as f, open(pool, "w") as out:
+        out.write(f.read().replace("deepinfer_cpu", "deepinfer_cpu_baseline"))
+    load_library("invariant_baseline", [path, pool], _CFLAGS)
     op = torch.ops.deepinfer_cpu_baseline.invariant_decode_attn
     return lambda cache, q, index, first: op(q, cache.rows2d, index, first, cache.codec.num_kv_heads,
                                              cache.rows_per_unit, cache.lines_per_unit, cache.layer_offset,
