@@ -179,3 +179,16 @@ def _property(rng: random.Random, kind: str, depth: int) -> dict:
 def random_function(rng: random.Random, index: int) -> dict:
     return {"type": "function", "function": {"name": f"fn_{index}", "description": f"function {index}",
                                              "parameters": random_schema(rng)}}
+
+
+def streamed_chat(client, **request) -> tuple[str, list[tuple[str, str]], str]:
+    """(content, [(name, arguments)], finish_reason) of a streamed chat answer, from its deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **request):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, [delta.function.name, ""])
+            entry[1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish

@@ -32,3 +32,26 @@ def hermes_server(tiny_checkpoint, tmp_path_factory):
     path = templated_checkpoint(tiny_checkpoint("llama"), str(tmp_path_factory.mktemp("hermes")), HERMES)
     with AppServer("--model", path, "--served-model-name", "tiny") as app:
         yield app
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (Debian's, or DEEPINFER_CHROMIUM) for the page tests, one per module."""
+    from playwright.sync_api import sync_playwright
+    from test_chat_page import CHROMIUM_FLAGS, chromium_path
+
+    executable = chromium_path()
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh 1000 x 800 page (its own context) with a 60 s default timeout."""
+    context = browser.new_context(viewport={"width": 1000, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 from live_server import LiveServer
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 pytestmark = [pytest.mark.live_server]
 
@@ -52,24 +52,6 @@ def chromium_path() -> str:
 def server():
     with LiveServer(api_key=KEY) as live:
         yield live
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = chromium_path()
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture
-def page(browser) -> Page:
-    context = browser.new_context(viewport={"width": 1000, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
 
 
 def served_model(server) -> str:

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 from live_server import LiveServer
-from playwright.sync_api import Page, expect, sync_playwright
-from test_chat_page import CHROMIUM_FLAGS, answers, chromium_path, open_with_key, send, wait_for_stats
+from playwright.sync_api import expect
+from test_chat_page import answers, open_with_key, send, wait_for_stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 from picture_checkpoints import build_checkpoint, noise  # noqa: E402
@@ -61,24 +61,6 @@ def server(llava):
     with LiveServer("--model", llava.path, "--served-model-name", "tiny-llava", "--max-model-len", "256",
                     api_key=KEY) as live:
         yield live
-
-
-@pytest.fixture(scope="module")
-def browser():
-    executable = chromium_path()
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_FLAGS)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture
-def page(browser) -> Page:
-    context = browser.new_context(viewport={"width": 1000, "height": 800})
-    page = context.new_page()
-    page.set_default_timeout(60_000)
-    yield page
-    context.close()
 
 
 def hf_answer(llava, picture) -> str:

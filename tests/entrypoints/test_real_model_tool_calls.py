@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
-from agent_models import ADD, HERMES, WEATHER
+from agent_models import ADD, HERMES, WEATHER, streamed_chat
 from app_server import AppServer
 
 pytestmark = [pytest.mark.real_model]
@@ -94,26 +94,13 @@ def test_forced_calls_end_by_themselves_in_every_api(smol):
                      names)
 
 
-def _streamed(client, **request) -> tuple[str, list[tuple[str, str]], str]:
-    """(content, [(name, arguments)], finish_reason) of a streamed answer, from its deltas."""
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **request):
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, [delta.function.name, ""])
-            entry[1] += delta.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, [tuple(calls[i]) for i in sorted(calls)], finish
-
-
 def test_a_streamed_answer_cut_inside_a_call_sends_only_arguments_that_parse(smol):
     """max_tokens ends the answers inside their first call (20 tokens) or after it (50: inside a
     second one, if the model goes on): every call a stream sent has arguments that parse."""
     client = smol.openai(timeout=300)
     messages = [{"role": "user", "content": QUESTION}]
     for max_tokens in (20, 50):
-        answers = _all(lambda seed, max_tokens=max_tokens: _streamed(
+        answers = _all(lambda seed, max_tokens=max_tokens: streamed_chat(
             client, model="m", messages=messages, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
             max_tokens=max_tokens))
         for content, calls, finish in answers:

@@ -21,7 +21,7 @@ import random
 import jsonschema
 import numpy as np
 import pytest
-from agent_models import ADD, HERMES, WEATHER, random_function, templated_checkpoint
+from agent_models import ADD, HERMES, WEATHER, random_function, streamed_chat, templated_checkpoint
 from app_server import AppServer
 
 from deepinfer.serving.chat.constraints import forced_call
@@ -167,18 +167,6 @@ def _validate(call, tools) -> None:
     jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
-def _stream(client, **request) -> tuple[str, list[tuple[str, str]], str]:
-    content, calls, finish = "", {}, None
-    for chunk in client.chat.completions.create(stream=True, **request):
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for delta in choice.delta.tool_calls or []:
-            entry = calls.setdefault(delta.index, [delta.function.name, ""])
-            entry[1] += delta.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, [tuple(calls[i]) for i in sorted(calls)], finish
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}],
                          ids=["required", "named"])
@@ -192,7 +180,7 @@ def test_forced_calls_whole_and_streamed(tag_server, choice):
     _validate(call, tools)
     if isinstance(choice, dict):
         assert call.function.name == "add"
-    content, streamed, finish = _stream(client, **request)
+    content, streamed, finish = streamed_chat(client, **request)
     assert (content.strip(), finish) == ("", "tool_calls")
     assert streamed == [(call.function.name, call.function.arguments)]
 
@@ -207,7 +195,7 @@ def test_twenty_random_schemas_give_valid_arguments(tag_server):
         request = dict(model="tiny", messages=QUESTION, tools=tools, tool_choice="required",
                        parallel_tool_calls=False, temperature=1.0, seed=i, max_tokens=400)
         if stream:
-            content, calls, finish = _stream(client, **request)
+            content, calls, finish = streamed_chat(client, **request)
             assert finish == "tool_calls" and not content.strip(), (tools, content)
             ((name, arguments),) = calls
         else:
