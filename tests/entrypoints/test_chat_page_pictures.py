@@ -9,8 +9,6 @@ pictures (`image_url` parts), and the reference asks the same way round.
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import sys
 
@@ -20,7 +18,7 @@ from playwright.sync_api import expect
 from test_chat_page import answers, open_with_key, send, wait_for_stats
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from picture_checkpoints import build_checkpoint, noise  # noqa: E402
+from picture_checkpoints import build_checkpoint, noise, png_b64  # noqa: E402
 
 pytestmark = [pytest.mark.live_server]
 
@@ -43,12 +41,6 @@ _DROP = """(b64) => {
   document.getElementById("messages").dispatchEvent(
     new DragEvent("drop", {dataTransfer: data, bubbles: true, cancelable: true}));
 }"""
-
-
-def png_b64(picture) -> str:
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

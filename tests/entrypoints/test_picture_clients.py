@@ -4,15 +4,13 @@ in-process, and get HF transformers' greedy answer to the same picture and text.
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
-from picture_checkpoints import build_checkpoint, two_pictures  # noqa: E402
+from picture_checkpoints import build_checkpoint, png_b64, two_pictures  # noqa: E402
 
 MAX_TOKENS = 6
 QUESTION = "what is in this picture"
@@ -26,12 +24,6 @@ def hf_answer(llava, picture, images_first: bool = False) -> str:
 
     parts = [{"type": "text", "text": QUESTION}, {"type": "image"}]
     return llava.hf_answer(parts[::-1] if images_first else parts, [to_rgb(picture)], MAX_TOKENS)[1]
-
-
-def png_b64(picture) -> str:
-    buffer = io.BytesIO()
-    picture.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")

@@ -264,7 +264,12 @@ def two_pictures() -> list[Image.Image]:
     return [noise(80, 60, 1), noise(50, 110, 2)]
 
 
-def data_url(picture) -> str:
+def png_b64(picture) -> str:
+    """The picture as a PNG file, base64 (an API's `data` field)."""
     buffer = io.BytesIO()
     picture.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def data_url(picture) -> str:
+    return "data:image/png;base64," + png_b64(picture)
