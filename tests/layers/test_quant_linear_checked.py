@@ -11,7 +11,8 @@ from deepinfer.model_executor.layers.ops.cpu_kernels import qdot_level
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, qmatmul
 from deepinfer.model_executor.layers.quant_linear import QuantLinear
 
-pytestmark = pytest.mark.skipif(not qdot_level(), reason="needs the CPU kernels (the step path is theirs)")
+pytestmark = pytest.mark.skipif(not qdot_level(), reason="needs the CPU kernels: without them QuantLinear takes "
+                                                          "qmatmul, which tests/ops/test_qmatmul.py covers")
 
 
 def _weight(kind: str, n: int, k: int, seed: int) -> QuantWeight:

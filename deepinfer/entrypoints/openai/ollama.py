@@ -83,10 +83,7 @@ def ollama_routes(state) -> APIRouter:
 
     @router.get("/ps")
     async def ps() -> dict:
-        """The served model, loaded for as long as the server runs (Ollama's "never" expiry)."""
-        entry = model_entry(base["name"], base) | {"size": _resident_bytes(), "size_vram": 0,
-                                                  "expires_at": NEVER_EXPIRES, "context_length": state.max_model_len}
-        return {"models": [entry]}
+        return {"models": [_loaded_entry(state, base)]}
 
     @router.post("/show")
     async def show(request: Request) -> dict:
@@ -130,6 +127,13 @@ def ollama_routes(state) -> APIRouter:
 
 
 NEVER_EXPIRES = "2318-08-22T00:00:00Z"  # what Ollama reports for a model kept loaded (keep_alive -1)
+
+
+def _loaded_entry(state, base: dict) -> dict:
+    """/api/ps's entry for the served model, loaded for as long as the server runs (Ollama's "never"
+    expiry), its size the process's resident memory."""
+    return model_entry(base["name"], base) | {"size": _resident_bytes(), "size_vram": 0,
+                                              "expires_at": NEVER_EXPIRES, "context_length": state.max_model_len}
 
 
 def _resident_bytes() -> int:
