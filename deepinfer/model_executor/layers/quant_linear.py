@@ -73,6 +73,19 @@ class PackedModule:
     numerics). QuantLinear, QuantEmbedding and fused_moe.QuantFusedExperts are such modules."""
 
     qweights: tuple[QuantWeight, ...]
+    _checked: tuple[torch.Tensor, KernelWeight | None] | None = None  # (the part's bytes, checked)
+
+    def checked_weight(self, x: torch.Tensor) -> KernelWeight | None:
+        """The one part checked for the CPU kernels (in their tile layout where it has one) when x is
+        fp32 [M, K] on the CPU, kept until the part's bytes are replaced (e.g. moved to another
+        device); else None (qmatmul's general path)."""
+        if len(self.qweights) != 1 or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        data = self.qweights[0].data
+        cached = self._checked
+        if cached is None or cached[0] is not data:
+            cached = self._checked = (data, kernel_weight(self.qweights[0]))
+        return cached[1]
 
 
 class QuantLinear(nn.Module, PackedModule):
@@ -90,26 +103,14 @@ class QuantLinear(nn.Module, PackedModule):
             raise ValueError(f"QuantLinear parts have different input sizes: {[w.shape for w in self.qweights]}")
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.shard_sizes = None if shard_sizes is None else list(shard_sizes)
-        self._checked: tuple[torch.Tensor, KernelWeight | None] | None = None  # (the part's bytes, checked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checked = self._checked_weight(x)
+        checked = self.checked_weight(x)
         if checked is not None:  # a step's usual call: one kernel call, checked once per load
             y = qlinear_checked(x, checked, self.act_levels)  # [M, out]
         else:
             y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
         return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _checked_weight(self, x: torch.Tensor) -> KernelWeight | None:
-        """The one part checked for the CPU kernels when x is fp32 [M, K] on the CPU (kept until the
-        part's bytes are replaced, e.g. moved to another device); else None (qmatmul's general path)."""
-        if len(self.qweights) != 1 or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
-            return None
-        data = self.qweights[0].data
-        cached = self._checked
-        if cached is None or cached[0] is not data:
-            cached = self._checked = (data, kernel_weight(self.qweights[0]))
-        return cached[1]
 
     def extra_repr(self) -> str:
         kinds = "+".join(f"{w.kind}[{w.shape[0]}]" for w in self.qweights)
@@ -167,6 +168,9 @@ class QuantVocabParallelEmbedding(QuantEmbedding):
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] @ head^T for an LM head given as a Linear or a (tied) Embedding, either form."""
     if isinstance(head, QuantLinear | QuantEmbedding):  # the integer kernels (two levels: activation_levels)
+        checked = head.checked_weight(hidden)
+        if checked is not None:  # a step's usual call, as QuantLinear.forward's
+            return qlinear_checked(hidden, checked, head.act_levels)  # [N, V]
         return qmatmul(hidden, head.qweights, head.act_levels)  # [N, V]
     return F.linear(hidden, head.weight)  # [N, V]
 

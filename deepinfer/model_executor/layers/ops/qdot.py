@@ -44,13 +44,20 @@ verification) run the variant `few_rows.py` measured fastest on this CPU, the sa
 functions below take `isa=` to run another variant (tests, benchmarks).
 
 A layer calls `qlinear(x, w)` (one kernel call: quantize, then dot); weights stacked on the output
-axis share one `quantize_acts(x)` and take a `qdot(acts, part)` each. The result depends only on
+axis share one `quantize_acts(x)` and take a `qdot(acts, part)` each. A layer that keeps one
+weight (`quant_linear.QuantLinear`, a tied head) checks it once per load (`kernel_weight`), and
+Q4_K, Q5_K and Q6_K weights are then kept a second time in the kernels' tile layout
+(`TILED_KINDS`, qdot_cpu.cpp's `pack_tiles`): the same bytes, the R rows of a tile interleaved so
+that the one-row kernel reads them with plain loads rather than loads and transposes. The same bits;
+an anonymous copy of those weights beside the mapped file, whose pages the OS may then drop.
+DEEPINFER_QDOT_TILES=0 keeps the file's layout alone. The result depends only on
 the row, the weight and the kind, never on how many rows come together, so decode, verification
 and prefill of the same token give the same bits.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -241,19 +248,39 @@ def qlinear(x: torch.Tensor, w: BlockWeight, *, isa: str | None = None, levels: 
 class KernelWeight(NamedTuple):
     """A CPU weight checked once (`kernel_weight`): what each `qlinear_checked` call hands the kernel."""
 
-    data: torch.Tensor  # uint8 [N, bytes per row]
+    data: torch.Tensor  # uint8 [N, bytes per row], or the tile layout: [N rounded up to R, bytes per row]
     ggml_id: int
     k: int
+    rows: int = -1  # N when `data` is the tile layout, else -1
+
+
+TILED_KINDS = frozenset({"Q4_K", "Q5_K", "Q6_K"})  # kinds with a tile layout (qdot_cpu.cpp's pack_tiles)
+_LANES = {2: 8, 3: 8, 4: 16}  # weight rows per tile of each SIMD variant
+
+
+def tile_level() -> int:
+    """The variant whose tile layout checked weights take, 0 for none: this process's variant when
+    its few-row calls run one with the same lanes (the layout is per lane count), unless
+    DEEPINFER_QDOT_TILES=0."""
+    level = qdot_level()
+    if os.environ.get("DEEPINFER_QDOT_TILES", "1").strip() == "0" or level not in _LANES:
+        return 0
+    return level if _LANES[few_row_level(level)] == _LANES[level] else 0
 
 
 def kernel_weight(w: BlockWeight) -> KernelWeight | None:
     """w checked as `qlinear` checks it on every call, or None where the kernels cannot take it
-    (no library, or not on the CPU): a layer that calls once per step checks once per load."""
+    (no library, or not on the CPU): a layer that calls once per step checks once per load. A
+    TILED_KINDS weight is copied into the tile layout when `tile_level()` has one."""
     if not w.data.is_cpu or not qdot_level():
         return None
     kind = check_weight(w)
     if kind.ggml_id in _GRID_IDS:
         iq_blocks.hand_over_tables()
+    level = tile_level()
+    if level and w.kind in TILED_KINDS and w.data.is_contiguous():
+        tiles = torch.ops.deepinfer_cpu.pack_tiles.default(w.data, kind.ggml_id, level)  # [N up to R, bytes]
+        return KernelWeight(tiles, kind.ggml_id, w.shape[1], w.shape[0])
     return KernelWeight(w.data, kind.ggml_id, w.shape[1])
 
 
@@ -261,7 +288,7 @@ def qlinear_checked(x: torch.Tensor, w: KernelWeight, levels: int) -> torch.Tens
     """qlinear for fp32 x [M, K] on the CPU and a checked weight: the same kernel call, the same
     bits, without the per-call checks (a few microseconds each, per layer and step)."""
     return torch.ops.deepinfer_cpu.qlinear.default(x, w.data, w.ggml_id, w.k, _resolve(None, x.shape[0] * levels),
-                                                   levels)  # [M, N]
+                                                   levels, w.rows)  # [M, N]
 
 
 # ---- the torch reference ------------------------------------------------------------------

@@ -101,6 +101,15 @@ constexpr Kind kKinds[] = {
     {35, 256, 66, 32, 0, false},    // TQ2_0
 };
 
+// The tile layout (pack_tiles) of Q4_K, Q5_K and Q6_K: a tile of R weight rows (R: the variant's
+// lanes) holds, per block b of the rows and per 16-byte column c of a block, four vectors j of R dwords:
+// bytes 16c + 4j .. 16c + 4j + 3 of row r's block in lane r. The one-row kernel then loads each with
+// one plain load instead of R 16-byte loads and a transpose (a third of its instructions). Bytes per
+// block in it (0: no tile layout): a multiple of 16; Q6_K's 210 take 224, its last column being bytes
+// 194..209 again (d at its end, where the file-layout decoder has it).
+constexpr int64_t tiled_block_bytes(int64_t id) { return id == 12 ? 144 : id == 13 ? 176 : id == 14 ? 224 : 0; }
+constexpr int64_t tiled_column_source(int64_t id, int64_t c) { return id == 14 && c == 13 ? 194 : 16 * c; }
+
 // IQ4_NL's and IQ4_XS's 16 values (a code indexes them), and the same plus 128 as unsigned bytes.
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
@@ -193,13 +202,14 @@ struct Problem {
   const int8_t* q;      // [M, K]
   const float* d;       // [M, K/32]
   const float* sf;      // [M, K/U]: float(s), kinds with a min (else null)
-  const uint8_t* w;     // [N, row_bytes]
+  const uint8_t* w;     // [N, row_bytes], or tiled (pack_tiles): [N rounded up to R, row_bytes]
   float* y;             // [M / levels, N]: level 1 + level 2 of each row with two levels
   int64_t M, N, K, row_bytes;
   int64_t levels;       // rows m and m + M / 2 are a row's two levels when 2
   Kind kind;
   const Panel* panels;  // covering rows 0 .. M-1 in order
   int64_t num_panels;
+  bool tiled;           // w in the tile layout of the variant's R (see pack_tiles)
 };
 
 // The 256-bit variants' lanes and panel rows, and their entry points (qdot_avx2_cpu.cpp).
@@ -743,23 +753,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_acts(const at::Tensor& x
   return {q, d, sums};
 }
 
+// The lanes (weight rows per tile) of variant `isa`.
+int64_t tile_rows_of(int64_t isa) { return isa == 4 ? v512::V::R : isa >= 2 ? kR256 : 1; }
+
+// w uint8 [N, row bytes] (the file's blocks) -> the tile layout of variant `isa` (see
+// tiled_block_bytes): uint8 [N rounded up to its R, K / 256 * tiled_block_bytes], zero rows after N.
+at::Tensor pack_tiles(const at::Tensor& w, int64_t kind, int64_t isa) {
+  check_isa(isa);
+  const Kind kd = kind_of(kind);
+  const int64_t tb = tiled_block_bytes(kd.id), R = tile_rows_of(isa);
+  TORCH_CHECK(tb && R > 1, "pack_tiles: no tile layout for type ", kind, " on isa ", isa);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) % kd.block_bytes == 0,
+              "pack_tiles: w must be uint8 [N, a multiple of ", kd.block_bytes, "]");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), nb = wc.size(1) / kd.block_bytes, tiles = (N + R - 1) / R;
+  at::Tensor out = at::zeros({tiles * R, nb * tb}, wc.options());
+  const uint8_t* src = wc.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  deepinfer_pool::parallel_for(tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = dst + t * R * nb * tb;
+      for (int64_t r = 0; r < R && t * R + r < N; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = src + (t * R + r) * wc.size(1) + b * kd.block_bytes;
+          for (int64_t c = 0; c < tb / 16; ++c)
+            for (int64_t j = 0; j < 4; ++j)
+              std::memcpy(tile + b * tb * R + c * 16 * R + j * 4 * R + 4 * r,
+                          block + tiled_column_source(kd.id, c) + 4 * j, 4);
+        }
+    }
+  });
+  return out;
+}
+
+// rows >= 0: w is the tile layout (pack_tiles, for this isa) of a weight of `rows` rows; -1: the file's.
 at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums, const at::Tensor& w, int64_t kind,
-                int64_t K, int64_t isa, int64_t levels) {
+                int64_t K, int64_t isa, int64_t levels, int64_t rows) {
   check_isa(isa);
   TORCH_CHECK(levels == 1 || levels == 2, "qdot: levels must be 1 or 2, got ", levels);
   const Kind kd = kind_of(kind);
   TORCH_CHECK(!grid_kind(kd.id) || deepinfer_iq::tables_ready(),
               "qdot: the grid tables of type ", kind, " are not loaded (qdot.py hands them over: iq_tables)");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.size(1) == K, "qdot: q must be int8 [M, K=", K, "]");
-  const int64_t M = q.size(0), N = w.size(0);
+  const bool tiled = rows >= 0;
+  const int64_t M = q.size(0), N = tiled ? rows : w.size(0);
   TORCH_CHECK(M % levels == 0, "qdot: ", M, " activation rows do not hold ", levels, " levels");
   TORCH_CHECK(K % kd.block_values == 0, "qdot: K=", K, " is not a multiple of the block size ", kd.block_values);
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.dim() == 2 && d.size(0) == M && d.size(1) == K / 32,
               "qdot: d must be float32 [M, K/32]");
   TORCH_CHECK(sums.scalar_type() == at::kInt && sums.dim() == 2 && sums.size(0) == M && sums.size(1) == K / 16,
               "qdot: sums must be int32 [M, K/16]");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / kd.block_values * kd.block_bytes,
-              "qdot: w must be uint8 [N, ", K / kd.block_values * kd.block_bytes, "] for K=", K);
+  if (tiled) {
+    const int64_t R = tile_rows_of(isa), tb = tiled_block_bytes(kd.id);
+    TORCH_CHECK(tb && R > 1, "qdot: no tile layout for type ", kind, " on isa ", isa);
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(0) == (rows + R - 1) / R * R &&
+                    w.size(1) == K / 256 * tb,
+                "qdot: a tiled w must be uint8 [", (rows + R - 1) / R * R, ", ", K / 256 * tb, "] (pack_tiles)");
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.size(1) == K / kd.block_values * kd.block_bytes,
+                "qdot: w must be uint8 [N, ", K / kd.block_values * kd.block_bytes, "] for K=", K);
+  }
   const at::Tensor qc = q.contiguous(), dc = d.contiguous(), sc = sums.contiguous(), wc = w.contiguous();
   at::Tensor y = at::empty({M / levels, N}, qc.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return y;
@@ -805,11 +858,11 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
     }
   });
   const Problem pb{qp, dp, sf.empty() ? nullptr : sf.data(), wc.data_ptr<uint8_t>(), y.data_ptr<float>(), M, N, K,
-                   wc.size(1), levels, kd, panels.data(), static_cast<int64_t>(panels.size())};
-  const int64_t rows = isa == 4 ? v512::V::R : isa >= 2 ? kR256 : 1;
-  const int64_t tiles = (N + rows - 1) / rows;
+                   wc.size(1), levels, kd, panels.data(), static_cast<int64_t>(panels.size()), tiled};
+  const int64_t R = tile_rows_of(isa);
+  const int64_t tiles = (N + R - 1) / R;
   // Tasks of at least ~64 K (weight bytes x activation rows): small calls stay on one thread.
-  const int64_t work = rows * pb.row_bytes * std::max<int64_t>(M, 1);
+  const int64_t work = R * pb.row_bytes * std::max<int64_t>(M, 1);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(work, 1));
   auto run = [&](int64_t t0, int64_t t1) {
     if (isa == 4) v512::qdot_tiles(pb, t0, t1);
@@ -826,10 +879,11 @@ at::Tensor qdot(const at::Tensor& q, const at::Tensor& d, const at::Tensor& sums
 
 // quantize_acts then qdot in one call (what a layer runs): x fp32 [M, K] -> y fp32 [M, N]; with two
 // levels, each row's two products are added (level 1 + level 2, one fp32 add per output).
-at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, int64_t isa, int64_t levels) {
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t K, int64_t isa, int64_t levels,
+                   int64_t rows) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qlinear: x must be [M, K=", K, "]");
   const auto [q, d, sums] = quantize_acts(x, isa, levels);
-  return qdot(q, d, sums, w, kind, K, isa, levels);  // [M, N]
+  return qdot(q, d, sums, w, kind, K, isa, levels, rows);  // [M, N]
 }
 
 }  // namespace
@@ -837,8 +891,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("quantize_acts(Tensor x, int isa, int levels=1) -> (Tensor, Tensor, Tensor)");
-  m.def("qdot(Tensor q, Tensor d, Tensor sums, Tensor w, int kind, int K, int isa, int levels=1) -> Tensor");
-  m.def("qlinear(Tensor x, Tensor w, int kind, int K, int isa, int levels=1) -> Tensor");
+  m.def("qdot(Tensor q, Tensor d, Tensor sums, Tensor w, int kind, int K, int isa, int levels=1, int rows=-1) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor w, int kind, int K, int isa, int levels=1, int rows=-1) -> Tensor");
+  m.def("pack_tiles(Tensor w, int kind, int isa) -> Tensor");
   m.def("qdot_cpu_isas() -> int", deepinfer_qdot::qdot_cpu_isas);
 }
 
@@ -846,6 +901,7 @@ TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("quantize_acts", deepinfer_qdot::quantize_acts);
   m.impl("qdot", deepinfer_qdot::qdot);
   m.impl("qlinear", deepinfer_qdot::qlinear);
+  m.impl("pack_tiles", deepinfer_qdot::pack_tiles);
 }
 
 #endif  // DEEPINFER_QDOT_256
@@ -939,11 +995,23 @@ INLINE void decode32(const uint8_t* p, int64_t stride, Sink& sink, int64_t u) {
   }
 }
 
-// Q4_K / Q5_K super-block at p + r * stride: units u0 .. u0+7.
-template <int KIND, class Sink>
+// The 16 bytes at offset `at` (a multiple of 16) of rows r < R's blocks -> out[j] = their dword j (lane
+// r). The file layout: row r's block at p + r * stride, read with 16-byte loads and a transpose. The
+// tile layout (TILED, pack_tiles): the R blocks' bytes at p already so ordered, four plain loads.
+template <bool TILED>
+INLINE void block_t4(const uint8_t* p, int at, int64_t stride, I out[4]) {
+  if constexpr (TILED) {
+    for (int j = 0; j < 4; ++j) out[j] = V::load(p + at / 16 * (16 * R) + j * (4 * R));
+  } else {
+    V::load_t4(p + at, stride, out);
+  }
+}
+
+// Q4_K / Q5_K super-block of rows r < R (see block_t4): units u0 .. u0+7.
+template <int KIND, bool TILED, class Sink>
 INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
   I h[4];
-  V::load_t4(p, stride, h);  // d|dmin, scale bytes 0-3, 4-7, 8-11
+  block_t4<TILED>(p, 0, stride, h);  // d|dmin, scale bytes 0-3, 4-7, 8-11
   const F d = V::half_lo(h[0]), dmin = V::half_lo(V::srl(h[0], 16));
   // Unit j's scale and min, handed to the sink just before its codes (few registers live at once).
   auto scales = [&](int j) {
@@ -963,15 +1031,15 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   constexpr int qs_at = KIND == 12 ? 16 : 48;
   I qh[8];
   if constexpr (KIND == 13) {
-    V::load_t4(p + 16, stride, qh);
-    V::load_t4(p + 32, stride, qh + 4);
+    block_t4<TILED>(p, 16, stride, qh);
+    block_t4<TILED>(p, 32, stride, qh + 4);
   }
   const I nib = V::set1(0x0F0F0F0F), bit = V::set1(0x01010101);
   #pragma GCC unroll 8
   for (int pair = 0; pair < 4; ++pair) {
     I qs[8], lo[8], hi[8];
-    V::load_t4(p + qs_at + 32 * pair, stride, qs);
-    V::load_t4(p + qs_at + 32 * pair + 16, stride, qs + 4);
+    block_t4<TILED>(p, qs_at + 32 * pair, stride, qs);
+    block_t4<TILED>(p, qs_at + 32 * pair + 16, stride, qs + 4);
     #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
       lo[g] = V::and_(qs[g], nib);
@@ -988,12 +1056,14 @@ INLINE void decode_k45(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   }
 }
 
-// Q6_K super-block: units (of 16) u0 .. u0+15.
-template <class Sink>
+// Q6_K super-block of rows r < R (see block_t4): units (of 16) u0 .. u0+15.
+template <bool TILED, class Sink>
 INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0) {
   I sc[4], tail[4];
-  V::load_t4(p + 192, stride, sc);  // the 16 int8 scales
-  V::load_t4(p + 194, stride, tail);  // bytes 194..209: d in the last dword's upper half
+  block_t4<TILED>(p, 192, stride, sc);  // the 16 int8 scales
+  // bytes 194..209: d in the last dword's upper half (the tile layout keeps them at 208)
+  if constexpr (TILED) block_t4<true>(p, 208, stride, tail);
+  else V::load_t4(p + 194, stride, tail);
   const F d = V::half_lo(V::srl(tail[3], 16));
   auto scale = [&](int s) {  // unit s's scale, handed to the sink just before its float step
     const I v = V::sra(V::sll(sc[s / 4], 24 - 8 * (s % 4)), 24);  // int8 scale, sign-extended
@@ -1005,14 +1075,14 @@ INLINE void decode_q6k(const uint8_t* p, int64_t stride, Sink& sink, int64_t u0)
   #pragma GCC unroll 8
   for (int h = 0; h < 2; ++h) {
     I qh[8];
-    V::load_t4(p + 128 + 32 * h, stride, qh);
-    V::load_t4(p + 128 + 32 * h + 16, stride, qh + 4);
+    block_t4<TILED>(p, 128 + 32 * h, stride, qh);
+    block_t4<TILED>(p, 128 + 32 * h + 16, stride, qh + 4);
     // A 16-byte column of ql holds unit 8h + quarter (low nibbles) and unit 8h + 4 + quarter (high):
     // the low units are taken in order as they come, the high ones' sums wait and are settled after.
     #pragma GCC unroll 8
     for (int quarter = 0; quarter < 4; ++quarter) {  // ql bytes 64h + 16 quarter .. + 15
       I ql[4], lo[4], hi[4];
-      V::load_t4(p + 64 * h + 16 * quarter, stride, ql);
+      block_t4<TILED>(p, 64 * h + 16 * quarter, stride, ql);
       #pragma GCC unroll 8
       for (int j = 0; j < 4; ++j) {
         const int r = 16 * quarter + 4 * j;  // values 128h + r (low nibbles) and 128h + r + 64 (high)
@@ -1461,24 +1531,38 @@ constexpr int unit_of() {
 // 17.9 -> 18.3 (into L1 before, for every tile size).
 constexpr int64_t kPrefetchTileBytes = 48 * 1024;
 
+// The tile layout is one stream per thread (a tile's blocks, then the next tile's): each block's
+// lines are prefetched (into L2) this many bytes ahead. The hardware's stream prefetchers stop at
+// each 4 KB page; the file layout's R row streams keep R pages going at once, one stream does not.
+// One row, 2 threads, weights beyond the L3 (Xeon family 6 model 207), file layout -> tiled with
+// this: Q4_K [8960 x 1536] 19.9 -> 23.8 GB/s, Q6_K LM head [151936 x 1536] 20.8 -> 24.4, Q4_K
+// [1536 x 8960] 23.7 -> 23.6, Q6_K [1536 x 8960] 23.2 -> 23.7 (tiled, the prefetches aimed 1 GB away,
+// i.e. none that help: 13.3, 19.5, 17.6, 13.3; 2 KB ahead: within 3% of 4 KB; 4 KB into L1: 6-12% slower).
+constexpr int64_t kTiledAhead = 4096;
+
 // Decode blocks [b0, b1) of the R rows at w (stride row_bytes) into the sink (units from 0), and
 // prefetch the `ahead_rows` rows at `ahead` (the next tile's) in step, the same share of them per
 // block, when they are at most kPrefetchTileBytes.
-template <int KIND, class Sink>
+// TILED: w is the tile's blocks in the tile layout (row_bytes: a row's share, tiled_block_bytes per block).
+template <int KIND, bool TILED, class Sink>
 INLINE void decode(const Kind& kd, const uint8_t* w, int64_t row_bytes, int64_t b0, int64_t b1, Sink& sink,
                    const uint8_t* ahead, int64_t ahead_rows) {
   constexpr int NU = 256 / unit_of<KIND>();  // units per 256-value block
-  const int64_t BB = grid_kind(KIND) ? kd.block_bytes : block_bytes<KIND>();
+  const int64_t BB = TILED ? tiled_block_bytes(KIND) : grid_kind(KIND) ? kd.block_bytes : block_bytes<KIND>();
   const int64_t ahead_bytes = ahead_rows * row_bytes <= kPrefetchTileBytes ? ahead_rows * row_bytes : 0;
   const int64_t nb = row_bytes / BB, lines = ahead_bytes / 64, per_block = (lines + nb - 1) / nb;
   for (int64_t b = b0; b < b1; ++b) {
-    if (lines)
+    if constexpr (TILED) {  // one stream: the bytes kTiledAhead past this block's (a prefetch never faults)
+      const uint8_t* next = w + b * BB * R + kTiledAhead;
+      for (int64_t l = 0; l < BB * R / 64; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * l), _MM_HINT_T1);
+    } else if (lines)
       for (int64_t l = b * per_block; l < std::min(lines, (b + 1) * per_block); ++l)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + 64 * l), _MM_HINT_T1);
-    const uint8_t* p = w + b * BB;
-    if constexpr (KIND == 14) decode_q6k(p, row_bytes, sink, (b - b0) * 16);
+    const uint8_t* p = w + b * BB * (TILED ? R : 1);
+    if constexpr (TILED) static_assert(KIND == 12 || KIND == 13 || KIND == 14, "the tile layout: Q4_K, Q5_K, Q6_K");
+    if constexpr (KIND == 14) decode_q6k<TILED>(p, row_bytes, sink, (b - b0) * 16);
     else if constexpr (KIND == 10 || KIND == 11) decode_q23k<KIND>(p, row_bytes, sink, (b - b0) * 16);
-    else if constexpr (KIND == 12 || KIND == 13) decode_k45<KIND>(p, row_bytes, sink, (b - b0) * 8);
+    else if constexpr (KIND == 12 || KIND == 13) decode_k45<KIND, TILED>(p, row_bytes, sink, (b - b0) * 8);
     else if constexpr (KIND == 23) decode_iq4xs(p, row_bytes, sink, (b - b0) * 8);
     else if constexpr (grid_kind(KIND)) decode_grid_kind<unit_of<KIND>()>(kd.id, p, row_bytes, sink, (b - b0) * NU);
     else decode32<KIND>(p, row_bytes, sink, b - b0);
@@ -1636,7 +1720,7 @@ struct Rows {
 INLINE Rows tile_rows(const Problem& pb, int64_t tile, std::vector<uint8_t>& pad) {
   const int64_t n0 = tile * R, rb = pb.row_bytes;
   Rows rows{pb.w + n0 * rb, std::min<int64_t>(R, pb.N - n0), pb.w, 0};
-  if (rows.valid < R) {
+  if (rows.valid < R && !pb.tiled) {  // (the tile layout has whole tiles, zero rows after the last)
     pad.assign(R * rb, 0);
     std::memcpy(pad.data(), rows.w, rows.valid * rb);
     rows.w = pad.data();
@@ -1666,7 +1750,7 @@ INLINE void store_tile(const Problem& pb, const float* yt, int64_t tile, int64_t
 }
 
 // Many activation rows: each tile's chunk of K decoded once into L1, then every panel over it.
-template <int KIND>
+template <int KIND, bool TILED>
 void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
   using T = Traits<KIND>;
   const int64_t M = pb.M, nb = pb.K / T::BV;
@@ -1679,7 +1763,7 @@ void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
     std::fill(yt.begin(), yt.end(), 0.0f);
     for (int64_t b0 = 0; b0 < nb; b0 += bpc) {
       const int64_t b1 = std::min(b0 + bpc, nb);
-      decode<KIND>(pb.kind, rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
+      decode<KIND, TILED>(pb.kind, rows.w, pb.row_bytes, b0, b1, t, rows.ahead, rows.ahead_rows);
       rows_pass<T::U, T::L, T::MIN, T::INIT, T::SIGN>(pb, t, (b1 - b0) * T::BV / T::U, b0 * T::BV / T::U, yt.data());
     }
     store_tile(pb, yt.data(), tile, rows.valid);
@@ -1687,38 +1771,45 @@ void tiles_buffered(const Problem& pb, int64_t t0, int64_t t1) {
 }
 
 // A few activation rows (one panel of MR): each block's codes go from registers into the sums.
-template <int KIND, int MR>
+template <int KIND, bool TILED, int MR>
 void tiles_fused(const Problem& pb, int64_t t0, int64_t t1) {
   using T = Traits<KIND>;
   std::vector<uint8_t> pad;
   for (int64_t tile = t0; tile < t1; ++tile) {
     const Rows rows = tile_rows(pb, tile, pad);
     Fused<MR, T::U, T::L, T::MIN, T::INIT, T::SIGN> sink(pb.panels[0]);
-    decode<KIND>(pb.kind, rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
+    decode<KIND, TILED>(pb.kind, rows.w, pb.row_bytes, 0, pb.K / T::BV, sink, rows.ahead, rows.ahead_rows);
     alignas(64) float yt[MR * R];
     for (int i = 0; i < MR; ++i) V::storef(yt + i * R, sink.acc[i]);
     store_tile(pb, yt, tile, rows.valid);
   }
 }
 
-template <int KIND>
+template <int KIND, bool TILED = false>
 void tiles_of(const Problem& pb, int64_t t0, int64_t t1) {
   if (pb.num_panels == 1 && pb.panels[0].rows <= kFusedRows) {
     switch (pb.panels[0].rows) {
-      case 1: return tiles_fused<KIND, 1>(pb, t0, t1);
-      case 2: return tiles_fused<KIND, 2>(pb, t0, t1);
-      case 3: return tiles_fused<KIND, 3>(pb, t0, t1);
-      case 4: return tiles_fused<KIND, 4>(pb, t0, t1);
-      case 5: return tiles_fused<KIND, 5>(pb, t0, t1);
-      case 6: return tiles_fused<KIND, 6>(pb, t0, t1);
-      case 7: return tiles_fused<KIND, 7>(pb, t0, t1);
-      default: return tiles_fused<KIND, 8>(pb, t0, t1);
+      case 1: return tiles_fused<KIND, TILED, 1>(pb, t0, t1);
+      case 2: return tiles_fused<KIND, TILED, 2>(pb, t0, t1);
+      case 3: return tiles_fused<KIND, TILED, 3>(pb, t0, t1);
+      case 4: return tiles_fused<KIND, TILED, 4>(pb, t0, t1);
+      case 5: return tiles_fused<KIND, TILED, 5>(pb, t0, t1);
+      case 6: return tiles_fused<KIND, TILED, 6>(pb, t0, t1);
+      case 7: return tiles_fused<KIND, TILED, 7>(pb, t0, t1);
+      default: return tiles_fused<KIND, TILED, 8>(pb, t0, t1);
     }
   }
-  tiles_buffered<KIND>(pb, t0, t1);
+  tiles_buffered<KIND, TILED>(pb, t0, t1);
 }
 
 void qdot_tiles(const Problem& pb, int64_t t0, int64_t t1) {
+  if (pb.tiled) {
+    switch (pb.kind.id) {
+      case 12: return tiles_of<12, true>(pb, t0, t1);
+      case 13: return tiles_of<13, true>(pb, t0, t1);
+      case 14: return tiles_of<14, true>(pb, t0, t1);
+    }
+  }
   switch (pb.kind.id) {
     case 2: tiles_of<2>(pb, t0, t1); break;
     case 3: tiles_of<3>(pb, t0, t1); break;
