@@ -1,5 +1,6 @@
-"""QuantLinear's step path (the part checked once per load, then one kernel call) gives qmatmul's
-bits, and follows the part when its bytes are replaced."""
+"""QuantLinear's step path (the parts checked once per load, then the kernel calls alone) gives
+qmatmul's bits, for one part and for merged parts of several types, and follows the parts when
+their bytes are replaced."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_the_step_path_has_qmatmuls_bits(kind, levels):
     assert torch.equal(layer(x3), qmatmul(x3, (w,), levels) + layer.bias)
 
 
-def test_the_step_path_follows_replaced_bytes_and_leaves_merged_parts_to_qmatmul():
+def test_the_step_path_follows_replaced_bytes_and_takes_merged_parts():
     first, second = _weight("Q4_K", 16, 256, seed=2), _weight("Q4_K", 16, 256, seed=3)
     layer = QuantLinear(first, None, act_levels=1)
     x = torch.randn(1, 256)
@@ -47,4 +48,8 @@ def test_the_step_path_follows_replaced_bytes_and_leaves_merged_parts_to_qmatmul
     after = layer(x)
     assert torch.equal(after, qmatmul(x, (second,), 1)) and not torch.equal(after, before)
     merged = QuantLinear((first, _weight("Q8_0", 8, 256, seed=4)), None, act_levels=1)
-    assert torch.equal(merged(x), qmatmul(x, merged.qweights, 1)) and merged._checked is None
+    for rows, levels in ((1, 1), (1, 2), (9, 2)):  # one activation quantization for both parts
+        merged.act_levels = levels
+        x = torch.randn(rows, 256)
+        assert torch.equal(merged(x), qmatmul(x, merged.qweights, levels))
+    assert len(merged._checked[1]) == 2

@@ -93,7 +93,7 @@ def test_layers_keep_the_tile_layout_with_qmatmuls_bits(kind, monkeypatch):
         assert torch.equal(head_logits(head, x), qmatmul(x, head.qweights, head.act_levels))
     expect_tiles = qd.tile_level() > 0
     for module in (layer, head):
-        checked = module._checked[1]
+        (checked,) = module._checked[1]
         assert (checked.rows >= 0) == expect_tiles and (checked.data is not module.qweights[0].data) == expect_tiles
 
 
@@ -103,4 +103,5 @@ def test_tiles_off_keeps_the_file_layout_alone(monkeypatch):
     layer = QuantLinear(w, None, act_levels=1)
     x = torch.randn(1, 256)
     assert torch.equal(layer(x), qmatmul(x, (w,), 1))
-    assert layer._checked[1].rows == -1 and layer._checked[1].data is w.data
+    (checked,) = layer._checked[1]
+    assert checked.rows == -1 and checked.data is w.data

@@ -73,18 +73,20 @@ class PackedModule:
     numerics). QuantLinear, QuantEmbedding and fused_moe.QuantFusedExperts are such modules."""
 
     qweights: tuple[QuantWeight, ...]
-    _checked: tuple[torch.Tensor, KernelWeight | None] | None = None  # (the part's bytes, checked)
+    _checked: tuple[tuple[torch.Tensor, ...], tuple[KernelWeight, ...] | None] | None = None  # (bytes, checked)
 
-    def checked_weight(self, x: torch.Tensor) -> KernelWeight | None:
-        """The one part checked for the CPU kernels (in their tile layout where it has one) when x is
-        fp32 [M, K] on the CPU, kept until the part's bytes are replaced (e.g. moved to another
+    def checked_weights(self, x: torch.Tensor) -> tuple[KernelWeight, ...] | None:
+        """The parts checked for the CPU kernels (in their tile layout where they have one) when x is
+        fp32 [M, K] on the CPU, kept until a part's bytes are replaced (e.g. moved to another
         device); else None (qmatmul's general path)."""
-        if len(self.qweights) != 1 or x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
+        if x.dim() != 2 or x.dtype is not torch.float32 or not x.is_cpu:
             return None
-        data = self.qweights[0].data
+        data = tuple(w.data for w in self.qweights)
         cached = self._checked
-        if cached is None or cached[0] is not data:
-            cached = self._checked = (data, kernel_weight(self.qweights[0]))
+        if cached is None or len(cached[0]) != len(data) or any(a is not b
+                                                               for a, b in zip(cached[0], data, strict=True)):
+            parts = tuple(kernel_weight(w) for w in self.qweights)
+            cached = self._checked = (data, None if any(p is None for p in parts) else parts)
         return cached[1]
 
 
@@ -105,8 +107,8 @@ class QuantLinear(nn.Module, PackedModule):
         self.shard_sizes = None if shard_sizes is None else list(shard_sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checked = self.checked_weight(x)
-        if checked is not None:  # a step's usual call: one kernel call, checked once per load
+        checked = self.checked_weights(x)
+        if checked is not None:  # a step's usual call: the kernel calls alone, checked once per load
             y = qlinear_checked(x, checked, self.act_levels)  # [M, out]
         else:
             y = qmatmul(x, self.qweights, self.act_levels)  # [..., out]
@@ -168,7 +170,7 @@ class QuantVocabParallelEmbedding(QuantEmbedding):
 def head_logits(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """hidden [N, H] @ head^T for an LM head given as a Linear or a (tied) Embedding, either form."""
     if isinstance(head, QuantLinear | QuantEmbedding):  # the integer kernels (two levels: activation_levels)
-        checked = head.checked_weight(hidden)
+        checked = head.checked_weights(hidden)
         if checked is not None:  # a step's usual call, as QuantLinear.forward's
             return qlinear_checked(hidden, checked, head.act_levels)  # [N, V]
         return qmatmul(hidden, head.qweights, head.act_levels)  # [N, V]

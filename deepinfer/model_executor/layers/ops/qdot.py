@@ -284,11 +284,17 @@ def kernel_weight(w: BlockWeight) -> KernelWeight | None:
     return KernelWeight(w.data, kind.ggml_id, w.shape[1])
 
 
-def qlinear_checked(x: torch.Tensor, w: KernelWeight, levels: int) -> torch.Tensor:
-    """qlinear for fp32 x [M, K] on the CPU and a checked weight: the same kernel call, the same
-    bits, without the per-call checks (a few microseconds each, per layer and step)."""
-    return torch.ops.deepinfer_cpu.qlinear.default(x, w.data, w.ggml_id, w.k, _resolve(None, x.shape[0] * levels),
-                                                   levels, w.rows)  # [M, N]
+def qlinear_checked(x: torch.Tensor, parts: tuple[KernelWeight, ...], levels: int) -> torch.Tensor:
+    """qlinear for fp32 x [M, K] on the CPU and checked weights (the parts of a merged one, stacked
+    on the output axis): the calls `qmatmul` makes, the same bits, without the per-call checks (a few
+    microseconds each, per layer and step). Several parts share one activation quantization."""
+    level = _resolve(None, x.shape[0] * levels)
+    if len(parts) == 1:
+        w = parts[0]
+        return torch.ops.deepinfer_cpu.qlinear.default(x, w.data, w.ggml_id, w.k, level, levels, w.rows)  # [M, N]
+    q, d, sums = torch.ops.deepinfer_cpu.quantize_acts.default(x, level, levels)  # [levels * M, K] ...
+    return torch.cat([torch.ops.deepinfer_cpu.qdot.default(q, d, sums, w.data, w.ggml_id, w.k, level, levels, w.rows)
+                      for w in parts], dim=-1)  # [M, N]
 
 
 # ---- the torch reference ------------------------------------------------------------------
