@@ -767,20 +767,23 @@ at::Tensor pack_tiles(const at::Tensor& w, int64_t kind, int64_t isa) {
               "pack_tiles: w must be uint8 [N, a multiple of ", kd.block_bytes, "]");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), nb = wc.size(1) / kd.block_bytes, tiles = (N + R - 1) / R;
-  at::Tensor out = at::zeros({tiles * R, nb * tb}, wc.options());
+  at::Tensor out = at::empty({tiles * R, nb * tb}, wc.options());
   const uint8_t* src = wc.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = wc.size(1);
   deepinfer_pool::parallel_for(tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      uint8_t* tile = dst + t * R * nb * tb;
-      for (int64_t r = 0; r < R && t * R + r < N; ++r)
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* block = src + (t * R + r) * wc.size(1) + b * kd.block_bytes;
-          for (int64_t c = 0; c < tb / 16; ++c)
-            for (int64_t j = 0; j < 4; ++j)
-              std::memcpy(tile + b * tb * R + c * 16 * R + j * 4 * R + 4 * r,
-                          block + tiled_column_source(kd.id, c) + 4 * j, 4);
-        }
+      const int64_t valid = std::min(R, N - t * R);
+      uint8_t* out_at = dst + t * R * nb * tb;  // written in order: one sequential stream
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t c = 0; c < tb / 16; ++c)
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t* from = src + t * R * row_bytes + b * kd.block_bytes + tiled_column_source(kd.id, c) + 4 * j;
+            for (int64_t r = 0; r < R; ++r, out_at += 4) {
+              if (r < valid) std::memcpy(out_at, from + r * row_bytes, 4);
+              else std::memset(out_at, 0, 4);  // the rows after the last: zero scales, zero terms
+            }
+          }
     }
   });
   return out;
