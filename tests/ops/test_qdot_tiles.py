@@ -105,3 +105,27 @@ def test_tiles_off_keeps_the_file_layout_alone(monkeypatch):
     assert torch.equal(layer(x), qmatmul(x, (w,), 1))
     (checked,) = layer._checked[1]
     assert checked.rows == -1 and checked.data is w.data
+
+
+def test_released_pages_keep_their_bytes(tmp_path):
+    """release_pages is a residency hint: a mapped file's bytes and an anonymous tensor's read back
+    unchanged afterwards (a file page is read again from the file, an anonymous one stays)."""
+    payload = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    payload.tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")[100:])  # private, not page-aligned
+    anonymous = torch.from_numpy(payload.copy())
+    for t, expected in ((mapped, payload[100:]), (anonymous, payload)):
+        qd.release_pages(t)
+        assert np.array_equal(t.numpy(), expected)
+
+
+def test_a_layer_releases_the_file_layout_and_a_tied_head_keeps_it(monkeypatch):
+    monkeypatch.delenv("DEEPINFER_QDOT_TILES", raising=False)
+    released = []
+    monkeypatch.setattr(qd, "release_pages", released.append)
+    w, e = _quant_weight("Q4_K", 16, 256, seed=10), _quant_weight("Q4_K", 16, 256, seed=11)
+    x = torch.randn(1, 256)
+    QuantLinear(w, None, act_levels=1)(x)
+    head_logits(QuantEmbedding(e), x)  # its rows are still looked up: no release
+    assert released == ([w.data] if qd.tile_level() else [])

@@ -74,6 +74,7 @@ class PackedModule:
 
     qweights: tuple[QuantWeight, ...]
     _checked: tuple[tuple[torch.Tensor, ...], tuple[KernelWeight, ...] | None] | None = None  # (bytes, checked)
+    reads_own_bytes = False  # whether the module reads its parts' file-layout bytes beside the kernels
 
     def checked_weights(self, x: torch.Tensor) -> tuple[KernelWeight, ...] | None:
         """The parts checked for the CPU kernels (in their tile layout where they have one) when x is
@@ -85,7 +86,7 @@ class PackedModule:
         cached = self._checked
         if cached is None or len(cached[0]) != len(data) or any(a is not b
                                                                for a, b in zip(cached[0], data, strict=True)):
-            parts = tuple(kernel_weight(w) for w in self.qweights)
+            parts = tuple(kernel_weight(w, release=not self.reads_own_bytes) for w in self.qweights)
             cached = self._checked = (data, None if any(p is None for p in parts) else parts)
         return cached[1]
 
@@ -121,6 +122,8 @@ class QuantLinear(nn.Module, PackedModule):
 
 class QuantEmbedding(nn.Module, PackedModule):
     """An embedding table kept packed; rows are dequantized when looked up."""
+
+    reads_own_bytes = True  # the looked-up rows (a tied head's tile layout is a second copy)
 
     def __init__(self, qweight: QuantWeight, dtype: torch.dtype = torch.float32):
         super().__init__()

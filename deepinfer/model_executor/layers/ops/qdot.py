@@ -57,7 +57,10 @@ and prefill of the same token give the same bits.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -268,10 +271,11 @@ def tile_level() -> int:
     return level if _LANES[few_row_level(level)] == _LANES[level] else 0
 
 
-def kernel_weight(w: BlockWeight) -> KernelWeight | None:
+def kernel_weight(w: BlockWeight, release: bool = True) -> KernelWeight | None:
     """w checked as `qlinear` checks it on every call, or None where the kernels cannot take it
     (no library, or not on the CPU): a layer that calls once per step checks once per load. A
-    TILED_KINDS weight is copied into the tile layout when `tile_level()` has one."""
+    TILED_KINDS weight is copied into the tile layout when `tile_level()` has one; with `release`
+    (the caller reads w's own bytes no more) its pages then leave the resident set (`release_pages`)."""
     if not w.data.is_cpu or not qdot_level():
         return None
     kind = check_weight(w)
@@ -280,8 +284,32 @@ def kernel_weight(w: BlockWeight) -> KernelWeight | None:
     level = tile_level()
     if level and w.kind in TILED_KINDS and w.data.is_contiguous():
         tiles = torch.ops.deepinfer_cpu.pack_tiles.default(w.data, kind.ggml_id, level)  # [N up to R, bytes]
+        if release:
+            release_pages(w.data)
         return KernelWeight(tiles, kind.ggml_id, w.shape[1], w.shape[0])
     return KernelWeight(w.data, kind.ggml_id, w.shape[1])
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def release_pages(t: torch.Tensor) -> None:
+    """Hands the pages under t's bytes back to the OS (madvise MADV_PAGEOUT; nothing where the OS has
+    no such call). Pages of a mapped file leave this process's resident set, and are read from the
+    file again if touched; anonymous pages are swapped out, or stay where there is no swap. No byte
+    ever changes: a hint about residency, safe on any memory (a page shared with a neighbour too)."""
+    libc = _libc()
+    if libc is None or t.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)  # an error: left resident
 
 
 def qlinear_checked(x: torch.Tensor, parts: tuple[KernelWeight, ...], levels: int) -> torch.Tensor:
