@@ -44,15 +44,15 @@ verification) run the variant `few_rows.py` measured fastest on this CPU, the sa
 functions below take `isa=` to run another variant (tests, benchmarks).
 
 A layer calls `qlinear(x, w)` (one kernel call: quantize, then dot); weights stacked on the output
-axis share one `quantize_acts(x)` and take a `qdot(acts, part)` each. A layer that keeps one
-weight (`quant_linear.QuantLinear`, a tied head) checks it once per load (`kernel_weight`), and
-Q4_K, Q5_K and Q6_K weights are then kept a second time in the kernels' tile layout
-(`TILED_KINDS`, qdot_cpu.cpp's `pack_tiles`): the same bytes, the R rows of a tile interleaved so
-that the one-row kernel reads them with plain loads rather than loads and transposes. The same bits;
-an anonymous copy of those weights beside the mapped file, whose pages the OS may then drop.
-DEEPINFER_QDOT_TILES=0 keeps the file's layout alone. The result depends only on
-the row, the weight and the kind, never on how many rows come together, so decode, verification
-and prefill of the same token give the same bits.
+axis share one `quantize_acts(x)` and take a `qdot(acts, part)` each. A layer
+(`quant_linear.QuantLinear`, a tied head) checks its parts once per load (`kernel_weight`), and
+Q4_K, Q5_K and Q6_K parts are then copied into the kernels' tile layout (`TILED_KINDS`,
+qdot_cpu.cpp's `pack_tiles`): the same bytes, the R rows of a tile interleaved so that the one-row
+kernel reads them with plain loads rather than loads and transposes. The same bits; the copy is
+anonymous memory, and the file's pages under it are handed back (`release_pages`) unless the layer
+still reads them (an embedding's rows). DEEPINFER_QDOT_TILES=0 keeps the file's layout alone. The
+result depends only on the row, the weight and the kind, never on how many rows come together, so
+decode, verification and prefill of the same token give the same bits.
 """
 
 from __future__ import annotations
