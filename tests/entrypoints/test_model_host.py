@@ -110,7 +110,7 @@ def test_a_model_loads_while_another_streams(models_dir):
                     arrivals.append(time.monotonic())
                     if len(arrivals) == 400:  # 399 steps before the load: the stream's own pace
                         loader.start()
-                    if "end" in load and arrivals[-1] > load["end"] + 0.5:
+                    if "end" in load and arrivals[-1] > load["end"] + 1.0:
                         break  # the load is over and the stream went on: leaving ends the request
         loader.join()
         assert load["status"] == 200 and sorted(_ps(server)) == ["smollm2:latest", "tiny:latest"]
@@ -119,8 +119,12 @@ def test_a_model_loads_while_another_streams(models_dir):
         window = [load["start"], *during, load["end"]]
         longest = max(b - a for a, b in zip(window, window[1:], strict=False))
         load_s = load["end"] - load["start"]
-        steps = sorted(b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b <= load["start"])
-        step = steps[len(steps) // 2]  # one decode step of this stream before the load, this run
+        gaps = list(zip(arrivals, arrivals[1:], strict=False))
+        before = sorted(b - a for a, b in gaps if b <= load["start"])
+        after = sorted(b - a for a, b in gaps if a >= load["end"])
+        # one decode step of this stream, this run: the median before the load, or after it where that is
+        # slower (the machine busier on both sides of the load, e.g. a parallel test worker, is not the load)
+        step = max(before[len(before) // 2], after[len(after) // 2] if len(after) >= 5 else 0.0)
         # tokens kept coming all through the load, at most of the stream's own pace, with no pause of more
         # than a few steps (a stalled stream pauses for the whole load, ~300 steps here). Measured on an
         # idle 2-core Zen 5, the child loading under SCHED_BATCH (load_priority), 10 runs: 235-272 tokens
