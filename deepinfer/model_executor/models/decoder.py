@@ -68,6 +68,9 @@ class DecoderSpec:
     final_softcap: float | None = None  # logits cap * tanh(logits / cap)
     tie_word_embeddings: bool = False  # the LM head is the embedding table
     vocab_split: bool = True  # embedding and head split by vocabulary over tensor-parallel ranks
+    # (DecoderModel, positions, h) -> h after its layers run as straight calls, or None to run the
+    # modules (models/layer_loop.py); None: always the modules
+    layer_loop: Callable | None = None
 
 
 def dense_mlp(spec: DecoderSpec, cfg, layer_idx: int, expert_parallel_size: int = 1) -> GatedMLP:
@@ -120,6 +123,8 @@ class DecoderModel(nn.Module):
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_offset)
         self.scaled = spec.embed_scale
+        self.layer_loop = spec.layer_loop
+        self._layer_plan = None  # the layer loop's plan of these layers (kept and checked by the loop)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, picture_rows=None) -> torch.Tensor:
         """`picture_rows` (rows [P], embeds [P, hidden]): those packed rows take the pictures'
@@ -130,9 +135,17 @@ class DecoderModel(nn.Module):
         if picture_rows is not None:
             rows, embeds = picture_rows
             h = h.index_copy(0, rows, embeds.to(h.dtype))  # [T, hidden]
+        elif self.layer_loop is not None:
+            out = self.layer_loop(self, positions, h)  # [T, hidden], or None
+            if out is not None:
+                return self.norm(out)  # [T, hidden]
         for layer in self.layers:
             h = layer(positions, h)
         return self.norm(h)  # [T, hidden]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._layer_plan = None  # moved or cast: the kernels' call class is decided again
+        return super()._apply(fn, *args, **kwargs)
 
 
 class DecoderLM(NoRequestState, nn.Module):

@@ -13,6 +13,7 @@ per MLP. The embedding and the LM head hold the rank's vocabulary rows; compute_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from deepinfer.model_executor.layers.parallel_linear import (
 )
 from deepinfer.model_executor.layers.rotary import RotaryEmbedding
 from deepinfer.model_executor.models.decoder import DecoderLM, DecoderSpec, dense_mlp, shared_rotary
+from deepinfer.model_executor.models.layer_loop import run_layers
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def llama_spec(cfg, fields: LlamaConfigFields | None = None, **choices) -> Decod
     spec = dict(attention=LlamaAttention, mlp=dense_mlp, rotaries=shared_rotary, head_dim=head_dim,
                 attn_scale=head_dim**-0.5, windows=windows_of(cfg, fields), o_bias=attention_bias,
                 qkv_bias=cfg.model_type == "qwen2" or attention_bias, qk_norm=cfg.model_type == "qwen3",
-                mlp_bias=bool(fields.mlp_bias), tie_word_embeddings=bool(fields.tie_word_embeddings))
+                mlp_bias=bool(fields.mlp_bias), tie_word_embeddings=bool(fields.tie_word_embeddings),
+                layer_loop=functools.partial(run_layers, LlamaAttention))  # layers of exactly this attention
     return DecoderSpec(**{**spec, **choices})
 
 
