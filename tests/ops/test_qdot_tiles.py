@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_qdot import random_blocks
 
+from deepinfer.model_executor.layers.ops import kernel_weights as kw
 from deepinfer.model_executor.layers.ops import qdot as qd
 from deepinfer.model_executor.layers.ops.cpu_kernels import qdot_levels
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, qmatmul
@@ -91,7 +92,7 @@ def test_layers_keep_the_tile_layout_with_qmatmuls_bits(kind, monkeypatch):
         x = torch.randn(rows, 512)
         assert torch.equal(layer(x), qmatmul(x, (w,), 2))
         assert torch.equal(head_logits(head, x), qmatmul(x, head.qweights, head.act_levels))
-    expect_tiles = qd.tile_level() > 0
+    expect_tiles = kw.tile_level() > 0
     for module in (layer, head):
         (checked,) = module._checked[1]
         assert (checked.rows >= 0) == expect_tiles and (checked.data is not module.qweights[0].data) == expect_tiles
@@ -116,16 +117,16 @@ def test_released_pages_keep_their_bytes(tmp_path):
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")[100:])  # private, not page-aligned
     anonymous = torch.from_numpy(payload.copy())
     for t, expected in ((mapped, payload[100:]), (anonymous, payload)):
-        qd.release_pages(t)
+        kw.release_pages(t)
         assert np.array_equal(t.numpy(), expected)
 
 
 def test_a_layer_releases_the_file_layout_and_a_tied_head_keeps_it(monkeypatch):
     monkeypatch.delenv("DEEPINFER_QDOT_TILES", raising=False)
     released = []
-    monkeypatch.setattr(qd, "release_pages", released.append)
+    monkeypatch.setattr(kw, "release_pages", released.append)
     w, e = _quant_weight("Q4_K", 16, 256, seed=10), _quant_weight("Q4_K", 16, 256, seed=11)
     x = torch.randn(1, 256)
     QuantLinear(w, None, act_levels=1)(x)
     head_logits(QuantEmbedding(e), x)  # its rows are still looked up: no release
-    assert released == ([w.data] if qd.tile_level() else [])
+    assert released == ([w.data] if kw.tile_level() else [])

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.parallel_state import all_reduce
-from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS, KernelWeight, kernel_weight, qlinear_checked
+from deepinfer.model_executor.layers.ops.kernel_weights import KernelWeight, kernel_weight, qlinear_checked
+from deepinfer.model_executor.layers.ops.qdot import ACT_LEVELS
 from deepinfer.model_executor.layers.ops.qmatmul import QuantWeight, dequantize_ref, qmatmul, quantize_weight
 from deepinfer.model_executor.layers.parallel_linear import (
     ColumnParallelLinear,
