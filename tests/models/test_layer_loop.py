@@ -3,10 +3,10 @@
 Each case runs the same batch twice in one engine, with DEEPINFER_LAYER_LOOP=0 (every step
 through the modules) and on, and compares every returned logprob with ==; a counter on the loop's
 layer function says which steps it ran. Served: dense fp32 Llama, Qwen2 (q|k|v bias), Qwen3 (q/k
-norms), sliding windows (rings), an int8 KV cache, the real SmolLM2 GGUF (packed weights, tile
-layout); prefill, decode-only steps, steps mixing a prompt's chunk with decodes, and n-gram
-verification steps. Not served, and so untouched: Gemma 3 (sandwich norms) and any step with a
-forward hook on one of the modules the loop calls.
+norms), sliding windows (rings), Gemma 3 (sandwich norms, GeGLU), an int8 KV cache, the real
+SmolLM2 GGUF (packed weights, tile layout); prefill, decode-only steps, steps mixing a prompt's chunk
+with decodes, and n-gram verification steps. Not served, and so untouched: MXFP8 cache rows and any
+step with a forward hook on one of the modules the loop calls.
 """
 
 from __future__ import annotations
@@ -86,12 +86,22 @@ def test_an_int8_cache_and_packed_weights(default_gguf_path, monkeypatch, layer_
         llm.close()
 
 
-def test_sandwich_layers_run_their_modules(tiny_checkpoint, monkeypatch, layer_runs):
-    """Gemma 3's layers are refused once: the refusal is kept, not worked out again every step."""
+def test_sandwich_layers(tiny_checkpoint, monkeypatch, layer_runs):
+    """Gemma 3: sandwich norms (offset 1), q/k norms, GeGLU, local and global RoPE, sliding windows."""
+    llm = LLM(tiny_checkpoint("gemma3"), max_model_len=256)
+    try:
+        _check_same(llm, monkeypatch, layer_runs)
+    finally:
+        llm.close()
+
+
+def test_a_refused_stack_keeps_its_refusal(tiny_checkpoint, monkeypatch, layer_runs):
+    """MXFP8 cache rows, which the CPU kernels do not serve: the stack runs its modules, refused once
+    (not worked out again every step)."""
     builds: list[int] = []
     build = layer_loop.build_plan
     monkeypatch.setattr(layer_loop, "build_plan", lambda *args: builds.append(1) or build(*args))
-    llm = LLM(tiny_checkpoint("gemma3"), max_model_len=256)
+    llm = LLM(tiny_checkpoint("llama"), max_model_len=256, kv_cache_dtype="fp8")
     try:
         _check_same(llm, monkeypatch, layer_runs, served=False)
         assert len(builds) == 1 and not llm.engine.runner.model.model._layer_plan.served

@@ -1,5 +1,5 @@
-"""The steps of a plain Llama-family stack as straight calls: the same kernels, none of the Python
-around them.
+"""The steps of a Llama-family stack (Llama, Mistral, Qwen2/3, Gemma 2/3 with their sandwich norms)
+as straight calls: the same kernels, none of the Python around them.
 
 Why: at one token a step a 1.5B model's layers take ~50 ms on 2 CPU cores of Xeon family 6 model
 207, ~5 ms of them Python around the kernels: per layer ~11 `nn.Module` calls (each with its hook
@@ -21,8 +21,8 @@ the new rows, then read through the index rows).
 Kept while current: each step checks, in one pass, that every module, parameter and cache the plan
 holds is still the one its parent holds and has no forward hook (LoRA's adapters hook their layers),
 and the kernel library's instruction set; `DecoderModel._apply` (.to(), .float()) drops the plan.
-A stack it does not serve (another attention class, MoE or sandwich layers, partial RoPE, bf16,
-another backend, a hooked module) runs through its modules, as do steps with pictures or a global
+A stack it does not serve (another attention class, MoE layers, partial RoPE, bf16, MXFP8
+cache rows, another backend, a hooked module) runs through its modules, as do steps with pictures or a global
 forward hook, and every step when DEEPINFER_LAYER_LOOP=0. A refusal is kept like a plan (the parts
 read up to the refused one), so a stack it does not serve costs one check per step, not a new plan.
 """
@@ -65,6 +65,7 @@ class _Layer(NamedTuple):
     gate_up: nn.Module
     act: Any  # the activation's kernel
     down: nn.Module
+    sandwich: tuple[_Norm, _Norm] | None  # Gemma's pre- and post-feedforward norms
 
 
 class LayerPlan(NamedTuple):
@@ -162,13 +163,16 @@ def _take(plan: LayerPlan, holder: nn.Module, name: str, kind: str = "_modules")
 
 
 def _plan_layer(plan: LayerPlan, layer: nn.Module, attention_type: type, h: torch.Tensor) -> _Layer | None:
-    if type(layer) is not DecoderLayer or layer.sandwich:
+    if type(layer) is not DecoderLayer:
         return None
     plan.modules.append(layer)
     a, mlp = _take(plan, layer, "self_attn"), _take(plan, layer, "mlp")
     if type(a) is not attention_type or type(mlp) is not GatedMLP:
         return None
-    norms = [_norm(plan, layer, name, h) for name in ("input_layernorm", "post_attention_layernorm")]
+    names = ["input_layernorm", "post_attention_layernorm"]
+    if layer.sandwich:
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    norms = [_norm(plan, layer, name, h) for name in names]
     qk_norms = (_norm(plan, a, "q_norm", h), _norm(plan, a, "k_norm", h)) if a.qk_norm else None
     rope, attn, act = _rope(plan, a, h), _take(plan, a, "attn"), _act(plan, mlp, h)
     cache = _take(plan, attn, "kv_cache", "__dict__")
@@ -179,7 +183,7 @@ def _plan_layer(plan: LayerPlan, layer: nn.Module, attention_type: type, h: torc
     shapes = (a.qkv_proj.shard_sizes, a.num_heads, a.num_kv_heads, a.head_dim)
     return _Layer(norms[0], _take(plan, a, "qkv_proj"), shapes, qk_norms, rope, attn, cache,
                   _take(plan, a, "o_proj"), norms[1], _take(plan, mlp, "gate_up_proj"), act,
-                  _take(plan, mlp, "down_proj"))
+                  _take(plan, mlp, "down_proj"), (norms[2], norms[3]) if layer.sandwich else None)
 
 
 def _norm(plan: LayerPlan, holder: nn.Module, name: str, h: torch.Tensor) -> _Norm | None:
@@ -213,10 +217,16 @@ def _serves_cache(plan: LayerPlan, cache, h: torch.Tensor) -> bool:
 
 def _run_layer(plan: LayerPlan, layer: _Layer, md, decodes: bool, positions: torch.Tensor,
                h: torch.Tensor) -> torch.Tensor:
-    """DecoderLayer.forward without sandwich norms: h [T, hidden] -> [T, hidden]."""
-    h = h + _attention(plan, layer, md, decodes, positions, _rms(plan, layer.input_norm, h))  # [T, hidden]
-    x = layer.gate_up.forward(_rms(plan, layer.post_norm, h))  # [T, 2I]
-    return h + layer.down.forward(layer.act(plan.isa, x))  # [T, hidden]
+    """DecoderLayer.forward: h [T, hidden] -> [T, hidden]."""
+    attn = _attention(plan, layer, md, decodes, positions, _rms(plan, layer.input_norm, h))  # [T, hidden]
+    if layer.sandwich is None:
+        h = h + attn  # [T, hidden]
+        x = layer.gate_up.forward(_rms(plan, layer.post_norm, h))  # [T, 2I]
+        return h + layer.down.forward(layer.act(plan.isa, x))  # [T, hidden]
+    pre_ff, post_ff = layer.sandwich
+    h = h + _rms(plan, layer.post_norm, attn)  # [T, hidden]
+    x = layer.gate_up.forward(_rms(plan, pre_ff, h))  # [T, 2I]
+    return h + _rms(plan, post_ff, layer.down.forward(layer.act(plan.isa, x)))  # [T, hidden]
 
 
 def _rms(plan: LayerPlan, norm: _Norm, x: torch.Tensor) -> torch.Tensor:
