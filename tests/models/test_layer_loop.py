@@ -3,10 +3,11 @@
 Each case runs the same batch twice in one engine, with DEEPINFER_LAYER_LOOP=0 (every step
 through the modules) and on, and compares every returned logprob with ==; a counter on the loop's
 layer function says which steps it ran. Served: dense fp32 Llama, Qwen2 (q|k|v bias), Qwen3 (q/k
-norms), sliding windows (rings), Gemma 3 (sandwich norms, GeGLU), an int8 KV cache, the real
+norms), sliding windows (rings), Gemma 2 and 3 (sandwich norms, GeGLU, soft-caps), Phi-3
+(sliding windows), an int8 KV cache, the real
 SmolLM2 GGUF (packed weights, tile layout); prefill, decode-only steps, steps mixing a prompt's chunk
-with decodes, and n-gram verification steps. Not served, and so untouched: MXFP8 cache rows and any
-step with a forward hook on one of the modules the loop calls.
+with decodes, and n-gram verification steps. Not served, and so untouched: MXFP8 cache rows, partial
+RoPE (a LongRoPE Phi-3 here) and any step with a forward hook on one of the modules the loop calls.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from gemma2_phi3_models import ARCHS, gemma2_phi3_checkpoint  # noqa: F401
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model_executor.models import layer_loop
@@ -91,6 +93,17 @@ def test_sandwich_layers(tiny_checkpoint, monkeypatch, layer_runs):
     llm = LLM(tiny_checkpoint("gemma3"), max_model_len=256)
     try:
         _check_same(llm, monkeypatch, layer_runs)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_gemma2_and_phi3(name, gemma2_phi3_checkpoint, monkeypatch, layer_runs):  # noqa: F811
+    """Gemma 2 (attention and final soft-caps, sandwich norms, alternating windows) and Phi-3 (sliding
+    windows; this LongRoPE checkpoint rotates part of each head, which the loop refuses)."""
+    llm = LLM(gemma2_phi3_checkpoint(name), max_model_len=256)
+    try:
+        _check_same(llm, monkeypatch, layer_runs, served=name != "phi3_longrope")
     finally:
         llm.close()
 
