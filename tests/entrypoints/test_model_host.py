@@ -130,8 +130,10 @@ def test_a_model_loads_while_another_streams(models_dir):
         # idle 2-core Zen 5, the child loading under SCHED_BATCH (load_priority), 10 runs: 235-272 tokens
         # in 2.9-3.7 s loads at ~10 ms steps; the longest gap 1.7-2.8 steps, median 2.0, where as many
         # steps just before the load had 1.1-2.5 (its own jitter: 4 processes on 2 cores); 2.1-2.8,
-        # median 2.5, with the child at the host's policy
-        assert len(during) >= 0.5 * load_s / step, (len(during), load_s, step)
+        # median 2.5, with the child at the host's policy. A stalled stream gives ~0 tokens during the load;
+        # one sharing 2 cores with the loading child and another test worker was seen at 0.44 of its pace
+        # (200 tokens in a 10.5 s load, 3x its time alone), so the bound is a third of its pace
+        assert len(during) >= load_s / step / 3, (len(during), load_s, step)
         assert len(during) >= 5 and longest < min(10 * step, 0.25 * load_s), (len(during), longest, step, load_s)
 
 
